@@ -1,0 +1,56 @@
+"""Backend registry: names, lazy imports, availability and the `auto` choice.
+
+Every backend module exposes
+    forward(x, params: VAEParams, eps) -> (elbo, recon, kl)   inputs already validated
+    unavailable_reason(device: torch.device) -> str | None    None when it can run there
+Roles: torch = spec and CPU path; cuda = lowest latency; triton = throughput.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+NAMES = ("torch", "cuda", "triton")
+_MODULES = {"torch": ".torch_ref", "cuda": ".cuda", "triton": ".triton"}
+_CROSSOVER = Path(__file__).with_name("crossover.json")
+
+
+def module(name: str) -> ModuleType:
+    if name not in _MODULES:
+        raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {name!r}")
+    return importlib.import_module(_MODULES[name], __name__)
+
+
+def unavailable_reason(name: str, device: torch.device) -> str | None:
+    """Why backend `name` cannot run on `device`, or None if it can."""
+    if name == "torch":
+        return None
+    try:
+        mod = module(name)
+    except ImportError as exc:  # e.g. triton not installed
+        return f"cannot import the {name} backend: {exc}"
+    return mod.unavailable_reason(device)
+
+
+@lru_cache(maxsize=None)
+def _crossover() -> list[dict]:
+    """Rows {"backend", "max_batch"} measured by benchmarks/crossover.py, smallest batch first."""
+    if not _CROSSOVER.exists():
+        return []
+    return json.loads(_CROSSOVER.read_text())["rules"]
+
+
+def choose(device: torch.device, batch: int) -> str:
+    """The backend `auto` runs for this call: the fastest measured one that is available."""
+    if device.type != "cuda":
+        return "torch"
+    preferred = [r["backend"] for r in _crossover() if batch <= r["max_batch"]]
+    for name in preferred + ["cuda", "triton"]:
+        if unavailable_reason(name, device) is None:
+            return name
+    return "torch"
