@@ -1,0 +1,64 @@
+"""The torch backend reproduces the problem's Model in every regime (it is the spec for the others)."""
+import pytest
+import torch
+
+from fastelbo.backends import torch_ref
+from fastelbo.validation import validation
+
+from reference import DIMS, assert_outputs_close, seeded, twins
+
+
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("batch", [1, 3, 128, 1000])
+def test_matches_reference(dims, batch):
+    ref, new = twins(dims)
+    x = torch.rand(batch, dims[0])
+    assert_outputs_close(seeded(new, x, 7), seeded(ref, x, 7))
+
+
+@pytest.mark.parametrize("scale", [4.0, 16.0])
+def test_saturation(scale):
+    ref, new = twins((64, 48, 2), scale=scale)
+    x = torch.rand(50, 64)
+    want = seeded(ref, x, 3)
+    assert all(torch.isfinite(w).all() for w in want)
+    assert_outputs_close(seeded(new, x, 3), want)
+
+
+def test_binary_inputs():
+    ref, new = twins((781, 250, 31))
+    x = torch.bernoulli(torch.rand(33, 781))
+    assert_outputs_close(seeded(new, x, 5), seeded(ref, x, 5))
+
+
+def test_float32_error_is_rounding_sized():
+    """Against a float64 run of the same op, float32 errs by rounding only."""
+    _, new32 = twins((781, 250, 31))
+    _, new64 = twins((781, 250, 31), dtype=torch.float64)
+    x, eps = torch.rand(20, 781), torch.randn(20, 31)
+    for g, w in zip(new32(x, eps), new64(x.double(), eps.double())):
+        assert ((g.double() - w).abs() / w.abs().clamp_min(1)).max() < 1e-5
+
+
+def test_chunking_is_invisible(monkeypatch):
+    ref, new = twins((64, 48, 2))
+    x = torch.rand(37, 64)
+    want = seeded(new, x, 1)
+    monkeypatch.setattr(torch_ref, "CHUNK_ELEMS", 5 * 64)  # 5 rows per chunk, ragged end
+    # Not bitwise: the GEMMs block differently at other row counts.
+    assert_outputs_close(seeded(new, x, 1), want)
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), -0.5, 1.5, float("inf")])
+def test_invalid_rows_are_nan_with_validation_off(bad_value):
+    ref, new = twins((64, 48, 2))
+    x = torch.rand(6, 64)
+    x[[1, 4], [3, 60]] = bad_value
+    with validation(False):
+        got = seeded(new, x, 2)
+    want = seeded(ref, x.clamp(0, 1).nan_to_num(0.0), 2)
+    bad = torch.zeros(6, dtype=torch.bool)
+    bad[[1, 4]] = True
+    for g, w in zip(got, want):
+        assert torch.isnan(g[bad]).all()
+        torch.testing.assert_close(g[~bad], w[~bad], atol=1e-4, rtol=1e-4)

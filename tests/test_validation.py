@@ -1,0 +1,81 @@
+"""Bad input gets a clear Python exception naming the argument, before any kernel runs."""
+import pytest
+import torch
+
+import fastelbo
+from fastelbo.validation import validation, validation_enabled
+
+
+@pytest.fixture
+def model():
+    return fastelbo.ModelNew(16, 8, 3)
+
+
+@pytest.mark.parametrize("x, exc, match", [
+    (lambda: torch.rand(4, 15), ValueError, r"x must have shape \(batch, 16\)"),
+    (lambda: torch.rand(16), ValueError, "x must have shape"),
+    (lambda: torch.rand(0, 16), ValueError, "batch size 0"),
+    (lambda: torch.randint(0, 2, (4, 16)), TypeError, "x must be floating point"),
+    (lambda: torch.rand(4, 16, dtype=torch.float64), TypeError, "x has dtype torch.float64"),
+    (lambda: [[0.5] * 16], TypeError, "x must be a torch.Tensor"),
+    (lambda: torch.rand(4, 16, device="meta"), ValueError, "x is on meta"),
+])
+def test_bad_x(model, x, exc, match):
+    with pytest.raises(exc, match=match):
+        model(x())
+
+
+@pytest.mark.parametrize("eps, exc, match", [
+    (lambda: torch.randn(4, 2), ValueError, r"eps must have shape \(4, 3\)"),
+    (lambda: torch.randn(4, 3, dtype=torch.float64), TypeError, "eps must be torch.float32"),
+    (lambda: 0.5, TypeError, "eps must be a torch.Tensor"),
+])
+def test_bad_eps(model, eps, exc, match):
+    with pytest.raises(exc, match=match):
+        model(torch.rand(4, 16), eps())
+
+
+@pytest.mark.parametrize("value", [float("nan"), -1e-3, 1.001, float("inf")])
+def test_values_outside_unit_interval_raise(model, value):
+    x = torch.rand(4, 16)
+    x[2, 5] = value
+    with pytest.raises(ValueError, match=r"x\[2, 5\]"):
+        model(x)
+
+
+def test_validation_switch_restores_state(model):
+    assert validation_enabled()
+    x = torch.rand(3, 16)
+    x[0, 0] = 2.0
+    with validation(False):
+        assert not validation_enabled()
+        elbo, recon, kl = model(x)
+    assert validation_enabled()
+    assert torch.isnan(elbo[0]) and torch.isnan(recon[0]) and torch.isnan(kl[0])
+    assert torch.isfinite(elbo[1:]).all()
+
+
+def test_env_var_turns_validation_off():
+    import subprocess
+    import sys
+    code = "import fastelbo; print(fastelbo.validation_enabled())"
+    out = subprocess.run([sys.executable, "-c", code], env={"FASTELBO_VALIDATE": "0", "PATH": ""},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_bad_backend_name(model):
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fastelbo.elbo(torch.rand(2, 16), model.vae_params(), backend="cudnn")
+
+
+def test_gpu_backend_on_cpu_tensor_names_fallback(model):
+    with pytest.raises(RuntimeError, match="backend='torch' runs everywhere"):
+        fastelbo.elbo(torch.rand(2, 16), model.vae_params(), backend="cuda")
+
+
+def test_parameter_mismatch_is_reported():
+    model = fastelbo.ModelNew(16, 8, 3)
+    p = model.vae_params()._replace(mu_b=torch.zeros(4))
+    with pytest.raises(ValueError, match="parameter mu_b must have shape"):
+        fastelbo.elbo(torch.rand(2, 16), p)
