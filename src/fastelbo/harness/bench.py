@@ -1,0 +1,141 @@
+"""`fastelbo bench`: time candidates against eager PyTorch and torch.compile, as data rows.
+
+Each entry (eager, torch.compile, each candidate) runs in its own worker: it builds the model
+with the reference's weights, runs one seeded forward per batch size for a correctness check
+against eager, then times it (timing.py). Rows are appended to a jsonl file with the device,
+versions and commit (results.py). A speedup is only as good as the output behind it, so a row
+whose quick check fails is marked INCORRECT, and speedups over 100x are flagged as implausible.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from .. import backends
+from . import loader
+from .compare import compare_outputs
+from .results import append_jsonl, environment, utc_now
+from .timing import Budget, measure
+from .worker import progress, run_task
+
+EAGER, COMPILED = "eager", "torch.compile"
+IMPLAUSIBLE = 100.0   # x eager; faster than this is more likely skipped work than a kernel
+METRICS = ("events_ms", "graph_ms", "wall_ms")
+
+
+def default_candidates(device: str) -> list[str]:
+    """fastelbo:auto plus every built-in backend that can run on `device`."""
+    dev = torch.device(device)
+    return ["fastelbo:auto"] + [f"fastelbo:{name}" for name in backends.NAMES
+                                if _unavailable(name, dev) is None]
+
+
+def _unavailable(name: str, dev: torch.device) -> str | None:
+    try:
+        return backends.unavailable_reason(name, dev)
+    except Exception as exc:  # noqa: BLE001 - a broken backend is skipped, not fatal to bench
+        return f"{type(exc).__name__}: {exc}"
+
+
+@torch.no_grad()
+def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
+                batch_sizes: list[int] | None, seed: int, quick: bool, graph_reps: int) -> dict:
+    """Worker side: outputs of one seeded forward and the metrics, per batch size."""
+    dev = torch.device(device)
+    mod = loader.problem_module(problem)
+    init = list(mod.get_init_inputs())
+    default = getattr(mod, "batch_size", None)
+    if batch_sizes is None:
+        batch_sizes = sorted({1, default}) if isinstance(default, int) else [None]
+    reference, weights = loader.build_model(mod.Model, init, seed)
+    if kind == "candidate":
+        progress("importing the candidate")
+        cls = loader.import_candidate(candidate).ModelNew
+        model, weights = loader.build_model(cls, init, seed, reference.state_dict())
+        del reference
+    else:
+        model = reference
+    model = model.to(dev).eval()
+    if kind == COMPILED:
+        import torch._inductor.config as inductor_config
+        inductor_config.fallback_random = True  # draw noise as eager does, so outputs compare
+        model = torch.compile(model)
+    budget = Budget.quick() if quick else Budget()
+    reps = min(graph_reps, 10) if quick else graph_reps
+    rows = []
+    for n in batch_sizes:
+        progress(f"{kind} {candidate or ''} batch {n}")
+        inputs = loader.to_device(loader.draw_inputs(mod, seed + 1000, n), dev)
+        torch.manual_seed(seed)
+        row = {"batch_size": n if n is not None else default, "weights": weights,
+               "outputs": loader.to_host(model(*inputs))}
+        row.update(measure(partial(model, *inputs), dev, budget, reps))
+        rows.append(row)
+        loader.release(dev)
+    return {"batch_sizes": batch_sizes, "rows": rows}
+
+
+def run_bench(problem: str, candidates: list[str] | None = None, *, device: str | None = None,
+              batch_sizes: list[int] | None = None, out: str | None = None,
+              compile_baseline: bool = True, graph_reps: int = 100, quick: bool = False,
+              timeout: float = 600.0, seed: int = 0, atol: float = 1e-4,
+              rtol: float = 1e-4) -> tuple[list[dict], int]:
+    """Rows (one per entry and batch size) and an exit code: 0 all correct, 1 some row
+    INCORRECT or flagged, 2 some entry could not run."""
+    from ..problems import problem_path
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    prob = str(problem_path(problem))
+    # (row label, worker kind, candidate file): baselines first, they are what rows divide by.
+    entries = [(EAGER, EAGER, None)] + ([(COMPILED, COMPILED, None)] if compile_baseline else [])
+    entries += [(c, "candidate", str(loader.candidate_path(c)))
+                for c in (candidates or default_candidates(device))]
+    base = {**environment(device), "date": utc_now(), "problem": str(problem),
+            "quick": quick, "graph_reps": graph_reps if device.startswith("cuda") else None}
+    results: dict[str, dict[int, dict]] = {}
+    rows, code = [], 0
+    for name, kind, path in entries:
+        outcome = run_task("fastelbo.harness.bench:bench_entry", timeout, problem=prob,
+                           kind=kind, candidate=path,
+                           device=device, batch_sizes=batch_sizes, seed=seed, quick=quick,
+                           graph_reps=graph_reps)
+        if not outcome.ok:
+            code = 2
+            rows += [{**base, "candidate": name, "batch_size": n, "status": "ERROR",
+                      "error": outcome.reason, "flags": [outcome.category]}
+                     for n in (batch_sizes or [None])]
+            if kind == EAGER:
+                return rows, code  # nothing to compare or divide by
+            continue
+        if batch_sizes is None:
+            batch_sizes = outcome.result["batch_sizes"]
+        results[name] = {r["batch_size"]: r for r in outcome.result["rows"]}
+        for r in outcome.result["rows"]:
+            row = _finish_row({**base, "candidate": name, **r}, results, atol, rtol)
+            code = max(code, 1 if row["status"] != "ok" or row["flags"] else 0)
+            rows.append(row)
+    if out:
+        append_jsonl(out, rows)
+    return rows, code
+
+
+def _finish_row(row: dict, results: dict, atol: float, rtol: float) -> dict:
+    """Correctness against eager, speedups vs eager and torch.compile, flags."""
+    n, outputs = row["batch_size"], row.pop("outputs")
+    eager = results[EAGER][n]
+    cmp = compare_outputs(eager["outputs"], outputs, atol, rtol)
+    row["correct"] = cmp.ok
+    row["status"] = "ok" if cmp.ok else "INCORRECT"
+    row["correct_detail"] = "; ".join(f"[{f.category}] {f.message}" for f in cmp.findings[:3])
+    row["flags"] = [] if cmp.ok else ["INCORRECT"]
+    for base_name, tag in ((EAGER, "eager"), (COMPILED, "compile")):
+        base = results.get(base_name, {}).get(n)
+        for metric in METRICS:
+            key = f"speedup_{tag}_{metric[:-3]}"
+            mine, theirs = row.get(metric), base.get(metric) if base else None
+            row[key] = theirs / mine if mine and theirs else None
+    if any((row.get(f"speedup_eager_{m[:-3]}") or 0) > IMPLAUSIBLE for m in METRICS):
+        row["flags"].append(f"implausible speedup (>{IMPLAUSIBLE:g}x vs eager)")
+    if row.get("stream_escape"):
+        row["flags"].append("work escaped the timed stream (synced wall >> event time)")
+    return row

@@ -1,0 +1,102 @@
+"""The harness subcommands: compile, check, bench, export. Each returns an exit code."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(",") if v.strip())
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compile", help="import a candidate, show build errors or resource usage")
+    p.add_argument("candidate", help="candidate file or fastelbo:<backend>")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")
+    p.set_defaults(func=_compile)
+
+    p = sub.add_parser("check", help="judge a candidate against a problem's reference Model")
+    p.add_argument("problem", help="built-in problem name (vae_elbo) or a problem file")
+    p.add_argument("candidate", help="candidate file or fastelbo:<backend>")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--trials", type=int, default=3, help="trials per regime (default 3)")
+    p.add_argument("--atol", type=float, default=1e-4)
+    p.add_argument("--rtol", type=float, default=1e-4)
+    p.add_argument("--batch-sizes", type=_ints, default=None,
+                   help="extra batch sizes, e.g. 1,7,128 (default: 1 and 2*default+1)")
+    p.add_argument("--scales", type=_floats, default=(4.0, 16.0),
+                   help="parameter scalings for the saturation regimes (default 4,16)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds per worker (reference, candidate; default 300)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_check)
+
+    p = sub.add_parser("bench", help="time candidates against eager PyTorch and torch.compile")
+    p.add_argument("problem")
+    p.add_argument("candidates", nargs="*",
+                   help="candidate files or fastelbo:<backend> (default: fastelbo:auto and "
+                        "every built-in backend available on the device)")
+    p.add_argument("--device", default=None, help="cuda if available, else cpu")
+    p.add_argument("--batch-sizes", type=_ints, default=None,
+                   help="default: 1 and the problem's batch_size")
+    p.add_argument("--out", default="benchmarks/results/bench.jsonl",
+                   help="jsonl file the rows are appended to ('' for none)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--graph-reps", type=int, default=100,
+                   help="forwards captured in one CUDA graph (default 100)")
+    p.add_argument("--quick", action="store_true", help="few repetitions (tests, smoke runs)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per entry")
+    p.set_defaults(func=_bench)
+
+    p = sub.add_parser("export", help="write a self-contained KernelBench solution file")
+    p.add_argument("--kernelbench", required=True, metavar="PATH", help="solution file to write")
+    p.set_defaults(func=_export)
+
+
+def _compile(args) -> int:
+    from .compile import run_compile
+    report = run_compile(args.candidate, timeout=args.timeout)
+    print(report.format())
+    return report.exit_code
+
+
+def _check(args) -> int:
+    from .check import run_check
+    report = run_check(args.problem, args.candidate, device=args.device, trials=args.trials,
+                       atol=args.atol, rtol=args.rtol, batch_sizes=args.batch_sizes,
+                       scales=args.scales, timeout=args.timeout, seed=args.seed)
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
+    return report.exit_code
+
+
+def _bench(args) -> int:
+    from .bench import run_bench
+    rows, code = run_bench(args.problem, args.candidates or None, device=args.device,
+                           batch_sizes=args.batch_sizes, out=args.out or None,
+                           compile_baseline=not args.no_compile, graph_reps=args.graph_reps,
+                           quick=args.quick, timeout=args.timeout)
+    from .table import print_rows
+    print_rows(rows)
+    if args.out:
+        print(f"appended {len(rows)} row(s) to {args.out}")
+    return code
+
+
+def _export(args) -> int:
+    try:
+        from .. import export
+    except ModuleNotFoundError as exc:
+        if exc.name != "fastelbo.export":
+            raise
+        print("fastelbo export: fastelbo.export is not available in this build "
+              "(src/fastelbo/export.py is missing)", file=sys.stderr)
+        return 2
+    path = export.write_kernelbench(args.kernelbench)
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,161 @@
+"""Compare a candidate's outputs with the reference's and say where and how much they differ.
+
+Everything here runs in the harness process on CPU tensors that the workers sent back; no
+candidate code runs here. Each problem becomes a `Finding` with a category that tests and
+scripts can match on, and a message a person can act on.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+# Finding categories. "Could not run" ones make `check` exit 2, the others exit 1.
+RUN_FAILURES = ("import", "build", "exception", "timeout", "crash", "reference",
+                "nondeterministic_reference")
+WRONG = ("output_count", "output_type", "shape", "dtype", "nonfinite", "mismatch",
+         "zero_output", "constant_output", "cached", "input_mutated", "rng")
+
+
+@dataclass
+class Finding:
+    category: str
+    message: str
+
+
+@dataclass
+class TensorDiff:
+    """How one output tensor of the candidate differs from the reference's."""
+    index: int
+    ok: bool
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    n_bad: int = 0
+    message: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class OutputComparison:
+    ok: bool
+    diffs: list[TensorDiff] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+
+def as_tuple(out) -> tuple:
+    """A model's output as a tuple: a bare tensor is a 1-tuple (KernelBench allows both)."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _fmt_index(flat: int, shape: torch.Size) -> str:
+    idx = []
+    for size in reversed(shape):
+        idx.append(flat % size)
+        flat //= size
+    return "[" + ", ".join(str(i) for i in reversed(idx)) + "]"
+
+
+def diff_tensors(ref: torch.Tensor, got: torch.Tensor, atol: float, rtol: float,
+                 index: int = 0) -> tuple[TensorDiff, list[Finding]]:
+    """allclose(got, ref) plus identical NaN/inf positions, with the worst element named.
+
+    Differences are measured in float64 so that the tolerance, not the comparison, decides.
+    """
+    name = f"output {index}"
+    if tuple(ref.shape) != tuple(got.shape):
+        msg = f"{name}: shape {tuple(got.shape)}, reference {tuple(ref.shape)}"
+        return TensorDiff(index, False, message=msg), [Finding("shape", msg)]
+    findings = []
+    if ref.dtype != got.dtype:
+        findings.append(Finding("dtype", f"{name}: dtype {got.dtype}, reference {ref.dtype}"))
+    r, g = ref.detach().double(), got.detach().double()
+    masks = {"NaN": (torch.isnan(r), torch.isnan(g)),
+             "+inf": (torch.isposinf(r), torch.isposinf(g)),
+             "-inf": (torch.isneginf(r), torch.isneginf(g))}
+    for label, (mr, mg) in masks.items():
+        if not torch.equal(mr, mg):
+            where = (mr != mg).flatten().nonzero()
+            first = int(where[0])
+            findings.append(Finding(
+                "nonfinite", f"{name}: {label} positions differ at {len(where)} element(s), first "
+                f"{_fmt_index(first, ref.shape)}: candidate {g.flatten()[first].item():.6g}, "
+                f"reference {r.flatten()[first].item():.6g}"))
+    finite = torch.isfinite(r) & torch.isfinite(g)
+    err = torch.where(finite, (g - r).abs(), torch.zeros((), dtype=torch.float64))
+    rel = err / r.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    bad = finite & (err > atol + rtol * r.abs())
+    diff = TensorDiff(index, True,
+                      max_abs=float(err.max()) if err.numel() else 0.0,
+                      max_rel=float(rel.max()) if rel.numel() else 0.0,
+                      n_bad=int(bad.sum()))
+    if diff.n_bad:
+        first = int(bad.flatten().nonzero()[0])
+        worst = int(err.flatten().argmax())
+        findings.append(Finding(
+            "mismatch", f"{name}: {diff.n_bad}/{r.numel()} element(s) outside atol+rtol*|ref|; "
+            f"first {_fmt_index(first, ref.shape)}: candidate {g.flatten()[first].item():.6g}, "
+            f"reference {r.flatten()[first].item():.6g}; worst |diff| {diff.max_abs:.3g} at "
+            f"{_fmt_index(worst, ref.shape)}"))
+    diff.ok = not findings
+    diff.message = "; ".join(f.message for f in findings)
+    return diff, findings
+
+
+def _rows_equal(t: torch.Tensor) -> bool:
+    return t.dim() >= 1 and t.shape[0] > 1 and bool((t == t[:1]).all())
+
+
+def degenerate(ref: torch.Tensor, got: torch.Tensor, index: int) -> list[Finding]:
+    """Zero or row-constant candidate output where the reference's is neither.
+
+    A tolerance can admit such an output when the reference varies little; a real kernel never
+    produces it, so it fails regardless of the tolerance.
+    """
+    if tuple(ref.shape) != tuple(got.shape) or got.numel() == 0:
+        return []
+    if bool((got == 0).all()) and not bool((ref == 0).all()):
+        return [Finding("zero_output", f"output {index} is all zeros; the reference's is not")]
+    if _rows_equal(got) and not _rows_equal(ref):
+        return [Finding("constant_output",
+                        f"output {index} has all {got.shape[0]} rows equal; the reference's vary")]
+    return []
+
+
+def compare_outputs(ref: tuple, got: tuple, atol: float, rtol: float) -> OutputComparison:
+    """Count, type, shape, dtype, values, NaN/inf positions and degeneracy of every output."""
+    if len(ref) != len(got):
+        msg = f"{len(got)} output(s), reference has {len(ref)}"
+        return OutputComparison(False, findings=[Finding("output_count", msg)])
+    result = OutputComparison(True)
+    for i, (r, g) in enumerate(zip(ref, got)):
+        if not isinstance(r, torch.Tensor):
+            if isinstance(g, torch.Tensor) or r != g:
+                result.findings.append(Finding("mismatch", f"output {i}: {g!r}, reference {r!r}"))
+            continue
+        if not isinstance(g, torch.Tensor):
+            result.findings.append(Finding(
+                "output_type", f"output {i} is a {type(g).__name__}, reference a tensor"))
+            continue
+        diff, found = diff_tensors(r, g, atol, rtol, i)
+        result.diffs.append(diff)
+        result.findings += found + degenerate(r, g, i)
+    result.ok = not result.findings
+    return result
+
+
+def _same(x, y) -> bool:
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return type(x) is type(y) and x == y
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if not x.is_floating_point():
+        return torch.equal(x, y)
+    return torch.equal(torch.isnan(x), torch.isnan(y)) and torch.equal(
+        torch.nan_to_num(x, nan=0.0), torch.nan_to_num(y, nan=0.0))
+
+
+def identical(a: tuple, b: tuple) -> bool:
+    """Bit-identical outputs (NaN equal to NaN): how cached results give themselves away."""
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))

@@ -1,0 +1,177 @@
+"""`fastelbo compile`: import a candidate in a worker; errors at candidate lines, or resources.
+
+torch.utils.cpp_extension.load_inline writes the inline sources into a build directory
+(main.cpp, cuda.cu) after a few #include lines of its own, so compiler errors name lines of
+those generated files. We map them back by locating the generated line in the candidate file,
+using the surrounding lines to pick among repeats. On success we list registers, shared memory
+and spills per kernel of each extension the import loaded, read with `cuobjdump`.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .loader import candidate_path
+from .worker import run_task
+
+# nvcc: "/x/cuda.cu(12): error: ..."; gcc/clang: "/x/main.cpp:12:5: error: ..."
+_ERROR_LINE = re.compile(r"(?P<file>[^\s:()\"']+\.(?:cu|cpp|cc|cuh|h))"
+                         r"(?:\((?P<l1>\d+)\)|:(?P<l2>\d+)(?::\d+)?):\s*(?P<msg>.*)")
+CONTEXT = 3  # lines either side used to disambiguate repeated lines
+
+
+@dataclass
+class MappedError:
+    generated: str        # generated file as the compiler named it
+    generated_line: int
+    message: str
+    candidate_line: int | None   # None when the line could not be located in the candidate
+
+    def format(self, candidate: Path) -> str:
+        where = (f"{candidate}:{self.candidate_line}" if self.candidate_line
+                 else f"{self.generated}:{self.generated_line} (not found in {candidate.name})")
+        return f"{where}: {self.message}"
+
+
+def _norm(line: str) -> str:
+    return " ".join(line.split())
+
+
+def locate(generated: list[str], line: int, candidate: list[str]) -> int | None:
+    """1-based candidate line holding generated line `line`, chosen by the best-matching context.
+
+    The text must match exactly (whitespace-normalised) and be non-empty; among repeats the one
+    whose neighbours agree with the generated file's neighbours wins.
+    """
+    if not 1 <= line <= len(generated) or not _norm(generated[line - 1]):
+        return None
+    target = _norm(generated[line - 1])
+    best, best_score = None, -1
+    for i, text in enumerate(candidate):
+        if _norm(text) != target:
+            continue
+        score = sum(1 for k in range(-CONTEXT, CONTEXT + 1)
+                    if 0 <= line - 1 + k < len(generated) and 0 <= i + k < len(candidate)
+                    and _norm(generated[line - 1 + k]) == _norm(candidate[i + k]))
+        if score > best_score:
+            best, best_score = i + 1, score
+    return best
+
+
+def map_compiler_errors(text: str, candidate: Path) -> list[MappedError]:
+    """Every `file(line)` / `file:line:` diagnostic in `text`, mapped to the candidate file."""
+    cand_lines = Path(candidate).read_text().splitlines()
+    cache: dict[str, list[str] | None] = {}
+    out, seen = [], set()
+    for raw in text.splitlines():
+        m = _ERROR_LINE.search(raw)
+        if not m or not re.search(r"\b(error|warning)\b", m["msg"]):
+            continue
+        gen, line = m["file"], int(m["l1"] or m["l2"])
+        if (gen, line, m["msg"]) in seen:
+            continue
+        seen.add((gen, line, m["msg"]))
+        if gen not in cache:
+            p = Path(gen)
+            cache[gen] = p.read_text(errors="replace").splitlines() if p.is_file() else None
+        where = locate(cache[gen], line, cand_lines) if cache[gen] is not None else None
+        out.append(MappedError(gen, line, m["msg"].strip(), where))
+    return out
+
+
+@dataclass
+class KernelResources:
+    name: str
+    registers: int | None
+    shared_bytes: int | None
+    local_bytes: int | None   # spills and stack live in local memory
+    stack_bytes: int | None
+
+
+def parse_resource_usage(text: str) -> list[KernelResources]:
+    """Parse `cuobjdump --dump-resource-usage` output (one REG/SHARED/LOCAL line per function)."""
+    kernels, name = [], None
+    for line in text.splitlines():
+        m = re.search(r"Function\s+([^\s:]+)\s*:", line)
+        if m:
+            name = m.group(1)
+            continue
+        if name and "REG:" in line:
+            vals = {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+            kernels.append(KernelResources(_demangle(name), vals.get("REG"), vals.get("SHARED"),
+                                           vals.get("LOCAL"), vals.get("STACK")))
+            name = None
+    return kernels
+
+
+def _demangle(name: str) -> str:
+    if shutil.which("c++filt") is None:
+        return name
+    res = subprocess.run(["c++filt", name], capture_output=True, text=True, check=False)
+    return res.stdout.strip() or name
+
+
+def resource_usage(library: str) -> tuple[list[KernelResources], str]:
+    """(kernels, note); the note says why nothing could be read."""
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        return [], "cuobjdump not found on PATH: resource usage unavailable"
+    res = subprocess.run([tool, "--dump-resource-usage", library], capture_output=True,
+                         text=True, check=False)
+    if res.returncode != 0:
+        return [], f"cuobjdump failed: {res.stderr.strip()[-300:]}"
+    kernels = parse_resource_usage(res.stdout)
+    return kernels, "" if kernels else "no device kernels in this library"
+
+
+@dataclass
+class CompileReport:
+    candidate: str
+    exit_code: int = 2
+    reason: str = ""
+    errors: list[MappedError] = field(default_factory=list)
+    extensions: dict[str, tuple[list[KernelResources], str]] = field(default_factory=dict)
+    output_tail: str = ""
+
+    def format(self) -> str:
+        if self.exit_code:
+            lines = [f"compile {self.candidate}: FAILED"]
+            lines += [e.format(Path(self.candidate)) for e in self.errors]
+            lines.append(self.reason)
+            return "\n".join(lines)
+        lines = [f"compile {self.candidate}: OK"]
+        if not self.extensions:
+            lines.append("no compiled extension loaded by the import (JIT kernels, e.g. Triton, "
+                         "compile on first call)")
+        for lib, (kernels, note) in self.extensions.items():
+            lines.append(f"{lib}:")
+            if note:
+                lines.append(f"  {note}")
+            for k in kernels:
+                lines.append(f"  {k.name}: {k.registers} registers, {k.shared_bytes} B shared, "
+                             f"{k.local_bytes} B local (spills), {k.stack_bytes} B stack")
+        return "\n".join(lines)
+
+
+def run_compile(candidate: str | Path, timeout: float = 600.0) -> CompileReport:
+    """Exit code 0 when the candidate imports (and builds), 2 otherwise, with the reason."""
+    report = CompileReport(str(candidate))
+    try:
+        path = candidate_path(candidate)
+    except FileNotFoundError as exc:
+        report.reason = str(exc)
+        return report
+    report.candidate = str(path)
+    outcome = run_task("fastelbo.harness.tasks:import_only", timeout, candidate=str(path))
+    report.output_tail = outcome.output_tail
+    if not outcome.ok:
+        report.reason = outcome.reason
+        report.errors = map_compiler_errors(outcome.reason + "\n" + outcome.output_tail, path)
+        return report
+    report.exit_code = 0
+    for lib in outcome.result["extensions"]:
+        report.extensions[lib] = resource_usage(lib)
+    return report

@@ -1,0 +1,163 @@
+"""Find and import problems and candidates, build models with identical weights, draw inputs.
+
+These helpers run inside workers (they execute problem and candidate code), except
+`candidate_path`, which only resolves names.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ..problems import load_module, load_problem
+from .worker import TaskError, traceback_tail
+
+BUILTIN_PREFIX = "fastelbo:"
+BUILD_LOG_CHARS = 20000
+
+
+def candidate_path(name: str | Path) -> Path:
+    """`fastelbo:<backend>` names a built-in candidate; anything else is a file path."""
+    text = str(name)
+    if text.startswith(BUILTIN_PREFIX):
+        from ..candidates import candidate_path as builtin
+        try:
+            return builtin(text[len(BUILTIN_PREFIX):])
+        except ValueError as exc:
+            raise FileNotFoundError(str(exc)) from None
+    path = Path(text)
+    if not path.is_file():
+        raise FileNotFoundError(f"candidate {text!r} is not a file (or fastelbo:<backend>)")
+    return path.resolve()
+
+
+def import_candidate(path: str | Path) -> ModuleType:
+    """Import a candidate file; failures become TaskError("import") naming file:line."""
+    try:
+        mod = load_module(path)
+    except SyntaxError as exc:
+        raise TaskError("import", f"{exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}\n"
+                        f"{(exc.text or '').rstrip()}") from None
+    except Exception as exc:  # noqa: BLE001 - any import-time failure is the candidate's
+        if _is_build_error(exc):  # keep the compiler's whole output: it holds the line numbers
+            raise TaskError("build", f"{_where(exc, path)}building the candidate's extension "
+                            f"failed:\n{str(exc)[-BUILD_LOG_CHARS:]}") from None
+        raise TaskError("import", f"{_where(exc, path)}importing the candidate raised:\n"
+                        f"{traceback_tail(exc)}") from None
+    if not hasattr(mod, "ModelNew"):
+        raise TaskError("import", f"{path}: defines no ModelNew")
+    return mod
+
+
+def _is_build_error(exc: Exception) -> bool:
+    # torch.utils.cpp_extension reports compiler failures as "Error building extension".
+    return "Error building extension" in str(exc)
+
+
+def _where(exc: BaseException, path: str | Path) -> str:
+    """`file:line: ` of the deepest traceback frame inside the candidate file, if any."""
+    target, found = str(Path(path).resolve()), ""
+    tb = exc.__traceback__
+    while tb is not None:
+        if str(Path(tb.tb_frame.f_code.co_filename).resolve()) == target:
+            found = f"{target}:{tb.tb_lineno}: "
+        tb = tb.tb_next
+    return found
+
+
+def problem_module(path: str | Path) -> ModuleType:
+    try:
+        return load_problem(path)
+    except Exception as exc:  # noqa: BLE001
+        raise TaskError("reference", f"cannot load the problem: {traceback_tail(exc)}") from None
+
+
+def build_model(cls, init_inputs: list, seed: int,
+                state_dict: dict | None = None) -> tuple[torch.nn.Module, str]:
+    """Construct `cls(*init_inputs)` after `torch.manual_seed(seed)` and sync its weights.
+
+    The reference's state_dict is loaded when keys and shapes match exactly; otherwise the
+    seed-identical construction is all there is (it gives equal weights only when the candidate
+    creates its parameters in the reference's order). The returned string says which.
+    """
+    torch.manual_seed(seed)
+    model = cls(*init_inputs)
+    if state_dict is None:
+        return model, "reference"
+    own = model.state_dict()
+    if set(own) != set(state_dict):
+        missing = sorted(set(state_dict) - set(own))[:3]
+        extra = sorted(set(own) - set(state_dict))[:3]
+        return model, (f"seed-identical construction (state_dict keys differ: missing "
+                       f"{missing}, extra {extra})")
+    bad = [k for k in own if tuple(own[k].shape) != tuple(state_dict[k].shape)]
+    if bad:
+        return model, f"seed-identical construction (state_dict shapes differ: {bad[:3]})"
+    model.load_state_dict(state_dict)
+    return model, "state_dict loaded from the reference"
+
+
+@torch.no_grad()
+def scale_parameters(model: torch.nn.Module, factor: float) -> None:
+    """Multiply every floating parameter: drives sigmoid/exp and friends into saturation."""
+    if factor != 1:
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.mul_(factor)
+
+
+@contextlib.contextmanager
+def batch_size_set(mod: ModuleType, n: int | None):
+    """KernelBench problems read a module-level `batch_size` in get_inputs(); override it."""
+    if n is None:
+        yield
+        return
+    old = mod.batch_size
+    mod.batch_size = n
+    try:
+        yield
+    finally:
+        mod.batch_size = old
+
+
+def draw_inputs(mod: ModuleType, seed: int, batch_size: int | None = None,
+                variant: str | None = None) -> list:
+    """get_inputs() (or a named input variant) with a fixed seed, returned on the CPU."""
+    torch.manual_seed(seed)
+    with batch_size_set(mod, batch_size):
+        make = mod.get_input_variants()[variant] if variant else mod.get_inputs
+        inputs = list(make())
+    return [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in inputs]
+
+
+def to_device(values: list, device: torch.device) -> list:
+    return [t.to(device) if isinstance(t, torch.Tensor) else t for t in values]
+
+
+def to_host(out) -> tuple:
+    """Outputs as plain CPU tensors (subclasses stripped: the harness unpickles them safely)."""
+    from .compare import as_tuple
+    return tuple(t.detach().as_subclass(torch.Tensor).cpu().clone()
+                 if isinstance(t, torch.Tensor) else t for t in as_tuple(out))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release(device: torch.device) -> None:
+    """Return cached device memory between phases, so one phase's peak cannot starve the next."""
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state

@@ -1,0 +1,46 @@
+"""The input regimes `check` runs beyond get_inputs(): batch sizes, saturation, input variants.
+
+A kernel tuned for the default shape and the default init can be wrong elsewhere: at batch 1
+or an odd batch (tail handling), with large weights that push sigmoid/exp into saturation
+(clamping, overflow), or on inputs of a different kind (the problem's `get_input_variants()`).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from types import ModuleType
+
+DEFAULT_SCALES = (4.0, 16.0)
+
+
+@dataclass
+class Regime:
+    name: str
+    batch_size: int | None = None   # None: the problem's own batch_size
+    scale: float = 1.0              # every floating parameter of both models is multiplied
+    variant: str | None = None      # a key of get_input_variants()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_batch_sizes(default: int) -> list[int]:
+    """1 and an odd size above the default: both exercise tails a tuned kernel may skip."""
+    return [1, 2 * default + 1]
+
+
+def plan(mod: ModuleType, batch_sizes: list[int] | None = None,
+         scales: tuple[float, ...] = DEFAULT_SCALES) -> tuple[list[Regime], list[tuple[str, str]]]:
+    """The regimes to run, and (name, reason) for those that cannot apply to this problem."""
+    regimes, skipped = [Regime("default")], []
+    default = getattr(mod, "batch_size", None)
+    if isinstance(default, int):
+        for n in batch_sizes if batch_sizes is not None else default_batch_sizes(default):
+            if n != default:
+                regimes.append(Regime(f"batch={n}", batch_size=n))
+    else:
+        skipped.append(("batch sizes", "the problem has no module-level int batch_size"))
+    regimes += [Regime(f"scale={s:g}", scale=s) for s in scales if s != 1]
+    variants = getattr(mod, "get_input_variants", None)
+    if callable(variants):
+        regimes += [Regime(f"variant:{name}", variant=name) for name in variants()]
+    return regimes, skipped

@@ -1,0 +1,57 @@
+"""Bench rows as a table: `rich` when it is installed, plain text otherwise."""
+from __future__ import annotations
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _cells(row: dict) -> list[str]:
+    events = row.get("events_ms")
+    ev = "-" if events is None else (f"{events:.4f} ({row['events_p20_ms']:.4f}-"
+                                     f"{row['events_p80_ms']:.4f})")
+    graph = _ms(row.get("graph_ms")) if not row.get("graph_error") else "n/a"
+    mem = row.get("peak_mem_bytes")
+    notes = list(row.get("flags", []))
+    for key in ("error", "graph_error", "correct_detail"):
+        if row.get(key):
+            notes.append(str(row[key]).splitlines()[-1][:120])
+    return [str(row["candidate"]), str(row["batch_size"]), row.get("status", ""), ev,
+            _ms(row.get("wall_ms")), graph, "-" if mem is None else f"{mem / 2**20:.2f}",
+            _x(row.get("speedup_eager_events") or row.get("speedup_eager_wall")),
+            _x(row.get("speedup_eager_graph")), _x(row.get("speedup_compile_events")
+                                                  or row.get("speedup_compile_wall")),
+            "; ".join(notes)]
+
+
+HEADERS = ["candidate", "batch", "status", "events ms (p20-p80)", "wall ms", "graph ms",
+           "peak MiB", "x eager", "x eager (graph)", "x compile", "notes"]
+
+
+def print_rows(rows: list[dict]) -> None:
+    if not rows:
+        return
+    title = (f"{rows[0]['problem']} on {rows[0]['device']} ({rows[0]['device_name']}), "
+             f"torch {rows[0]['torch']}, commit {rows[0]['commit']}")
+    if rows[0]["device"] == "cpu":
+        title += " -- CPU timings: wall clock only"
+    cells = [_cells(r) for r in rows]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(HEADERS)]
+        print(title)
+        for line in [HEADERS] + cells:
+            print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+        return
+    table = Table(title=title)
+    for h in HEADERS:
+        table.add_column(h)
+    for c in cells:
+        table.add_row(*c)
+    Console().print(table)

@@ -1,0 +1,147 @@
+"""What the check's workers run: the reference pass, then the candidate pass, never together.
+
+The reference worker builds `Model`, draws every trial's inputs, runs each forward twice under
+the same seed (the determinism check) and returns inputs, outputs and generator states on the
+CPU. It exits before the candidate worker starts, so the candidate gets a clean device and never
+sees the reference's outputs. The candidate worker replays the same inputs and seeds.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import loader
+from .compare import compare_outputs, identical
+from .regimes import Regime, plan
+from .worker import TaskError, progress, traceback_tail
+
+
+def _nonfinite(outs: tuple) -> int:
+    return sum(int((~torch.isfinite(t)).sum()) for t in outs
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+@torch.no_grad()
+def reference_pass(problem: str, device: str, trials: int, seed: int, atol: float, rtol: float,
+                   batch_sizes: list[int] | None, scales: tuple[float, ...]) -> dict:
+    dev = torch.device(device)
+    mod = loader.problem_module(problem)
+    init_inputs = list(mod.get_init_inputs())
+    ref, _ = loader.build_model(mod.Model, init_inputs, seed)
+    state_dict = {k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}
+    del ref
+    regimes, skipped = plan(mod, batch_sizes, scales)
+    out = {"init_inputs": init_inputs, "state_dict": state_dict, "regimes": [],
+           "skipped": skipped, "default_batch": getattr(mod, "batch_size", None)}
+    for regime in regimes:
+        out["regimes"].append(_reference_regime(mod, regime, init_inputs, dev, trials, seed,
+                                                atol, rtol))
+        loader.release(dev)
+    return out
+
+
+def _reference_regime(mod, regime: Regime, init_inputs, dev, trials, seed, atol, rtol) -> dict:
+    entry = {**regime.to_dict(), "applicable": True, "reason": "", "trials": []}
+    default = regime.name == "default"
+    try:
+        model, _ = loader.build_model(mod.Model, init_inputs, seed)
+        loader.scale_parameters(model, regime.scale)
+        model.to(dev).eval()
+        for t in range(trials):
+            progress(f"reference, regime {regime.name}, trial {t}")
+            inputs = loader.draw_inputs(mod, 1000 * (t + 1) + seed, regime.batch_size,
+                                        regime.variant)
+            entry["trials"].append(_reference_trial(model, inputs, seed + t, dev, atol, rtol))
+    except Exception as exc:  # noqa: BLE001 - a reference that raises makes the regime moot
+        if default:
+            raise TaskError("reference", f"the reference raised on get_inputs():\n"
+                                         f"{traceback_tail(exc)}") from None
+        entry.update(applicable=False, reason=f"reference raised {type(exc).__name__}: {exc}")
+        return entry
+    bad = sum(_nonfinite(tr["outputs"]) for tr in entry["trials"])
+    if bad and not default:
+        entry.update(applicable=False,
+                     reason=f"reference gives {bad} non-finite output element(s)")
+    return entry
+
+
+def _reference_trial(model, inputs, seed, dev, atol, rtol) -> dict:
+    x = loader.to_device(inputs, dev)
+    torch.manual_seed(seed)  # seeds the CPU and every CUDA generator
+    first = loader.to_host(model(*x))
+    loader.sync(dev)
+    rng = loader.rng_state(dev)
+    torch.manual_seed(seed)
+    second = loader.to_host(model(*x))
+    same = compare_outputs(first, second, atol, rtol)
+    return {"seed": seed, "inputs": inputs, "outputs": first, "rng": rng,
+            "deterministic": same.ok, "bitwise": identical(first, second),
+            "determinism_note": "; ".join(f.message for f in same.findings)}
+
+
+@torch.no_grad()
+def candidate_pass(candidate: str, device: str, seed: int, init_inputs: list,
+                   state_dict: dict, regimes: list[dict]) -> dict:
+    """Replay every applicable regime's trials on ModelNew; stop at the first exception."""
+    dev = torch.device(device)
+    progress("importing the candidate")
+    cls = loader.import_candidate(candidate).ModelNew
+    out = {"weights": "", "regimes": [], "error": None}
+    for regime in regimes:
+        done = {"name": regime["name"], "trials": []}
+        out["regimes"].append(done)
+        where = f"regime {regime['name']}"
+        try:
+            progress(f"candidate, {where}, constructing ModelNew")
+            model, out["weights"] = loader.build_model(cls, init_inputs, seed, state_dict)
+            loader.scale_parameters(model, regime["scale"])
+            model.to(dev).eval()
+            for t, trial in enumerate(regime["trials"]):
+                where = f"regime {regime['name']}, trial {t}"
+                progress(f"candidate, {where}")
+                done["trials"].append(_candidate_trial(model, trial, dev))
+        except Exception as exc:  # noqa: BLE001 - reported as the candidate's failure
+            out["error"] = {"where": where, "message": traceback_tail(exc)}
+            return out
+        del model
+        loader.release(dev)
+    return out
+
+
+def _candidate_trial(model, trial: dict, dev) -> dict:
+    x = loader.to_device(trial["inputs"], dev)
+    saved = [t.clone() if isinstance(t, torch.Tensor) else t for t in x]
+    torch.manual_seed(trial["seed"])
+    outputs = loader.to_host(model(*x))
+    loader.sync(dev)
+    rng = loader.rng_state(dev)
+    mutated = [i for i, (a, b) in enumerate(zip(x, saved))
+               if isinstance(a, torch.Tensor) and not identical((a,), (b,))]
+    return {"outputs": outputs, "rng": rng, "mutated": mutated}
+
+
+def import_only(candidate: str) -> dict:
+    """Import the candidate (building any inline extension) and list the extensions it loaded.
+
+    load_inline does not register its module in sys.modules, so the candidate's globals and
+    the extension build root (files written during the import) are searched as well.
+    """
+    import os
+    import sys
+    import time
+    from types import ModuleType
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    before, start = set(sys.modules), time.time()
+    progress("importing the candidate")
+    mod = loader.import_candidate(candidate)
+    found = [getattr(sys.modules[m], "__file__", None) for m in set(sys.modules) - before]
+    found += [getattr(v, "__file__", None) for v in vars(mod).values()
+              if isinstance(v, ModuleType)]
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    if root.is_dir():
+        found += [str(p) for p in root.rglob("*.so") if p.stat().st_mtime >= start]
+    return {"extensions": sorted({str(Path(p).resolve()) for p in found
+                                  if p and str(p).endswith((".so", ".pyd"))})}

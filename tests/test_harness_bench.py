@@ -1,0 +1,84 @@
+"""`fastelbo bench`: rows carry their provenance and metrics; bad rows are marked, not hidden."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastelbo.cli import main
+from fastelbo.harness import bench
+from fastelbo.harness.results import git_commit
+from fastelbo.harness.timing import quantiles
+
+HERE = Path(__file__).parent
+TINY = str(HERE / "problems" / "tiny_vae.py")
+PROVENANCE = {"device", "device_name", "torch", "triton", "commit", "date", "problem",
+              "candidate", "batch_size"}
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_cpu_quick_bench_appends_rows_with_provenance_and_metrics(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    code = main(["bench", TINY, "fastelbo:torch", str(HERE / "candidates" / "zeros_output.py"),
+                 "--device", "cpu", "--quick", "--no-compile", "--batch-sizes", "1,5",
+                 "--out", str(out)])
+    rows = _rows(out)
+    assert [(r["candidate"], r["batch_size"]) for r in rows] == [
+        ("eager", 1), ("eager", 5), ("fastelbo:torch", 1), ("fastelbo:torch", 5),
+        (str(HERE / "candidates" / "zeros_output.py"), 1),
+        (str(HERE / "candidates" / "zeros_output.py"), 5)]
+    for r in rows:
+        assert PROVENANCE <= set(r)
+        assert r["device"] == "cpu" and r["wall_ms"] > 0
+        assert "events_ms" not in r and "graph_ms" not in r  # CPU: wall clock only
+    torch_row = rows[2]
+    assert torch_row["status"] == "ok" and torch_row["correct"] is True
+    assert torch_row["speedup_eager_wall"] > 0 and torch_row["speedup_compile_wall"] is None
+    assert rows[4]["status"] == "INCORRECT" and "zero_output" in rows[4]["correct_detail"]
+    assert code == 1  # an INCORRECT row makes the run fail
+
+
+def test_a_candidate_that_cannot_run_gives_error_rows(tmp_path):
+    rows, code = bench.run_bench(TINY, [str(HERE / "candidates" / "raises.py")],
+                                 device="cpu", batch_sizes=[3], compile_baseline=False,
+                                 quick=True, out=None)
+    assert code == 2
+    assert rows[-1]["status"] == "ERROR" and "kernel launch failed" in rows[-1]["error"]
+
+
+def test_implausible_speedups_are_flagged():
+    eager_out = (torch.arange(4.0),)
+    results = {bench.EAGER: {4: {"outputs": eager_out, "events_ms": 1.0, "wall_ms": 1.0}}}
+    row = bench._finish_row({"batch_size": 4, "outputs": eager_out, "events_ms": 0.001,
+                             "wall_ms": 0.5}, results, 1e-4, 1e-4)
+    assert row["status"] == "ok"
+    assert row["speedup_eager_events"] == pytest.approx(1000.0)
+    assert any("implausible" in f for f in row["flags"])
+
+
+def test_default_candidates_on_cpu_are_auto_and_torch():
+    assert bench.default_candidates("cpu")[:2] == ["fastelbo:auto", "fastelbo:torch"]
+
+
+def test_commit_outside_a_repository_is_unknown(tmp_path):
+    assert git_commit(tmp_path) == "unknown"
+
+
+def test_quantiles_are_median_p20_p80():
+    med, p20, p80 = quantiles([float(v) for v in range(1, 11)])
+    assert med == 5.5 and p20 < med < p80
+
+
+@pytest.mark.gpu
+def test_cuda_bench_measures_events_graph_and_memory(tmp_path):
+    rows, _ = bench.run_bench(TINY, ["fastelbo:torch"], device="cuda", batch_sizes=[16],
+                              compile_baseline=False, quick=True, out=None)
+    row = rows[-1]
+    assert row["events_ms"] > 0 and row["peak_mem_bytes"] >= 0
+    assert row["graph_ms"] is not None or row["graph_error"]
+    assert not row["stream_escape"]
