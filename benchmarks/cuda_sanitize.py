@@ -1,0 +1,59 @@
+"""Driver for compute-sanitizer: a few cuda-backend forwards at odd sizes, checked against torch.
+
+    compute-sanitizer --tool memcheck  python3 benchmarks/cuda_sanitize.py
+    compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize.py
+    compute-sanitizer --tool synccheck python3 benchmarks/cuda_sanitize.py
+
+Exits 1 on any mismatch (atol = rtol = 1e-4) and 2 when the backend is unavailable. Kept small:
+every launch runs 10-100x slower under the sanitizer.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from fastelbo.backends import cuda as backend
+from fastelbo.backends import torch_ref
+from fastelbo.params import VAEParams
+from fastelbo.problems.vae_elbo import Model
+
+DIMS = [(784, 256, 32), (781, 250, 31), (33, 7, 5), (100, 1024, 1)]
+BATCHES = [1, 7, 128, 1000]
+# (rows, cluster, staged): the automatic plan, and forced ones reaching the other code paths.
+PLANS = [(0, 0, -1), (64, 8, 0), (5, 2, 1), (5, 16, 0), (1, 1, 1), (1, 1, 0)]
+
+
+def main() -> int:
+    why = backend.unavailable_reason(torch.device("cuda"))
+    if why is not None:
+        print(f"cuda backend unavailable: {why}", file=sys.stderr)
+        return 2
+    failures = 0
+    for dims in DIMS:
+        torch.manual_seed(0)
+        params = VAEParams(*(t.detach().cuda() for t in Model(*dims).state_dict().values()))
+        for batch in BATCHES:
+            x = torch.rand(batch, dims[0], device="cuda")
+            x[batch // 2, dims[0] // 3] = 1.5  # an invalid row: must come out NaN
+            eps = torch.randn(batch, dims[2], device="cuda")
+            want = torch_ref.forward(x, params, eps)
+            for rows, cluster, staged in PLANS if batch in (7, 1000) else PLANS[:1]:
+                r, c, smem, _, st = backend.plan(x, params, rows=rows, cluster=cluster,
+                                                 staged=staged)
+                if r <= 0:
+                    continue
+                got = backend.forward(x, params, eps, rows=rows, cluster=cluster, staged=staged,
+                                      _poison=True)
+                torch.cuda.synchronize()
+                ok = all(bool(torch.isclose(g, w, atol=1e-4, rtol=1e-4, equal_nan=True).all())
+                         for g, w in zip(got, want))
+                failures += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} dims={dims} B={batch} R={r} C={c} "
+                      f"staged={st} smem={smem}", flush=True)
+    print(f"{failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

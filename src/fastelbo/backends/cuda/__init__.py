@@ -1,0 +1,134 @@
+"""CUDA C++ backend: the lowest-latency path, one kernel launch per forward (sm_90+).
+
+elbo.cu holds the fused kernel (thread-block clusters + distributed shared memory, no torch
+types), elbo.h its plain params struct, binding.cpp the only torch-facing file. The extension is
+built on first use with torch.utils.cpp_extension.load (cached in torch's extension directory;
+the name carries a hash of the sources, so an edit rebuilds) and memoised here (functools.cache).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ...params import VAEParams
+
+HERE = Path(__file__).resolve().parent
+KERNEL_SOURCES = ("elbo.cu",)
+BINDING_SOURCE = "binding.cpp"
+HEADERS = ("elbo.h",)
+
+# IEEE float32 throughout (no --use_fast_math): sm_90 machine code, plus PTX for newer GPUs.
+NVCC_FLAGS = [
+    "-O3",
+    "-std=c++20",
+    "-gencode=arch=compute_90,code=sm_90",
+    "-gencode=arch=compute_90,code=compute_90",
+    "-lineinfo",
+]
+CXX_FLAGS = ["-O3", "-std=c++20"]
+
+
+def source_files() -> list[Path]:
+    return [HERE / n for n in (*KERNEL_SOURCES, BINDING_SOURCE, *HEADERS)]
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    for f in source_files():
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _nvcc() -> str | None:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is not None:
+        exe = Path(CUDA_HOME) / "bin" / "nvcc"
+        if exe.exists():
+            return str(exe)
+    return shutil.which("nvcc")
+
+
+@cache
+def _build() -> tuple[ModuleType | None, str | None]:
+    """(module, None) or (None, why): the build is tried once per process."""
+    if _nvcc() is None:
+        return None, "the CUDA toolkit (nvcc) was not found: set CUDA_HOME"
+    try:
+        from torch.utils.cpp_extension import load
+
+        mod = load(
+            name=f"fastelbo_cuda_{_source_hash()}",
+            sources=[str(HERE / n) for n in (*KERNEL_SOURCES, BINDING_SOURCE)],
+            extra_cflags=CXX_FLAGS,
+            extra_cuda_cflags=NVCC_FLAGS,
+            extra_include_paths=[str(HERE)],
+            verbose=os.environ.get("FASTELBO_VERBOSE_BUILD", "0") == "1",
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure becomes a reason string
+        return None, f"the CUDA extension failed to build: {type(exc).__name__}: {exc}"
+    return mod, None
+
+
+def extension() -> ModuleType:
+    """The compiled extension; raises RuntimeError with the build error if it cannot be had."""
+    mod, why = _build()
+    if mod is None:
+        raise RuntimeError(f"fastelbo cuda backend unavailable: {why}. "
+                           f"Use backend='torch' or backend='triton'.")
+    return mod
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why this backend cannot run on `device`, or None when it can."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the cuda backend runs on CUDA devices only, not {device.type}"
+    if torch.version.cuda is None:
+        return "this torch build has no CUDA support"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 9:
+        return (f"the kernel needs compute capability 9.0+ (thread-block clusters), "
+                f"device {index} has {major}.{minor}")
+    _, why = _build()
+    return why
+
+
+def plan(x: torch.Tensor, params: VAEParams, *, rows: int = 0, cluster: int = 0,
+         staged: int = -1) -> tuple[int, int, int, int, int]:
+    """(R rows per cluster, C blocks per cluster, smem bytes, variant, staged) for this call.
+
+    R <= 0 means no plan: -R is the kernel's status (1 too large, 3 arch, 4 no cluster fits).
+    """
+    d, h, lat = VAEParams(*params).dims
+    r, c, smem, variant, st = extension().plan(x.device.index or 0, x.shape[0], d, h, lat,
+                                               rows, cluster, staged)
+    return r, c, smem, variant, st
+
+
+def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
+            cluster: int = 0, staged: int = -1, _poison: bool = False):
+    """(elbo, recon, kl), each (B,) float32; one kernel launch on the current stream.
+
+    rows / cluster > 0 and staged in (0, 1) force the launch plan (tuning only); _poison fills
+    the outputs with NaN before the launch, so tests can prove every element is written.
+    """
+    params = VAEParams(*params)
+    for name, t in (("x", x), ("eps", eps), *zip(VAEParams._fields, params)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"the cuda backend computes in float32 only; {name} is {t.dtype}. "
+                            f"Use backend='torch' for other dtypes.")
+    out = extension().forward(x, eps, *params, rows, cluster, staged, _poison)
+    return out[0], out[1], out[2]

@@ -1,0 +1,340 @@
+"""The cuda backend against the torch spec (same weights, same eps), on a CUDA device (sm_90+).
+
+Tolerance: the contract is atol = rtol = 1e-4 in float32 against PyTorch. Where the float64
+reference is meaningful (no saturation), the kernel's error against it must also be no worse
+than a small multiple of PyTorch's own float32 error (flash-attention's rule), so a tolerance
+never hides a real bug.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fastelbo
+from fastelbo import export
+from fastelbo.backends import torch_ref
+from fastelbo.params import VAEParams
+from fastelbo.problems.vae_elbo import Model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+ATOL = RTOL = 1e-4
+DIMS = [(784, 256, 32), (781, 250, 31), (64, 48, 2), (100, 1024, 1), (33, 7, 5)]
+BATCHES = [1, 3, 7, 128, 1000, 65536]
+NAMES = ("elbo", "recon", "kl")
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    from fastelbo.backends import cuda as backend
+
+    why = backend.unavailable_reason(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(why)
+    return backend
+
+
+def make_params(dims, seed=0, scale=1.0) -> VAEParams:
+    torch.manual_seed(seed)
+    model = Model(*dims)
+    ps = [t.detach().to("cuda", torch.float32) * scale for t in model.state_dict().values()]
+    return VAEParams(*ps)
+
+
+def make_inputs(batch, dims, seed=1, binary=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.rand(batch, dims[0], device="cuda", generator=g)
+    if binary:
+        x = torch.bernoulli(x, generator=g)
+    eps = torch.randn(batch, dims[2], device="cuda", generator=g)
+    return x, eps
+
+
+def assert_close(actual, expected, name, atol=ATOL, rtol=RTOL, mask=None):
+    """allclose with a report of where and by how much the tensors differ."""
+    assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
+    a, e = actual.double(), expected.double()
+    if mask is not None:
+        a, e = a[mask], e[mask]
+    ok = torch.isclose(a, e, atol=atol, rtol=rtol, equal_nan=True)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero().flatten()
+        i = int(bad[0])
+        err = (a - e).abs()
+        err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
+        j = int(err.argmax())
+        raise AssertionError(
+            f"{name}: {bad.numel()}/{ok.numel()} elements differ (atol={atol}, rtol={rtol}); "
+            f"first at [{i}]: got {float(a[i])}, expected {float(e[i])}; "
+            f"worst at [{j}]: got {float(a[j])}, expected {float(e[j])}")
+
+
+def check_against_reference(backend, x, params, eps, f64=True, **kw):
+    got = backend.forward(x, params, eps, _poison=True, **kw)
+    want = torch_ref.forward(x, params, eps)
+    for g, w, n in zip(got, want, NAMES):
+        assert g.dtype == torch.float32 and g.device == x.device
+        assert bool(torch.isfinite(g).all()), f"{n}: non-finite output (element not written?)"
+        assert_close(g, w, n)
+    if f64:
+        p64 = VAEParams(*(p.double() for p in params))
+        ref64 = torch_ref.forward(x.double(), p64, eps.double())
+        for g, w, r, n in zip(got, want, ref64, NAMES):
+            err_k = float((g.double() - r).abs().max())
+            err_t = float((w.double() - r).abs().max())
+            scale = float(r.abs().max()) + 1.0
+            assert err_k <= 4 * err_t + 1e-6 * scale, (
+                f"{n}: kernel error vs float64 {err_k:.3g} exceeds 4x torch's {err_t:.3g}")
+    return got
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: "x".join(map(str, d)))
+@pytest.mark.parametrize("batch", BATCHES)
+def test_matches_reference(cuda, batch, dims):
+    params = make_params(dims)
+    x, eps = make_inputs(batch, dims)
+    check_against_reference(cuda, x, params, eps, f64=batch <= 1000)
+
+
+@pytest.mark.parametrize("dims", [(784, 256, 32), (33, 7, 5), (100, 1024, 1)],
+                         ids=lambda d: "x".join(map(str, d)))
+@pytest.mark.parametrize("staged", [0, 1])
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+def test_every_launch_plan(cuda, dims, cluster, rows, staged):
+    """Forced cluster sizes, row tiles and staging: the general paths behind the auto plan."""
+    params = make_params(dims)
+    x, eps = make_inputs(203, dims)  # 203 rows: a ragged last tile for every R
+    r, _, _, _, st = cuda.plan(x, params, rows=rows, cluster=cluster, staged=staged)
+    if r <= 0:
+        pytest.skip(f"no plan with rows={rows}, cluster={cluster}, staged={staged} on this GPU "
+                    f"(status {-r})")
+    assert st == staged
+    check_against_reference(cuda, x, params, eps, rows=rows, cluster=cluster, staged=staged)
+
+
+def test_plan_fills_the_gpu_at_batch_128(cuda):
+    params = make_params((784, 256, 32))
+    x, _ = make_inputs(128, (784, 256, 32))
+    r, c, smem, variant, staged = cuda.plan(x, params)
+    blocks = -(-128 // r) * c
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert c >= 8 and blocks >= sms // 2, (r, c, smem, variant, staged, blocks, sms)
+
+
+@pytest.mark.parametrize("scale", [4.0, 16.0])
+@pytest.mark.parametrize("dims", [(784, 256, 32), (33, 7, 5)], ids=lambda d: "x".join(map(str, d)))
+def test_saturated_parameters(cuda, dims, scale):
+    """Large weights drive sigmoid to 0/1 and the logs into the -100 clamp."""
+    params = make_params(dims, scale=scale)
+    x, eps = make_inputs(257, dims, binary=True)
+    got = cuda.forward(x, params, eps, _poison=True)
+    want = torch_ref.forward(x, params, eps)
+    for g, w, n in zip(got, want, NAMES):
+        finite = torch.isfinite(w)
+        assert bool(finite.any()), f"{n}: reference is nowhere finite; test is vacuous"
+        assert_close(g, w, n, mask=finite)
+        assert torch.equal(torch.isfinite(g), finite), f"{n}: finiteness differs"
+
+
+def test_binary_x(cuda):
+    dims = (784, 256, 32)
+    params = make_params(dims)
+    x, eps = make_inputs(128, dims, binary=True)
+    check_against_reference(cuda, x, params, eps)
+
+
+@pytest.mark.parametrize("dims", [(784, 256, 32), (33, 7, 5)], ids=lambda d: "x".join(map(str, d)))
+def test_invalid_rows_are_nan(cuda, dims):
+    params = make_params(dims)
+    x, eps = make_inputs(300, dims)
+    bad_rows = [0, 17, 128, 299]
+    x[0, 3] = 1.5
+    x[17, dims[0] - 1] = -0.25
+    x[128, 0] = float("nan")
+    x[299, dims[0] // 2] = float("inf")
+    with fastelbo.validation(False):
+        got = fastelbo.elbo(x, params, eps, backend="cuda")
+    want = torch_ref.forward(x, params, eps)
+    good = torch.ones(300, dtype=torch.bool, device="cuda")
+    good[bad_rows] = False
+    for g, w, n in zip(got, want, NAMES):
+        assert bool(torch.isnan(g[~good]).all()), f"{n}: a bad row is not NaN"
+        assert bool(torch.isfinite(g[good]).all()), f"{n}: NaN leaked into a good row"
+        assert_close(g, w, n, mask=good)
+
+
+def test_validation_on_rejects_bad_x(cuda):
+    params = make_params((33, 7, 5))
+    x, eps = make_inputs(4, (33, 7, 5))
+    x[1, 1] = 2.0
+    with fastelbo.validation(True), pytest.raises(ValueError, match="must lie in"):
+        fastelbo.elbo(x, params, eps, backend="cuda")
+
+
+@pytest.mark.parametrize("batch", [1, 128, 1000])
+def test_rng_contract_matches_reference_model(cuda, batch):
+    torch.manual_seed(3)
+    ref = Model(784, 256, 32).cuda()
+    new = fastelbo.ModelNew(784, 256, 32, backend="cuda").cuda()
+    new.load_state_dict(ref.state_dict())
+    x = torch.rand(batch, 784, device="cuda")
+    for seed in (0, 1, 1234):
+        torch.manual_seed(seed)
+        want = ref(x)
+        torch.manual_seed(seed)
+        got = new(x)
+        for g, w, n in zip(got, want, NAMES):
+            assert_close(g, w, n)
+
+
+def test_cuda_graph_of_100_forwards(cuda):
+    dims = (784, 256, 32)
+    params = make_params(dims)
+    x, eps = make_inputs(128, dims)
+    static_x, static_eps = x.clone(), eps.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: build, plan, attributes, outside capture
+        for _ in range(3):
+            fastelbo.elbo(static_x, params, static_eps, backend="cuda")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(100):
+            out = fastelbo.elbo(static_x, params, static_eps, backend="cuda")
+    x2, eps2 = make_inputs(128, dims, seed=7)
+    static_x.copy_(x2)
+    static_eps.copy_(eps2)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = torch_ref.forward(x2, params, eps2)
+    for g, w, n in zip(out, want, NAMES):
+        assert_close(g, w, n)
+
+    # The module path, noise drawn inside the graph: replays give fresh, valid noise.
+    model = fastelbo.ModelNew(*dims, backend="cuda").cuda()
+    with torch.cuda.stream(side):
+        model(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2):
+        outs = [model(static_x) for _ in range(100)]
+    g2.replay()
+    torch.cuda.synchronize()
+    assert all(bool(torch.isfinite(t).all()) for o in outs for t in o)
+    assert not torch.equal(outs[0][0], outs[1][0]), "each forward must draw fresh noise"
+
+
+def test_non_default_stream(cuda):
+    """Inputs written on a side stream behind a sleep: only a launch on that stream sees them."""
+    dims = (781, 250, 31)
+    params = make_params(dims)
+    x, eps = make_inputs(1000, dims)
+    want = torch_ref.forward(x, params, eps)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x_s = torch.zeros_like(x)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time before x_s gets its values
+        x_s.copy_(x)
+        got = cuda.forward(x_s, params, eps)
+        done = torch.cuda.Event()
+        done.record(s)
+    done.synchronize()
+    for g, w, n in zip(got, want, NAMES):
+        assert_close(g, w, n)
+
+
+def test_autograd_through_cuda_forward(cuda):
+    dims = (64, 48, 2)
+    params = make_params(dims)
+    x, eps = make_inputs(16, dims)
+    leaves = [p.clone().requires_grad_() for p in params]
+    out = fastelbo.elbo(x, VAEParams(*leaves), eps, backend="cuda")
+    out[0].sum().backward()
+    leaves_ref = [p.clone().requires_grad_() for p in params]
+    torch_ref.forward(x, VAEParams(*leaves_ref), eps)[0].sum().backward()
+    for a, b, n in zip(leaves, leaves_ref, VAEParams._fields):
+        assert_close(a.grad.flatten(), b.grad.flatten(), n)
+
+
+class TestBadInputs:
+    dims = (33, 7, 5)
+
+    def test_float64_is_a_type_error(self, cuda):
+        params = VAEParams(*(p.double() for p in make_params(self.dims)))
+        x, eps = make_inputs(4, self.dims)
+        with pytest.raises(TypeError, match="float32"):
+            cuda.forward(x.double(), params, eps.double())
+        with pytest.raises(TypeError, match="float32"):
+            fastelbo.elbo(x.double(), params, eps.double(), backend="cuda")
+
+    def test_non_contiguous(self, cuda):
+        params = make_params(self.dims)
+        x, eps = make_inputs(4, self.dims)
+        xt = x.t().contiguous().t()
+        assert not xt.is_contiguous()
+        with pytest.raises(RuntimeError, match="x must be contiguous"):
+            cuda.forward(xt, params, eps)
+        w = params.enc_w.t().contiguous().t()
+        with pytest.raises(RuntimeError, match="enc_w must be contiguous"):
+            cuda.forward(x, params._replace(enc_w=w), eps)
+
+    def test_cpu_tensor(self, cuda):
+        params = make_params(self.dims)
+        x, eps = make_inputs(4, self.dims)
+        with pytest.raises(RuntimeError, match="eps must be a CUDA tensor"):
+            cuda.forward(x, params, eps.cpu())
+        with pytest.raises(RuntimeError, match="backend='torch'"):
+            fastelbo.elbo(x.cpu(), VAEParams(*(p.cpu() for p in params)), backend="cuda")
+
+    def test_wrong_shapes(self, cuda):
+        params = make_params(self.dims)
+        x, eps = make_inputs(4, self.dims)
+        with pytest.raises(RuntimeError, match="eps must have shape"):
+            cuda.forward(x, params, eps[:, :3].contiguous())
+        with pytest.raises(RuntimeError, match="enc_w must have shape"):
+            cuda.forward(x[:, :20].contiguous(), params, eps)
+        with pytest.raises(RuntimeError, match="dec_b2 must have shape"):
+            cuda.forward(x, params._replace(dec_b2=params.dec_b2[:-1].contiguous()), eps)
+
+    def test_hidden_too_large_names_fallback(self, cuda):
+        params = make_params((4, 65536, 2))  # 256 KB per row of hidden activations
+        x, eps = make_inputs(2, (4, 65536, 2))
+        with pytest.raises(RuntimeError, match="backend='torch' or backend='triton'"):
+            cuda.forward(x, params, eps)
+
+
+def test_unavailable_reason(cuda):
+    assert cuda.unavailable_reason(torch.device("cpu")) is not None
+    assert cuda.unavailable_reason(torch.device("cuda")) is None
+
+
+def test_exported_solution_matches_reference(tmp_path):
+    import importlib.util
+
+    path = export.write_kernelbench(tmp_path / "solution.py")
+    spec = importlib.util.spec_from_file_location("fastelbo_kb_solution", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    ref = Model(784, 256, 32).cuda()
+    torch.manual_seed(0)
+    new = mod.ModelNew(784, 256, 32).cuda()
+    for batch, binary in ((128, False), (128, True), (7, False), (4096, False)):
+        x = torch.rand(batch, 784, device="cuda")
+        if binary:
+            x = torch.bernoulli(x)
+        torch.manual_seed(11)
+        want = ref(x)
+        torch.manual_seed(11)
+        got = new(x)
+        for g, w, n in zip(got, want, NAMES):
+            assert_close(g, w, n)

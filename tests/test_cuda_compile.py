@@ -1,0 +1,174 @@
+"""The cuda backend's sources compile for sm_90 with no register spills (no GPU needed).
+
+nvcc is found via CUDA_HOME / PATH / /usr/local/cuda; without it every test here is skipped.
+The torch CPU wheel ships the c10/ATen headers but not c10/cuda/impl/cuda_cmake_macros.h
+(generated at torch build time), so those compiles define C10_CUDA_NO_CMAKE_CONFIGURE_FILE.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch.utils.cpp_extension as cpp_ext
+
+from fastelbo import export
+from fastelbo.backends import cuda as cuda_backend
+
+
+def _nvcc() -> str | None:
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+NVCC = _nvcc()
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) not found")
+
+TORCH_INCLUDES = [f"-I{p}" for p in cpp_ext.include_paths()]
+TORCH_NVCC_DEFINES = [*cpp_ext.COMMON_NVCC_FLAGS, "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"]
+# The backend's own flags minus -lineinfo, plus the register / spill report.
+NVCC_FLAGS = [f for f in cuda_backend.NVCC_FLAGS if f != "-lineinfo"] + ["-Xptxas", "-v"]
+
+
+def _run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)}\nfailed:\n{out[-6000:]}"
+    return out
+
+
+def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
+    """{kernel mangled name: {registers, stack, spill_stores, spill_loads}} for sm_90 entries."""
+    kernels: dict[str, dict[str, int]] = {}
+    name = None
+    for line in out.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)' for 'sm_90'", line)
+        if m:
+            name = m.group(1)
+            kernels[name] = {}
+            continue
+        if name is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                      line)
+        if m:
+            kernels[name].update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                                 spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            kernels[name]["registers"] = int(m.group(1))
+    return kernels
+
+
+def _check_kernels(report: dict[str, dict[str, int]]) -> None:
+    # Two register-tile variants: elbo_kernel<2,2> and elbo_kernel<4,4>.
+    assert len(report) == 2, report
+    for name, r in report.items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
+        assert r["stack"] == 0, f"{name}: unexpected stack frame {r}"
+        # __launch_bounds__(256, 2): two blocks per SM need <= 128 registers per thread.
+        assert r["registers"] <= 128, (name, r)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("source", cuda_backend.KERNEL_SOURCES)
+def test_kernel_compiles_sm90_without_spills(source, tmp_path):
+    out = _run([NVCC, *NVCC_FLAGS, "-c", str(cuda_backend.HERE / source),
+                "-o", str(tmp_path / "k.o")])
+    _check_kernels(_ptxas_report(out))
+
+
+def test_kernel_sources_have_no_torch_and_no_fast_math():
+    for name in (*cuda_backend.KERNEL_SOURCES, *cuda_backend.HEADERS):
+        text = (cuda_backend.HERE / name).read_text()
+        assert not re.search(r"#\s*include\s*<(torch|ATen|c10)/", text), name
+        assert "at::" not in text and "torch::" not in text, name
+    flags = " ".join(cuda_backend.NVCC_FLAGS)
+    assert "fast_math" not in flags and "fast-math" not in flags and "ftz=true" not in flags
+
+
+def test_sources_are_package_data():
+    for f in cuda_backend.source_files():
+        assert f.exists(), f
+        assert f.suffix in (".cu", ".cpp", ".h"), f  # pyproject package-data patterns
+
+
+@needs_nvcc
+def test_binding_compiles_with_torch_headers(tmp_path):
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    py_include = sysconfig.get_paths()["include"]
+    cuda_include = str(Path(NVCC).parent.parent / "include")
+    import torch
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    _run([cxx, "-std=c++20", "-O1", "-c", str(cuda_backend.HERE / cuda_backend.BINDING_SOURCE),
+          "-o", str(tmp_path / "binding.o"), *TORCH_INCLUDES, f"-I{py_include}",
+          f"-I{cuda_include}", f"-I{cuda_backend.HERE}", "-DTORCH_EXTENSION_NAME=fastelbo_test",
+          f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"])
+
+
+def _load_solution(path: Path):
+    spec = importlib.util.spec_from_file_location("fastelbo_exported_solution", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_export_is_self_contained_python(tmp_path):
+    path = export.write_kernelbench(tmp_path / "solution.py")
+    text = path.read_text()
+    tree = ast.parse(text)
+    compile(text, str(path), "exec")
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert imported == {"torch"}, imported
+    assert "fastelbo" not in {n for n in imported}
+    assert not re.search(r"^\s*(import|from)\s+fastelbo", text, re.MULTILINE)
+    mod = _load_solution(path)
+    import torch
+
+    torch.manual_seed(0)
+    model = mod.ModelNew(784, 256, 32)
+    from fastelbo.params import STATE_DICT_KEYS
+    from fastelbo.problems.vae_elbo import Model
+
+    assert tuple(model.state_dict()) == STATE_DICT_KEYS
+    torch.manual_seed(0)
+    ref = Model(784, 256, 32)
+    for (k, a), (k2, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    assert '#include "elbo.h"' not in mod.CUDA_SOURCE
+    assert "PYBIND11_MODULE" in mod.CUDA_SOURCE  # present, but compiled out by FASTELBO_INLINE
+    assert mod.CUDA_SOURCE.index("#define FASTELBO_INLINE") < mod.CUDA_SOURCE.index(
+        "PYBIND11_MODULE")
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_export_inline_source_compiles(tmp_path):
+    """The exported cuda_sources, with load_inline's prelude, compile with nvcc for sm_90."""
+    mod = _load_solution(export.write_kernelbench(tmp_path / "solution.py"))
+    cu = tmp_path / "inline.cu"
+    cu.write_text(export.LOAD_INLINE_CUDA_PRELUDE + mod.CUDA_SOURCE)
+    out = _run([NVCC, *NVCC_FLAGS, *TORCH_NVCC_DEFINES, *TORCH_INCLUDES, "-c", str(cu),
+                "-o", str(tmp_path / "inline.o")])
+    _check_kernels(_ptxas_report(out))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
