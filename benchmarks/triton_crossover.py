@@ -1,0 +1,109 @@
+"""Time the backends per batch size under CUDA-graph replay and write the `auto` crossover table.
+
+    python benchmarks/triton_crossover.py [--reps 200] [--dims 784 256 32] [--no-write]
+
+For every batch in BATCHES and every available backend (torch, triton, cuda if built), one
+forward with a fixed eps is captured into a CUDA graph and replayed; the median of `--reps`
+replays (CUDA events) is the time. The fastest backend per batch becomes a rule, runs of equal
+winners are merged, and src/fastelbo/backends/crossover.json is written as
+    {"rules": [{"backend": name, "max_batch": n}, ...], "measured_on": gpu, "torch": ver,
+     "triton": ver, "dims": [...], "date": iso, "times_ms": {backend: {batch: ms}}}
+which fastelbo.backends.choose reads (a batch picks the first rule with batch <= max_batch; the
+last rule's max_batch is open-ended). Needs a GPU; it refuses to run, and writes nothing, without.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from fastelbo import VAEParams, validation
+from fastelbo.backends import _CROSSOVER, module, unavailable_reason
+from fastelbo.model import ModelNew
+
+BATCHES = [1, 8, 32, 128, 512, 2048, 8192, 32768, 65536]
+OPEN_ENDED = 2**62
+
+
+def time_graph(fn, reps: int) -> float:
+    """Median ms of one replay of a graph holding one call of fn."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()  # compile / warm the allocator outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(10):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rules_from(times: dict[str, dict[int, float]]) -> list[dict]:
+    winners = [(b, min(times, key=lambda n: times[n].get(b, float("inf")))) for b in BATCHES]
+    rules: list[dict] = []
+    for batch, name in winners:
+        if rules and rules[-1]["backend"] == name:
+            rules[-1]["max_batch"] = batch
+        else:
+            rules.append({"backend": name, "max_batch": batch})
+    rules[-1]["max_batch"] = OPEN_ENDED
+    return rules
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--dims", type=int, nargs=3, default=[784, 256, 32])
+    ap.add_argument("--no-write", action="store_true", help="print the table only")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU; nothing written")
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    params = VAEParams(*(p.detach().to(dev) for p in ModelNew(*args.dims).vae_params()))
+    names = [n for n in ("torch", "triton", "cuda") if unavailable_reason(n, dev) is None]
+    times: dict[str, dict[int, float]] = {n: {} for n in names}
+    print(f"{'batch':>7} " + " ".join(f"{n + ' ms':>12}" for n in names) + "   fastest")
+    for batch in BATCHES:
+        x = torch.rand(batch, args.dims[0], device=dev)
+        eps = torch.randn(batch, args.dims[2], device=dev)
+        for name in names:
+            fwd = module(name).forward
+            with validation(False):
+                times[name][batch] = time_graph(lambda f=fwd, x=x, e=eps: f(x, params, e), args.reps)
+        best = min(names, key=lambda n: times[n][batch])
+        print(f"{batch:>7} " + " ".join(f"{times[n][batch]:>12.4f}" for n in names)
+              + f"   {best}", flush=True)
+    import triton
+    table = {
+        "rules": rules_from(times),
+        "measured_on": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dims": args.dims,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "times_ms": {n: {str(b): t for b, t in ts.items()} for n, ts in times.items()},
+    }
+    print(json.dumps(table["rules"]))
+    if not args.no_write:
+        Path(_CROSSOVER).write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {_CROSSOVER}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Triton backend: throughput at large batch on tensor cores, and testable on CPU in CI.
+
+Role: the fused forward for big batches (one kernel per row tile, logits never in memory, see
+elbo_forward.py). Under TRITON_INTERPRET=1 the same kernels run on CPU tensors in Triton's numpy
+interpreter, which is how CI checks the kernel logic without a GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...params import VAEParams
+from . import elbo_forward as _fwd
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """None when the kernels can run on `device`, else why not."""
+    device = torch.device(device)
+    interpret_env = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpret_env and not _fwd.INTERPRET:
+        return ("TRITON_INTERPRET=1 was set after fastelbo.backends.triton was imported; the "
+                "kernels were already built for the GPU. Set it before the first import")
+    if _fwd.INTERPRET:
+        return None  # the interpreter runs on CPU tensors and on CUDA ones (via host copies)
+    if device.type != "cuda":
+        return (f"Triton kernels need a CUDA device, got {device.type} "
+                f"(set TRITON_INTERPRET=1 before import to run them on CPU, slowly)")
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    return None
+
+
+def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor):
+    """(elbo, recon, kl), each (B,) float32. Inputs validated and made contiguous by fastelbo.ops;
+    float32 only (TypeError otherwise, before any launch)."""
+    return _fwd.launch(x, params, eps)

@@ -1,0 +1,163 @@
+"""The Triton backend's kernels on CPU, in Triton's interpreter (CI has no GPU).
+
+Triton decides between compiling and interpreting when a kernel is decorated, i.e. when
+fastelbo.backends.triton is first imported, and TRITON_INTERPRET=1 set in this process would also
+turn every later Triton import (the GPU tests, on a GPU machine) into the interpreter. So the
+cases run in a child pytest with TRITON_INTERPRET=1 in its environment: in this process
+`test_in_interpreter` launches it and every case below skips; in the child the cases run and
+`test_in_interpreter` skips. The interpreter computes tl.dot in exact float32, so this checks the
+kernel's logic (tiling, masks, fusion, epilogue, NaN rows); tf32x3 accuracy is the GPU tests' job.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+child_only = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child")
+
+
+@pytest.mark.skipif(IN_CHILD, reason="this is the child")
+def test_in_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+        check=False,
+        timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"interpreter cases failed (rc {proc.returncode}):\n{proc.stdout}\n"
+                    f"{proc.stderr}", pytrace=False)
+    assert " passed" in proc.stdout and " skipped" in proc.stdout, proc.stdout
+
+
+if IN_CHILD:
+    pytest.importorskip("triton")
+    from fastelbo import ModelNew
+    from fastelbo.backends import torch_ref
+    from fastelbo.backends import triton as tb
+    from fastelbo.backends.triton import elbo_forward as fwd
+    from fastelbo.params import VAEParams
+
+DIMS = [(64, 48, 2), (33, 20, 5), (40, 32, 1)]
+BATCHES = [1, 3, 17]
+# The tile table's choice, and small hidden chunks that walk H in several pieces with a ragged
+# last one (48 = 3 x 16, 20 = 16 + 4) and D in ragged column chunks.
+CONFIGS = {"table": None, "split-h": (16, 16, 16, 16, 4, 2)}
+
+
+def _params(dims, seed=0, scale=1.0):
+    torch.manual_seed(seed)
+    model = ModelNew(*dims, backend="torch")
+    return VAEParams(*(p.detach() * scale for p in model.vae_params()))
+
+
+def _assert_close(got, want, atol=1e-4, rtol=1e-4, what=""):
+    """allclose that also demands the same NaN/inf pattern, and says where it fails."""
+    for name, g, w in zip(("elbo", "recon", "kl"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, g.dtype)
+        assert torch.equal(torch.isnan(g), torch.isnan(w)), (
+            f"{what} {name}: NaN rows differ: got {torch.isnan(g).nonzero().flatten().tolist()}, "
+            f"want {torch.isnan(w).nonzero().flatten().tolist()}")
+        fin = torch.isfinite(w)
+        assert torch.equal(g[~fin & ~torch.isnan(w)], w[~fin & ~torch.isnan(w)]), f"{what} {name}"
+        err = (g[fin] - w[fin]).abs()
+        tol = atol + rtol * w[fin].abs()
+        if (err > tol).any():
+            i = int((err - tol).argmax())
+            pytest.fail(f"{what} {name}: {int((err > tol).sum())} of {fin.sum()} rows off; worst "
+                        f"row {fin.nonzero().flatten()[i].item()}: got {g[fin][i].item()}, want "
+                        f"{w[fin][i].item()} (|diff| {err[i].item():.3g} > {tol[i].item():.3g})")
+
+
+def _run(x, p, eps, config):
+    cfg = None if config is None else fwd.TileConfig(*config)
+    return fwd.launch(x, p, eps, cfg)
+
+
+@child_only
+def test_available_on_cpu_in_interpreter():
+    assert fwd.INTERPRET
+    assert tb.unavailable_reason(torch.device("cpu")) is None
+
+
+@child_only
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("dims", DIMS, ids=str)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_matches_torch_reference(batch, dims, config):
+    p = _params(dims)
+    gen = torch.Generator().manual_seed(batch)
+    x = torch.rand(batch, dims[0], generator=gen)
+    eps = torch.randn(batch, dims[2], generator=gen)
+    _assert_close(_run(x, p, eps, config), torch_ref.forward(x, p, eps), what=f"{dims} B={batch}")
+
+
+@child_only
+@pytest.mark.parametrize("scale", [4.0, 16.0])
+@pytest.mark.parametrize("dims", DIMS, ids=str)
+def test_saturated_params_and_binary_x(dims, scale):
+    """Large weights push sigmoid to exactly 0 or 1, where the -100 clamp decides the BCE."""
+    p = _params(dims, seed=1, scale=scale)
+    gen = torch.Generator().manual_seed(2)
+    for x in (torch.rand(17, dims[0], generator=gen),
+              torch.bernoulli(torch.rand(17, dims[0], generator=gen))):
+        eps = torch.randn(17, dims[2], generator=gen)
+        want = torch_ref.forward(x, p, eps)
+        for config in CONFIGS.values():
+            _assert_close(_run(x, p, eps, config), want, what=f"{dims} x{scale}")
+
+
+@child_only
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_invalid_rows_are_nan_and_only_them(config):
+    dims = (33, 20, 5)
+    p = _params(dims)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.rand(17, dims[0], generator=gen)
+    eps = torch.randn(17, dims[2], generator=gen)
+    bad = {0: float("nan"), 5: 1.5, 9: -1e-3, 16: float("inf")}
+    for row, v in bad.items():
+        x[row, (row * 7) % dims[0]] = v
+    x[3, -1] = 1.0   # the edges of [0, 1] are valid
+    x[4, 0] = 0.0
+    got = _run(x, p, eps, config)
+    for out in got:
+        assert torch.isnan(out).nonzero().flatten().tolist() == sorted(bad)
+    _assert_close(got, torch_ref.forward(x, p, eps))
+
+
+@child_only
+def test_dtype_checked_before_launch():
+    p = _params((40, 32, 1))
+    x, eps = torch.rand(3, 40), torch.randn(3, 1)
+    with pytest.raises(TypeError, match="float32"):
+        tb.forward(x.double(), p, eps.double())
+    with pytest.raises(TypeError, match="float32"):
+        tb.forward(x, VAEParams(*(t.double() for t in p)), eps)
+
+
+@child_only
+def test_through_the_public_op():
+    """fastelbo.elbo(backend='triton') on CPU tensors: validation, eps draw and dispatch."""
+    import fastelbo
+    dims = (64, 48, 2)
+    torch.manual_seed(4)
+    model = ModelNew(*dims, backend="triton")
+    ref = ModelNew(*dims, backend="torch")
+    ref.load_state_dict(model.state_dict())
+    x = torch.rand(5, dims[0])
+    with torch.no_grad():
+        torch.manual_seed(5)
+        got = model(x)
+        torch.manual_seed(5)
+        want = ref(x)
+    _assert_close(got, want)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        fastelbo.elbo(x + 2, model.vae_params(), backend="triton")
