@@ -1,0 +1,69 @@
+"""torchrun detection and the process group; a plain run is world size 1 and touches nothing."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def detect() -> World:
+    """From torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK); size 1 when not launched."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World()
+    return World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def pick_device(requested: str, world: World) -> torch.device:
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(requested)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda, but torch sees no CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", world.local_rank if world.distributed else
+                                  torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+def init(world: World, device: torch.device) -> None:
+    if world.distributed and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, rank=world.rank, world_size=world.size, **kwargs)
+
+
+def shutdown(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def gather_rows(t: torch.Tensor, world: World, counts: list[int]) -> torch.Tensor:
+    """Concatenate every rank's (n_r, ...) tensor in rank order (counts[r] rows from rank r)."""
+    if not world.distributed:
+        return t
+    pad = max(counts)
+    buf = torch.zeros((pad,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    buf[:t.shape[0]] = t
+    out = [torch.empty_like(buf) for _ in range(world.size)]
+    dist.all_gather(out, buf)
+    return torch.cat([o[:n] for o, n in zip(out, counts)])

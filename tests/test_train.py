@@ -1,0 +1,175 @@
+"""`fastelbo train` on CPU: outputs, learning, exact resume, sharding, DDP == one process.
+
+MNIST's 784 inputs make real runs slow on 2 cores, so these use a synthetic npz of 16-pixel
+images (noisy copies of four prototypes) with dims 16,8,2.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fastelbo import cli, data
+from fastelbo.training import checkpoint
+from fastelbo.training.dist import World
+from fastelbo.training.plots import reconstruct
+from fastelbo.training.step import Batches
+from reference import twins
+
+TINY = ["--dims", "16,8,2", "--batch-size", "32", "--lr", "0.01", "--no-plots"]
+
+
+@pytest.fixture(scope="module")
+def tiny_npz(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    protos = rng.random((4, 16)) > 0.5
+    x = (protos[rng.integers(0, 4, 300)] ^ (rng.random((300, 16)) < 0.1)).astype(np.float32)
+    path = tmp_path_factory.mktemp("data") / "tiny.npz"
+    np.savez(path, x_train=x[:256], x_test=x[256:])  # 8 steps of 32 per epoch
+    return str(path)
+
+
+def train(npz, out, *extra):
+    assert cli.main(["train", "--data", npz, "--out", str(out), *TINY, *extra]) == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def params_of(out):
+    t = load_file(str(out / checkpoint.NAME))
+    return {k: v for k, v in t.items() if k.startswith(("model.", "optim."))}
+
+
+def test_short_run_writes_everything_and_learns(tiny_npz, tmp_path):
+    out = tmp_path / "run"
+    assert cli.main(["train", "--data", tiny_npz, "--out", str(out), "--max-steps", "20",
+                     *TINY[:-1]]) == 0
+    for name in ("checkpoint.safetensors", "summary.json", "reconstructions.png",
+                 "samples.png", "curves.png"):
+        assert (out / name).stat().st_size > 0, name
+    s = json.loads((out / "summary.json").read_text())
+    assert s["steps"] == 20 and s["steps_per_epoch"] == 8 and len(s["epochs"]) == 2
+    assert s["device"] == "cpu" and s["backend"] == "torch" and s["cuda_graph"] is False
+    assert s["args"]["dims"] == "16,8,2" and s["steps_per_s"] > 0
+    e1, e2 = s["epochs"]
+    assert e2["train_elbo"] > e1["train_elbo"] and s["final"]["test_elbo"] > e1["test_elbo"]
+    losses = [v for _, v in s["loss_curve"]]
+    assert losses[-1] < losses[0]
+
+
+def test_resume_continues_exactly(tiny_npz, tmp_path):
+    whole = train(tiny_npz, tmp_path / "whole", "--max-steps", "20")
+    train(tiny_npz, tmp_path / "split", "--max-steps", "11")  # stops mid-epoch 2
+    resumed = train(tiny_npz, tmp_path / "split", "--max-steps", "20", "--resume")
+    a, b = params_of(tmp_path / "whole"), params_of(tmp_path / "split")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k  # same ops on the same values: bitwise
+    assert resumed["steps"] == 20 and resumed["steps_this_run"] == 9
+    assert resumed["epochs"] == whole["epochs"]
+    assert resumed["final"] == whole["final"]
+
+
+def test_resume_refuses_a_different_run(tiny_npz, tmp_path):
+    train(tiny_npz, tmp_path / "r", "--max-steps", "3")
+    with pytest.raises(ValueError, match="batch_size"):
+        cli.main(["train", "--data", tiny_npz, "--out", str(tmp_path / "r"), *TINY,
+                  "--batch-size", "16", "--resume"])
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(tiny_npz, tmp_path / "none", "--resume")
+
+
+def test_binarized_run(tiny_npz, tmp_path):
+    s = train(tiny_npz, tmp_path / "bin", "--binarize", "--max-steps", "4")
+    assert s["args"]["binarize"] is True and np.isfinite(s["final"]["test_elbo"])
+    assert checkpoint.read(tmp_path / "bin" / checkpoint.NAME)[1]["epoch"] == 0.5
+
+
+def test_dims_must_match_data(tiny_npz, tmp_path):
+    with pytest.raises(ValueError, match="--dims input 784 does not match.*16 values"):
+        cli.main(["train", "--data", tiny_npz, "--out", str(tmp_path), "--dims", "784,8,2"])
+
+
+def test_shards_union_is_the_global_batch(tiny_npz):
+    """The per-rank contract DDP relies on, without processes: rows and noise slice exactly."""
+    x = data.load(tiny_npz).train
+    one = Batches(x, 32, 2, 5, binarize=True, world=World())
+    for step in (0, 9):
+        xs, es = one.get(step)
+        parts = [Batches(x, 32, 2, 5, binarize=True, world=World(r, 4, r)).get(step)
+                 for r in range(4)]
+        assert torch.equal(torch.cat([p[0] for p in parts]), xs)
+        assert torch.equal(torch.cat([p[1] for p in parts]), es)
+    assert set(xs.unique().tolist()) <= {0.0, 1.0}
+    with pytest.raises(ValueError, match="divisible by the world size 3"):
+        Batches(x, 32, 2, 5, binarize=False, world=World(0, 3, 0))
+
+
+def test_checkpoint_restores_optimizer_and_rng(tiny_npz, tmp_path):
+    _, model = twins((16, 8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.rand(4, 16))[0].sum().backward()
+    opt.step()
+    torch.manual_seed(123)
+    checkpoint.save(tmp_path / "c.safetensors", model, opt, {"step": 1, "args": {}})
+    want = torch.rand(3)
+    _, fresh = twins((16, 8, 2), seed=9)
+    fopt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    tensors, meta = checkpoint.read(tmp_path / "c.safetensors")
+    checkpoint.restore(tensors, meta, fresh, fopt)
+    assert torch.equal(torch.rand(3), want)
+    assert fopt.param_groups[0]["lr"] == 0.01
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][k], fopt.state[q][k]), k
+    (tmp_path / "junk.safetensors").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="junk.safetensors"):
+        checkpoint.read(tmp_path / "junk.safetensors")
+
+
+def test_reconstruct_is_the_reference_decoder():
+    ref, new = twins((16, 8, 2))
+    x, eps = torch.rand(5, 16), torch.randn(5, 2)
+    with torch.no_grad():
+        h = ref.encoder(x)
+        mu, logvar = ref.fc_mu(h), ref.fc_logvar(h)
+        want = ref.decoder(mu + torch.exp(0.5 * logvar) * eps)
+    torch.testing.assert_close(reconstruct(new.vae_params(), x, eps), want)
+
+
+def test_ddp_two_gloo_processes_equal_one(tiny_npz, tmp_path):
+    """torchrun with 2 CPU ranks (gloo) and global batch 32 == one process with batch 32."""
+    train(tiny_npz, tmp_path / "one", "--max-steps", "12")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "fastelbo.cli", "train", "--data", tiny_npz, "--out", str(tmp_path / "two"),
+           *TINY, "--max-steps", "12"]
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert s["world_size"] == 2
+    a, b = params_of(tmp_path / "one"), params_of(tmp_path / "two")
+    for k in a:
+        # Gradients are summed in another order across ranks: rounding-sized differences only.
+        torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_step_equals_eager(tiny_npz, tmp_path):
+    common = ["--device", "cuda", "--backend", "auto", "--max-steps", "12"]
+    graph = train(tiny_npz, tmp_path / "graph", *common)
+    eager = train(tiny_npz, tmp_path / "eager", *common, "--no-graph")
+    assert graph["cuda_graph"] is True and eager["cuda_graph"] is False
+    a, b = params_of(tmp_path / "graph"), params_of(tmp_path / "eager")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    # Resuming a graph run (capture again, optimizer state loaded into capturable Adam) is exact.
+    train(tiny_npz, tmp_path / "g2", *common[:-1], "7")
+    train(tiny_npz, tmp_path / "g2", *common, "--resume")
+    c = params_of(tmp_path / "g2")
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
