@@ -34,4 +34,4 @@ def assert_outputs_close(got, want, *, atol=1e-4, rtol=1e-4):
     assert len(got) == len(want) == 3
     for name, g, w in zip(("elbo", "recon", "kl"), got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
-        torch.testing.assert_close(g, w, atol=atol, rtol=rtol, equal_nan=True, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g, w, atol=atol, rtol=rtol, equal_nan=True, msg=lambda m, name=name: f"{name}: {m}")

@@ -4,7 +4,6 @@ import torch
 
 import fastelbo
 from fastelbo.params import STATE_DICT_KEYS
-
 from reference import PROBLEM, assert_outputs_close, seeded, twins
 
 
@@ -62,9 +61,9 @@ def test_different_noise_gives_different_outputs():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(input_dim=0, hidden_dim=4, latent_dim=2), "input_dim"),
-    (dict(input_dim=4, hidden_dim=2.5, latent_dim=2), "hidden_dim"),
-    (dict(input_dim=4, hidden_dim=4, latent_dim=2, backend="cuBLAS"), "backend"),
+    ({"input_dim": 0, "hidden_dim": 4, "latent_dim": 2}, "input_dim"),
+    ({"input_dim": 4, "hidden_dim": 2.5, "latent_dim": 2}, "hidden_dim"),
+    ({"input_dim": 4, "hidden_dim": 4, "latent_dim": 2, "backend": "cuBLAS"}, "backend"),
 ])
 def test_bad_constructor_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -79,4 +78,4 @@ def test_gradients_flow_through_model(monkeypatch):
     monkeypatch.setattr(torch, "randn_like", lambda t: eps)  # the reference's one draw
     (-ref(x)[0].mean()).backward()
     for (name, g), r in zip(new.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(g.grad, r.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g.grad, r.grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")

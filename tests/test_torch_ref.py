@@ -4,7 +4,6 @@ import torch
 
 from fastelbo.backends import torch_ref
 from fastelbo.validation import validation
-
 from reference import DIMS, assert_outputs_close, seeded, twins
 
 
@@ -41,7 +40,7 @@ def test_float32_error_is_rounding_sized():
 
 
 def test_chunking_is_invisible(monkeypatch):
-    ref, new = twins((64, 48, 2))
+    _ref, new = twins((64, 48, 2))
     x = torch.rand(37, 64)
     want = seeded(new, x, 1)
     monkeypatch.setattr(torch_ref, "CHUNK_ELEMS", 5 * 64)  # 5 rows per chunk, ragged end
@@ -62,3 +61,14 @@ def test_invalid_rows_are_nan_with_validation_off(bad_value):
     for g, w in zip(got, want):
         assert torch.isnan(g[bad]).all()
         torch.testing.assert_close(g[~bad], w[~bad], atol=1e-4, rtol=1e-4)
+
+
+def test_overflowing_weights_give_nan_rows_not_an_error():
+    """exp(logvar) = inf makes the probabilities NaN: the reference's BCE raises on CPU (and
+    device-asserts on CUDA); the torch backend returns NaN in those rows instead."""
+    _, new = twins((16, 8, 2))
+    with torch.no_grad():
+        new.fc_logvar.bias[0] = 1e4
+    x = torch.rand(4, 16)
+    elbo, recon, _kl = new(x, torch.randn(4, 2))
+    assert torch.isnan(recon).all() and torch.isnan(elbo).all()

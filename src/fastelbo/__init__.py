@@ -5,5 +5,14 @@ from .params import STATE_DICT_KEYS, VAEParams
 from .validation import set_validation, validation, validation_enabled
 
 __version__ = "0.1.0"
-__all__ = ["ModelNew", "FusedVAE", "elbo", "VAEParams", "STATE_DICT_KEYS", "set_validation",
-           "validation", "validation_enabled", "__version__"]
+__all__ = [
+           "STATE_DICT_KEYS",
+           "FusedVAE",
+           "ModelNew",
+           "VAEParams",
+           "__version__",
+           "elbo",
+           "set_validation",
+           "validation",
+           "validation_enabled",
+]

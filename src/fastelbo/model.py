@@ -6,7 +6,7 @@ ways and seed-identical construction gives identical weights. The module holds n
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from . import backends
 from .ops import elbo

@@ -40,7 +40,7 @@ class VAEParams(NamedTuple):
             "dec_w2": (d, h), "dec_b2": (d,),
         }
 
-    def contiguous(self) -> "VAEParams":
+    def contiguous(self) -> VAEParams:
         return VAEParams(*(p.contiguous() for p in self))
 
 

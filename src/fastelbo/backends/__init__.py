@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -37,7 +37,7 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
     return mod.unavailable_reason(device)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _crossover() -> list[dict]:
     """Rows {"backend", "max_batch"} measured by benchmarks/crossover.py, smallest batch first."""
     if not _CROSSOVER.exists():

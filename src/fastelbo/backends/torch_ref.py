@@ -30,7 +30,12 @@ def _forward_rows(x: torch.Tensor, p: VAEParams, eps: torch.Tensor):
     std = torch.exp(0.5 * logvar)
     z = mu + std * eps
     x_recon = torch.sigmoid(F.linear(F.relu(F.linear(z, p.dec_w1, p.dec_b1)), p.dec_w2, p.dec_b2))
+    # BCE raises (CPU) or device-asserts (CUDA) on a NaN probability, which overflowing weights
+    # produce (exp(logvar) = inf): compute those rows on 0.5 and hand back NaN instead.
+    nan_rows = torch.isnan(x_recon).any(-1)
+    x_recon = torch.where(nan_rows[:, None], torch.full_like(x_recon[:1], 0.5), x_recon)
     recon = F.binary_cross_entropy(x_recon, x, reduction="none").sum(-1)
+    recon = torch.where(nan_rows, torch.full_like(recon, float("nan")), recon)
     kl = -0.5 * (1 + logvar - mu.pow(2) - logvar.exp()).sum(-1)
     return -(recon + kl), recon, kl
 
