@@ -159,3 +159,76 @@ def _same(x, y) -> bool:
 def identical(a: tuple, b: tuple) -> bool:
     """Bit-identical outputs (NaN equal to NaN): how cached results give themselves away."""
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+
+
+# Reference envelope for ill-conditioned outputs.
+#
+# Where an output is a discontinuous function of intermediate values (the VAE's BCE: sigmoid
+# rounds to exactly 1.0 in float32 above a logit of ~16.6, and log1p(-p) then jumps from about
+# -16.6 to the -100 clamp), two correct float32 implementations that merely sum in a different
+# order disagree by far more than any tolerance on a few elements. We measure that conditioning
+# on the reference itself: rerun it with every parameter scaled by (1 + d*u), u ~ U(-1, 1),
+# d = PERTURB_REL = 2**-18 (~4e-6, a few times the relative rounding difference between two
+# summation orders of a K=784 float32 dot product, sqrt(784) * 2**-24 ~ 1.7e-6), and accept a
+# candidate element that lies inside [min, max] of those runs widened by the usual atol + rtol.
+# On well-conditioned elements the runs agree to ~1e-6 relative, so the check stays as tight as
+# allclose; the number of elements accepted only through the envelope is reported.
+PERTURB_REL = 2.0 ** -18
+PERTURB_RUNS = 16
+
+
+def perturbed(tensors, generator: torch.Generator, rel: float = PERTURB_REL) -> list:
+    """Copies of the floating tensors, each element scaled by (1 + rel * u), u ~ U(-1, 1)."""
+    out = []
+    for t in tensors:
+        if not t.is_floating_point():
+            out.append(t)
+            continue
+        u = torch.rand(t.shape, generator=generator, dtype=torch.float64) * 2 - 1
+        out.append((t.detach().double().cpu() * (1 + rel * u)).to(t.dtype).to(t.device))
+    return out
+
+
+def envelope_accepts(runs: list[torch.Tensor], got: torch.Tensor, atol: float,
+                     rtol: float) -> torch.Tensor:
+    """Elements of `got` inside [min, max] of the reference runs, widened by atol + rtol*|ref|.
+
+    runs[0] is the unperturbed reference; NaN/inf positions must match it exactly (that is
+    checked elsewhere), so only elements finite in every run and in `got` can be accepted.
+    """
+    stack = torch.stack([r.detach().double().cpu() for r in runs])
+    g = got.detach().double().cpu()
+    lo, hi = stack.min(0).values, stack.max(0).values
+    lo = lo - (atol + rtol * lo.abs())
+    hi = hi + (atol + rtol * hi.abs())
+    return torch.isfinite(stack).all(0) & torch.isfinite(g) & (g >= lo) & (g <= hi)
+
+
+def assert_outputs_match(got: tuple, runs: list[tuple], atol: float, rtol: float) -> int:
+    """For tests: raise AssertionError unless every output matches runs[0] within
+    atol + rtol*|ref|, or lies in the perturbed reference envelope. Returns how many elements
+    needed the envelope."""
+    ref = runs[0]
+    result = compare_outputs(ref, got, atol, rtol)
+    n_env, problems = 0, []
+    for f in result.findings:
+        if f.category != "mismatch":
+            problems.append(f.message)
+    for i, (r, g) in enumerate(zip(ref, got)):
+        if not isinstance(r, torch.Tensor) or r.shape != g.shape:
+            continue
+        rd, gd = r.detach().double().cpu(), g.detach().double().cpu()
+        close = (gd - rd).abs() <= atol + rtol * rd.abs()
+        finite = torch.isfinite(rd) & torch.isfinite(gd)
+        env = envelope_accepts([run[i] for run in runs], g, atol, rtol)
+        bad = finite & ~close & ~env
+        n_env += int((finite & ~close & env).sum())
+        if bad.any():
+            j = int(bad.flatten().nonzero()[0])
+            problems.append(f"output {i}: {int(bad.sum())} element(s) outside tolerance and the "
+                            f"perturbed-reference envelope; first {_fmt_index(j, r.shape)}: "
+                            f"candidate {gd.flatten()[j].item():.6g}, reference "
+                            f"{rd.flatten()[j].item():.6g}")
+    if problems:
+        raise AssertionError("; ".join(problems))
+    return n_env
