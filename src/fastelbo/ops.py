@@ -16,26 +16,48 @@ from .params import VAEParams
 from .validation import check_inputs
 
 
-class _Elbo(torch.autograd.Function):
-    """Forward on the chosen backend; backward by recomputing the torch spec with the same eps."""
+# The GPU backends run behind two torch.library custom ops, so torch.compile and CUDA-graph
+# capture see one opaque forward and one opaque backward. The backward is the torch spec's
+# (torch_ref.backward: autograd's formulas written out, recomputing the activations from the
+# same eps), so the gradients are PyTorch's own, including BCE's division by
+# max(p(1-p), 1e-12) where the sigmoid saturates.
+@torch.library.custom_op("fastelbo::elbo_forward", mutates_args=())
+def _elbo_forward(backend: str, x: torch.Tensor, eps: torch.Tensor,
+                  params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(backends.module(backend).forward(x, VAEParams(*params), eps))
 
-    @staticmethod
-    def forward(ctx, name, x, eps, *params):
-        ctx.save_for_backward(x, eps, *params)
-        return backends.module(name).forward(x, VAEParams(*params), eps)
 
-    @staticmethod
-    def backward(ctx, *grads):
-        x, eps, *params = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need)
-                  for t, need in zip([x, eps, *params], ctx.needs_input_grad[1:])]
-        with torch.enable_grad():
-            outs = torch_ref.forward(inputs[0], VAEParams(*inputs[2:]), inputs[1])
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
-            wanted = [t for t in inputs if t.requires_grad]
-            got = iter(torch.autograd.grad([o for o, _ in pairs], wanted,
-                                           [g for _, g in pairs], allow_unused=True))
-        return (None,) + tuple(next(got) if t.requires_grad else None for t in inputs)
+@_elbo_forward.register_fake
+def _(backend, x, eps, params):
+    return tuple(x.new_empty(x.shape[0]) for _ in range(3))
+
+
+@torch.library.custom_op("fastelbo::elbo_backward", mutates_args=())
+def _elbo_backward(grads: list[torch.Tensor], x: torch.Tensor, eps: torch.Tensor,
+                   params: list[torch.Tensor]) -> list[torch.Tensor]:
+    g_x, g_eps, g_params = torch_ref.backward(x, VAEParams(*params), eps, grads)
+    return [g_x, g_eps, *g_params]
+
+
+@_elbo_backward.register_fake
+def _(grads, x, eps, params):
+    return [torch.empty_like(t) for t in (x, eps, *params)]
+
+
+def _setup_context(ctx, inputs, output):
+    _, x, eps, params = inputs
+    ctx.save_for_backward(x, eps, *params)
+
+
+def _backward(ctx, g_elbo, g_recon, g_kl):
+    x, eps, *params = ctx.saved_tensors
+    zeros = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    grads = [g if g is not None else zeros for g in (g_elbo, g_recon, g_kl)]
+    gx, geps, *gparams = _elbo_backward(grads, x, eps, params)
+    return None, gx, geps, gparams
+
+
+_elbo_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
@@ -61,6 +83,4 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
     x, eps, params = x.contiguous(), eps.contiguous(), params.contiguous()
     if name == "torch":
         return torch_ref.forward(x, params, eps)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, eps, *params)):
-        return _Elbo.apply(name, x, eps, *params)
-    return backends.module(name).forward(x, params, eps)
+    return _elbo_forward(name, x, eps, list(params))

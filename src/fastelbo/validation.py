@@ -75,7 +75,7 @@ def check_inputs(x, params: VAEParams, eps) -> None:
             raise ValueError(f"eps must have shape ({x.shape[0]}, {lat}), got {tuple(eps.shape)}")
         if eps.device != w.device or eps.dtype != w.dtype:
             raise TypeError(f"eps must be {w.dtype} on {w.device}, got {eps.dtype} on {eps.device}")
-    if _enabled and not _capturing(x):
+    if _enabled and not _capturing(x) and not torch.compiler.is_compiling():
         check_values(x)
 
 

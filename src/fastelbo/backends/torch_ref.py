@@ -52,3 +52,54 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor):
     outs = [torch.cat(o) if len(parts) > 1 else o[0] for o in zip(*parts)]
     nan = torch.full((), float("nan"), dtype=x.dtype, device=x.device)
     return tuple(torch.where(bad, nan, o) for o in outs)
+
+
+def _backward_rows(x, p: VAEParams, eps, g_rec, g_kl):
+    """Autograd's backward of _forward_rows, written out with the same aten backward ops."""
+    aten = torch.ops.aten
+    h = F.relu(F.linear(x, p.enc_w, p.enc_b))
+    mu, lv = F.linear(h, p.mu_w, p.mu_b), F.linear(h, p.lv_w, p.lv_b)
+    std = torch.exp(0.5 * lv)
+    z = mu + std * eps
+    d = F.relu(F.linear(z, p.dec_w1, p.dec_b1))
+    prob = torch.sigmoid(F.linear(d, p.dec_w2, p.dec_b2))
+    nan_rows = torch.isnan(prob).any(-1)
+    safe = torch.where(nan_rows[:, None], torch.full_like(prob[:1], 0.5), prob)
+    g_out = torch.where(nan_rows, torch.zeros_like(g_rec), g_rec)[:, None].expand_as(prob)
+    # BCE's own backward: grad * (p - x) / max(p (1 - p), 1e-12); its target gradient -logit(p).
+    g_p = aten.binary_cross_entropy_backward(g_out, safe, x, None, 0)
+    g_x = -torch.logit(safe) * g_out
+    g_a4 = aten.sigmoid_backward(torch.where(nan_rows[:, None], torch.zeros_like(g_p), g_p), prob)
+    g_d = aten.threshold_backward(g_a4 @ p.dec_w2, d, 0)
+    g_z = g_d @ p.dec_w1
+    g_kl = g_kl[:, None]
+    g_mu = g_z + g_kl * mu                                    # d kl / d mu = mu
+    g_lv = 0.5 * (g_z * eps * std) - 0.5 * g_kl * (1 - lv.exp())
+    g_a1 = aten.threshold_backward(g_mu @ p.mu_w + g_lv @ p.lv_w, h, 0)
+    g_x = g_x + g_a1 @ p.enc_w
+    g_params = (g_a1.T @ x, g_a1.sum(0), g_mu.T @ h, g_mu.sum(0), g_lv.T @ h, g_lv.sum(0),
+                g_d.T @ z, g_d.sum(0), g_a4.T @ d, g_a4.sum(0))
+    return g_x, g_z * std, g_params
+
+
+def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads):
+    """Gradients w.r.t. (x, eps, params) of <grads, forward(x, params, eps)>, as autograd gives
+    them through `forward`, chunked like it: the spec for the GPU backends' backward."""
+    g_elbo, g_recon, g_kl = grads
+    bad = invalid_rows(x)
+    keep = ~bad
+    x = torch.where(bad[:, None], torch.zeros((), dtype=x.dtype, device=x.device), x)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    g_rec = torch.where(keep, g_recon - g_elbo, zero)   # elbo = -(recon + kl)
+    g_kl = torch.where(keep, g_kl - g_elbo, zero)
+    rows = max(1, CHUNK_ELEMS // max(1, x.shape[1]))
+    g_x, g_eps, g_params = [], [], [torch.zeros_like(t) for t in params]
+    for i in range(0, x.shape[0], rows):
+        gx, ge, gp = _backward_rows(x[i:i + rows], params, eps[i:i + rows],
+                                    g_rec[i:i + rows], g_kl[i:i + rows])
+        g_x.append(gx)
+        g_eps.append(ge)
+        for acc, g in zip(g_params, gp):
+            acc += g
+    g_x = torch.where(keep[:, None], torch.cat(g_x), zero)
+    return g_x, torch.cat(g_eps), g_params
