@@ -1,35 +1,55 @@
 #!/usr/bin/env bash
-# Everything one GPU session needs, in one call on the device machine (H200):
-#   bash benchmarks/device_run.sh STAGE...   stages: env build gpu-tests sanitize check bench crossover train
-# Logs and results go under $OUT (or ./device_out when OUT is unset).
+# Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
+#   bash benchmarks/device_run.sh STAGE...
+# Stages: env tests sanitize check bench cuda-plans triton-sweep iwae train train-epochs multi
+#         crossover. Each stage's log lands in $LOGS; at the end everything is packed into
+#         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-device_out}; mkdir -p "$OUT"
+OUT=${OUT:-device_out}; LOGS=/tmp/fastelbo_logs; mkdir -p "$OUT" "$LOGS"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-fe() { python3 -m fastelbo.cli "$@"; }
-status=0
-run() { local name=$1; shift; local t0=$SECONDS
-  echo "=== $name: $*"; "$@" 2>&1 | tee "$OUT/$name.log"; local rc=${PIPESTATUS[0]}
-  echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"; [ "$rc" = 0 ] || status=1; }
+FE="python3 -m fastelbo.cli"
+run() {  # run NAME TIMEOUT CMD...: log to $LOGS/NAME.log, one summary line, never abort the rest
+  local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  echo "=== $name: $*"
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
+  tail -n 15 "$LOGS/$name.log"
+  echo "$name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOGS/summary.txt"
+}
+pytest_gpu() { run "$1" "$2" python3 -m pytest -q -m gpu -p no:cacheprovider -rf "${@:3}"; }
 
 for stage in "$@"; do case $stage in
-  env) run env bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
-        python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())";
-        git rev-parse --short HEAD 2>/dev/null || true' ;;
-  build) run build python3 -c "from fastelbo.backends import cuda; import torch; print(cuda.unavailable_reason(torch.device('cuda')))" ;;
-  gpu-tests) run gpu_tests python3 -m pytest -q -m gpu -x --timeout=500 -p no:cacheprovider tests ;;
-  sanitize) run memcheck compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py
-            run racecheck compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py ;;
-  check) for c in fastelbo:cuda fastelbo:triton fastelbo:auto; do
-           run "check_${c#fastelbo:}" fe check vae_elbo "$c" --device cuda --batch-sizes 1,7,128,1000,65536 --trials 3
-         done
-         fe export --kernelbench "$OUT/solution.py" && run check_export fe check vae_elbo "$OUT/solution.py" --device cuda ;;
-  bench) run bench fe bench vae_elbo --device cuda --batch-sizes 128,4096,65536 --out "$OUT/bench.jsonl" ;;
-  crossover) run crossover python3 benchmarks/triton_crossover.py ;;
-  *) echo "unknown stage $stage"; status=1 ;;
+  env) run env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__,
+        triton.__version__, torch.cuda.get_device_name(), torch.cuda.device_count())"' ;;
+  tests)  # one process per file: a device assert in one cannot poison the others
+    for f in tests/test_cuda_backend.py tests/test_triton_gpu.py tests/test_triton_iwae.py; do
+      pytest_gpu "$(basename "$f" .py)" 300 "$f"; done
+    pytest_gpu other_gpu 300 tests --ignore=tests/test_cuda_backend.py \
+      --ignore=tests/test_triton_gpu.py --ignore=tests/test_triton_iwae.py ;;
+  sanitize)
+    run memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick
+    run racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
+  check)
+    for c in cuda triton auto; do
+      run "check_$c" 300 $FE check vae_elbo "fastelbo:$c" --device cuda --batch-sizes 1,7,128,1000,65536 --trials 3
+    done
+    for c in cuda triton; do run "check_odd_$c" 300 $FE check benchmarks/problems/vae_elbo_odd.py "fastelbo:$c" --device cuda --batch-sizes 1,7,1000; done
+    $FE export --kernelbench "$LOGS/solution.py" && run check_export 400 $FE check vae_elbo "$LOGS/solution.py" --device cuda ;;
+  bench) run bench 500 $FE bench vae_elbo --device cuda --batch-sizes 1,128,4096,65536 --out "$LOGS/bench.jsonl" ;;
+  cuda-plans) run cuda_plans 240 python3 benchmarks/cuda_bench.py --plans ;;
+  triton-sweep) run triton_sweep 240 python3 benchmarks/triton_forward_sweep.py --batches 4096 65536 ;;
+  iwae) run iwae 300 python3 benchmarks/iwae_bench.py --out "$LOGS/iwae.jsonl" ;;
+  train) run train 300 python3 benchmarks/train_bench.py --out "$LOGS/train.jsonl" ;;
+  train-epochs) run train_epochs 300 python3 benchmarks/train_bench.py --epochs 10 --out "$LOGS/train.jsonl" ;;
+  multi) run multi 500 bash benchmarks/multi_gpu.sh "$LOGS/multi" ;;
+  crossover) run crossover 300 python3 benchmarks/triton_crossover.py
+             cp src/fastelbo/backends/crossover.json "$LOGS/" 2>/dev/null ;;
+  *) echo "unknown stage $stage" ;;
 esac; done
-exit $status
+cp "$LOGS/summary.txt" "$OUT/" 2>/dev/null
+tar -czf "$OUT/results.tgz" -C "$LOGS" .
