@@ -3,6 +3,10 @@
     compute-sanitizer --tool memcheck  python3 benchmarks/cuda_sanitize.py
     compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize.py
     compute-sanitizer --tool synccheck python3 benchmarks/cuda_sanitize.py
+    compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize.py --quick
+
+--quick runs 4 small cases (both paths, staged and unstaged cluster plans) so racecheck, which
+is the slowest tool, finishes in a minute or two.
 
 Exits 1 on any mismatch (atol = rtol = 1e-4) and 2 when the backend is unavailable. Kept small:
 every launch runs 10-100x slower under the sanitizer.
@@ -24,11 +28,42 @@ BATCHES = [1, 7, 128, 1000]
 PLANS = [(0, 0, -1), (64, 8, 0), (5, 2, 1), (5, 16, 0), (1, 1, 1), (1, 1, 0)]
 
 
+# --quick: (dims, batch, rows, cluster, staged, path).
+QUICK = [((33, 7, 5), 7, 5, 2, 1, "cluster"), ((784, 256, 32), 7, 0, 0, -1, "cluster"),
+         ((781, 250, 31), 5, 1, 16, 0, "cluster"), ((781, 250, 31), 9, 0, 0, -1, "rows")]
+
+
+def check(params, x, eps, want, **kw) -> bool:
+    got = backend.forward(x, params, eps, _poison=True, **kw)
+    torch.cuda.synchronize()
+    return all(bool(torch.isclose(g, w, atol=1e-4, rtol=1e-4, equal_nan=True).all())
+               for g, w in zip(got, want))
+
+
+def quick() -> int:
+    failures = 0
+    for dims, batch, rows, cluster, staged, path in QUICK:
+        torch.manual_seed(0)
+        params = VAEParams(*(t.detach().cuda() for t in Model(*dims).state_dict().values()))
+        x = torch.rand(batch, dims[0], device="cuda")
+        x[batch // 2, dims[0] // 3] = 1.5
+        eps = torch.randn(batch, dims[2], device="cuda")
+        want = torch_ref.forward(x, params, eps)
+        ok = check(params, x, eps, want, rows=rows, cluster=cluster, staged=staged, path=path)
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} dims={dims} B={batch} rows={rows} cluster={cluster} "
+              f"staged={staged} path={path}", flush=True)
+    print(f"{failures} failure(s)")
+    return 1 if failures else 0
+
+
 def main() -> int:
     why = backend.unavailable_reason(torch.device("cuda"))
     if why is not None:
         print(f"cuda backend unavailable: {why}", file=sys.stderr)
         return 2
+    if "--quick" in sys.argv[1:]:
+        return quick()
     failures = 0
     for dims in DIMS:
         torch.manual_seed(0)
@@ -43,14 +78,14 @@ def main() -> int:
                                                  staged=staged)
                 if r <= 0:
                     continue
-                got = backend.forward(x, params, eps, rows=rows, cluster=cluster, staged=staged,
-                                      _poison=True)
-                torch.cuda.synchronize()
-                ok = all(bool(torch.isclose(g, w, atol=1e-4, rtol=1e-4, equal_nan=True).all())
-                         for g, w in zip(got, want))
+                ok = check(params, x, eps, want, rows=rows, cluster=cluster, staged=staged,
+                           path="cluster")
                 failures += not ok
                 print(f"{'ok  ' if ok else 'FAIL'} dims={dims} B={batch} R={r} C={c} "
                       f"staged={st} smem={smem}", flush=True)
+            ok = check(params, x, eps, want, path="rows")
+            failures += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} dims={dims} B={batch} rows path", flush=True)
     print(f"{failures} failure(s)")
     return 1 if failures else 0
 

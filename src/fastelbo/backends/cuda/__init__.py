@@ -1,7 +1,10 @@
-"""CUDA C++ backend: the lowest-latency path, one kernel launch per forward (sm_90+).
+"""CUDA C++ backend: the lowest-latency path (sm_90+), and never slower than eager PyTorch.
 
-elbo.cu holds the fused kernel (thread-block clusters + distributed shared memory, no torch
-types), elbo.h its plain params struct, binding.cpp the only torch-facing file. The extension is
+Two paths (binding.cpp picks by batch size; `path=` forces one): small batches run ONE launch
+of the fused cluster kernel (thread-block clusters + distributed shared memory); large batches
+run the two big GEMMs with cuBLAS (as eager does) around two fused kernels that do everything
+else. elbo.cu holds the kernels (no torch types), elbo.h their plain params structs,
+binding.cpp the only torch-facing file. The extension is
 built on first use with torch.utils.cpp_extension.load (cached in torch's extension directory;
 the name carries a hash of the sources, so an edit rebuilds) and memoised here (functools.cache).
 """
@@ -116,19 +119,47 @@ def plan(x: torch.Tensor, params: VAEParams, *, rows: int = 0, cluster: int = 0,
     return r, c, smem, variant, st
 
 
-def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
-            cluster: int = 0, staged: int = -1, _poison: bool = False):
-    """(elbo, recon, kl), each (B,) float32; one kernel launch on the current stream.
+PATHS = {"auto": 0, "cluster": 1, "rows": 2}
 
-    rows / cluster > 0 and staged in (0, 1) force the launch plan (tuning only); _poison fills
-    the outputs with NaN before the launch, so tests can prove every element is written.
-    """
-    params = VAEParams(*params)
+
+def check_inputs(x: torch.Tensor, params: VAEParams, eps: torch.Tensor) -> None:
+    """Raise TypeError / ValueError naming the argument, before anything reaches C++."""
     for name, t in (("x", x), ("eps", eps), *zip(VAEParams._fields, params)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype != torch.float32:
             raise TypeError(f"the cuda backend computes in float32 only; {name} is {t.dtype}. "
                             f"Use backend='torch' for other dtypes.")
-    out = extension().forward(x, eps, *params, rows, cluster, staged, _poison)
+    for name, t, nd in (("x", x, 2), ("eps", eps, 2), ("enc_w", params.enc_w, 2),
+                        ("mu_w", params.mu_w, 2)):
+        if t.dim() != nd:
+            raise ValueError(f"{name} must be {nd}-D, got shape {tuple(t.shape)}")
+    batch, d = x.shape
+    h, lat = params.enc_w.shape[0], params.mu_w.shape[0]
+    if batch < 1:
+        raise ValueError("x must hold at least one row")
+    want = {"x": (batch, d), "eps": (batch, lat), "enc_w": (h, d), "enc_b": (h,),
+            "mu_w": (lat, h), "mu_b": (lat,), "lv_w": (lat, h), "lv_b": (lat,),
+            "dec_w1": (h, lat), "dec_b1": (h,), "dec_w2": (d, h), "dec_b2": (d,)}
+    for name, t in (("eps", eps), *zip(VAEParams._fields, params)):
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{name} must have shape {want[name]}, got {tuple(t.shape)} "
+                             f"(x is {tuple(x.shape)}, enc_w {tuple(params.enc_w.shape)}, "
+                             f"mu_w {tuple(params.mu_w.shape)})")
+
+
+def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
+            cluster: int = 0, staged: int = -1, path: str = "auto", _poison: bool = False):
+    """(elbo, recon, kl), each (B,) float32, on the current stream.
+
+    path: "auto" (cluster kernel for small batches, rows path for large ones), "cluster" or
+    "rows". rows / cluster > 0 and staged in (0, 1) force the cluster kernel's launch plan
+    (tuning only); _poison fills the outputs with NaN first, so tests can prove every element
+    is written.
+    """
+    params = VAEParams(*params)
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {tuple(PATHS)}, got {path!r}")
+    check_inputs(x, params, eps)
+    out = extension().forward(x, eps, *params, rows, cluster, staged, _poison, PATHS[path])
     return out[0], out[1], out[2]

@@ -1,6 +1,17 @@
 // The only torch-facing file of the cuda backend: checks device, dtype, shape and contiguity,
-// fills the plain ElboParams struct, picks the launch plan and launches on PyTorch's current
-// stream, turning every CUDA error into an exception. elbo.cu never sees a torch type.
+// fills the plain params structs, picks the path and launch plan and launches on PyTorch's
+// current stream, turning every status / CUDA error into an exception (elbo.cu's host functions
+// are noexcept and return codes; no exception crosses from .cu code). elbo.cu never sees torch.
+//
+// Which path (elbo.h, elbo.cu):
+//   cluster (B <= kClusterMaxBatch): one launch of the fused cluster kernel. Lowest latency.
+//   rows (larger B, or dims the cluster kernel cannot hold in shared memory): per chunk of
+//     kRowsChunk rows, at::linear for the encoder GEMM (the very call eager F.linear makes, so
+//     cuBLAS, TF32 only where torch.backends.cuda.matmul.allow_tf32 says so), latent_kernel,
+//     at::linear for the decoder output GEMM, bce_kernel. Eager runs the same two GEMMs plus
+//     ~15 elementwise passes over (B, D) tensors; this runs one, so it is never slower.
+// Both paths only launch on the current stream and allocate through the caching allocator:
+// CUDA-graph capturable.
 //
 // fastelbo/export.py inlines this file (with FASTELBO_INLINE defined and elbo.h pasted in) into
 // a load_inline source, where torch generates the Python binding itself.
@@ -8,6 +19,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -25,19 +37,92 @@
     FE_CHECK((t).is_contiguous(), name, " must be contiguous");                              \
     FE_CHECK((t).device() == (dev), name, " is on ", (t).device(), " but x is on ", (dev));  \
   } while (0)
-#define FE_CHECK_SHAPE(t, name, ...)                                                         \
-  FE_CHECK((t).sizes() == at::IntArrayRef({__VA_ARGS__}), name, " must have shape ",         \
-           at::IntArrayRef({__VA_ARGS__}), ", got ", (t).sizes())
 
 namespace {
 
+// Crossover between the paths. The cluster kernel's time grows with the rows per cluster
+// (B / (SMs / C) rows at C = 16 on 132 SMs: 8 clusters); the rows path costs ~4 launches
+// (~2 us each in a graph) plus cuBLAS-rate GEMMs. First H200 data (before the DSMEM pull
+// rewrite): cluster 32 us at B=128 and 314 us at B=1024 vs eager ~90 us. 256 keeps the one-
+// launch path where it is the latency winner; revise from `cuda_bench.py --all` (paths table).
+constexpr int64_t kClusterMaxBatch = 256;
+// Rows per chunk of the rows path: intermediates h, d (chunk x H) and logits (chunk x D) are
+// 8192 * (256 + 256 + 784) * 4 B = 42 MB at the reference dims, vs ~490 MB of (B, D)
+// temporaries eager allocates at B=65536; 8192 rows still fill the GPU in every GEMM.
+constexpr int64_t kRowsChunk = 8192;
+
+enum Path : int64_t { kPathAuto = 0, kPathCluster = 1, kPathRows = 2 };
+
 bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; }
+
+// Shape check without temporaries in the message (the wanted shape lives in a named vector).
+void check_shape(const at::Tensor& t, const char* name, std::vector<int64_t> want) {
+  const at::IntArrayRef w(want);
+  FE_CHECK(t.sizes().equals(w), name, " must have shape ", w, ", got ", t.sizes());
+}
+
+// The rows path (see the file comment); outputs already allocated.
+void rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& enc_w,
+                  const at::Tensor& enc_b, const at::Tensor& mu_w, const at::Tensor& mu_b,
+                  const at::Tensor& lv_w, const at::Tensor& lv_b, const at::Tensor& dec_w1,
+                  const at::Tensor& dec_b1, const at::Tensor& dec_w2, const at::Tensor& dec_b2,
+                  std::vector<at::Tensor>& out, cudaStream_t stream) {
+  const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
+  fastelbo::LatentParams lp{};
+  lp.H = static_cast<int>(H);
+  lp.L = static_cast<int>(L);
+  cudaError_t err = cudaSuccess;
+  const fastelbo::ElboStatus st = fastelbo::latent_plan(lp, x.get_device(), &err);
+  FE_CHECK(st != fastelbo::kElboTooLarge, "latent_dim=", L,
+           " is too large for the rows path's shared memory; use backend='torch' or "
+           "backend='triton'");
+  FE_CHECK(st == fastelbo::kElboOk, "planning the rows path failed: ", cudaGetErrorString(err));
+  lp.wmu = mu_w.data_ptr<float>();
+  lp.bmu = mu_b.data_ptr<float>();
+  lp.wlv = lv_w.data_ptr<float>();
+  lp.blv = lv_b.data_ptr<float>();
+  lp.wd1 = dec_w1.data_ptr<float>();
+  lp.bd1 = dec_b1.data_ptr<float>();
+  const auto opts = x.options();
+  const int64_t chunk = std::min(B, kRowsChunk);
+  at::Tensor d = at::empty({chunk, H}, opts);
+  for (int64_t s = 0; s < B; s += chunk) {
+    const int64_t n = std::min(chunk, B - s);
+    const at::Tensor xs = x.narrow(0, s, n);
+    at::Tensor h = at::linear(xs, enc_w, enc_b);  // = eager's encoder GEMM, bias included
+    FE_CHECK(h.is_contiguous() && h.scalar_type() == at::kFloat, "unexpected encoder output");
+    if (!lp.stage_h) h.relu_();  // huge hidden_dim only: the kernel then reads h as is
+    lp.h = h.data_ptr<float>();
+    lp.eps = eps.data_ptr<float>() + s * L;
+    lp.d = d.data_ptr<float>();
+    lp.kl = out[2].data_ptr<float>() + s;
+    lp.n = static_cast<int>(n);
+    lp.vec = ((H % 4 == 0 && aligned16(lp.h) && aligned16(lp.wmu) && aligned16(lp.wlv)) ? 1u : 0u) |
+             ((L % 4 == 0 && aligned16(lp.wd1)) ? 2u : 0u);
+    err = fastelbo::latent_launch(lp, stream);
+    FE_CHECK(err == cudaSuccess, "latent kernel launch failed (rows=", lp.rows, ", smem=",
+             lp.smem_bytes, " B): ", cudaGetErrorString(err));
+    const at::Tensor logits = at::linear(d.narrow(0, 0, n), dec_w2, dec_b2);
+    FE_CHECK(logits.is_contiguous(), "unexpected decoder output");
+    fastelbo::BceParams bp{};
+    bp.logits = logits.data_ptr<float>();
+    bp.x = xs.data_ptr<float>();
+    bp.elbo = out[0].data_ptr<float>() + s;
+    bp.recon = out[1].data_ptr<float>() + s;
+    bp.kl = out[2].data_ptr<float>() + s;
+    bp.n = static_cast<int>(n);
+    bp.D = static_cast<int>(D);
+    bp.vec = (D % 4 == 0 && aligned16(bp.logits) && aligned16(bp.x)) ? 1 : 0;
+    err = fastelbo::bce_launch(bp, stream);
+    FE_CHECK(err == cudaSuccess, "bce kernel launch failed: ", cudaGetErrorString(err));
+  }
+}
 
 }  // namespace
 
-// Returns {elbo, recon, kl}, each (B,) float32. rows / cluster > 0 and staged >= 0 force the
-// plan (tuning; -1 / 0 = automatic); poison = true fills the outputs with NaN before the launch
-// (tests: every element is written).
+// Returns {elbo, recon, kl}, each (B,) float32. path: 0 auto, 1 cluster, 2 rows. rows / cluster
+// > 0 and staged >= 0 force the cluster plan (tuning; -1 / 0 = automatic) and imply path 1;
+// poison = true fills the outputs with NaN before the launch (tests: every element is written).
 std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
                                      const at::Tensor& enc_w, const at::Tensor& enc_b,
                                      const at::Tensor& mu_w, const at::Tensor& mu_b,
@@ -45,7 +130,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
                                      const at::Tensor& dec_w1, const at::Tensor& dec_b1,
                                      const at::Tensor& dec_w2, const at::Tensor& dec_b2,
                                      int64_t rows, int64_t cluster, int64_t staged,
-                                     bool poison) {
+                                     bool poison, int64_t path) {
   FE_CHECK(x.defined(), "x is undefined");
   const auto dev = x.device();
   FE_CHECK_TENSOR(x, "x", dev);
@@ -63,29 +148,47 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   FE_CHECK(x.dim() == 2, "x must be 2-D (batch, input_dim), got shape ", x.sizes());
   FE_CHECK(enc_w.dim() == 2, "enc_w must be 2-D (hidden_dim, input_dim), got ", enc_w.sizes());
   FE_CHECK(mu_w.dim() == 2, "mu_w must be 2-D (latent_dim, hidden_dim), got ", mu_w.sizes());
-  const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
+  const int64_t B = x.sizes()[0], D = x.sizes()[1];      // dims checked just above
+  const int64_t H = enc_w.sizes()[0], L = mu_w.sizes()[0];
   FE_CHECK(B >= 1, "x must hold at least one row");
   FE_CHECK(D >= 1 && H >= 1 && L >= 1, "dims must be positive, got input_dim=", D,
            " hidden_dim=", H, " latent_dim=", L);
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   FE_CHECK(B <= kIntMax && D <= kIntMax && H <= kIntMax && L <= kIntMax,
            "sizes must fit in int32, got B=", B, " D=", D, " H=", H, " L=", L);
-  FE_CHECK_SHAPE(enc_w, "enc_w", H, D);
-  FE_CHECK_SHAPE(enc_b, "enc_b", H);
-  FE_CHECK_SHAPE(mu_w, "mu_w", L, H);
-  FE_CHECK_SHAPE(mu_b, "mu_b", L);
-  FE_CHECK_SHAPE(lv_w, "lv_w", L, H);
-  FE_CHECK_SHAPE(lv_b, "lv_b", L);
-  FE_CHECK_SHAPE(dec_w1, "dec_w1", H, L);
-  FE_CHECK_SHAPE(dec_b1, "dec_b1", H);
-  FE_CHECK_SHAPE(dec_w2, "dec_w2", D, H);
-  FE_CHECK_SHAPE(dec_b2, "dec_b2", D);
-  FE_CHECK_SHAPE(eps, "eps", B, L);
+  check_shape(enc_w, "enc_w", {H, D});
+  check_shape(enc_b, "enc_b", {H});
+  check_shape(mu_w, "mu_w", {L, H});
+  check_shape(mu_b, "mu_b", {L});
+  check_shape(lv_w, "lv_w", {L, H});
+  check_shape(lv_b, "lv_b", {L});
+  check_shape(dec_w1, "dec_w1", {H, L});
+  check_shape(dec_b1, "dec_b1", {H});
+  check_shape(dec_w2, "dec_w2", {D, H});
+  check_shape(dec_b2, "dec_b2", {D});
+  check_shape(eps, "eps", {B, L});
   FE_CHECK(rows >= 0 && rows <= 64, "rows must be 0 (auto) or 1..64, got ", rows);
   FE_CHECK(cluster >= 0 && cluster <= 16, "cluster must be 0 (auto) or 1..16, got ", cluster);
   FE_CHECK(staged >= -1 && staged <= 1, "staged must be -1 (auto), 0 or 1, got ", staged);
+  FE_CHECK(path >= kPathAuto && path <= kPathRows,
+           "path must be 0 (auto), 1 (cluster) or 2 (rows), got ", path);
+  const bool forced_plan = rows > 0 || cluster > 0 || staged >= 0;
+  FE_CHECK(!(forced_plan && path == kPathRows),
+           "rows / cluster / staged force the cluster path; they conflict with path=rows");
+  if (forced_plan) path = kPathCluster;
 
   const c10::cuda::CUDAGuard guard(dev);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
+  const auto opts = x.options();
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < 3; ++i)
+    out.push_back(poison ? at::full({B}, std::nanf(""), opts) : at::empty({B}, opts));
+  if (path == kPathRows || (path == kPathAuto && B > kClusterMaxBatch)) {
+    rows_forward(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
+                 out, stream);
+    return out;
+  }
+
   fastelbo::ElboParams p{};
   p.x = x.data_ptr<float>();
   p.eps = eps.data_ptr<float>();
@@ -112,27 +215,29 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   const fastelbo::ElboStatus st =
       fastelbo::elbo_plan(p, dev.index(), static_cast<int>(rows), static_cast<int>(cluster),
                           static_cast<int>(staged), &err);
+  if (path == kPathAuto && (st == fastelbo::kElboTooLarge || st == fastelbo::kElboNoCluster)) {
+    // The general path: dims whose activations do not fit a block (or no cluster fits).
+    rows_forward(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
+                 out, stream);
+    return out;
+  }
   FE_CHECK(st != fastelbo::kElboBadArch,
            "needs compute capability 9.0+ (thread-block clusters); use backend='torch' or "
            "backend='triton'");
   FE_CHECK(st != fastelbo::kElboTooLarge, "input_dim=", D, " hidden_dim=", H, " latent_dim=", L,
            " need ", fastelbo::elbo_smem_bytes(p.D, p.H, p.L, 1, 16, false),
            " bytes of shared memory per block even at one row per cluster, more than this GPU "
-           "allows; use backend='torch' or backend='triton'");
+           "allows; use path='rows' (automatic), backend='torch' or backend='triton'");
   FE_CHECK(st != fastelbo::kElboNoCluster,
            "no thread-block cluster size fits on this GPU for these dims (rows=", rows,
            ", cluster=", cluster, "); use backend='torch' or backend='triton'");
   FE_CHECK(st == fastelbo::kElboOk, "planning the launch failed: ", cudaGetErrorString(err));
 
-  const auto opts = x.options();
-  std::vector<at::Tensor> out;
-  for (int i = 0; i < 3; ++i)
-    out.push_back(poison ? at::full({B}, std::nanf(""), opts) : at::empty({B}, opts));
   p.elbo = out[0].data_ptr<float>();
   p.recon = out[1].data_ptr<float>();
   p.kl = out[2].data_ptr<float>();
 
-  err = fastelbo::elbo_launch(p, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
+  err = fastelbo::elbo_launch(p, stream);
   FE_CHECK(err == cudaSuccess, "kernel launch failed (R=", p.R, ", C=", p.C, ", smem=",
            p.smem_bytes, " B, staged=", p.staged, "): ", cudaGetErrorString(err));
   return out;
@@ -166,7 +271,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("lv_b"), pybind11::arg("dec_w1"), pybind11::arg("dec_b1"),
         pybind11::arg("dec_w2"), pybind11::arg("dec_b2"), pybind11::arg("rows") = 0,
         pybind11::arg("cluster") = 0, pybind11::arg("staged") = -1,
-        pybind11::arg("poison") = false);
+        pybind11::arg("poison") = false, pybind11::arg("path") = 0);
   m.def("plan", &elbo_plan_info,
         "launch plan {R, C, smem_bytes, variant, staged} or {-status, 0, 0, 0, 0}",
         pybind11::arg("device"), pybind11::arg("B"), pybind11::arg("D"), pybind11::arg("H"),

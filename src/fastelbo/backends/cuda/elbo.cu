@@ -1,15 +1,26 @@
 // Fused VAE ELBO forward: encoder, latent heads, reparameterisation, decoder, BCE and KL in ONE
 // kernel launch, no intermediate tensor in global memory. Role: the lowest-latency backend.
 //
-// Design: a thread-block cluster of C blocks (C = 16 non-portable where the GPU schedules it,
-// else 8, 4, ...) owns a tile of R batch rows. In each layer, block k of the cluster computes
-// its slice of output columns for all R rows (so each weight is read once per cluster, not
-// once per row) and pushes its slice into every cluster block's shared memory through
-// distributed shared memory (DSMEM); one cluster barrier per layer publishes the whole
-// activation. The latent layer gives each block whole latent indices j (mu_j and logvar_j
-// together), so reparameterisation and the KL term stay local. The last layer's slice
-// computes sigmoid + BCE against x for its columns; per-row partial sums go to the rank-0
-// block through DSMEM, which writes elbo, recon and kl.
+// Which path runs (binding.cpp decides; `path` forces one for tests and tuning):
+//   B <= kClusterMaxBatch (binding.cpp): the cluster path below, ONE launch per forward. At
+//     small B the forward is latency-bound (launches, barriers, L2 round trips), and one launch
+//     beats eager's ~20.
+//   larger B, or dims whose activations do not fit a block's shared memory: the rows path at
+//     the end of this file, around two cuBLAS GEMMs. The FFMA-only cluster kernel cannot match
+//     cuBLAS on the two big GEMMs (52 GFLOP at B=65536), so the rows path uses cuBLAS for them
+//     and fuses every other op, saving eager's ~15 elementwise passes over (B, D) tensors.
+//
+// Cluster design: a thread-block cluster of C blocks (C = 16 non-portable where the GPU
+// schedules it, else 8, 4, ...) owns a tile of R batch rows. In each layer, block k of the
+// cluster computes its slice of output columns for all R rows (so each weight is read once per
+// cluster, not once per row) and writes it into its OWN shared memory; after the layer's
+// cluster barrier every block pulls the other C-1 slices with 16-byte DSMEM loads. (Pushing
+// every element to all C blocks with 4-byte remote stores, as a first version did, sent
+// R*H*C scattered remote stores per layer through the SM-to-SM network, which is narrow:
+// that, not the FFMAs, set its time.) The latent layer gives each block whole latent indices
+// j (mu_j and logvar_j together), so reparameterisation and the KL term stay local. The last
+// layer's slice computes sigmoid + BCE against x for its columns; per-row partial sums go to
+// the rank-0 block through DSMEM, which writes elbo, recon and kl.
 //
 // Cost at the reference size (B=128, D=784, H=256, L=32) on an H200 (132 SMs):
 //   weights 4*(784*256*2 + 256*32*3) B = 1.7 MB, x 0.4 MB: ~2.1 MB / 4.3 TB/s  = 0.5 us floor;
@@ -30,17 +41,23 @@
 // memory. Where they do not fit (large R at large B, huge dims) the same loops read global
 // memory (L1/L2) instead: p.staged picks the path, both always correct.
 //
-// Barrier discipline (each reused buffer: last read, barrier, next write):
+// Barrier discipline (each reused buffer: last read, barrier, next write). A block writes
+// only its own slice columns of hs / zs locally and only OTHER blocks' slice columns by pulls,
+// and other blocks read only its slice columns: the two never overlap.
 //   staged copies: cp.async.wait_group(3 - layer) in every thread before the barrier that
 //   precedes the layer (S0..S3), so the barrier publishes every thread's copies.
-//   S0 cluster.sync   every block started before any DSMEM store
-//   L1  read x, w1         -> push h into hs of all blocks               S1 cluster.sync
+//   S0 cluster.sync   every block started before any DSMEM access
+//   L1  read x, w1         -> h slice into own hs                         S1 cluster.sync
+//       pull the other h slices into hs; __syncthreads
 //   L2  read hs, wmu, wlv  -> ml (local); __syncthreads;
-//       read ml, eps        -> push z into zs of all, KL partial to rank 0  S2 cluster.sync
-//   L3  read zs, wd1        -> push d into hs of all (hs reads of L2 all precede S2)  S3
+//       read ml, eps        -> z slice into own zs, KL partial to rank 0   S2 cluster.sync
+//       pull the other z slices into zs; __syncthreads (all h pulls from hs precede S2)
+//   L3  read zs, wd1        -> d slice into own hs                         S3 cluster.sync
+//       pull the other d slices into hs; __syncthreads (all z pulls precede S3)
 //   L4  read hs, wd2        -> ob (local); __syncthreads;
 //       read ob, x          -> BCE partial + bad-row flag to rank 0       S4 cluster.sync
-//   rank 0 reads the partials and writes the outputs; no block touches another's smem after S4.
+//   rank 0 reads the partials and writes the outputs; no block touches another's smem after S4
+//   (every pull precedes S4, so no block exits while its smem is still being read).
 #include "elbo.h"
 
 #include <cooperative_groups.h>
@@ -64,6 +81,26 @@ __device__ __forceinline__ float nan_max(float a, float b) { return (a < b) ? b 
 __device__ __forceinline__ float relu(float v) { return nan_max(v, 0.0f); }
 
 __host__ __device__ __forceinline__ int round4(int v) { return (v + 3) & ~3; }
+
+// The per-element math, shared by both paths (op by op as eager PyTorch rounds it).
+// z = mu + exp(0.5 logvar) * eps, separate roundings.
+__device__ __forceinline__ float reparam(float mu, float lv, float ep) {
+  return __fadd_rn(mu, __fmul_rn(expf(__fmul_rn(0.5f, lv)), ep));
+}
+// One term of the KL sum: 1 + logvar - mu^2 - exp(logvar).
+__device__ __forceinline__ float kl_term(float mu, float lv) {
+  return __fsub_rn(__fsub_rn(__fadd_rn(1.0f, lv), __fmul_rn(mu, mu)), expf(lv));
+}
+// BCE as PyTorch: (x - 1) * max(log1p(-p), -100) - x * max(log(p), -100), p = sigmoid(a);
+// x outside [0, 1] or NaN -> NaN and *bad set.
+__device__ __forceinline__ float bce_term(float a, float xv, bool* bad) {
+  const float pr = 1.0f / (1.0f + expf(-a));
+  const float lp = nan_max(logf(pr), -100.0f), l1p = nan_max(log1pf(-pr), -100.0f);
+  const bool ok = xv >= 0.0f && xv <= 1.0f;
+  *bad |= !ok;
+  return ok ? __fsub_rn(__fmul_rn(xv - 1.0f, l1p), __fmul_rn(xv, lp))
+            : __int_as_float(0x7fc00000);
+}
 __host__ __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 template <bool kGlobal>
@@ -112,6 +149,53 @@ __device__ __forceinline__ void stage_rows(float* dst, int ld, Src src, int nrow
     for (int i = static_cast<int>(threadIdx.x); i < nrows * K; i += kThreads) {
       const int r = i / K, c = i - r * K;
       cp_async4(dst + r * ld + c, src(r) + c);
+    }
+  }
+}
+
+// After a cluster barrier: copy the slices of the other C-1 blocks (columns [q*ns, q*ns + ns)
+// of rows [0, R), clipped to N columns) from their shared memory into ours, 16 bytes at a
+// time (ns % 4 == 0, ld % 4 == 0, buf 16-byte aligned), scalar at a ragged last slice. Four
+// independent remote loads per thread are in flight before the stores.
+__device__ __forceinline__ void pull_slices(cg::cluster_group& cluster, float* buf, int ld,
+                                            int ns, int N, int R, int C, int rank) {
+  const int nv = ns / 4;
+  const int total = (C - 1) * R * nv;
+  for (int base = static_cast<int>(threadIdx.x); base < total; base += 4 * kThreads) {
+    float4 v[4];
+    int off[4], cnt[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = base + u * kThreads;
+      cnt[u] = 0;
+      off[u] = 0;
+      if (i < total) {
+        const int qq = i / (R * nv), rem = i - qq * (R * nv), r = rem / nv, s = rem - r * nv;
+        const int q = qq < rank ? qq : qq + 1;
+        const int c0 = q * ns + s * 4;
+        cnt[u] = max(0, min(4, N - c0));
+        off[u] = r * ld + c0;
+        const float* src = cluster.map_shared_rank(buf, q) + off[u];
+        if (cnt[u] == 4) {
+          v[u] = *reinterpret_cast<const float4*>(src);
+        } else {
+          v[u].x = cnt[u] > 0 ? src[0] : 0.0f;
+          v[u].y = cnt[u] > 1 ? src[1] : 0.0f;
+          v[u].z = cnt[u] > 2 ? src[2] : 0.0f;
+          v[u].w = 0.0f;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      float* dst = buf + off[u];
+      if (cnt[u] == 4) {
+        *reinterpret_cast<float4*>(dst) = v[u];
+      } else {
+        if (cnt[u] > 0) dst[0] = v[u].x;
+        if (cnt[u] > 1) dst[1] = v[u].y;
+        if (cnt[u] > 2) dst[2] = v[u].z;
+      }
     }
   }
 }
@@ -279,19 +363,20 @@ __global__ void __launch_bounds__(kThreads, 2) elbo_kernel(const __grid_constant
   cp_async_wait<3>();  // own copies of group 0 landed; the barrier publishes everyone's
   cluster.sync();      // S0
 
-  // L1: h = relu(x w1^T + b1), this block's columns, pushed to every block's hs.
-  auto push_h = [&](int r, int c, float v, int kk, int ks) {
+  // L1: h = relu(x w1^T + b1), this block's columns, into its own hs.
+  auto put_h = [&](int r, int c, float v, int kk, int) {
     const int n = n0h + c;
-    const float h = relu(v + __ldg(p.b1 + n));
-    for (int q = kk; q < C; q += ks) cluster.map_shared_rank(hs, q)[r * ldh + n] = h;
+    if (kk == 0) hs[r * ldh + n] = relu(v + __ldg(p.b1 + n));
   };
   staged_layer<TR, TC, true>(staged, v1, R, ncol_h, D,
       [&](int r) { return static_cast<const float*>(xs) + r * ldx; },
       [&](int r) { return p.x + static_cast<size_t>(grow(r)) * D; },
       [&](int c) { return static_cast<const float*>(w1s) + c * ldx; },
-      [&](int c) { return p.w1 + static_cast<size_t>(n0h + c) * D; }, push_h);
+      [&](int c) { return p.w1 + static_cast<size_t>(n0h + c) * D; }, put_h);
   cp_async_wait<2>();
   cluster.sync();  // S1
+  pull_slices(cluster, hs, ldh, p.ns_h, H, R, C, rank);
+  __syncthreads();
 
   // L2: mu and logvar for latent indices [j0, j0 + lcnt), kept local.
   auto hrow = [&](int r) { return static_cast<const float*>(hs) + r * ldh; };
@@ -308,38 +393,37 @@ __global__ void __launch_bounds__(kThreads, 2) elbo_kernel(const __grid_constant
         if (kk == 0) ml[r * ldm + c] = v + __ldg(c < lcnt ? p.bmu + j0 + c : p.blv + j0 + c - lcnt);
       });
   __syncthreads();
-  // z = mu + exp(0.5 logvar) * eps, pushed to every block; separate roundings as in eager torch.
-  for (int i = tid; i < R * lcnt * C; i += kThreads) {
-    const int q = i % C, e = i / C, r = e / lcnt, c = e - r * lcnt;
-    const float mu = ml[r * ldm + c], lv = ml[r * ldm + lcnt + c];
-    const float sd = expf(__fmul_rn(0.5f, lv));
+  // z = mu + exp(0.5 logvar) * eps for this block's latent indices, into its own zs.
+  for (int i = tid; i < R * lcnt; i += kThreads) {
+    const int r = i / lcnt, c = i - r * lcnt;
     const float ep = __ldg(p.eps + static_cast<size_t>(grow(r)) * L + j0 + c);
-    cluster.map_shared_rank(zs, q)[r * ldl + j0 + c] = __fadd_rn(mu, __fmul_rn(sd, ep));
+    zs[r * ldl + j0 + c] = reparam(ml[r * ldm + c], ml[r * ldm + lcnt + c], ep);
   }
   // KL partial: sum_j (1 + logvar - mu^2 - exp(logvar)) over this block's j, to rank 0.
   for (int r = tid; r < R; r += kThreads) {
     float s = 0.0f;
-    for (int c = 0; c < lcnt; ++c) {
-      const float mu = ml[r * ldm + c], lv = ml[r * ldm + lcnt + c];
-      s += __fsub_rn(__fsub_rn(__fadd_rn(1.0f, lv), __fmul_rn(mu, mu)), expf(lv));
-    }
+    for (int c = 0; c < lcnt; ++c) s += kl_term(ml[r * ldm + c], ml[r * ldm + lcnt + c]);
     cluster.map_shared_rank(kl_part, 0)[rank * R + r] = s;
   }
   cp_async_wait<1>();
   cluster.sync();  // S2
+  pull_slices(cluster, zs, ldl, p.ns_l, L, R, C, rank);
+  __syncthreads();
 
-  // L3: d = relu(z wd1^T + bd1) into hs (every block's hs reads of L2 happened before S2).
-  auto push_d = [&](int r, int c, float v, int kk, int ks) {
+  // L3: d = relu(z wd1^T + bd1), own columns into own hs (all hs reads, local and remote, of
+  // L1's h happened before S2).
+  auto put_d = [&](int r, int c, float v, int kk, int) {
     const int n = n0h + c;
-    const float d = relu(v + __ldg(p.bd1 + n));
-    for (int q = kk; q < C; q += ks) cluster.map_shared_rank(hs, q)[r * ldh + n] = d;
+    if (kk == 0) hs[r * ldh + n] = relu(v + __ldg(p.bd1 + n));
   };
   auto zrow = [&](int r) { return static_cast<const float*>(zs) + r * ldl; };
   staged_layer<TR, TC, false>(staged, v3, R, ncol_h, L, zrow, zrow,
       [&](int c) { return static_cast<const float*>(wd1s) + c * ldl; },
-      [&](int c) { return p.wd1 + static_cast<size_t>(n0h + c) * L; }, push_d);
+      [&](int c) { return p.wd1 + static_cast<size_t>(n0h + c) * L; }, put_d);
   cp_async_wait<0>();
   cluster.sync();  // S3
+  pull_slices(cluster, hs, ldh, p.ns_h, H, R, C, rank);
+  __syncthreads();
 
   // L4: logits a = d wd2^T + bd2 for this block's columns of x, kept local.
   staged_layer<TR, TC, false>(staged, v4, R, ncol_d, H, hrow, hrow,
@@ -349,21 +433,13 @@ __global__ void __launch_bounds__(kThreads, 2) elbo_kernel(const __grid_constant
         if (kk == 0) ob[r * ldo + c] = v + __ldg(p.bd2 + n0d + c);
       });
   __syncthreads();
-  // BCE as PyTorch: (x - 1) * max(log1p(-p), -100) - x * max(log(p), -100), p = sigmoid(a).
-  // One warp per row, fixed order: deterministic. x outside [0, 1] or NaN -> NaN + row flag.
+  // BCE (bce_term), one warp per row, fixed order: deterministic. Bad x -> NaN + row flag.
   const int warp = tid >> 5, lane = tid & 31;
   for (int r = warp; r < R; r += kWarps) {
     const float* xr = p.x + static_cast<size_t>(grow(r)) * D + n0d;
     float s = 0.0f;
     bool bad = false;
-    for (int c = lane; c < ncol_d; c += 32) {
-      const float a = ob[r * ldo + c], xv = __ldg(xr + c);
-      const float pr = 1.0f / (1.0f + expf(-a));
-      const float lp = nan_max(logf(pr), -100.0f), l1p = nan_max(log1pf(-pr), -100.0f);
-      const bool ok = xv >= 0.0f && xv <= 1.0f;
-      bad |= !ok;
-      s += ok ? __fsub_rn(__fmul_rn(xv - 1.0f, l1p), __fmul_rn(xv, lp)) : __int_as_float(0x7fc00000);
-    }
+    for (int c = lane; c < ncol_d; c += 32) s += bce_term(ob[r * ldo + c], __ldg(xr + c), &bad);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
     bad = __any_sync(0xffffffffu, bad);
@@ -408,8 +484,8 @@ struct Layout {
 
 Layout make_layout(int D, int H, int L, int R, int C, bool staged) {
   Layout l{};
-  l.ns_h = cdiv(H, C);
-  l.ns_l = cdiv(L, C);
+  l.ns_h = round4(cdiv(H, C));  // multiples of 4: slices are pulled 16 bytes at a time
+  l.ns_l = round4(cdiv(L, C));
   l.ns_d = cdiv(D, C);
   l.ldh = round4(H) + 4;      // +4 floats: rows start in different banks
   l.ldl = round4(L) + 4;
@@ -504,13 +580,26 @@ cudaError_t active_clusters(int device, int variant, int C, int smem, int* fits)
 
 }  // namespace
 
-long long elbo_smem_bytes(int D, int H, int L, int R, int C, bool staged) {
+long long elbo_smem_bytes(int D, int H, int L, int R, int C, bool staged) noexcept {
   return make_layout(D, H, L, R, C, staged).floats * 4;
 }
 
+static ElboStatus elbo_plan_locked(ElboParams& p, int device, int rows, int cluster,
+                                   int staged, cudaError_t* cuda_err);
+
 ElboStatus elbo_plan(ElboParams& p, int device, int rows, int cluster, int staged,
-                     cudaError_t* cuda_err) {
-  std::lock_guard<std::mutex> lock(g_mutex);
+                     cudaError_t* cuda_err) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    return elbo_plan_locked(p, device, rows, cluster, staged, cuda_err);
+  } catch (...) {  // std::map allocation / mutex: no exception leaves this file
+    *cuda_err = cudaErrorMemoryAllocation;
+    return kElboCudaError;
+  }
+}
+
+static ElboStatus elbo_plan_locked(ElboParams& p, int device, int rows, int cluster,
+                                   int staged, cudaError_t* cuda_err) {
   *cuda_err = cudaSuccess;
   DeviceInfo dev;
   cudaError_t e = device_info(device, &dev);
@@ -576,7 +665,7 @@ ElboStatus elbo_plan(ElboParams& p, int device, int rows, int cluster, int stage
   return any_fit_smem ? kElboNoCluster : kElboTooLarge;
 }
 
-cudaError_t elbo_launch(const ElboParams& p, cudaStream_t stream) {
+cudaError_t elbo_launch(const ElboParams& p, cudaStream_t stream) noexcept {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(cdiv(p.B, p.R) * p.C));
   cfg.blockDim = dim3(kThreads);
@@ -592,6 +681,195 @@ cudaError_t elbo_launch(const ElboParams& p, cudaStream_t stream) {
   cudaError_t e = cudaLaunchKernelEx(&cfg, kernel_for(p.variant), p);
   const cudaError_t last = cudaGetLastError();
   return e != cudaSuccess ? e : last;
+}
+
+
+// ======================================================================================
+// Rows path (large batches): the kernels between binding.cpp's cuBLAS GEMMs.
+//
+// Per row the work between the GEMMs is small (H=256 -> 2L=64 -> L=32 -> H=256: 49 kFLOP, vs
+// 803 kFLOP in the two big GEMMs), so latent_kernel is a plain one-block-per-row-tile kernel:
+// kLatentRows rows per block, relu(h) staged in shared memory (the A operand of both small
+// GEMMs), weights read through L1 (wmu + wlv + wd1 = 96 KB, shared by every block), 4x4
+// register tiles. bce_kernel is memory-bound: one warp per row, 16-byte loads of logits and x.
+// ======================================================================================
+namespace {
+
+constexpr int kLatentRows = 64;  // 64 rows x 64 mu/logvar columns = 256 4x4 tiles, one per thread
+
+template <bool kStageH>
+__global__ void __launch_bounds__(kThreads, 2) latent_kernel(const __grid_constant__ LatentParams p) {
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  float* hs = smem;               // R x ldh: relu(h) (kStageH only)
+  float* zs = smem + p.off_zs;    // R x ldl: z
+  float* ml = smem + p.off_ml;    // R x ldm: mu (cols < L), logvar (cols >= L)
+  const int R = p.rows, n = p.n, H = p.H, L = p.L;
+  const int row0 = static_cast<int>(blockIdx.x) * R;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int nr = min(R, n - row0);  // rows of this tile (>= 1)
+  const bool v1 = p.vec & 1u, v2 = (p.vec >> 1) & 1u;
+  auto grow = [&](int r) { return row0 + min(r, nr - 1); };
+
+  if constexpr (kStageH) {
+    const int ldh = p.ldh;
+    if (v1) {
+      const int h4 = H / 4;
+      for (int i = tid; i < nr * h4; i += kThreads) {
+        const int r = i / h4, c = (i - r * h4) * 4;
+        float4 v = __ldg(reinterpret_cast<const float4*>(p.h + static_cast<size_t>(row0 + r) * H + c));
+        v.x = relu(v.x); v.y = relu(v.y); v.z = relu(v.z); v.w = relu(v.w);
+        *reinterpret_cast<float4*>(hs + r * ldh + c) = v;
+      }
+    } else {
+      for (int i = tid; i < nr * H; i += kThreads) {
+        const int r = i / H, c = i - r * H;
+        hs[r * ldh + c] = relu(__ldg(p.h + static_cast<size_t>(row0 + r) * H + c));
+      }
+    }
+    __syncthreads();
+  }
+  auto hrow_s = [&](int r) { return static_cast<const float*>(hs) + r * p.ldh; };
+  auto hrow_g = [&](int r) { return p.h + static_cast<size_t>(grow(r)) * H; };
+  auto wml = [&](int c) {
+    return c < L ? p.wmu + static_cast<size_t>(c) * H : p.wlv + static_cast<size_t>(c - L) * H;
+  };
+  auto put_ml = [&](int r, int c, float v, int kk, int) {
+    if (kk == 0) ml[r * p.ldm + c] = v + __ldg(c < L ? p.bmu + c : p.blv + c - L);
+  };
+  if constexpr (kStageH) layer<4, 4, false, true>(v1, nr, 2 * L, H, hrow_s, wml, put_ml);
+  else layer<4, 4, true, true>(v1, nr, 2 * L, H, hrow_g, wml, put_ml);
+  __syncthreads();
+
+  for (int i = tid; i < nr * L; i += kThreads) {
+    const int r = i / L, c = i - r * L;
+    const float ep = __ldg(p.eps + static_cast<size_t>(row0 + r) * L + c);
+    zs[r * p.ldl + c] = reparam(ml[r * p.ldm + c], ml[r * p.ldm + L + c], ep);
+  }
+  // KL: one warp per row, lanes over j in a fixed order, butterfly sum: deterministic.
+  const int warp = tid >> 5, lane = tid & 31;
+  for (int r = warp; r < nr; r += kWarps) {
+    float s = 0.0f;
+    for (int c = lane; c < L; c += 32) s += kl_term(ml[r * p.ldm + c], ml[r * p.ldm + L + c]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (lane == 0) p.kl[row0 + r] = -0.5f * s;
+  }
+  __syncthreads();
+
+  // d = relu(z wd1^T + bd1) straight to global memory (the next GEMM's A operand).
+  layer<4, 4, false, true>(v2, nr, H, L,
+      [&](int r) { return static_cast<const float*>(zs) + r * p.ldl; },
+      [&](int c) { return p.wd1 + static_cast<size_t>(c) * L; },
+      [&](int r, int c, float v, int kk, int) {
+        if (kk == 0) p.d[static_cast<size_t>(row0 + r) * H + c] = relu(v + __ldg(p.bd1 + c));
+      });
+}
+
+__global__ void __launch_bounds__(kThreads) bce_kernel(const __grid_constant__ BceParams p) {
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int row = static_cast<int>(blockIdx.x) * kWarps + warp;
+  if (row >= p.n) return;  // whole warp: the shuffles below stay full-warp
+  const int D = p.D;
+  const float* a = p.logits + static_cast<size_t>(row) * D;
+  const float* xr = p.x + static_cast<size_t>(row) * D;
+  float s = 0.0f;
+  bool bad = false;
+  if (p.vec) {
+    const int d4 = D / 4;
+#pragma unroll 4
+    for (int c = lane; c < d4; c += 32) {
+      const float4 av = __ldg(reinterpret_cast<const float4*>(a) + c);
+      const float4 xv = __ldg(reinterpret_cast<const float4*>(xr) + c);
+      s += bce_term(av.x, xv.x, &bad);
+      s += bce_term(av.y, xv.y, &bad);
+      s += bce_term(av.z, xv.z, &bad);
+      s += bce_term(av.w, xv.w, &bad);
+    }
+  } else {
+#pragma unroll 4
+    for (int c = lane; c < D; c += 32) s += bce_term(__ldg(a + c), __ldg(xr + c), &bad);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  bad = __any_sync(0xffffffffu, bad);
+  if (lane == 0) {
+    const float nan = __int_as_float(0x7fc00000);
+    const float kl = p.kl[row];
+    p.recon[row] = bad ? nan : s;
+    p.kl[row] = bad ? nan : kl;
+    p.elbo[row] = bad ? nan : -(s + kl);
+  }
+}
+
+using LatentKernel = void (*)(LatentParams);
+LatentKernel latent_kernel_for(int stage_h) {
+  return stage_h ? latent_kernel<true> : latent_kernel<false>;
+}
+
+long long latent_floats(int H, int L, int R, bool stage_h, int* off_zs, int* off_ml) {
+  long long off = stage_h ? static_cast<long long>(R) * (round4(H) + 4) : 0;
+  *off_zs = static_cast<int>(off);
+  off += static_cast<long long>(R) * (round4(L) + 4);
+  *off_ml = static_cast<int>(off);
+  off += static_cast<long long>(R) * round4(2 * L);
+  return off;
+}
+
+std::map<std::tuple<int, int>, int> g_latent_smem_set;  // (device, stage_h) -> limit set
+
+}  // namespace
+
+ElboStatus latent_plan(LatentParams& p, int device, cudaError_t* cuda_err) noexcept {
+  *cuda_err = cudaSuccess;
+  try {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    DeviceInfo dev;
+    cudaError_t e = device_info(device, &dev);
+    if (e != cudaSuccess) { *cuda_err = e; return kElboCudaError; }
+    // Staged relu(h) tile with the most rows that fit (>= 16 for reuse of the weights), else
+    // h from global memory (binding.cpp applies relu_ first) with whatever rows fit.
+    for (int st = 1; st >= 0; --st) {
+      for (int R = kLatentRows; R >= (st ? 16 : 1); R /= 2) {
+        int off_zs = 0, off_ml = 0;
+        const long long bytes = 4 * latent_floats(p.H, p.L, R, st != 0, &off_zs, &off_ml);
+        if (bytes > dev.smem_optin) continue;
+        auto& set = g_latent_smem_set[std::make_tuple(device, st)];
+        if (bytes > set) {
+          e = cudaFuncSetAttribute(latent_kernel_for(st),
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(bytes));
+          if (e != cudaSuccess) { *cuda_err = e; return kElboCudaError; }
+          set = static_cast<int>(bytes);
+        }
+        p.rows = R;
+        p.stage_h = st;
+        p.ldh = round4(p.H) + 4;
+        p.ldl = round4(p.L) + 4;
+        p.ldm = round4(2 * p.L);
+        p.off_zs = off_zs;
+        p.off_ml = off_ml;
+        p.smem_bytes = static_cast<int>(bytes);
+        return kElboOk;
+      }
+    }
+    return kElboTooLarge;
+  } catch (...) {
+    *cuda_err = cudaErrorMemoryAllocation;
+    return kElboCudaError;
+  }
+}
+
+cudaError_t latent_launch(const LatentParams& p, cudaStream_t stream) noexcept {
+  const dim3 grid(static_cast<unsigned>(cdiv(p.n, p.rows)));
+  latent_kernel_for(p.stage_h)<<<grid, kThreads, static_cast<size_t>(p.smem_bytes), stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t bce_launch(const BceParams& p, cudaStream_t stream) noexcept {
+  const dim3 grid(static_cast<unsigned>(cdiv(p.n, kWarps)));
+  bce_kernel<<<grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace fastelbo
