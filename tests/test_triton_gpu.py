@@ -3,8 +3,11 @@ and the memory bound that says the (B, D) reconstruction never exists.
 
 Tolerance: atol = rtol = 1e-4, the project contract. Where values are not saturated the kernel
 is also held to the float64 reference at the same tolerance (it must be about as close to the
-truth as PyTorch's float32 is); saturated cases are compared to the float32 spec only, since
-there the -100 clamp acts on float32 sigmoids that are exactly 0 or 1.
+truth as PyTorch's float32 is). Saturated cases (parameters x4, x16) are ill-conditioned: where
+sigmoid rounds to exactly 1.0 in float32 the -100 clamp replaces ~-16.6, so a rounding-level
+difference in one logit moves recon by ~40-80. There the kernel is held to the float32 spec or
+to the envelope of the spec rerun with parameters perturbed at rounding level
+(fastelbo.harness.compare.assert_outputs_match), which stays as tight as allclose elsewhere.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 
 from fastelbo import ModelNew, VAEParams
 from fastelbo.backends import torch_ref
+from fastelbo.harness.compare import PERTURB_RUNS, assert_outputs_match, perturbed
 from fastelbo.problems import load_problem
 
 pytestmark = pytest.mark.gpu
@@ -85,7 +89,25 @@ def test_matches_float32_and_float64_references(tb, batch, dims):
 def test_saturated_params(tb, dims, scale, binary):
     p = _params(dims, seed=1, scale=scale)
     x, eps = _inputs(1000, dims, seed=2, binary=binary)
-    _assert_close(tb.forward(x, p, eps), torch_ref.forward(x, p, eps), what=f"x{scale}")
+    got = tb.forward(x, p, eps)
+    g = torch.Generator().manual_seed(0)
+    runs = [torch_ref.forward(x, p, eps)] + [
+        torch_ref.forward(x, VAEParams(*perturbed(p, g)), eps) for _ in range(PERTURB_RUNS)]
+    assert_outputs_match(tuple(got), runs, 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize("dims", [(784, 256, 32), (781, 250, 31)], ids=str)
+def test_slab_boundaries_and_fused_path(tb, dims):
+    """Slabs of 1000 rows over B = 4500 (the last one partial) with each table entry's tiles,
+    and the one-kernel fused path, against the same float32 spec."""
+    from fastelbo.backends.triton import elbo_forward as fwd
+    p = _params(dims)
+    x, eps = _inputs(4500, dims, seed=5)
+    want = torch_ref.forward(x, p, eps)
+    for cfg in (fwd.LARGE, fwd.SMALL):
+        cfg = fwd.SlabConfig(cfg.encode, cfg.decode, slab_rows=1000)
+        _assert_close(fwd.launch(x, p, eps, cfg), want, what=f"{cfg}")
+    _assert_close(fwd.launch(x, p, eps, path="fused"), want, what="fused")
 
 
 @pytest.mark.parametrize("dims", DIMS, ids=str)

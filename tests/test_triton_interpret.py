@@ -47,9 +47,15 @@ if IN_CHILD:
 
 DIMS = [(64, 48, 2), (33, 20, 5), (40, 32, 1)]
 BATCHES = [1, 3, 17]
-# The tile table's choice, and small hidden chunks that walk H in several pieces with a ragged
-# last one (48 = 3 x 16, 20 = 16 + 4) and D in ragged column chunks.
-CONFIGS = {"table": None, "split-h": (16, 16, 16, 16, 4, 2)}
+# The slab path with the tile table's choice; the slab path with small hidden chunks that walk H
+# in several pieces with a ragged last one (48 = 3 x 16, 20 = 16 + 4), D in ragged column tiles,
+# and slabs of 5 rows so that B = 17 crosses three slab boundaries (the last slab partial); and
+# the one-kernel fused path with the same small chunks.
+CONFIGS = {
+    "slab-table": None,
+    "slab-tiny": ("slab", (16, 16, 16, 16, 4, 1), (16, 16, 16, 4, 1), 5),
+    "fused-split-h": ("fused", (16, 16, 16, 16, 4, 2)),
+}
 
 
 def _params(dims, seed=0, scale=1.0):
@@ -77,8 +83,13 @@ def _assert_close(got, want, atol=1e-4, rtol=1e-4, what=""):
 
 
 def _run(x, p, eps, config):
-    cfg = None if config is None else fwd.TileConfig(*config)
-    return fwd.launch(x, p, eps, cfg)
+    if config is None:
+        return fwd.launch(x, p, eps)
+    if config[0] == "fused":
+        return fwd.launch(x, p, eps, fwd.FusedConfig(*config[1]))
+    _, enc, dec, rows = config
+    cfg = fwd.SlabConfig(fwd.EncodeTiles(*enc), fwd.DecodeTiles(*dec), slab_rows=rows)
+    return fwd.launch(x, p, eps, cfg, path="slab")
 
 
 @child_only
@@ -131,6 +142,17 @@ def test_invalid_rows_are_nan_and_only_them(config):
     for out in got:
         assert torch.isnan(out).nonzero().flatten().tolist() == sorted(bad)
     _assert_close(got, torch_ref.forward(x, p, eps))
+
+
+@child_only
+def test_slab_rows_are_capped():
+    cfg = fwd.SlabConfig(fwd.EncodeTiles(16, 16, 16, 16, 4, 1), fwd.DecodeTiles(16, 16, 16, 4, 1),
+                         slab_rows=1 << 30)
+    assert fwd.slab_rows(cfg, 65536, (784, 256, 32)) == 16384   # the 32 MiB workspace budget
+    assert fwd.slab_rows(cfg, 100, (784, 256, 32)) == 100
+    assert fwd.slab_rows(cfg, 10**7, (2**20, 1, 1)) == (2**31 - 1) // 2**20   # int32 offsets
+    with pytest.raises(ValueError, match="path"):
+        fwd.launch(torch.rand(2, 40), _params((40, 32, 1)), torch.randn(2, 1), path="nope")
 
 
 @child_only

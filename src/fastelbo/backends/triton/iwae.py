@@ -45,7 +45,7 @@ import triton.language as tl
 from ...iwae import encode
 from ...params import VAEParams
 from ...validation import check_params
-from .elbo_forward import (
+from .common import (
     _bce_rowsum,
     _decoder_hidden,
     _dot3,

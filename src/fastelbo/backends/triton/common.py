@@ -1,0 +1,169 @@
+"""Pieces every Triton kernel here shares: float32-accurate tensor-core dots from TF32 halves,
+the clamped BCE epilogue, libdevice or interpreter math, and the pre-split weight workspace.
+
+elbo_forward.py (slab forward), elbo_fused.py (one-kernel forward) and iwae.py import these, so
+there is one definition of "float32-accurate decoder + BCE" in the backend.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ...params import VAEParams
+
+# Read when this module is imported: @triton.jit decides then between compiling for the GPU and
+# running in the numpy interpreter, so the math helpers below are chosen at the same moment.
+INTERPRET = bool(triton.knobs.runtime.interpret)
+
+if INTERPRET:
+    # The interpreter cannot call libdevice; numpy's float32 exp/log stand in. log1p(v) through
+    # log(1 + v) * v / ((1 + v) - 1) is accurate to a few ulp (Goldberg); exact when 1 + v == 1.
+    @triton.jit
+    def _exp(v):
+        return tl.exp(v)
+
+    @triton.jit
+    def _log(v):
+        return tl.log(v)
+
+    @triton.jit
+    def _log1p(v):
+        u = 1.0 + v
+        return tl.where(u == 1.0, v, tl.log(u) * (v / (u - 1.0)))
+else:
+    from triton.language.extra import libdevice
+
+    # libdevice (__nv_expf, __nv_logf, __nv_log1pf) matches what PyTorch's own CUDA kernels call;
+    # tl.exp / tl.log lower to ex2.approx / lg2.approx, whose error near saturation (p -> 0 or 1)
+    # would move the clamped BCE by more than the 1e-4 the contract allows.
+    @triton.jit
+    def _exp(v):
+        return libdevice.exp(v)
+
+    @triton.jit
+    def _log(v):
+        return libdevice.log(v)
+
+    @triton.jit
+    def _log1p(v):
+        return libdevice.log1p(v)
+
+
+@triton.jit
+def _split(v):
+    """v = hi + lo, hi holding v's top 11 significant bits (exact in TF32, rounded to nearest),
+    so that a TF32 tensor-core product of hi and lo parts loses nothing at fp32 scale.
+    NaN stays NaN in hi (the bit trick alone would turn the GPU's 0x7FFFFFFF into -0)."""
+    u = v.to(tl.uint32, bitcast=True)
+    hi = ((u + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    hi = tl.where(v != v, v, hi)  # noqa: PLR0124 (NaN test; works in the interpreter too)
+    return hi, v - hi
+
+
+@triton.jit
+def _dot3(a_hi, a_lo, b_hi_ptrs, b_lo_ptrs, b_mask, acc):
+    """acc + a @ b to about fp32 accuracy in three TF32 MMAs (hi*hi + hi*lo + lo*hi; the lo*lo
+    term is ~2^-22 relative). B's halves come pre-split from the workspace, so they flow from
+    global memory to shared memory straight into the MMAs. The two small terms are summed apart
+    and NaN there is dropped, as Triton's own tf32x3 does: an infinite a gives lo = inf - inf,
+    while fp32 gives inf * b_hi, which hi*hi alone reproduces."""
+    b_hi = tl.load(b_hi_ptrs, mask=b_mask, other=0.0)
+    b_lo = tl.load(b_lo_ptrs, mask=b_mask, other=0.0)
+    corr = tl.dot(a_hi, b_lo, input_precision="tf32")
+    corr = tl.dot(a_lo, b_hi, corr, input_precision="tf32")
+    corr = tl.where(corr != corr, 0.0, corr)  # noqa: PLR0124 (NaN test)
+    return tl.dot(a_hi, b_hi, acc + corr, input_precision="tf32")
+
+
+@triton.jit
+def _bce_rowsum(logits, xv, mask):
+    """Row sums of F.binary_cross_entropy(sigmoid(logits), x), elementwise as PyTorch does it:
+    p = 1 / (1 + exp(-a)); (x - 1) * max(log1p(-p), -100) - x * max(log(p), -100), the max
+    propagating NaN like std::max(v, -100) does."""
+    p = tl.math.div_rn(1.0, 1.0 + _exp(-logits))
+    log_p = tl.maximum(_log(p), -100.0, propagate_nan=tl.PropagateNan.ALL)
+    log_q = tl.maximum(_log1p(-p), -100.0, propagate_nan=tl.PropagateNan.ALL)
+    e = (xv - 1.0) * log_q - xv * log_p
+    return tl.sum(tl.where(mask, e, 0.0), axis=1)
+
+
+@triton.jit
+def _decoder_hidden(z_hi, z_lo, w1_hi, w1_lo, b1_ptr, hh, h_ok, l_idx, l_ok, L: tl.constexpr):
+    """d chunk [BM, BH] = relu(z @ dec_w1[hh, :]^T + dec_b1[hh]), split for the next MMA."""
+    w_off = hh[None, :] * L + l_idx[:, None]
+    b1 = tl.load(b1_ptr + hh, mask=h_ok, other=0.0)
+    acc = tl.zeros([z_hi.shape[0], hh.shape[0]], dtype=tl.float32) + b1[None, :]
+    d = _dot3(z_hi, z_lo, w1_hi + w_off, w1_lo + w_off, l_ok[:, None] & h_ok[None, :], acc)
+    return _split(tl.maximum(d, 0.0, propagate_nan=tl.PropagateNan.ALL))
+
+
+@triton.jit
+def _split_weights_kernel(enc_w, mu_w, lv_w, dec_w1, dec_w2,
+                          enc_hi, enc_lo, mu_hi, mu_lo, lv_hi, lv_lo, w1_hi, w1_lo, w2_hi, w2_lo,
+                          D: tl.constexpr, H: tl.constexpr, L: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Each weight matrix w -> (hi, lo) once per forward (1.7 MB at 784/256/32, one launch)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _split_store(enc_w, enc_hi, enc_lo, offs, H * D)
+    _split_store(mu_w, mu_hi, mu_lo, offs, L * H)
+    _split_store(lv_w, lv_hi, lv_lo, offs, L * H)
+    _split_store(dec_w1, w1_hi, w1_lo, offs, H * L)
+    _split_store(dec_w2, w2_hi, w2_lo, offs, D * H)
+
+
+@triton.jit
+def _split_store(src, hi_ptr, lo_ptr, offs, n: tl.constexpr):
+    m = offs < n
+    hi, lo = _split(tl.load(src + offs, mask=m, other=0.0))
+    tl.store(hi_ptr + offs, hi, mask=m)
+    tl.store(lo_ptr + offs, lo, mask=m)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _check(x: torch.Tensor, params: VAEParams, eps: torch.Tensor) -> None:
+    for name, t in [("x", x), ("eps", eps), *zip(VAEParams._fields, params)]:
+        if t.dtype != torch.float32:
+            raise TypeError(f"the triton backend takes float32 only; {name} is {t.dtype}. "
+                            f"backend='torch' runs any floating dtype.")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (fastelbo.ops makes it so)")
+
+
+SPLIT_BLOCK = 1024
+
+
+def split_weights(params: VAEParams) -> list[torch.Tensor]:
+    """[hi, lo] for enc_w, mu_w, lv_w, dec_w1, dec_w2: one workspace of 2 x 1.7 MB (784/256/32),
+    from the caching allocator, so CUDA-graph capture sees an ordinary in-graph allocation."""
+    d, h, lat = params.dims
+    weights = (params.enc_w, params.mu_w, params.lv_w, params.dec_w1, params.dec_w2)
+    sizes = [w.numel() for w in weights]
+    ws = torch.empty(2 * sum(sizes), dtype=torch.float32, device=params.enc_w.device)
+    halves, off = [], 0
+    for w, n in zip(weights, sizes):
+        halves += [ws[off:off + n].view_as(w), ws[off + n:off + 2 * n].view_as(w)]
+        off += 2 * n
+    grid = (triton.cdiv(max(sizes), SPLIT_BLOCK),)
+    _split_weights_kernel[grid](*weights, *halves, D=d, H=h, L=lat, BLOCK=SPLIT_BLOCK)
+    return halves
+
+
+
+
+def device_sms(x: torch.Tensor) -> int:
+    """Multiprocessors of x's GPU; 1 for CPU tensors (the interpreter)."""
+    if not x.is_cuda:
+        return 1
+    return _sm_count(x.device.index if x.device.index is not None
+                     else torch.cuda.current_device())
