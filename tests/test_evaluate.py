@@ -1,16 +1,23 @@
-"""`fastelbo evaluate`: report fields, invariance to batching, 2 gloo ranks == 1 process."""
+"""`fastelbo evaluate`: report fields, invariance to batching, 2 gloo ranks == 1 process, the
+backend switch; the Triton path runs in a TRITON_INTERPRET=1 child (as in test_triton_iwae.py:
+Triton picks interpreter or compiler at import)."""
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fastelbo import cli, data
 from fastelbo.evaluate import load_model
 from fastelbo.iwae import iwae_log_likelihood
 from reference import twins
+
+IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+child_only = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +41,12 @@ def evaluate(run_dir, out, *extra):
 def test_report(run_dir, tmp_path):
     r = evaluate(run_dir, tmp_path / "r.json", "--samples", "300")
     assert r["images"] == 22 and r["samples"] == 300 and r["world_size"] == 1
+    # auto is the fused kernel on CUDA only; on CPU it is torch, with torch's batch default
+    assert r["backend"] == "torch" and r["backend_requested"] == "auto" and r["batch_size"] == 100
+    t = r["timings"]
+    assert 0 < t["iwae_s"] < t["total_s"] and t["iwae_s_per_rank"] == [t["iwae_s"]]
+    assert r["images_per_s"] == pytest.approx(22 / t["iwae_s"])
+    assert "per_image" not in r
     ll, el = r["log_likelihood"], r["elbo"]
     assert ll["stderr"] > 0 and el["stderr"] > 0
     assert ll["mean"] >= el["mean"] - 3 * el["stderr"]  # the IWAE bound is the tighter one
@@ -51,9 +64,79 @@ def test_matches_the_estimator_and_ignores_batch_size(run_dir, tmp_path):
     assert r1["log_likelihood"]["mean"] == pytest.approx(float(direct.double().mean()), rel=1e-6)
 
 
-def test_only_the_torch_backend_for_now(run_dir, tmp_path):
-    with pytest.raises(NotImplementedError, match="triton"):
+def test_unknown_backend_is_refused(run_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        evaluate(run_dir, tmp_path / "x.json", "--backend", "cuda")
+    err = capsys.readouterr().err
+    assert "--backend: invalid choice: 'cuda'" in err and "triton" in err, err
+
+
+@pytest.mark.skipif(IN_CHILD, reason="in the interpreter triton does run on CPU")
+def test_triton_off_gpu_says_why(run_dir, tmp_path):
+    pytest.importorskip("triton")
+    with pytest.raises(RuntimeError, match="CUDA device.*backend='torch' runs everywhere"):
         evaluate(run_dir, tmp_path / "x.json", "--backend", "triton")
+
+
+def test_per_image_values(run_dir, tmp_path):
+    r = evaluate(run_dir, tmp_path / "p.json", "--samples", "20", "--limit", "7", "--per-image")
+    ll = np.array(r["per_image"]["log_likelihood"])
+    assert ll.shape == (7,) and len(r["per_image"]["elbo"]) == 7
+    assert r["log_likelihood"]["mean"] == pytest.approx(ll.mean(), rel=1e-12)
+
+
+@pytest.mark.skipif(IN_CHILD, reason="this is the child")
+def test_triton_backend_in_interpreter():
+    pytest.importorskip("triton")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
+         "-k", "interpreted", __file__],
+        cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True, text=True, check=False, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"interpreter cases failed (rc {proc.returncode}):\n{proc.stdout}\n"
+                    f"{proc.stderr}", pytrace=False)
+    assert "2 passed" in proc.stdout, proc.stdout
+
+
+@child_only
+def test_interpreted_triton_equals_the_kernel_in_any_batch(run_dir, tmp_path):
+    """`evaluate --backend triton` is the kernel with the images' own indices as noise keys: the
+    same per-image values in batches of 2 as the kernel gives for all 5 at once."""
+    from fastelbo.backends.triton import iwae as tiwae
+    r = evaluate(run_dir, tmp_path / "t.json", "--backend", "triton", "--samples", "40",
+                 "--limit", "5", "--batch-size", "2", "--per-image")
+    assert r["backend"] == "triton" and r["images"] == 5
+    model, _ = load_model(run_dir, "cpu")
+    params = [p.detach() for p in model.vae_params()]
+    x = data.load(str(run_dir.parent / "tiny.npz")).test[:5]
+    want = tiwae.iwae_log_likelihood(x, params, 40, seed=0, indices=range(5))
+    got = torch.tensor(r["per_image"]["log_likelihood"], dtype=torch.float64)
+    torch.testing.assert_close(got, want.double(), rtol=1e-6, atol=0)
+    with torch.no_grad():
+        public = iwae_log_likelihood(params, x, 40, seed=0, backend="triton")
+        torch.testing.assert_close(public, want, rtol=1e-6, atol=0)
+        # auto stays torch off CUDA even though the interpreter could run the kernel here
+        torch_ll = iwae_log_likelihood(params, x, 40, seed=0)
+    assert torch.equal(torch_ll, iwae_log_likelihood(params, x, 40, seed=0, backend="torch"))
+    assert not torch.equal(torch_ll, public)  # other noise stream: same estimator, other draw
+
+
+@child_only
+def test_interpreted_triton_two_gloo_ranks_equal_one(run_dir, tmp_path):
+    common = ["--backend", "triton", "--samples", "40", "--limit", "5", "--per-image"]
+    one = evaluate(run_dir, tmp_path / "one.json", *common)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "fastelbo.cli", "evaluate", str(run_dir), *common,
+           "--json", str(tmp_path / "two.json")]
+    proc = subprocess.run(cmd, check=False, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["world_size"] == 2 and two["backend"] == "triton"
+    assert len(two["timings"]["iwae_s_per_rank"]) == 2
+    np.testing.assert_allclose(two["per_image"]["log_likelihood"],
+                               one["per_image"]["log_likelihood"], rtol=1e-6, atol=0)
 
 
 def test_load_model_reads_reference_weights(run_dir):

@@ -4,14 +4,15 @@ The reference here is written independently of fastelbo.iwae: the problem's Mode
 encoder/decoder and the clamped BCE, torch.distributions supplies the Gaussian densities.
 """
 import math
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributions import Normal
 
-from fastelbo import iwae
-from fastelbo.iwae import iwae_log_likelihood
+from fastelbo import backends, iwae
+from fastelbo.iwae import iwae_log_likelihood, resolve_backend
 from reference import twins
 
 DIMS = (20, 12, 3)
@@ -119,8 +120,9 @@ def test_per_image_noise_ignores_batching_and_chunking(monkeypatch):
 
 def test_errors():
     _, params, x, eps = setup(k=4)
-    with pytest.raises(NotImplementedError, match="triton"):
-        iwae_log_likelihood(params, x, 4, backend="triton")
+    for bad in ("cuda", "Triton", ""):
+        with pytest.raises(ValueError, match=r"one of \('auto', 'torch', 'triton'\)"):
+            iwae_log_likelihood(params, x, 4, backend=bad)
     with pytest.raises(ValueError, match=r"eps must have shape \(5, 6, 3\)"):
         iwae_log_likelihood(params, x, 5, eps=eps)
     with pytest.raises(ValueError, match="at most one"):
@@ -129,3 +131,64 @@ def test_errors():
         iwae_log_likelihood(params, x * 2, 4, eps=eps)
     with pytest.raises(ValueError, match="samples"):
         iwae_log_likelihood(params, x, 0)
+
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def triton_available(monkeypatch):
+    """backends.unavailable_reason answering as on a GPU machine for every device."""
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
+
+
+def test_auto_is_torch_off_cuda(triton_available):
+    # Even where the Triton interpreter could run on CPU: auto means the fused kernel on a GPU.
+    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("torch", CUDA) == "torch"
+
+
+def test_auto_is_triton_on_cuda_when_available(triton_available):
+    assert resolve_backend("auto", CUDA) == "triton"
+    assert resolve_backend("triton", CUDA) == "triton"
+
+
+def test_auto_is_torch_when_the_call_needs_torch(triton_available):
+    """auto never changes what a call means: what only the torch path does keeps it on torch."""
+    assert resolve_backend("auto", CUDA, torch.float64) == "torch"
+    assert resolve_backend("auto", CUDA, generator=torch.Generator()) == "torch"
+    assert resolve_backend("auto", CUDA, chunk=8) == "torch"
+    assert resolve_backend("auto", CUDA, needs_grad=True) == "torch"
+    with pytest.raises(ValueError, match="does not take generator, chunk"):
+        resolve_backend("triton", CUDA, generator=torch.Generator(), chunk=8)
+    with pytest.raises(ValueError, match="autograd"):
+        resolve_backend("triton", CUDA, needs_grad=True)
+
+
+def test_auto_is_torch_on_cuda_without_triton(monkeypatch):
+    monkeypatch.setattr(backends, "unavailable_reason",
+                        lambda name, device: None if name == "torch" else "no triton here")
+    assert resolve_backend("auto", CUDA) == "torch"
+    with pytest.raises(RuntimeError, match="no triton here.*backend='torch' runs everywhere"):
+        resolve_backend("triton", CUDA)
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match=r"one of \('auto', 'torch', 'triton'\), got 'cuda'"):
+        resolve_backend("cuda", "cpu")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreter: triton runs")
+def test_explicit_triton_on_cpu_says_why():
+    pytest.importorskip("triton")
+    _, params, x, _ = setup(k=4)
+    with pytest.raises(RuntimeError, match="need a CUDA device.*backend='torch' runs everywhere"):
+        iwae_log_likelihood(params, x, 4, seed=0, backend="triton")
+
+
+@torch.no_grad()
+def test_auto_on_cpu_is_the_torch_estimate():
+    _, params, x, _ = setup(k=4)
+    torch.testing.assert_close(iwae_log_likelihood(params, x, 30, seed=5),
+                               iwae_log_likelihood(params, x, 30, seed=5, backend="torch"),
+                               rtol=0, atol=0)

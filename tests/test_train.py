@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from fastelbo import cli, data
+from fastelbo.train import STEADY_SKIP, build
 from fastelbo.training import checkpoint
 from fastelbo.training.dist import World
 from fastelbo.training.plots import reconstruct
@@ -54,6 +55,10 @@ def test_short_run_writes_everything_and_learns(tiny_npz, tmp_path):
     assert s["steps"] == 20 and s["steps_per_epoch"] == 8 and len(s["epochs"]) == 2
     assert s["device"] == "cpu" and s["backend"] == "torch" and s["cuda_graph"] is False
     assert s["args"]["dims"] == "16,8,2" and s["steps_per_s"] > 0
+    # Steady state: the run's steps after the first STEADY_SKIP, evaluation and checkpoints out.
+    assert s["steady"]["steps"] == 20 - STEADY_SKIP and s["steady"]["steps_per_s"] > 0
+    assert s["steady"]["images_per_s"] == pytest.approx(32 * s["steady"]["steps_per_s"])
+    assert s["timings"]["checkpoint_s"] > 0 and s["steady"]["seconds"] < s["timings"]["train_s"]
     e1, e2 = s["epochs"]
     assert e2["train_elbo"] > e1["train_elbo"] and s["final"]["test_elbo"] > e1["test_elbo"]
     losses = [v for _, v in s["loss_curve"]]
@@ -71,6 +76,21 @@ def test_resume_continues_exactly(tiny_npz, tmp_path):
     assert resumed["steps"] == 20 and resumed["steps_this_run"] == 9
     assert resumed["epochs"] == whole["epochs"]
     assert resumed["final"] == whole["final"]
+
+
+def test_short_run_has_no_steady_rate(tiny_npz, tmp_path):
+    s = train(tiny_npz, tmp_path / "short", "--max-steps", str(STEADY_SKIP))
+    assert s["steady"] == {"steps": 0, "seconds": None, "steps_per_s": None, "images_per_s": None}
+
+
+def test_build_matches_the_reference_init():
+    """Benchmarks compare the reference Model with `fastelbo train`'s model: same seed, same
+    initial weights."""
+    ref, _ = twins((16, 8, 2), seed=3)
+    model, opt = build((16, 8, 2), "auto", torch.device("cpu"), 0.01, 3, capturable=False)
+    for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert opt.param_groups[0]["lr"] == 0.01
 
 
 def test_resume_refuses_a_different_run(tiny_npz, tmp_path):

@@ -3,8 +3,14 @@
 log p(x) is the IWAE estimate with K = --samples (fastelbo.iwae); the ELBO is the reference's
 single-sample elbo. Both in nats per image, with standard errors std / sqrt(N) over images.
 Noise is seeded per image index, so batching and the number of ranks do not change the result:
-under `torchrun --nproc-per-node N` each rank evaluates a contiguous slice of the images and
-rank 0 gathers the per-image values and reports.
+under `torchrun --nproc-per-node N` each rank evaluates a contiguous slice of the images (and
+passes their global indices) and rank 0 gathers the per-image values and reports.
+
+--backend auto (default) runs the fused Triton kernel on CUDA where it is available, else torch.
+The two backends draw different (each deterministic) noise for a seed, so their estimates differ
+by Monte Carlo noise; the JSON records the backend that ran. timings.iwae_s is the IWAE section
+alone (after a compile warm-up, between barriers and device syncs, slowest rank), and
+images_per_s = images / iwae_s: the steady-state throughput, start-up excluded.
 """
 from __future__ import annotations
 
@@ -18,10 +24,15 @@ from pathlib import Path
 import torch
 
 from . import data
-from .iwae import BACKENDS, PerImageNoise, iwae_log_likelihood
+from .iwae import BACKENDS, PerImageNoise, iwae_log_likelihood, resolve_backend
 from .model import ModelNew
 from .ops import elbo
 from .training import checkpoint, dist
+
+# Default images per IWAE call. torch: its chunk is 1M floats / (batch x D), so ~100 images keep
+# a dozen samples per chunk. triton: memory per image is <= 32 partial floats whatever K, and
+# B x splits programs must fill the GPU (10 splits at K = 5000), so one call per shard.
+BATCH = {"torch": 100, "triton": 10_000}
 
 
 def register(subparsers) -> None:
@@ -33,12 +44,17 @@ def register(subparsers) -> None:
     p.add_argument("--data", default=None, help="default: the data the checkpoint was trained on")
     p.add_argument("--split", choices=("test", "train"), default="test")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N images")
-    p.add_argument("--batch-size", type=int, default=100, help="images per IWAE call")
-    p.add_argument("--backend", default="torch", help=f"IWAE backend, one of {BACKENDS}")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"images per IWAE call (default: torch {BATCH['torch']}, "
+                        f"triton {BATCH['triton']})")
+    p.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
+                   help="IWAE backend; auto: triton on CUDA where available, else torch")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0, help="noise seed")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the result as JSON to PATH (stdout without PATH)")
+    p.add_argument("--per-image", action="store_true",
+                   help="include every image's log p(x) and ELBO in the JSON")
     p.set_defaults(func=main)
 
 
@@ -66,10 +82,11 @@ def load_model(path: str | Path, device) -> tuple[ModelNew, dict]:
 
 
 def evaluate(args, world: dist.World, device: torch.device) -> dict:
-    if args.backend not in BACKENDS:
-        raise NotImplementedError(f"--backend {args.backend!r} is not available for the IWAE "
-                                  f"estimate; have {BACKENDS}")
     t0 = time.perf_counter()
+    backend = resolve_backend(args.backend, device)
+    batch = args.batch_size or BATCH[backend]
+    if batch < 1:
+        raise ValueError(f"--batch-size must be positive, got {batch}")
     model, meta = load_model(args.checkpoint, device)
     targs = meta["args"]
     spec = args.data or targs["data"]
@@ -84,32 +101,64 @@ def evaluate(args, world: dist.World, device: torch.device) -> dict:
         raise ValueError(f"{ds.name} rows hold {x.shape[1]} values; the checkpoint expects {d}")
     counts = [len(s) for s in torch.arange(x.shape[0]).tensor_split(world.size)]
     lo = sum(counts[:world.rank])
-    mine = range(lo, lo + counts[world.rank])
+    calls = [range(i, min(lo + counts[world.rank], i + batch))
+             for i in range(lo, lo + counts[world.rank], batch)]
+    xs = x[lo:lo + counts[world.rank]].to(device)
     params = tuple(p.detach() for p in model.vae_params())
-    ll, el = [], []
+
+    def iwae(idx: range, rows: int | None = None) -> torch.Tensor:
+        idx = idx[:rows] if rows is not None else idx
+        # Global image indices: the noise of image i is the same on any rank, in any batch.
+        return iwae_log_likelihood(params, xs[idx.start - lo:idx.stop - lo], args.samples,
+                                   seed=args.seed, indices=idx, backend=backend)
+
     with torch.no_grad():
-        for i in range(mine.start, mine.stop, args.batch_size):
-            idx = list(range(i, min(mine.stop, i + args.batch_size)))
-            xb = x[idx[0]:idx[-1] + 1].to(device)
-            ll.append(iwae_log_likelihood(params, xb, args.samples, seed=args.seed, indices=idx,
-                                          backend=args.backend))
-            eps = PerImageNoise(data.derive_seed(args.seed, "elbo"), idx, lat, device,
-                                xb.dtype).take(0, 1)[0]
-            el.append(elbo(xb, params, eps, backend="torch")[0])
+        # Compile warm-up, untimed: a few rows of each distinct call size. Triton specialises
+        # integer arguments on == 1 and divisibility by 16, so keep n mod 16 and n == 1.
+        for n in {len(c) for c in calls}:
+            iwae(next(c for c in calls if len(c) == n), n if n <= 32 else 16 + n % 16)
+        dist.barrier(world)
+        _sync(device)
+        ti = time.perf_counter()
+        ll = [iwae(c) for c in calls]
+        _sync(device)
+        iwae_s = time.perf_counter() - ti
+        te = time.perf_counter()
+        el = []
+        for c in calls:
+            eps = PerImageNoise(data.derive_seed(args.seed, "elbo"), c, lat, device,
+                                xs.dtype).take(0, 1)[0]
+            el.append(elbo(xs[c.start - lo:c.stop - lo], params, eps, backend="torch")[0])
+        _sync(device)
+        elbo_s = time.perf_counter() - te
     empty = torch.zeros(0, device=device)
     ll = dist.gather_rows(torch.cat(ll) if ll else empty, world, counts).double().cpu()
     el = dist.gather_rows(torch.cat(el) if el else empty, world, counts).double().cpu()
-    seconds = time.perf_counter() - t0
+    per_rank = dist.gather_rows(torch.tensor([iwae_s], dtype=torch.float64, device=device),
+                                world, [1] * world.size).cpu().tolist()
+    iwae_s = max(per_rank)
     result = {
         "checkpoint": str(args.checkpoint), "data": spec, "split": args.split,
         "images": int(x.shape[0]), "samples": args.samples, "seed": args.seed,
         "log_likelihood": _stats(ll), "elbo": _stats(el),
-        "backend": args.backend, "device": str(device), "world_size": world.size,
-        "seconds": seconds, "images_per_s": x.shape[0] / seconds,
+        "backend": backend, "backend_requested": args.backend, "batch_size": batch,
+        "device": str(device), "device_name": (torch.cuda.get_device_name(device)
+                                               if device.type == "cuda" else "cpu"),
+        "torch": torch.__version__, "world_size": world.size,
+        "timings": {"total_s": time.perf_counter() - t0, "iwae_s": iwae_s,
+                    "iwae_s_per_rank": per_rank, "elbo_s": elbo_s},
+        "images_per_s": x.shape[0] / iwae_s if iwae_s > 0 else None,
     }
+    if args.per_image:
+        result["per_image"] = {"log_likelihood": ll.tolist(), "elbo": el.tolist()}
     if world.main:
         _report(result, args.json)
     return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _stats(v: torch.Tensor) -> dict:
@@ -122,9 +171,10 @@ def _report(result: dict, json_path: str | None) -> None:
     ll, el = result["log_likelihood"], result["elbo"]
     fmt = "{:.3f} +- {}".format
     se = (lambda s: "n/a" if s is None else f"{s:.3f}")
-    msg = (f"log p(x) ~= {fmt(ll['mean'], se(ll['stderr']))} nats (IWAE, K={result['samples']}); "
-           f"ELBO {fmt(el['mean'], se(el['stderr']))} nats; {result['images']} "
-           f"{result['split']} images")
+    msg = (f"log p(x) ~= {fmt(ll['mean'], se(ll['stderr']))} nats (IWAE, K={result['samples']}, "
+           f"{result['backend']}); ELBO {fmt(el['mean'], se(el['stderr']))} nats; "
+           f"{result['images']} {result['split']} images; IWAE {result['timings']['iwae_s']:.3f} s "
+           f"on {result['world_size']} rank(s)")
     if json_path == "-":
         print(json.dumps(result, indent=2))
         return

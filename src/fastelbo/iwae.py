@@ -4,8 +4,16 @@
 
 q(z|x) = N(mu, diag(exp(logvar))) from the encoder; log p(x|z) is minus the reference Model's
 clamped BCE sum (F.binary_cross_entropy, log clamped at -100), so one sample's likelihood term
-equals -recon of the reference with the same eps. Role: the torch path on any device and the spec
-a fused kernel (backend="triton", later) will be tested against.
+equals -recon of the reference with the same eps. Role: the public IWAE entry point, the torch path
+on any device, and the spec the fused kernel (backends/triton/iwae.py) is tested against.
+
+Backends: "torch" (here) and "triton" (one fused kernel, memory flat in K); "auto" runs triton on a
+CUDA device where it is available and the call asks for nothing only torch offers (see
+`resolve_backend`), else torch. The two draw their seeded noise from different streams (torch:
+per-image torch.Generator blocks below; triton: in-kernel Philox keyed by (seed, image index)), so
+for one seed the estimates differ by Monte Carlo noise between backends; each backend is
+deterministic for a seed and independent of batching and sharding. Injected `eps` gives both the
+same noise.
 
 Memory does not grow with K: samples are processed `chunk` at a time and folded into a running
 logsumexp. Noise comes from one of three sources (see `iwae_log_likelihood`).
@@ -17,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import backends
 from .data import derive_seed
 from .params import VAEParams
 from .validation import check_inputs
@@ -26,7 +35,7 @@ CHUNK_ELEMS = 1 << 20
 # Per-image noise is drawn in blocks of this many samples, each from its own seeded generator, so
 # the noise of image i depends only on (seed, i): not on batching, chunking or sharding.
 NOISE_BLOCK = 1024
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")
 
 
 def encode(p: VAEParams, x: torch.Tensor):
@@ -81,24 +90,53 @@ def log_weights(p: VAEParams, x, mu, logvar, eps) -> torch.Tensor:
     return log_px_z + log_pz_qz
 
 
+def resolve_backend(backend: str, device, dtype=torch.float32, *, generator=None, chunk=None,
+                    needs_grad: bool = False) -> str:
+    """The backend an IWAE call runs on. "auto" is "triton" on a CUDA device where
+    backends.unavailable_reason("triton", device) is None and the call needs nothing only the
+    torch path has (float32, no `generator`, no `chunk`, no autograd); otherwise "torch".
+    An explicit "triton" that cannot serve the call raises, naming why."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"iwae backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
+    device = torch.device(device)
+    torch_only = {"generator": generator is not None, "chunk": chunk is not None,
+                  "autograd": needs_grad, f"dtype {dtype}": dtype != torch.float32}
+    if backend == "auto":
+        if device.type != "cuda" or any(torch_only.values()):
+            return "torch"
+        return "triton" if backends.unavailable_reason("triton", device) is None else "torch"
+    if backend == "triton":
+        reason = backends.unavailable_reason("triton", device)
+        if reason is not None:
+            raise RuntimeError(f"iwae backend='triton' cannot run on {device}: {reason}. "
+                               f"backend='torch' runs everywhere.")
+        wanted = [k for k, v in torch_only.items() if v]
+        if wanted:
+            raise ValueError(f"iwae backend='triton' does not take {', '.join(wanted)} (it draws "
+                             f"its noise in-kernel from `seed`, its memory is flat in K, float32, "
+                             f"no autograd); use backend='torch'")
+    return backend
+
+
 def iwae_log_likelihood(params: VAEParams, x: torch.Tensor, samples: int, *,
                         generator: torch.Generator | None = None, chunk: int | None = None,
                         eps: torch.Tensor | None = None, seed: int | None = None,
-                        indices=None, backend: str = "torch") -> torch.Tensor:
+                        indices=None, backend: str = "auto") -> torch.Tensor:
     """log p(x) estimate per row of x (B, D), in nats; shape (B,).
 
     Noise, exactly one of:
-      eps (samples, B, L)      injected (tests)
+      eps (samples, B, L)      injected (tests); both backends use it as given
       seed (+ indices)         per-image streams: row b uses image index indices[b] (default b),
-                               so results do not depend on batching, chunk or sharding
-      generator / neither      (chunk, B, L) draws from `generator` (default generator if None)
+                               so results do not depend on batching, chunk or sharding. The
+                               stream depends on the backend (see the module docstring)
+      generator / neither      torch: (chunk, B, L) draws from `generator` (default generator if
+                               None); triton (neither only): a seed drawn from torch's default
+                               CPU generator, so torch.manual_seed still makes runs repeatable
+    backend: "auto" (see `resolve_backend`), "torch" or "triton"; `chunk` is the torch path's.
     """
-    if backend not in BACKENDS:
-        raise NotImplementedError(f"iwae backend {backend!r} is not available; "
-                                  f"have {BACKENDS} (a fused Triton kernel is planned)")
     params = VAEParams(*params)
     check_inputs(x, params, None)
-    if not isinstance(samples, int) or samples < 1:
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
         raise ValueError(f"samples must be a positive int, got {samples!r}")
     b, d = x.shape
     lat = params.dims[2]
@@ -108,6 +146,16 @@ def iwae_log_likelihood(params: VAEParams, x: torch.Tensor, samples: int, *,
         raise ValueError(f"eps must have shape ({samples}, {b}, {lat}), got {tuple(eps.shape)}")
     if indices is not None and len(indices) != b:
         raise ValueError(f"indices must have one entry per row of x ({b}), got {len(indices)}")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))
+    name = resolve_backend(backend, x.device, x.dtype, generator=generator, chunk=chunk,
+                           needs_grad=needs_grad)
+    if name == "triton":
+        from .backends.triton import iwae as triton_iwae  # imports this module: not at the top
+        if eps is None and seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        return triton_iwae.iwae_log_likelihood(
+            x.contiguous(), params, samples, seed=0 if seed is None else seed, eps=eps,
+            indices=indices)
     if chunk is None:
         chunk = max(1, CHUNK_ELEMS // (b * d))
     if seed is not None:

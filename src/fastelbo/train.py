@@ -24,6 +24,9 @@ from .training.step import Batches, EagerStep, GraphStep
 from .validation import validation
 
 LOG_EVERY = 25  # steps between reads of the loss (each read is one device sync)
+# Steps of this run left out of the steady-state rate (summary["steady"]): the first steps pay
+# for lazy initialisation (cuBLAS handles, kernel compiles, DDP's first-iteration bucketing).
+STEADY_SKIP = 5
 # Args that must match when resuming, or the continued run would not be the same run.
 RESUME_KEYS = ("data", "dims", "batch_size", "seed", "binarize", "lr")
 
@@ -90,11 +93,8 @@ def train(args, world: dist.World, device: torch.device) -> dict:
                            generator=torch.Generator().manual_seed(
                                data.derive_seed(args.seed, "test-eps"))).to(device)
 
-    torch.manual_seed(args.seed)
-    model = ModelNew(*dims, backend=args.backend).to(device)
     use_graph = device.type == "cuda" and not args.no_graph and not world.distributed
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr, fused=device.type == "cuda" or None,
-                           capturable=use_graph)
+    model, opt = build(dims, args.backend, device, args.lr, args.seed, use_graph)
     # epoch_sum/count: the current epoch's losses so far; window: steps since the last logged
     # point. Both are checkpointed, so a resumed run accumulates exactly as an unbroken one.
     history = {"epochs": [], "loss_curve": [], "epoch_sum": 0.0, "epoch_count": 0,
@@ -124,7 +124,8 @@ def train(args, world: dist.World, device: torch.device) -> dict:
     # disable=None: a bar on a terminal, silence in logs and CI.
     bar = tqdm(total=total, initial=step, disable=None if world.main else True, desc="train",
                unit="step")
-    stepper, capture_s, eval_s, start = None, 0.0, 0.0, step
+    stepper, capture_s, eval_s, ckpt_s, start = None, 0.0, 0.0, 0.0, step
+    steady = None  # (step, time, excluded seconds) where the steady-state window opens
     window = torch.tensor(history["window"][0], device=device)
     window_n = history["window"][1]
     t_loop = time.perf_counter()
@@ -139,6 +140,9 @@ def train(args, world: dist.World, device: torch.device) -> dict:
             window += stepper(x, eps)
             window_n += 1
             step += 1
+            if step == start + STEADY_SKIP:
+                _sync(device)
+                steady = (step, time.perf_counter(), eval_s + ckpt_s)
             end_of_epoch = step % spe == 0
             if step % LOG_EVERY == 0 or end_of_epoch:
                 loss = _global_mean(window / window_n, world)
@@ -163,13 +167,17 @@ def train(args, world: dist.World, device: torch.device) -> dict:
                         bar.write(f"epoch {e['epoch']}: train ELBO {e['train_elbo']:.3f}, "
                                   f"test ELBO {test_elbo:.3f}")
                 history["window"] = [float(window), window_n]
+                tk = time.perf_counter()
                 if world.main:
                     checkpoint.save(out / checkpoint.NAME, model, opt,
                                     {"step": step, "epoch": step / spe, "args": _config(args),
                                      "history": history})
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    train_s = time.perf_counter() - t_loop - eval_s - capture_s
+                ckpt_s += time.perf_counter() - tk
+    _sync(device)
+    t_end = time.perf_counter()
+    train_s = t_end - t_loop - eval_s - capture_s - ckpt_s
+    steady_n = step - steady[0] if steady else 0
+    steady_s = t_end - steady[1] - (eval_s + ckpt_s - steady[2]) if steady_n else None
     bar.close()
     final = test_elbo_of(model, x_test, test_eps)
     summary = {
@@ -182,9 +190,14 @@ def train(args, world: dist.World, device: torch.device) -> dict:
                                                if window_n else []),
         "final": {"step": step, "test_elbo": final},
         "timings": {"total_s": time.perf_counter() - t0, "train_s": train_s,
-                    "capture_s": capture_s, "eval_s": eval_s},
+                    "capture_s": capture_s, "eval_s": eval_s, "checkpoint_s": ckpt_s},
         "steps_per_s": (step - start) / train_s if train_s > 0 else None,
         "images_per_s": (step - start) * args.batch_size / train_s if train_s > 0 else None,
+        # The rate after the first STEADY_SKIP steps of this run, evaluation and checkpoint
+        # writes excluded; None when the run is too short to have one.
+        "steady": {"steps": steady_n, "seconds": steady_s,
+                   "steps_per_s": steady_n / steady_s if steady_n else None,
+                   "images_per_s": steady_n * args.batch_size / steady_s if steady_n else None},
     }
     if world.main:
         if not args.no_plots:
@@ -194,6 +207,22 @@ def train(args, world: dist.World, device: torch.device) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"final test ELBO {final:.3f} nats after {step} steps; wrote {out}")
     return summary
+
+
+def build(dims, backend: str, device: torch.device, lr: float, seed: int,
+          capturable: bool) -> tuple[ModelNew, torch.optim.Adam]:
+    """The model and optimizer `fastelbo train` steps: ModelNew seeded like the reference Model
+    (equal seeds, equal initial weights), Adam fused on CUDA, capturable for the graph step."""
+    torch.manual_seed(seed)
+    model = ModelNew(*dims, backend=backend).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, fused=device.type == "cuda" or None,
+                           capturable=capturable)
+    return model, opt
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()

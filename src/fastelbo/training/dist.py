@@ -57,6 +57,12 @@ def shutdown(world: World) -> None:
         dist.destroy_process_group()
 
 
+def barrier(world: World) -> None:
+    """All ranks meet here (a no-op in a plain run): timed sections then start together."""
+    if world.distributed:
+        dist.barrier()
+
+
 def gather_rows(t: torch.Tensor, world: World, counts: list[int]) -> torch.Tensor:
     """Concatenate every rank's (n_r, ...) tensor in rank order (counts[r] rows from rank r)."""
     if not world.distributed:
