@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
-# Stages: env tests sanitize check bench cuda-plans triton-sweep iwae train train-epochs multi
+# Stages: env tests memcheck racecheck check bench cuda-plans triton-sweep iwae train train-epochs multi
 #         crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
 set -uo pipefail
@@ -20,6 +20,7 @@ run() {  # run NAME TIMEOUT CMD...: log to $LOGS/NAME.log, one summary line, nev
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
   tail -n 15 "$LOGS/$name.log"
   echo "$name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOGS/summary.txt"
+  cp "$LOGS/summary.txt" "$OUT/"; tar -czf "$OUT/results.tgz" -C "$LOGS" .  # survives a kill
 }
 pytest_gpu() { run "$1" "$2" python3 -m pytest -q -m gpu -p no:cacheprovider -rf "${@:3}"; }
 
@@ -27,13 +28,13 @@ for stage in "$@"; do case $stage in
   env) run env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__,
         triton.__version__, torch.cuda.get_device_name(), torch.cuda.device_count())"' ;;
   tests)  # one process per file: a device assert in one cannot poison the others
-    for f in tests/test_cuda_backend.py tests/test_triton_gpu.py tests/test_triton_iwae.py; do
-      pytest_gpu "$(basename "$f" .py)" 300 "$f"; done
-    pytest_gpu other_gpu 300 tests --ignore=tests/test_cuda_backend.py \
+    pytest_gpu test_cuda_backend "${T_CUDA:-150}" tests/test_cuda_backend.py
+    pytest_gpu test_triton_gpu "${T_TRITON:-110}" tests/test_triton_gpu.py
+    pytest_gpu test_triton_iwae "${T_IWAE:-90}" tests/test_triton_iwae.py
+    pytest_gpu other_gpu "${T_OTHER:-90}" tests --ignore=tests/test_cuda_backend.py \
       --ignore=tests/test_triton_gpu.py --ignore=tests/test_triton_iwae.py ;;
-  sanitize)
-    run memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick
-    run racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
+  memcheck) run memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
+  racecheck) run racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
   check)
     for c in cuda triton auto; do
       run "check_$c" 300 $FE check vae_elbo "fastelbo:$c" --device cuda --batch-sizes 1,7,128,1000,65536 --trials 3
@@ -43,10 +44,10 @@ for stage in "$@"; do case $stage in
   bench) run bench 500 $FE bench vae_elbo --device cuda --batch-sizes 1,128,4096,65536 --out "$LOGS/bench.jsonl" ;;
   cuda-plans) run cuda_plans 240 python3 benchmarks/cuda_bench.py --plans ;;
   triton-sweep) run triton_sweep 240 python3 benchmarks/triton_forward_sweep.py --batches 4096 65536 ;;
-  iwae) run iwae 300 python3 benchmarks/iwae_bench.py --out "$LOGS/iwae.jsonl" ;;
-  train) run train 300 python3 benchmarks/train_bench.py --out "$LOGS/train.jsonl" ;;
-  train-epochs) run train_epochs 300 python3 benchmarks/train_bench.py --epochs 10 --out "$LOGS/train.jsonl" ;;
-  multi) run multi 500 bash benchmarks/multi_gpu.sh "$LOGS/multi" ;;
+  iwae) run iwae 70 python3 benchmarks/iwae_bench.py --out "$LOGS/iwae.jsonl" ;;
+  train) run train 100 python3 benchmarks/train_bench.py --skip-compile --out "$LOGS/train.jsonl" ;;
+  train-epochs) run train_epochs 120 python3 benchmarks/train_bench.py --epochs 10 --out "$LOGS/train.jsonl" ;;
+  multi) run multi 240 env OUT="$LOGS/multi" bash benchmarks/multi_gpu.sh 2 ;;
   crossover) run crossover 300 python3 benchmarks/triton_crossover.py
              cp src/fastelbo/backends/crossover.json "$LOGS/" 2>/dev/null ;;
   *) echo "unknown stage $stage" ;;
