@@ -82,3 +82,25 @@ def test_cuda_bench_measures_events_graph_and_memory(tmp_path):
     assert row["events_ms"] > 0 and row["peak_mem_bytes"] >= 0
     assert row["graph_ms"] is not None or row["graph_error"]
     assert not row["stream_escape"]
+
+
+def test_a_failing_batch_size_does_not_abort_the_others(tmp_path):
+    """Raises at batch 5 (caught in the worker), kills its worker at batch 7 (the sizes are then
+    rerun one worker each): each bad size gets its own ERROR row, 1 and 3 still measure."""
+    cand = tmp_path / "fails_at_some_sizes.py"
+    cand.write_text(f"import os\nimport signal\n\nfrom fastelbo.problems import load_module\n\n"
+                    f"Model = load_module({TINY!r}).Model\n\n\n"
+                    f"class ModelNew(Model):\n    def forward(self, x):\n"
+                    f"        if x.shape[0] == 5:\n"
+                    f"            raise RuntimeError('no kernel for batch 5')\n"
+                    f"        if x.shape[0] == 7:\n"
+                    f"            os.kill(os.getpid(), signal.SIGSEGV)\n"
+                    f"        return super().forward(x)\n")
+    rows, code = bench.run_bench(TINY, [str(cand)], device="cpu", batch_sizes=[1, 5, 7, 3],
+                                 compile_baseline=False, quick=True, out=None)
+    mine = {r["batch_size"]: r for r in rows if r["candidate"] == str(cand)}
+    assert code == 2 and sorted(mine) == [1, 3, 5, 7]
+    assert mine[1]["status"] == mine[3]["status"] == "ok" and mine[3]["wall_ms"] > 0
+    assert mine[5]["status"] == "ERROR" and "no kernel for batch 5" in mine[5]["error"]
+    assert mine[7]["status"] == "ERROR" and "SIGSEGV" in mine[7]["error"]
+    assert mine[7]["flags"] == ["crash"]

@@ -1,11 +1,17 @@
 """The perturbed-reference envelope accepts rounding-level flips of ill-conditioned elements,
 and nothing that allclose alone would reject on well-conditioned ones."""
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+
 import pytest
 import torch
 
 import fastelbo
 from fastelbo.backends import torch_ref
-from fastelbo.harness.compare import PERTURB_RUNS, assert_outputs_match, perturbed
+from fastelbo.harness import tasks
+from fastelbo.harness.check import run_check
+from fastelbo.harness.compare import PERTURB_RUNS, assert_outputs_match, compare_outputs, perturbed
 from fastelbo.params import VAEParams
 
 
@@ -45,3 +51,90 @@ def test_real_errors_are_still_rejected():
         assert_outputs_match(off, runs, 1e-4, 1e-4)
     with pytest.raises(AssertionError, match="NaN"):
         assert_outputs_match((elbo, recon.clone().fill_(float("nan")), kl), runs, 1e-4, 1e-4)
+
+
+# --- The envelope inside `fastelbo check`: one comparison path, used in scale regimes only. ---
+
+def test_compare_outputs_accepts_inside_the_envelope_and_counts_it():
+    ref = torch.tensor([1.0, -16.6, 2.0])
+    lo, hi = torch.tensor([1.0, -100.0, 2.0]), torch.tensor([1.0, -16.6, 2.0])
+    got = torch.tensor([1.0, -100.0, 2.0])  # one flip, as in a saturated BCE term
+    assert not compare_outputs((ref,), (got,), 1e-4, 1e-4).ok  # strict: rejected
+    cmp = compare_outputs((ref,), (got,), 1e-4, 1e-4, runs=[(lo,), (hi,)])
+    assert cmp.ok and cmp.diffs[0].n_envelope == 1 and cmp.diffs[0].n_bad == 0
+    assert cmp.diffs[0].max_abs == pytest.approx(83.4, abs=1e-3)  # the diff is still reported
+
+
+def test_envelope_never_excuses_nonfinite_or_outside_values():
+    ref = torch.tensor([1.0, -16.6, 2.0, 3.0])
+    runs = [(torch.tensor([1.0, -100.0, 2.0, 3.0]),), (torch.tensor([1.0, -16.6, 2.0, 3.0]),)]
+    nan = compare_outputs((ref,), (torch.tensor([1.0, float("nan"), 2.0, 3.0]),), 1e-4, 1e-4,
+                          runs=runs)
+    assert [f.category for f in nan.findings] == ["nonfinite"]
+    off = compare_outputs((ref,), (torch.tensor([1.0, -100.0, 2.1, 3.0]),), 1e-4, 1e-4,
+                          runs=runs)
+    assert [f.category for f in off.findings] == ["mismatch"]
+    assert off.diffs[0].n_envelope == 1 and off.diffs[0].n_bad == 1
+    # The worst element named is the real error, not the accepted flip.
+    assert "and the perturbed-reference envelope" in off.findings[0].message
+    assert "worst |diff| 0.1 at [2]" in off.findings[0].message
+
+
+def test_reference_envelope_is_deterministic_and_restores_parameters():
+    model = torch.nn.Linear(4, 3)
+    weights = [p.detach().clone() for p in model.parameters()]
+    x = [torch.randn(5, 4)]
+    lo, hi = tasks._envelope(model, x, 7, torch.device("cpu"), 4)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    ref = model(*x).detach()
+    assert bool((lo[0] <= hi[0]).all() and (lo[0] < hi[0]).any())  # perturbed, ...
+    for bound in (lo[0], hi[0]):  # ...by rounding-level amounts only: 2**-18 of |w|*|x|
+        torch.testing.assert_close(bound, ref, rtol=0, atol=5e-5)  # summed over 4 terms
+    again = tasks._envelope(model, x, 7, torch.device("cpu"), 4)
+    assert torch.equal(again[0][0], lo[0]) and torch.equal(again[1][0], hi[0])
+
+
+STEP = Path(__file__).parent / "problems" / "step.py"
+STEP_CANDIDATES = {
+    # floor(x @ w) where x @ w is an exact integer: summing w a hair low gives n - 1 everywhere.
+    "rounds_down": "torch.floor(x @ (self.w * (1 - 2.0 ** -20)))",
+    "off_by_half": "torch.floor(x @ self.w) + 0.5",   # a real error: outside [n - 1, n]
+}
+
+
+def _step_check(tmp_path, name):
+    path = tmp_path / f"{name}.py"
+    path.write_text(f"import torch\nfrom fastelbo.problems import load_module\n"
+                    f"Model = load_module({str(STEP)!r}).Model\n\n\n"
+                    f"class ModelNew(Model):\n    def forward(self, x):\n"
+                    f"        return {STEP_CANDIDATES[name]}\n")
+    return run_check(STEP, path, trials=2, batch_sizes=[], scales=(4.0,), timeout=120.0)
+
+
+@pytest.fixture(scope="module")
+def step_reports(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("step")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(STEP_CANDIDATES, pool.map(partial(_step_check, tmp), STEP_CANDIDATES)))
+
+
+def test_rounding_flip_passes_scale_regime_through_the_envelope_only(step_reports):
+    report = step_reports["rounds_down"]
+    default, scaled = report.regime("default"), report.regime("scale=4")
+    assert default.status == "FAIL" and default.envelope_runs == 0  # strict where no saturation
+    assert {f.category for t in default.trials for f in t.findings} == {"mismatch"}
+    assert scaled.status == "PASS" and scaled.envelope_runs == PERTURB_RUNS, report.format()
+    assert [t.ill_conditioned for t in scaled.trials] == [16, 16]  # every element flipped
+    assert "ill-conditioned: 16, 16" in report.format()
+    data = report.to_dict()["regimes"][1]
+    assert data["envelope_runs"] == PERTURB_RUNS
+    assert [t["ill_conditioned"] for t in data["trials"]] == [16, 16]
+    assert data["trials"][0]["diffs"][0]["n_envelope"] == 16
+
+
+def test_real_error_fails_scale_regime_despite_the_envelope(step_reports):
+    report = step_reports["off_by_half"]
+    assert report.regime("scale=4").status == "FAIL" and report.exit_code == 1
+    found = [f for t in report.regime("scale=4").trials for f in t.findings]
+    assert {f.category for f in found} == {"mismatch"}
+    assert "perturbed-reference envelope" in found[0].message

@@ -2,9 +2,12 @@
 
 Each entry (eager, torch.compile, each candidate) runs in its own worker: it builds the model
 with the reference's weights, runs one seeded forward per batch size for a correctness check
-against eager, then times it (timing.py). Rows are appended to a jsonl file with the device,
-versions and commit (results.py). A speedup is only as good as the output behind it, so a row
-whose quick check fails is marked INCORRECT, and speedups over 100x are flagged as implausible.
+against eager, then times it (timing.py). A batch size that fails gives an ERROR row and the
+others still run: an exception is caught in the worker, and after a crash, a hang or a broken
+CUDA context the sizes left are rerun in fresh workers, one each. Rows are appended to a jsonl
+file with the device, versions and commit (results.py). A speedup is only as good as the output
+behind it, so a row whose quick check fails is marked INCORRECT, and speedups over 100x are
+flagged as implausible.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from . import loader
 from .compare import compare_outputs
 from .results import append_jsonl, environment, utc_now
 from .timing import Budget, measure
-from .worker import progress, run_task
+from .worker import progress, run_task, traceback_tail
 
 EAGER, COMPILED = "eager", "torch.compile"
 IMPLAUSIBLE = 100.0   # x eager; faster than this is more likely skipped work than a kernel
@@ -25,10 +28,22 @@ METRICS = ("events_ms", "graph_ms", "wall_ms")
 
 
 def default_candidates(device: str) -> list[str]:
-    """fastelbo:auto plus every built-in backend that can run on `device`."""
+    """fastelbo:auto plus every built-in backend that can run on `device`.
+
+    Runs in a worker (`available_candidates`): asking the cuda backend builds its extension.
+    """
+    outcome = run_task("fastelbo.harness.bench:available_candidates", 600.0, device=device)
+    if outcome.ok:
+        return outcome.result["candidates"]
+    # Let each backend's own entry say what is wrong with it.
+    return ["fastelbo:auto"] + [f"fastelbo:{name}" for name in backends.NAMES]
+
+
+def available_candidates(device: str) -> dict:
+    """Worker side of default_candidates."""
     dev = torch.device(device)
-    return ["fastelbo:auto"] + [f"fastelbo:{name}" for name in backends.NAMES
-                                if _unavailable(name, dev) is None]
+    return {"candidates": ["fastelbo:auto"] + [f"fastelbo:{name}" for name in backends.NAMES
+                                               if _unavailable(name, dev) is None]}
 
 
 def _unavailable(name: str, dev: torch.device) -> str | None:
@@ -41,7 +56,11 @@ def _unavailable(name: str, dev: torch.device) -> str | None:
 @torch.no_grad()
 def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                 batch_sizes: list[int] | None, seed: int, quick: bool, graph_reps: int) -> dict:
-    """Worker side: outputs of one seeded forward and the metrics, per batch size."""
+    """Worker side: outputs of one seeded forward and the metrics, per batch size.
+
+    A batch size that raises gives a row with "error"; if the device is unusable afterwards,
+    the sizes not yet run are returned as "unfinished" for the parent to retry elsewhere.
+    """
     dev = torch.device(device)
     mod = loader.problem_module(problem)
     init = list(mod.get_init_inputs())
@@ -63,17 +82,56 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
         model = torch.compile(model)
     budget = Budget.quick() if quick else Budget()
     reps = min(graph_reps, 10) if quick else graph_reps
-    rows = []
-    for n in batch_sizes:
+    rows, unfinished = [], []
+    for i, n in enumerate(batch_sizes):
         progress(f"{kind} {candidate or ''} batch {n}")
-        inputs = loader.to_device(loader.draw_inputs(mod, seed + 1000, n), dev)
-        torch.manual_seed(seed)
-        row = {"batch_size": n if n is not None else default, "weights": weights,
-               "outputs": loader.to_host(model(*inputs))}
-        row.update(measure(partial(model, *inputs), dev, budget, reps))
+        row = {"batch_size": n if n is not None else default, "weights": weights}
+        try:
+            inputs = loader.to_device(loader.draw_inputs(mod, seed + 1000, n), dev)
+            torch.manual_seed(seed)
+            row["outputs"] = loader.to_host(model(*inputs))
+            row.update(measure(partial(model, *inputs), dev, budget, reps))
+        except Exception as exc:  # noqa: BLE001 - one batch size failing is that row's result
+            row = {**row, "error": traceback_tail(exc), "category": "exception"}
+            inputs = None  # drop this size's device tensors before release()
+            if not _usable(dev):
+                rows.append(row)
+                unfinished = batch_sizes[i + 1:]
+                break
         rows.append(row)
         loader.release(dev)
-    return {"batch_sizes": batch_sizes, "rows": rows}
+    return {"batch_sizes": batch_sizes, "rows": rows, "unfinished": unfinished}
+
+
+def _usable(dev: torch.device) -> bool:
+    """False after a sticky CUDA error (e.g. an illegal address): every later call would fail."""
+    if dev.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(dev)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _entry_rows(sizes: list[int] | None, timeout: float,
+                **task) -> tuple[list[dict], list[int] | None]:
+    """One entry's worker rows (metrics, or "error"), and the batch sizes they cover.
+
+    Sizes left by a worker that died (crash, timeout) or lost its device are rerun one per
+    fresh worker, so one bad size costs only its own row. An exception outside the per-size loop
+    (import, build, construction) concerns every size alike: one ERROR row each, no rerun.
+    """
+    outcome = run_task("fastelbo.harness.bench:bench_entry", timeout, batch_sizes=sizes, **task)
+    if outcome.ok:
+        rows = list(outcome.result["rows"])
+        for n in outcome.result["unfinished"]:
+            rows += _entry_rows([n], timeout, **task)[0]
+        return rows, outcome.result["batch_sizes"]
+    if sizes and len(sizes) > 1 and outcome.category in ("crash", "timeout"):
+        return [r for n in sizes for r in _entry_rows([n], timeout, **task)[0]], sizes
+    return [{"batch_size": n, "error": outcome.reason, "category": outcome.category}
+            for n in (sizes or [None])], sizes
 
 
 def run_bench(problem: str, candidates: list[str] | None = None, *, device: str | None = None,
@@ -95,25 +153,21 @@ def run_bench(problem: str, candidates: list[str] | None = None, *, device: str 
     results: dict[str, dict[int, dict]] = {}
     rows, code = [], 0
     for name, kind, path in entries:
-        outcome = run_task("fastelbo.harness.bench:bench_entry", timeout, problem=prob,
-                           kind=kind, candidate=path,
-                           device=device, batch_sizes=batch_sizes, seed=seed, quick=quick,
-                           graph_reps=graph_reps)
-        if not outcome.ok:
-            code = 2
-            rows += [{**base, "candidate": name, "batch_size": n, "status": "ERROR",
-                      "error": outcome.reason, "flags": [outcome.category]}
-                     for n in (batch_sizes or [None])]
-            if kind == EAGER:
-                return rows, code  # nothing to compare or divide by
-            continue
-        if batch_sizes is None:
-            batch_sizes = outcome.result["batch_sizes"]
-        results[name] = {r["batch_size"]: r for r in outcome.result["rows"]}
-        for r in outcome.result["rows"]:
+        got, sizes = _entry_rows(batch_sizes, timeout, problem=prob, kind=kind, candidate=path,
+                                 device=device, seed=seed, quick=quick, graph_reps=graph_reps)
+        batch_sizes = batch_sizes or sizes
+        results[name] = {r["batch_size"]: r for r in got if "error" not in r}
+        for r in got:
+            if "error" in r:
+                code = 2
+                rows.append({**base, "candidate": name, "batch_size": r["batch_size"],
+                             "status": "ERROR", "error": r["error"], "flags": [r["category"]]})
+                continue
             row = _finish_row({**base, "candidate": name, **r}, results, atol, rtol)
             code = max(code, 1 if row["status"] != "ok" or row["flags"] else 0)
             rows.append(row)
+        if kind == EAGER and not results[EAGER]:
+            break  # no baseline at any size: nothing to compare with or divide by
     if out:
         append_jsonl(out, rows)
     return rows, code
@@ -122,12 +176,17 @@ def run_bench(problem: str, candidates: list[str] | None = None, *, device: str 
 def _finish_row(row: dict, results: dict, atol: float, rtol: float) -> dict:
     """Correctness against eager, speedups vs eager and torch.compile, flags."""
     n, outputs = row["batch_size"], row.pop("outputs")
-    eager = results[EAGER][n]
-    cmp = compare_outputs(eager["outputs"], outputs, atol, rtol)
-    row["correct"] = cmp.ok
-    row["status"] = "ok" if cmp.ok else "INCORRECT"
-    row["correct_detail"] = "; ".join(f"[{f.category}] {f.message}" for f in cmp.findings[:3])
-    row["flags"] = [] if cmp.ok else ["INCORRECT"]
+    eager = results[EAGER].get(n)
+    if eager is None:  # eager failed at this size: speed without a correctness check
+        row.update(correct=None, status="UNCHECKED", correct_detail="eager failed at this size",
+                   flags=["UNCHECKED"])
+    else:
+        cmp = compare_outputs(eager["outputs"], outputs, atol, rtol)
+        row["correct"] = cmp.ok
+        row["status"] = "ok" if cmp.ok else "INCORRECT"
+        row["correct_detail"] = "; ".join(f"[{f.category}] {f.message}"
+                                          for f in cmp.findings[:3])
+        row["flags"] = [] if cmp.ok else ["INCORRECT"]
     for base_name, tag in ((EAGER, "eager"), (COMPILED, "compile")):
         base = results.get(base_name, {}).get(n)
         for metric in METRICS:

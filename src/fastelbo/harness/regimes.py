@@ -19,6 +19,12 @@ class Regime:
     scale: float = 1.0              # every floating parameter of both models is multiplied
     variant: str | None = None      # a key of get_input_variants()
 
+    @property
+    def perturbed_reference(self) -> bool:
+        """Judged against the perturbed-reference envelope, not allclose alone: scaled
+        parameters drive outputs into saturation, where they are ill-conditioned (compare.py)."""
+        return self.scale != 1
+
     def to_dict(self) -> dict:
         return asdict(self)
 

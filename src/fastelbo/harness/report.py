@@ -16,6 +16,7 @@ class TrialReport:
     passed: bool
     diffs: list[TensorDiff] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    ill_conditioned: int = 0  # elements accepted only through the perturbed-reference envelope
 
 
 @dataclass
@@ -27,6 +28,7 @@ class RegimeReport:
     status: str = ""   # PASS, FAIL, N/A, REF-NONDET, NOT RUN, INCOMPLETE
     note: str = ""
     trials: list[TrialReport] = field(default_factory=list)
+    envelope_runs: int = 0   # perturbed reference runs behind the envelope; 0: allclose only
 
 
 @dataclass
@@ -118,4 +120,7 @@ def _trial_summary(regime: RegimeReport) -> str:
             a, r = worst.get(d.index, (0.0, 0.0))
             worst[d.index] = (max(a, d.max_abs), max(r, d.max_rel))
     diffs = "  ".join(f"out{i} abs {a:.1e} rel {r:.1e}" for i, (a, r) in sorted(worst.items()))
-    return f"{passed}/{len(regime.trials)} trials ok  max diff: {diffs}"
+    text = f"{passed}/{len(regime.trials)} trials ok  max diff: {diffs}"
+    if regime.envelope_runs:  # per trial, in trial order
+        text += "  ill-conditioned: " + ", ".join(str(t.ill_conditioned) for t in regime.trials)
+    return text

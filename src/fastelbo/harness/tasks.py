@@ -2,8 +2,10 @@
 
 The reference worker builds `Model`, draws every trial's inputs, runs each forward twice under
 the same seed (the determinism check) and returns inputs, outputs and generator states on the
-CPU. It exits before the candidate worker starts, so the candidate gets a clean device and never
-sees the reference's outputs. The candidate worker replays the same inputs and seeds.
+CPU. In the parameter-scaling regimes it also reruns each trial with perturbed parameters and
+returns the envelope of those runs (compare.py says why). It exits before the candidate worker
+starts, so the candidate gets a clean device and never sees the reference's outputs. The
+candidate worker replays the same inputs and seeds.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import loader
-from .compare import compare_outputs, identical
+from .compare import PERTURB_RUNS, compare_outputs, identical, perturbed
 from .regimes import Regime, plan
 from .worker import TaskError, progress, traceback_tail
 
@@ -42,7 +44,9 @@ def reference_pass(problem: str, device: str, trials: int, seed: int, atol: floa
 
 
 def _reference_regime(mod, regime: Regime, init_inputs, dev, trials, seed, atol, rtol) -> dict:
-    entry = {**regime.to_dict(), "applicable": True, "reason": "", "trials": []}
+    runs = PERTURB_RUNS if regime.perturbed_reference else 0
+    entry = {**regime.to_dict(), "applicable": True, "reason": "", "trials": [],
+             "envelope_runs": runs}
     default = regime.name == "default"
     try:
         model, _ = loader.build_model(mod.Model, init_inputs, seed)
@@ -52,7 +56,11 @@ def _reference_regime(mod, regime: Regime, init_inputs, dev, trials, seed, atol,
             progress(f"reference, regime {regime.name}, trial {t}")
             inputs = loader.draw_inputs(mod, 1000 * (t + 1) + seed, regime.batch_size,
                                         regime.variant)
-            entry["trials"].append(_reference_trial(model, inputs, seed + t, dev, atol, rtol))
+            trial = _reference_trial(model, inputs, seed + t, dev, atol, rtol)
+            if runs:
+                trial["envelope"] = _envelope(model, inputs, seed + t, dev, runs,
+                                              f"regime {regime.name}, trial {t}")
+            entry["trials"].append(trial)
     except Exception as exc:  # noqa: BLE001 - a reference that raises makes the regime moot
         if default:
             raise TaskError("reference", f"the reference raised on get_inputs():\n"
@@ -78,6 +86,45 @@ def _reference_trial(model, inputs, seed, dev, atol, rtol) -> dict:
     return {"seed": seed, "inputs": inputs, "outputs": first, "rng": rng,
             "deterministic": same.ok, "bitwise": identical(first, second),
             "determinism_note": "; ".join(f.message for f in same.findings)}
+
+
+@torch.no_grad()
+def _envelope(model, inputs, seed, dev, runs: int, where: str = "") -> list[tuple]:
+    """[lo, hi]: elementwise min and max of the outputs of `runs` forwards with perturbed
+    parameters, each under the trial's seed (same noise as the plain run).
+
+    Only the bounds go back, not every run: envelope_accepts([ref, lo, hi]) equals it over all
+    runs (torch.minimum/maximum propagate NaN and keep +-inf, so an element non-finite in any run
+    stays excluded), and the transfer stays at 2x the outputs whatever `runs` is.
+    """
+    x = loader.to_device(inputs, dev)
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    saved = [p.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(seed)  # deterministic, and the global RNGs stay untouched
+    lo = hi = None
+    try:
+        for r in range(runs):
+            progress(f"reference, {where}, perturbed run {r}")
+            for p, q in zip(params, perturbed(saved, gen)):
+                p.copy_(q)
+            torch.manual_seed(seed)
+            out = loader.to_host(model(*x))
+            lo = out if lo is None else tuple(map(_fold(torch.minimum), lo, out))
+            hi = out if hi is None else tuple(map(_fold(torch.maximum), hi, out))
+    finally:
+        for p, q in zip(params, saved):
+            p.copy_(q)
+    return [lo, hi]
+
+
+def _fold(op):
+    """Elementwise `op` of two runs' outputs; non-float or reshaped outputs keep the first run's
+    value (the envelope then adds nothing there)."""
+    def fold(a, b):
+        ok = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+              and a.is_floating_point() and a.shape == b.shape and a.dtype == b.dtype)
+        return op(a, b) if ok else a
+    return fold
 
 
 @torch.no_grad()

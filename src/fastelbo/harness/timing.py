@@ -104,7 +104,8 @@ def escape_check(fn, calls: int) -> tuple[float, float, bool]:
 
 
 def graph_time(fn, graph_reps: int, replays: int = 5) -> tuple[float | None, str]:
-    """ms per forward from replaying one CUDA graph holding `graph_reps` forwards.
+    """ms per forward from replaying one CUDA graph holding `graph_reps` forwards: the median
+    over `replays` replays, each timed by its own events on the current stream, / graph_reps.
 
     Warm-up runs on a side stream first (as the PyTorch CUDA-graph docs require, so lazy
     initialisation and allocator warm-up happen outside capture).
@@ -120,17 +121,18 @@ def graph_time(fn, graph_reps: int, replays: int = 5) -> tuple[float | None, str
         with torch.cuda.graph(graph):
             for _ in range(graph_reps):
                 fn()
-        graph.replay()
+        graph.replay()  # the first replay uploads the graph; not timed
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
+        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                 for _ in range(replays)]
+        for start, end in pairs:
+            start.record()
             graph.replay()
-        end.record()
+            end.record()
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - a capture failure is a result, not a crash
         return None, f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    ms = start.elapsed_time(end) / (replays * graph_reps)
+    ms = statistics.median(s.elapsed_time(e) for s, e in pairs) / graph_reps
     del graph
     return ms, ""
 
@@ -154,8 +156,11 @@ def measure(fn, device: torch.device, budget: Budget, graph_reps: int) -> dict:
     m = {"wall_ms": wall_per_call(fn, device, calls)}
     if device.type != "cuda":
         return m
-    m["events_ms"], m["events_p20_ms"], m["events_p80_ms"] = event_times(fn, reps)
-    m["bracket_event_ms"], m["synced_wall_ms"], m["stream_escape"] = escape_check(fn, calls)
-    m["peak_mem_bytes"] = peak_memory(fn, device)
-    m["graph_ms"], m["graph_error"] = graph_time(fn, graph_reps)
+    # Events, streams and synchronize() act on the current device: make it the measured one
+    # (cuda:1 timed with cuda:0's stream would time nothing).
+    with torch.cuda.device(device):
+        m["events_ms"], m["events_p20_ms"], m["events_p80_ms"] = event_times(fn, reps)
+        m["bracket_event_ms"], m["synced_wall_ms"], m["stream_escape"] = escape_check(fn, calls)
+        m["peak_mem_bytes"] = peak_memory(fn, device)
+        m["graph_ms"], m["graph_error"] = graph_time(fn, graph_reps)
     return m
