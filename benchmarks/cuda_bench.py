@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import subprocess
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 import fastelbo
 from fastelbo.backends import cuda as backend
+from fastelbo.harness.results import git_commit
 from fastelbo.problems.vae_elbo import Model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cuda_bench.csv"
@@ -125,11 +125,7 @@ def paths_table(params, dims, tag, rows_out) -> None:
 
 
 def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return git_commit()
 
 
 def main() -> int:

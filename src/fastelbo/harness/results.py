@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 from functools import cache
@@ -16,7 +17,12 @@ import torch
 
 
 def git_commit(cwd: str | Path | None = None) -> str:
-    """Short HEAD, with "-dirty" when the tree has changes; "unknown" outside a repository."""
+    """Short HEAD, with "-dirty" when the tree has changes; "unknown" outside a repository.
+
+    FASTELBO_COMMIT overrides it: a copy of the tree without .git (a remote GPU machine) is
+    told which commit it runs."""
+    if os.environ.get("FASTELBO_COMMIT"):
+        return os.environ["FASTELBO_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd,
                               capture_output=True, text=True, timeout=10, check=False)
