@@ -27,6 +27,7 @@ pytest_gpu() { run "$1" "$2" python3 -m pytest -q -m gpu -p no:cacheprovider -rf
 for stage in "$@"; do case $stage in
   env) run env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__,
         triton.__version__, torch.cuda.get_device_name(), torch.cuda.device_count())"' ;;
+  cuda-tests) pytest_gpu test_cuda_backend "${T_CUDA:-150}" tests/test_cuda_backend.py ;;
   tests)  # one process per file: a device assert in one cannot poison the others
     pytest_gpu test_cuda_backend "${T_CUDA:-150}" tests/test_cuda_backend.py
     pytest_gpu test_triton_gpu "${T_TRITON:-110}" tests/test_triton_gpu.py
@@ -41,13 +42,14 @@ for stage in "$@"; do case $stage in
     done
     for c in cuda triton; do run "check_odd_$c" 300 $FE check benchmarks/problems/vae_elbo_odd.py "fastelbo:$c" --device cuda --batch-sizes 1,7,1000; done
     $FE export --kernelbench "$LOGS/solution.py" && run check_export 400 $FE check vae_elbo "$LOGS/solution.py" --device cuda ;;
-  bench) run bench 500 $FE bench vae_elbo --device cuda --batch-sizes 1,128,4096,65536 --out "$LOGS/bench.jsonl" ;;
+  check-auto) run check_auto "${T_CHECK:-100}" $FE check vae_elbo fastelbo:auto --device cuda --batch-sizes 1,7,128,1000,65536 --trials 2 ;;
+  bench) run bench "${T_BENCH:-160}" $FE bench vae_elbo fastelbo:auto fastelbo:cuda fastelbo:triton --device cuda --batch-sizes 128,4096,65536 --out "$LOGS/bench.jsonl" ;;
   cuda-plans) run cuda_plans 240 python3 benchmarks/cuda_bench.py --plans ;;
   triton-sweep) run triton_sweep 240 python3 benchmarks/triton_forward_sweep.py --batches 4096 65536 ;;
   iwae) run iwae 70 python3 benchmarks/iwae_bench.py --out "$LOGS/iwae.jsonl" ;;
   train) run train 100 python3 benchmarks/train_bench.py --skip-compile --out "$LOGS/train.jsonl" ;;
   train-epochs) run train_epochs 120 python3 benchmarks/train_bench.py --epochs 10 --out "$LOGS/train.jsonl" ;;
-  multi) run multi 240 env OUT="$LOGS/multi" bash benchmarks/multi_gpu.sh 2 ;;
+  multi) run multi "${T_MULTI:-240}" env OUT="$LOGS/multi" bash benchmarks/multi_gpu.sh 2 ;;
   crossover) run crossover 300 python3 benchmarks/triton_crossover.py
              cp src/fastelbo/backends/crossover.json "$LOGS/" 2>/dev/null ;;
   *) echo "unknown stage $stage" ;;
