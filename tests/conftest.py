@@ -29,3 +29,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_gpu_backend(monkeypatch):
+    """'cuda' and 'triton' answered by the torch spec, so fastelbo.ops takes the GPU backends'
+    path (the torch.library custom ops and their backward) on a CPU."""
+    from fastelbo import backends
+    from fastelbo.backends import torch_ref
+
+    real = backends.module
+    monkeypatch.setattr(backends, "module",
+                        lambda name: torch_ref if name in ("cuda", "triton") else real(name))
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,10 +13,8 @@ import torch
 from fastelbo import cli, data
 from fastelbo.evaluate import load_model
 from fastelbo.iwae import iwae_log_likelihood
+from interpret import IN_CHILD, child_only, parent_only, run_children
 from reference import twins
-
-IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-child_only = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child")
 
 
 @pytest.fixture(scope="module")
@@ -85,18 +82,10 @@ def test_per_image_values(run_dir, tmp_path):
     assert r["log_likelihood"]["mean"] == pytest.approx(ll.mean(), rel=1e-12)
 
 
-@pytest.mark.skipif(IN_CHILD, reason="this is the child")
+@parent_only
 def test_triton_backend_in_interpreter():
-    pytest.importorskip("triton")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-         "-k", "interpreted", __file__],
-        cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True, text=True, check=False, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter cases failed (rc {proc.returncode}):\n{proc.stdout}\n"
-                    f"{proc.stderr}", pytrace=False)
-    assert "2 passed" in proc.stdout, proc.stdout
+    out = run_children(__file__, "-m", "not gpu", "-k", "interpreted", timeout=600)
+    assert "2 passed" in out, out
 
 
 @child_only

@@ -3,7 +3,7 @@ opaque torch.library op that torch.compile traces (forward and backward)."""
 import pytest
 import torch
 
-from fastelbo import backends, ops
+from fastelbo import ops
 from fastelbo.backends import torch_ref
 from fastelbo.params import VAEParams
 from fastelbo.validation import validation
@@ -32,15 +32,6 @@ def test_backward_equals_autograd_float64(monkeypatch, scale, chunk_rows):
     for name, g, w in zip(["x", "eps", *VAEParams._fields], [g_x, g_eps, *g_params], want):
         torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-9, msg=lambda m, n=name: f"{n}: {m}")
     assert (g_x[3] == 0).all()
-
-
-@pytest.fixture
-def fake_gpu_backend(monkeypatch):
-    """'triton' answered by the torch spec, so ops.elbo goes through the custom ops on CPU."""
-    real = backends.module
-    monkeypatch.setattr(backends, "module",
-                        lambda name: torch_ref if name == "triton" else real(name))
-    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
 
 
 def test_torch_compile_traces_the_custom_op(fake_gpu_backend):

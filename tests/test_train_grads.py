@@ -8,8 +8,6 @@ import pytest
 import torch
 
 import fastelbo
-from fastelbo import backends
-from fastelbo.backends import torch_ref
 from fastelbo.params import STATE_DICT_KEYS, VAEParams
 from reference import DIMS, twins
 
@@ -81,15 +79,6 @@ def _gradcheck_inputs():
 
 def test_gradcheck_torch_backend():
     assert torch.autograd.gradcheck(_elbo_fn("torch"), _gradcheck_inputs(), atol=1e-6, rtol=1e-4)
-
-
-@pytest.fixture
-def fake_gpu_backend(monkeypatch):
-    """'cuda' answered by the torch spec, so ops.elbo routes through its autograd.Function."""
-    real = backends.module
-    monkeypatch.setattr(backends, "module",
-                        lambda name: torch_ref if name == "cuda" else real(name))
-    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
 
 
 def test_gradcheck_through_autograd_function(fake_gpu_backend):

@@ -10,31 +10,16 @@ kernel's logic (tiling, masks, fusion, epilogue, NaN rows); tf32x3 accuracy is t
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-child_only = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child")
+from interpret import IN_CHILD, child_only, parent_only, run_children
 
 
-@pytest.mark.skipif(IN_CHILD, reason="this is the child")
+@parent_only
 def test_in_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
-        check=False,
-        timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter cases failed (rc {proc.returncode}):\n{proc.stdout}\n"
-                    f"{proc.stderr}", pytrace=False)
-    assert " passed" in proc.stdout and " skipped" in proc.stdout, proc.stdout
+    out = run_children(__file__, timeout=600)
+    assert " passed" in out and " skipped" in out, out
 
 
 if IN_CHILD:

@@ -10,10 +10,6 @@ the differently ordered sums); tf32x3 accuracy is the GPU cases' job.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,24 +18,13 @@ import torch.nn.functional as F
 from fastelbo import ModelNew
 from fastelbo import iwae as torch_iwae
 from fastelbo.params import VAEParams
-
-IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-child_only = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child")
+from interpret import IN_CHILD, child_only, parent_only, run_children
 
 
-@pytest.mark.skipif(IN_CHILD, reason="this is the child")
+@parent_only
 def test_in_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-         __file__],
-        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
-        check=False, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter cases failed (rc {proc.returncode}):\n{proc.stdout}\n"
-                    f"{proc.stderr}", pytrace=False)
-    assert " passed" in proc.stdout, proc.stdout
+    out = run_children(__file__, "-m", "not gpu")
+    assert " passed" in out, out
 
 
 def _tb():
