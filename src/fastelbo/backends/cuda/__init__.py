@@ -29,12 +29,11 @@ HEADERS = ("elbo.h",)
 # IEEE float32 throughout (no --use_fast_math): sm_90 machine code, plus PTX for newer GPUs.
 NVCC_FLAGS = [
     "-O3",
-    "-std=c++20",
     "-gencode=arch=compute_90,code=sm_90",
     "-gencode=arch=compute_90,code=compute_90",
     "-lineinfo",
 ]
-CXX_FLAGS = ["-O3", "-std=c++20"]
+CXX_FLAGS = ["-O3"]
 
 
 def source_files() -> list[Path]:

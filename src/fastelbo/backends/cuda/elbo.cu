@@ -13,14 +13,14 @@
 // Cluster design: a thread-block cluster of C blocks (C = 16 non-portable where the GPU
 // schedules it, else 8, 4, ...) owns a tile of R batch rows. In each layer, block k of the
 // cluster computes its slice of output columns for all R rows (so each weight is read once per
-// cluster, not once per row) and writes it into its OWN shared memory; after the layer's
-// cluster barrier every block pulls the other C-1 slices with 16-byte DSMEM loads. (Pushing
-// every element to all C blocks with 4-byte remote stores, as a first version did, sent
-// R*H*C scattered remote stores per layer through the SM-to-SM network, which is narrow:
-// that, not the FFMAs, set its time.) The latent layer gives each block whole latent indices
-// j (mu_j and logvar_j together), so reparameterisation and the KL term stay local. The last
-// layer's slice computes sigmoid + BCE against x for its columns; per-row partial sums go to
-// the rank-0 block through DSMEM, which writes elbo, recon and kl.
+// cluster, not once per row) and pushes its slice into every cluster block's shared memory
+// through distributed shared memory (DSMEM); one cluster barrier per layer publishes the whole
+// activation. (A pull variant -- own slice written locally, remote slices fetched with 16-byte
+// DSMEM loads after the barrier -- gave wrong results for C >= 2 on an H200 and was reverted
+// to this push scheme, which passed every forced-plan test.) The latent layer gives each block
+// whole latent indices j (mu_j and logvar_j together), so reparameterisation and the KL term
+// stay local. The last layer's slice computes sigmoid + BCE against x for its columns; per-row
+// partial sums go to the rank-0 block through DSMEM, which writes elbo, recon and kl.
 //
 // Cost at the reference size (B=128, D=784, H=256, L=32) on an H200 (132 SMs):
 //   weights 4*(784*256*2 + 256*32*3) B = 1.7 MB, x 0.4 MB: ~2.1 MB / 4.3 TB/s  = 0.5 us floor;
@@ -41,23 +41,17 @@
 // memory. Where they do not fit (large R at large B, huge dims) the same loops read global
 // memory (L1/L2) instead: p.staged picks the path, both always correct.
 //
-// Barrier discipline (each reused buffer: last read, barrier, next write). A block writes
-// only its own slice columns of hs / zs locally and only OTHER blocks' slice columns by pulls,
-// and other blocks read only its slice columns: the two never overlap.
+// Barrier discipline (each reused buffer: last read, barrier, next write):
 //   staged copies: cp.async.wait_group(3 - layer) in every thread before the barrier that
 //   precedes the layer (S0..S3), so the barrier publishes every thread's copies.
-//   S0 cluster.sync   every block started before any DSMEM access
-//   L1  read x, w1         -> h slice into own hs                         S1 cluster.sync
-//       pull the other h slices into hs; __syncthreads
+//   S0 cluster.sync   every block started before any DSMEM store
+//   L1  read x, w1         -> push h into hs of all blocks               S1 cluster.sync
 //   L2  read hs, wmu, wlv  -> ml (local); __syncthreads;
-//       read ml, eps        -> z slice into own zs, KL partial to rank 0   S2 cluster.sync
-//       pull the other z slices into zs; __syncthreads (all h pulls from hs precede S2)
-//   L3  read zs, wd1        -> d slice into own hs                         S3 cluster.sync
-//       pull the other d slices into hs; __syncthreads (all z pulls precede S3)
+//       read ml, eps        -> push z into zs of all, KL partial to rank 0  S2 cluster.sync
+//   L3  read zs, wd1        -> push d into hs of all (hs reads of L2 all precede S2)  S3
 //   L4  read hs, wd2        -> ob (local); __syncthreads;
 //       read ob, x          -> BCE partial + bad-row flag to rank 0       S4 cluster.sync
-//   rank 0 reads the partials and writes the outputs; no block touches another's smem after S4
-//   (every pull precedes S4, so no block exits while its smem is still being read).
+//   rank 0 reads the partials and writes the outputs; no block touches another's smem after S4.
 #include "elbo.h"
 
 #include <cooperative_groups.h>
@@ -149,53 +143,6 @@ __device__ __forceinline__ void stage_rows(float* dst, int ld, Src src, int nrow
     for (int i = static_cast<int>(threadIdx.x); i < nrows * K; i += kThreads) {
       const int r = i / K, c = i - r * K;
       cp_async4(dst + r * ld + c, src(r) + c);
-    }
-  }
-}
-
-// After a cluster barrier: copy the slices of the other C-1 blocks (columns [q*ns, q*ns + ns)
-// of rows [0, R), clipped to N columns) from their shared memory into ours, 16 bytes at a
-// time (ns % 4 == 0, ld % 4 == 0, buf 16-byte aligned), scalar at a ragged last slice. Four
-// independent remote loads per thread are in flight before the stores.
-__device__ __forceinline__ void pull_slices(cg::cluster_group& cluster, float* buf, int ld,
-                                            int ns, int N, int R, int C, int rank) {
-  const int nv = ns / 4;
-  const int total = (C - 1) * R * nv;
-  for (int base = static_cast<int>(threadIdx.x); base < total; base += 4 * kThreads) {
-    float4 v[4];
-    int off[4], cnt[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int i = base + u * kThreads;
-      cnt[u] = 0;
-      off[u] = 0;
-      if (i < total) {
-        const int qq = i / (R * nv), rem = i - qq * (R * nv), r = rem / nv, s = rem - r * nv;
-        const int q = qq < rank ? qq : qq + 1;
-        const int c0 = q * ns + s * 4;
-        cnt[u] = max(0, min(4, N - c0));
-        off[u] = r * ld + c0;
-        const float* src = cluster.map_shared_rank(buf, q) + off[u];
-        if (cnt[u] == 4) {
-          v[u] = *reinterpret_cast<const float4*>(src);
-        } else {
-          v[u].x = cnt[u] > 0 ? src[0] : 0.0f;
-          v[u].y = cnt[u] > 1 ? src[1] : 0.0f;
-          v[u].z = cnt[u] > 2 ? src[2] : 0.0f;
-          v[u].w = 0.0f;
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      float* dst = buf + off[u];
-      if (cnt[u] == 4) {
-        *reinterpret_cast<float4*>(dst) = v[u];
-      } else {
-        if (cnt[u] > 0) dst[0] = v[u].x;
-        if (cnt[u] > 1) dst[1] = v[u].y;
-        if (cnt[u] > 2) dst[2] = v[u].z;
-      }
     }
   }
 }
@@ -363,10 +310,11 @@ __global__ void __launch_bounds__(kThreads, 2) elbo_kernel(const __grid_constant
   cp_async_wait<3>();  // own copies of group 0 landed; the barrier publishes everyone's
   cluster.sync();      // S0
 
-  // L1: h = relu(x w1^T + b1), this block's columns, into its own hs.
-  auto put_h = [&](int r, int c, float v, int kk, int) {
+  // L1: h = relu(x w1^T + b1), this block's columns, pushed to every block's hs.
+  auto put_h = [&](int r, int c, float v, int kk, int ks) {
     const int n = n0h + c;
-    if (kk == 0) hs[r * ldh + n] = relu(v + __ldg(p.b1 + n));
+    const float h = relu(v + __ldg(p.b1 + n));
+    for (int q = kk; q < C; q += ks) cluster.map_shared_rank(hs, q)[r * ldh + n] = h;
   };
   staged_layer<TR, TC, true>(staged, v1, R, ncol_h, D,
       [&](int r) { return static_cast<const float*>(xs) + r * ldx; },
@@ -375,8 +323,6 @@ __global__ void __launch_bounds__(kThreads, 2) elbo_kernel(const __grid_constant
       [&](int c) { return p.w1 + static_cast<size_t>(n0h + c) * D; }, put_h);
   cp_async_wait<2>();
   cluster.sync();  // S1
-  pull_slices(cluster, hs, ldh, p.ns_h, H, R, C, rank);
-  __syncthreads();
 
   // L2: mu and logvar for latent indices [j0, j0 + lcnt), kept local.
   auto hrow = [&](int r) { return static_cast<const float*>(hs) + r * ldh; };
@@ -393,11 +339,12 @@ __global__ void __launch_bounds__(kThreads, 2) elbo_kernel(const __grid_constant
         if (kk == 0) ml[r * ldm + c] = v + __ldg(c < lcnt ? p.bmu + j0 + c : p.blv + j0 + c - lcnt);
       });
   __syncthreads();
-  // z = mu + exp(0.5 logvar) * eps for this block's latent indices, into its own zs.
-  for (int i = tid; i < R * lcnt; i += kThreads) {
-    const int r = i / lcnt, c = i - r * lcnt;
+  // z = mu + exp(0.5 logvar) * eps for this block's latent indices, pushed to every block.
+  for (int i = tid; i < R * lcnt * C; i += kThreads) {
+    const int q = i % C, e = i / C, r = e / lcnt, c = e - r * lcnt;
     const float ep = __ldg(p.eps + static_cast<size_t>(grow(r)) * L + j0 + c);
-    zs[r * ldl + j0 + c] = reparam(ml[r * ldm + c], ml[r * ldm + lcnt + c], ep);
+    cluster.map_shared_rank(zs, q)[r * ldl + j0 + c] =
+        reparam(ml[r * ldm + c], ml[r * ldm + lcnt + c], ep);
   }
   // KL partial: sum_j (1 + logvar - mu^2 - exp(logvar)) over this block's j, to rank 0.
   for (int r = tid; r < R; r += kThreads) {
@@ -407,14 +354,13 @@ __global__ void __launch_bounds__(kThreads, 2) elbo_kernel(const __grid_constant
   }
   cp_async_wait<1>();
   cluster.sync();  // S2
-  pull_slices(cluster, zs, ldl, p.ns_l, L, R, C, rank);
-  __syncthreads();
 
   // L3: d = relu(z wd1^T + bd1), own columns into own hs (all hs reads, local and remote, of
   // L1's h happened before S2).
-  auto put_d = [&](int r, int c, float v, int kk, int) {
+  auto put_d = [&](int r, int c, float v, int kk, int ks) {
     const int n = n0h + c;
-    if (kk == 0) hs[r * ldh + n] = relu(v + __ldg(p.bd1 + n));
+    const float d = relu(v + __ldg(p.bd1 + n));
+    for (int q = kk; q < C; q += ks) cluster.map_shared_rank(hs, q)[r * ldh + n] = d;
   };
   auto zrow = [&](int r) { return static_cast<const float*>(zs) + r * ldl; };
   staged_layer<TR, TC, false>(staged, v3, R, ncol_h, L, zrow, zrow,
@@ -422,8 +368,6 @@ __global__ void __launch_bounds__(kThreads, 2) elbo_kernel(const __grid_constant
       [&](int c) { return p.wd1 + static_cast<size_t>(n0h + c) * L; }, put_d);
   cp_async_wait<0>();
   cluster.sync();  // S3
-  pull_slices(cluster, hs, ldh, p.ns_h, H, R, C, rank);
-  __syncthreads();
 
   // L4: logits a = d wd2^T + bd2 for this block's columns of x, kept local.
   staged_layer<TR, TC, false>(staged, v4, R, ncol_d, H, hrow, hrow,
@@ -484,8 +428,8 @@ struct Layout {
 
 Layout make_layout(int D, int H, int L, int R, int C, bool staged) {
   Layout l{};
-  l.ns_h = round4(cdiv(H, C));  // multiples of 4: slices are pulled 16 bytes at a time
-  l.ns_l = round4(cdiv(L, C));
+  l.ns_h = cdiv(H, C);
+  l.ns_l = cdiv(L, C);
   l.ns_d = cdiv(D, C);
   l.ldh = round4(H) + 4;      // +4 floats: rows start in different banks
   l.ldl = round4(L) + 4;
