@@ -236,6 +236,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/train.jsonl"))
     args = ap.parse_args()
     dims, dev = tuple(args.dims), torch.device(args.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     ok = True
