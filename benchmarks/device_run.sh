@@ -50,7 +50,7 @@ for stage in "$@"; do case $stage in
   train) run train 100 python3 benchmarks/train_bench.py --skip-compile --out "$LOGS/train.jsonl" ;;
   train-epochs) run train_epochs 120 python3 benchmarks/train_bench.py --epochs 10 --out "$LOGS/train.jsonl" ;;
   multi) run multi "${T_MULTI:-240}" env OUT="$LOGS/multi" bash benchmarks/multi_gpu.sh 2 ;;
-  crossover) run crossover 300 python3 benchmarks/triton_crossover.py
+  crossover) run crossover 300 python3 benchmarks/crossover.py
              cp src/fastelbo/backends/crossover.json "$LOGS/" 2>/dev/null ;;
   *) echo "unknown stage $stage" ;;
 esac; done

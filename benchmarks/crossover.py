@@ -1,6 +1,10 @@
 """Time the backends per batch size under CUDA-graph replay and write the `auto` crossover table.
 
-    python benchmarks/triton_crossover.py [--reps 200] [--dims 784 256 32] [--no-write]
+    python benchmarks/crossover.py [--reps 200] [--dims 784 256 32] [--no-write]
+    python benchmarks/crossover.py --from-bench benchmarks/results/bench.jsonl --commit C
+
+The second form needs no GPU: it takes the CUDA-graph times that `fastelbo bench` recorded for
+one commit (eager stands in for the torch backend, which runs the same ops in row chunks).
 
 For every batch in BATCHES and every available backend (torch, triton, cuda if built), one
 forward with a fixed eps is captured into a CUDA graph and replayed; the median of `--reps`
@@ -54,7 +58,8 @@ def time_graph(fn, reps: int) -> float:
 
 
 def rules_from(times: dict[str, dict[int, float]]) -> list[dict]:
-    winners = [(b, min(times, key=lambda n: times[n].get(b, float("inf")))) for b in BATCHES]
+    batches = sorted({b for ts in times.values() for b in ts})
+    winners = [(b, min(times, key=lambda n: times[n].get(b, float("inf")))) for b in batches]
     rules: list[dict] = []
     for batch, name in winners:
         if rules and rules[-1]["backend"] == name:
@@ -65,12 +70,42 @@ def rules_from(times: dict[str, dict[int, float]]) -> list[dict]:
     return rules
 
 
+BENCH_NAMES = {"eager": "torch", "fastelbo:cuda": "cuda", "fastelbo:triton": "triton"}
+
+
+def table_from_bench(path: Path, commit: str) -> dict:
+    """The crossover table from `fastelbo bench` rows of one commit (graph replay times)."""
+    times: dict[str, dict[int, float]] = {}
+    meta = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        name = BENCH_NAMES.get(row.get("candidate"))
+        if row.get("commit") != commit or name is None or row.get("status") != "ok":
+            continue
+        times.setdefault(name, {})[int(row["batch_size"])] = float(row["graph_ms"])
+        meta = row
+    if not times:
+        raise SystemExit(f"no ok rows of commit {commit} in {path}")
+    return {"rules": rules_from(times), "measured_on": meta.get("device_name"),
+            "torch": meta.get("torch"), "source": f"{path.name} @ {commit} (graph_ms)",
+            "date": meta.get("date"),
+            "times_ms": {n: {str(b): t for b, t in sorted(ts.items())} for n, ts in times.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--dims", type=int, nargs=3, default=[784, 256, 32])
     ap.add_argument("--no-write", action="store_true", help="print the table only")
+    ap.add_argument("--from-bench", type=Path, help="derive the table from bench jsonl rows")
+    ap.add_argument("--commit", help="with --from-bench: the commit whose rows to use")
     args = ap.parse_args()
+    if args.from_bench:
+        table = table_from_bench(args.from_bench, args.commit)
+        print(json.dumps(table, indent=1))
+        if not args.no_write:
+            Path(_CROSSOVER).write_text(json.dumps(table, indent=1) + "\n")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU; nothing written")
     dev = torch.device("cuda")
