@@ -389,6 +389,8 @@ class TestBadInputs:
         """The C++ checks behind the Python ones raise RuntimeError (a crash fails the test
         instead of killing the session)."""
         code = textwrap.dedent("""
+            import faulthandler
+            faulthandler.enable()  # a crash names the case in stderr
             import torch
             from fastelbo.backends import cuda
             from fastelbo.problems.vae_elbo import Model
@@ -406,6 +408,7 @@ class TestBadInputs:
                 ("cluster must be", (x, eps, *ps), (0, 17, -1, False, 1)),
             ]
             for want, args, extra in cases:
+                print("case:", want, flush=True)
                 try:
                     ext.forward(*args, *extra)
                 except RuntimeError as e:
@@ -414,6 +417,7 @@ class TestBadInputs:
                     raise AssertionError(f"no error for {want!r}")
             big = [t.detach().cuda() for t in Model(4, 65536, 2).state_dict().values()]
             xb, eb = torch.rand(2, 4, device="cuda"), torch.randn(2, 2, device="cuda")
+            print("case: hidden_dim=65536 on the forced cluster path", flush=True)
             try:
                 ext.forward(xb, eb, *big, 0, 0, -1, False, 1)
             except RuntimeError as e:
