@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import fastelbo
 from fastelbo.backends import cuda as backend
 from fastelbo.harness.results import git_commit
+from fastelbo.harness.timing import graph_time
 from fastelbo.problems.vae_elbo import Model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cuda_bench.csv"
@@ -33,28 +34,12 @@ FIELDS = ["time", "gpu", "torch", "commit", "impl", "batch", "dims", "rows", "cl
 
 
 def graph_time_us(fn, reps: int = 100, trials: int = 20) -> float:
-    """Median over trials of (one replay of a graph of `reps` calls) / reps."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+    """Median over `trials` replays of one graph of `reps` calls, per call, in microseconds
+    (the harness's timer, so these numbers and `fastelbo bench`'s are measured alike)."""
+    ms, why = graph_time(fn, reps, replays=trials)
+    if ms is None:
+        raise RuntimeError(why)
+    return ms * 1e3
 
 
 def eager_fixed_eps(x, p, eps):
