@@ -428,6 +428,10 @@ class TestBadInputs:
         """)
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=600, check=False)
+        if proc.returncode < 0 and not _extension_exceptions_work():
+            pytest.xfail("this torch build crashes on ANY C++ extension exception (a trivial "
+                         "load_inline TORCH_CHECK segfaults too: seen on the H200 image, torch "
+                         "2.11 + gcc 13.3, 2026-11-29); fastelbo's Python-side checks run first")
         assert proc.returncode == 0 and "all raised" in proc.stdout, (
             f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
 
@@ -468,3 +472,22 @@ def test_exported_solution_matches_reference(tmp_path):
         got = new(x)
         for g, w, n in zip(got, want, NAMES):
             assert_close(g, w, n)
+
+
+_PROBE = """
+import torch
+from torch.utils.cpp_extension import load_inline
+src = '#include <torch/extension.h>\\nvoid f(at::Tensor x) { TORCH_CHECK(x.dim() == 5, "x"); }'
+m = load_inline("fastelbo_exception_probe", cpp_sources=[src], functions=["f"])
+try:
+    m.f(torch.zeros(2))
+except RuntimeError:
+    print("raised")
+"""
+
+
+def _extension_exceptions_work() -> bool:
+    """Whether a trivial C++ extension's TORCH_CHECK failure reaches Python on this machine."""
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                          timeout=600, check=False)
+    return proc.returncode == 0 and "raised" in proc.stdout
