@@ -17,7 +17,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="verify, time, train and evaluate on this machine")
     p.add_argument("--device", default="auto", help="cuda or cpu (default: cuda if present)")
     p.add_argument("--out", default="runs/demo", help="where results and pictures go")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--samples", type=int, default=None,
                    help="IWAE samples per image (default 5000 on a GPU, 500 on a CPU)")
     p.set_defaults(func=main)
