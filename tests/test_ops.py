@@ -63,3 +63,27 @@ def test_op_is_registered_with_a_fake_kernel():
         outs = torch.ops.fastelbo.elbo_forward("triton", x, eps, params)
     assert [tuple(o.shape) for o in outs] == [(5,)] * 3
     assert ops._elbo_forward is not None
+
+
+@pytest.mark.parametrize("used", [(0,), (1,), (2,), (1, 2)], ids=["elbo", "recon", "kl", "both"])
+@pytest.mark.parametrize("regime", ["saturated", "overflow"])
+def test_custom_op_gradients_when_only_some_outputs_are_used(fake_gpu_backend, used, regime):
+    """Autograd never visits the branch of an output no gradient reaches; neither may the
+    custom op's backward (0 * inf would turn into NaN there)."""
+    _, new = twins((16, 8, 4), dtype=torch.float64, scale=8.0 if regime == "saturated" else 1.0)
+    p = [t.detach().requires_grad_() for t in new.vae_params()]
+    if regime == "overflow":
+        with torch.no_grad():
+            p[5].fill_(800.0)  # logvar bias: exp(logvar) = inf, so kl = inf
+    x = torch.rand(5, 16, dtype=torch.float64, requires_grad=True)
+    eps = torch.randn(5, 4, dtype=torch.float64)
+
+    def grads(backend):
+        outs = ops.elbo(x, p, eps, backend=backend)
+        return torch.autograd.grad(sum(outs[i].sum() for i in used), [x, *p], allow_unused=True)
+
+    with validation(False):
+        want, got = grads("torch"), grads("triton")
+    for name, g, w in zip(["x", *VAEParams._fields], got, want):
+        w = torch.zeros_like(g) if w is None else w  # autograd: None where nothing flows
+        torch.testing.assert_close(g, w, equal_nan=True, msg=lambda m, n=name: f"{n}: {m}")

@@ -33,27 +33,32 @@ def _(backend, x, eps, params):
 
 
 @torch.library.custom_op("fastelbo::elbo_backward", mutates_args=())
-def _elbo_backward(grads: list[torch.Tensor], x: torch.Tensor, eps: torch.Tensor,
-                   params: list[torch.Tensor]) -> list[torch.Tensor]:
+def _elbo_backward(grads: list[torch.Tensor], used: list[bool], x: torch.Tensor,
+                   eps: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`used[i]` says whether a gradient reaches output i (elbo, recon, kl); where none does,
+    autograd would not visit that branch, and neither does the backward."""
+    grads = [g if u else None for g, u in zip(grads, used)]
     g_x, g_eps, g_params = torch_ref.backward(x, VAEParams(*params), eps, grads)
     return [g_x, g_eps, *g_params]
 
 
 @_elbo_backward.register_fake
-def _(grads, x, eps, params):
+def _(grads, used, x, eps, params):
     return [torch.empty_like(t) for t in (x, eps, *params)]
 
 
 def _setup_context(ctx, inputs, output):
     _, x, eps, params = inputs
     ctx.save_for_backward(x, eps, *params)
+    ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
 
 
 def _backward(ctx, g_elbo, g_recon, g_kl):
     x, eps, *params = ctx.saved_tensors
+    given = (g_elbo, g_recon, g_kl)
     zeros = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
-    grads = [g if g is not None else zeros for g in (g_elbo, g_recon, g_kl)]
-    gx, geps, *gparams = _elbo_backward(grads, x, eps, params)
+    gx, geps, *gparams = _elbo_backward([zeros if g is None else g for g in given],
+                                        [g is not None for g in given], x, eps, params)
     return None, gx, geps, gparams
 
 

@@ -55,48 +55,69 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor):
 
 
 def _backward_rows(x, p: VAEParams, eps, g_rec, g_kl):
-    """Autograd's backward of _forward_rows, written out with the same aten backward ops."""
+    """Autograd's backward of _forward_rows, written out with the same aten backward ops.
+
+    g_rec / g_kl are None where no gradient reaches recon / kl: autograd then never visits that
+    branch, and neither does this (a zero gradient times an inf activation would give NaN)."""
     aten = torch.ops.aten
     h = F.relu(F.linear(x, p.enc_w, p.enc_b))
     mu, lv = F.linear(h, p.mu_w, p.mu_b), F.linear(h, p.lv_w, p.lv_b)
     std = torch.exp(0.5 * lv)
-    z = mu + std * eps
-    d = F.relu(F.linear(z, p.dec_w1, p.dec_b1))
-    prob = torch.sigmoid(F.linear(d, p.dec_w2, p.dec_b2))
-    nan_rows = torch.isnan(prob).any(-1)
-    safe = torch.where(nan_rows[:, None], torch.full_like(prob[:1], 0.5), prob)
-    g_out = torch.where(nan_rows, torch.zeros_like(g_rec), g_rec)[:, None].expand_as(prob)
-    # BCE's own backward: grad * (p - x) / max(p (1 - p), 1e-12); its target gradient -logit(p).
-    g_p = aten.binary_cross_entropy_backward(g_out, safe, x, None, 0)
-    g_x = -torch.logit(safe) * g_out
-    g_a4 = aten.sigmoid_backward(torch.where(nan_rows[:, None], torch.zeros_like(g_p), g_p), prob)
-    g_d = aten.threshold_backward(g_a4 @ p.dec_w2, d, 0)
-    g_z = g_d @ p.dec_w1
-    g_kl = g_kl[:, None]
-    g_mu = g_z + g_kl * mu                                    # d kl / d mu = mu
-    g_lv = 0.5 * (g_z * eps * std) - 0.5 * g_kl * (1 - lv.exp())
+    g_mu = g_lv = g_x = None
+    decoder = [torch.zeros_like(t) for t in p[6:]]
+    if g_rec is not None:
+        z = mu + std * eps
+        d = F.relu(F.linear(z, p.dec_w1, p.dec_b1))
+        prob = torch.sigmoid(F.linear(d, p.dec_w2, p.dec_b2))
+        nan_rows = torch.isnan(prob).any(-1)
+        safe = torch.where(nan_rows[:, None], torch.full_like(prob[:1], 0.5), prob)
+        g_out = torch.where(nan_rows, torch.zeros_like(g_rec), g_rec)[:, None].expand_as(prob)
+        # BCE's own backward: grad * (p - x) / max(p (1 - p), 1e-12); its target gradient
+        # is -logit(p).
+        g_p = aten.binary_cross_entropy_backward(g_out, safe, x, None, 0)
+        g_x = -torch.logit(safe) * g_out
+        g_a4 = aten.sigmoid_backward(torch.where(nan_rows[:, None], torch.zeros_like(g_p), g_p),
+                                     prob)
+        g_d = aten.threshold_backward(g_a4 @ p.dec_w2, d, 0)
+        g_z = g_d @ p.dec_w1
+        decoder = [g_d.T @ z, g_d.sum(0), g_a4.T @ d, g_a4.sum(0)]
+        g_mu, g_lv = g_z, 0.5 * (g_z * eps * std)
+    g_eps = g_mu * std if g_mu is not None else torch.zeros_like(eps)
+    if g_kl is not None:
+        g_kl = g_kl[:, None]
+        kl_mu, kl_lv = g_kl * mu, -0.5 * g_kl * (1 - lv.exp())   # d kl/d mu = mu
+        g_mu = kl_mu if g_mu is None else g_mu + kl_mu
+        g_lv = kl_lv if g_lv is None else g_lv + kl_lv
+    if g_mu is None:  # no gradient reaches any output
+        return torch.zeros_like(x), g_eps, [torch.zeros_like(t) for t in p]
     g_a1 = aten.threshold_backward(g_mu @ p.mu_w + g_lv @ p.lv_w, h, 0)
-    g_x = g_x + g_a1 @ p.enc_w
-    g_params = (g_a1.T @ x, g_a1.sum(0), g_mu.T @ h, g_mu.sum(0), g_lv.T @ h, g_lv.sum(0),
-                g_d.T @ z, g_d.sum(0), g_a4.T @ d, g_a4.sum(0))
-    return g_x, g_z * std, g_params
+    g_x = g_a1 @ p.enc_w if g_x is None else g_x + g_a1 @ p.enc_w
+    encoder = [g_a1.T @ x, g_a1.sum(0), g_mu.T @ h, g_mu.sum(0), g_lv.T @ h, g_lv.sum(0)]
+    return g_x, g_eps, encoder + decoder
 
 
 def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads):
     """Gradients w.r.t. (x, eps, params) of <grads, forward(x, params, eps)>, as autograd gives
-    them through `forward`, chunked like it: the spec for the GPU backends' backward."""
+    them through `forward`, chunked like it: the spec for the GPU backends' backward.
+
+    grads = (g_elbo, g_recon, g_kl); None marks an output no gradient reaches."""
     g_elbo, g_recon, g_kl = grads
     bad = invalid_rows(x)
     keep = ~bad
     x = torch.where(bad[:, None], torch.zeros((), dtype=x.dtype, device=x.device), x)
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    g_rec = torch.where(keep, g_recon - g_elbo, zero)   # elbo = -(recon + kl)
-    g_kl = torch.where(keep, g_kl - g_elbo, zero)
+
+    def total(g_part):  # elbo = -(recon + kl); invalid rows are masked out of every output
+        parts = [g for g in (g_part, None if g_elbo is None else -g_elbo) if g is not None]
+        return None if not parts else torch.where(keep, sum(parts), zero)
+
+    g_rec, g_kl = total(g_recon), total(g_kl)
     rows = max(1, CHUNK_ELEMS // max(1, x.shape[1]))
     g_x, g_eps, g_params = [], [], [torch.zeros_like(t) for t in params]
     for i in range(0, x.shape[0], rows):
-        gx, ge, gp = _backward_rows(x[i:i + rows], params, eps[i:i + rows],
-                                    g_rec[i:i + rows], g_kl[i:i + rows])
+        sl = slice(i, i + rows)
+        gx, ge, gp = _backward_rows(x[sl], params, eps[sl], None if g_rec is None else g_rec[sl],
+                                    None if g_kl is None else g_kl[sl])
         g_x.append(gx)
         g_eps.append(ge)
         for acc, g in zip(g_params, gp):
