@@ -28,3 +28,10 @@ def test_choose_skips_unavailable_backends_and_cpu(monkeypatch):
                         lambda name, device: None if name in ("torch", "triton") else "no nvcc")
     assert backends.choose(torch.device("cuda"), 8) == "triton"
     assert backends.choose(torch.device("cpu"), 8) == "torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_auto_runs_other_dtypes_on_the_torch_backend(monkeypatch, dtype):
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
+    assert backends.choose(torch.device("cuda"), 8, dtype) == "torch"
+    assert backends.choose(torch.device("cuda"), 8, torch.float32) != "torch"

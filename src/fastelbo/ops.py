@@ -67,7 +67,7 @@ _elbo_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
     if backend == "auto":
-        return backends.choose(x.device, x.shape[0])
+        return backends.choose(x.device, x.shape[0], x.dtype)
     reason = backends.unavailable_reason(backend, x.device)
     if reason is not None:
         raise RuntimeError(f"backend={backend!r} cannot run on {x.device}: {reason}. "

@@ -45,9 +45,10 @@ def _crossover() -> list[dict]:
     return json.loads(_CROSSOVER.read_text())["rules"]
 
 
-def choose(device: torch.device, batch: int) -> str:
-    """The backend `auto` runs for this call: the fastest measured one that is available."""
-    if device.type != "cuda":
+def choose(device: torch.device, batch: int, dtype: torch.dtype = torch.float32) -> str:
+    """The backend `auto` runs for this call: the fastest measured one that is available.
+    The GPU backends compute in float32 only; any other dtype runs on the torch backend."""
+    if device.type != "cuda" or dtype != torch.float32:
         return "torch"
     preferred = [r["backend"] for r in _crossover() if batch <= r["max_batch"]]
     for name in preferred + ["cuda", "triton"]:
