@@ -87,3 +87,20 @@ def test_custom_op_gradients_when_only_some_outputs_are_used(fake_gpu_backend, u
     for name, g, w in zip(["x", *VAEParams._fields], got, want):
         w = torch.zeros_like(g) if w is None else w  # autograd: None where nothing flows
         torch.testing.assert_close(g, w, equal_nan=True, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_compiled_model_keeps_the_rng_contract_and_the_value_check():
+    """Under torch.compile the noise is still the eager randn, and bad x still raises."""
+    ref, new = twins((16, 8, 3))
+    x = torch.rand(6, 16)
+    compiled = torch.compile(new, backend="aot_eager")
+    torch.manual_seed(3)
+    got = compiled(x)
+    torch.manual_seed(3)
+    want = ref(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    bad = x.clone()
+    bad[2, 3] = 1.5
+    with pytest.raises(ValueError, match=r"x\[2, 3\]"):
+        compiled(bad)

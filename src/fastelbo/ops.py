@@ -65,6 +65,14 @@ def _backward(ctx, g_elbo, g_recon, g_kl):
 _elbo_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.compiler.disable
+def _draw_noise(x: torch.Tensor, latent: int) -> torch.Tensor:
+    """The one randn of the RNG contract. Kept out of torch.compile graphs (a graph break), so
+    a compiled model draws the same noise as eager for the same seed; Inductor would otherwise
+    substitute its own generator."""
+    return torch.randn(x.shape[0], latent, device=x.device, dtype=x.dtype)
+
+
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
     if backend == "auto":
         return backends.choose(x.device, x.shape[0], x.dtype)
@@ -84,7 +92,7 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
     check_inputs(x, params, eps)
     name = resolve_backend(backend, x)
     if eps is None:
-        eps = torch.randn(x.shape[0], params.dims[2], device=x.device, dtype=x.dtype)
+        eps = _draw_noise(x, params.dims[2])
     x, eps, params = x.contiguous(), eps.contiguous(), params.contiguous()
     if name == "torch":
         return torch_ref.forward(x, params, eps)

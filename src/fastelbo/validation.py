@@ -1,11 +1,11 @@
 """Input checks that run before any kernel launch, and the switch for the value check.
 
 Shape, dtype and device checks always run (they cost nothing). The value check (x in [0, 1],
-no NaN) reads x back to the host, one device sync per call; it is on by default and skipped
-while a CUDA graph is being captured. Turn it off for speed with `fastelbo.set_validation(False)`,
-the `fastelbo.validation(False)` context manager or FASTELBO_VALIDATE=0: rows holding a bad value
-then come out as NaN in elbo, recon and kl (every backend guarantees this), never as a plausible
-number.
+no NaN) reads x back to the host, one device sync per call; it is on by default, skipped while
+a CUDA graph is being captured, and run eagerly (a graph break) under torch.compile. Turn it
+off for speed with `fastelbo.set_validation(False)`, the `fastelbo.validation(False)` context
+manager or FASTELBO_VALIDATE=0: rows holding a bad value then come out as NaN in elbo, recon
+and kl (every backend guarantees this), never as a plausible number.
 """
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def check_inputs(x, params: VAEParams, eps) -> None:
             raise ValueError(f"eps must have shape ({x.shape[0]}, {lat}), got {tuple(eps.shape)}")
         if eps.device != w.device or eps.dtype != w.dtype:
             raise TypeError(f"eps must be {w.dtype} on {w.device}, got {eps.dtype} on {eps.device}")
-    if _enabled and not _capturing(x) and not torch.compiler.is_compiling():
-        check_values(x)
+    if _enabled and not _capturing(x):
+        _check_values_eagerly(x)
 
 
 def _capturing(x: torch.Tensor) -> bool:
@@ -84,6 +84,7 @@ def _capturing(x: torch.Tensor) -> bool:
 
 
 def check_values(x: torch.Tensor) -> None:
+    """ValueError naming the first x value outside [0, 1] (or NaN)."""
     # One reduction and one device-to-host copy on the good path (min/max propagate NaN).
     lo, hi = torch.stack(torch.aminmax(x)).tolist()
     if not (lo >= 0 and hi <= 1):
@@ -93,3 +94,7 @@ def check_values(x: torch.Tensor) -> None:
             f"x must lie in [0, 1] (Bernoulli targets); {int(bad.sum())} value(s) do not, first "
             f"x[{r}, {c}] = {float(x[r, c])}. Turn validation off (fastelbo.set_validation(False)) "
             f"to get NaN in those rows instead.")
+
+
+# Under torch.compile the check runs eagerly (a graph break), so it still raises.
+_check_values_eagerly = torch.compiler.disable(check_values)
