@@ -79,3 +79,14 @@ def test_parameter_mismatch_is_reported():
     p = model.vae_params()._replace(mu_b=torch.zeros(4))
     with pytest.raises(ValueError, match="parameter mu_b must have shape"):
         fastelbo.elbo(torch.rand(2, 16), p)
+
+
+@pytest.mark.parametrize("field, value, exc, match", [
+    ("enc_w", torch.zeros(8), ValueError, "parameter enc_w must be 2-D"),
+    ("mu_w", torch.zeros(3), ValueError, "parameter mu_w must be 2-D"),
+    ("dec_b2", [0.0] * 16, TypeError, "parameter dec_b2 must be a torch.Tensor"),
+])
+def test_malformed_parameters_are_named(field, value, exc, match):
+    p = fastelbo.ModelNew(16, 8, 3).vae_params()._replace(**{field: value})
+    with pytest.raises(exc, match=match):
+        fastelbo.elbo(torch.rand(2, 16), p)

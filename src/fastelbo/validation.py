@@ -39,6 +39,13 @@ def validation(enabled: bool):
 
 
 def check_params(params: VAEParams) -> None:
+    for name, p in zip(VAEParams._fields, params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameter {name} must be a torch.Tensor, got {type(p).__name__}")
+    for name in ("enc_w", "mu_w"):  # the dims are read off these two
+        if getattr(params, name).dim() != 2:
+            raise ValueError(f"parameter {name} must be 2-D (out, in), got shape "
+                             f"{tuple(getattr(params, name).shape)}")
     ref = params.enc_w
     if not ref.is_floating_point():
         raise TypeError(f"parameters must be floating point, got {ref.dtype}")
