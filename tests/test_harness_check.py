@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +31,8 @@ CORPUS = {
     "wrong_output_count": (1, "output_count", "2 output(s), reference has 3"),
     "wrong_dtype": (1, "dtype", "torch.float64"),
     "wrong_shape": (1, "shape", "(16, 1)"),
+    "numpy_output": (1, "output_type", "output 2 is a numpy.ndarray, reference a tensor"),
+    "lambda_output": (1, "output_type", "output 2 is a function, reference a tensor"),
     "raises": (2, "exception", "kernel launch failed"),
     "crashes": (2, "crash", "crashed: signal SIGSEGV"),
     "hangs": (2, "timeout", f"timeout after {HANG_TIMEOUT:g} s"),
@@ -71,7 +74,8 @@ def test_corpus_verdict_and_reason(reports, name):
     assert any(text in r for r in report.reasons), report.format()
 
 
-@pytest.mark.parametrize("name", ["extra_rng_draw", "input_mutation", "wrong_dtype"])
+@pytest.mark.parametrize("name", ["extra_rng_draw", "input_mutation", "wrong_dtype",
+                                  "numpy_output", "lambda_output"])
 def test_pure_defects_report_only_their_own_category(reports, name):
     # Their outputs are right: nothing else may be blamed.
     assert reports[name].categories == [CORPUS[name][1]]
@@ -171,8 +175,103 @@ def test_nan_positions_must_match_and_nan_equal_nan_passes():
 
 
 def test_degenerate_outputs_fail_even_within_tolerance():
-    ref = torch.tensor([1.0, 1.0 + 1e-6, 1.0])
-    assert compare_outputs((ref,), (torch.ones(3),), 1e-3, 0).findings[0].category == \
-        "constant_output"
+    # Within atol of the constant, but varying by more than atol itself.
+    ref = torch.tensor([0.91, 1.09, 1.0])
+    found = compare_outputs((ref,), (torch.ones(3),), 0.1, 0).findings
+    assert [f.category for f in found] == ["constant_output"]
+    # Within atol + rtol*|ref| of zero, but not within atol of zero.
+    found = compare_outputs((torch.tensor([0.015, 0.0]),), (torch.zeros(2),), 0.01, 0.5).findings
+    assert [f.category for f in found] == ["zero_output"]
     assert degenerate(torch.tensor([1e-9, 0.0]), torch.zeros(2), 0)[0].category == "zero_output"
     assert degenerate(torch.ones(3), torch.ones(3), 0) == []
+
+
+def test_degenerate_ignores_a_reference_that_varies_only_by_rounding():
+    atol = rtol = 1e-4
+    noise = 1e-9 * torch.randn(64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ref = 1 + noise
+    assert not _rows_equal_exactly(ref)
+    assert degenerate(ref, torch.ones(64, dtype=torch.float64), 0, atol, rtol) == []
+    assert compare_outputs((ref,), (torch.ones(64, dtype=torch.float64),), atol, rtol).ok
+    # Zero: a reference that is zero up to rounding admits an exactly zero output.
+    assert degenerate(noise, torch.zeros(64, dtype=torch.float64), 0, atol, rtol) == []
+    assert compare_outputs((noise,), (torch.zeros(64, dtype=torch.float64),), atol, rtol).ok
+    # A reference that really varies still flags a constant (or zero) output.
+    varying = torch.tensor([1.0, 1.5, 1.0, 0.5])
+    assert [f.category for f in degenerate(varying, torch.ones(4), 0, atol, rtol)] == \
+        ["constant_output"]
+    assert [f.category for f in degenerate(varying, torch.zeros(4), 0, atol, rtol)] == \
+        ["zero_output"]
+    # Rows of a 2-D output: constant within tolerance per column, across rows.
+    rows = torch.tensor([[1.0, 2.0]]).repeat(8, 1) + 1e-9 * torch.arange(8.0)[:, None]
+    assert degenerate(rows, torch.tensor([[1.0, 2.0]]).repeat(8, 1), 0, atol, rtol) == []
+
+
+def _rows_equal_exactly(t: torch.Tensor) -> bool:
+    return bool((t == t[:1]).all())
+
+
+def test_unsupported_outputs_become_output_type_findings():
+    import numpy as np
+
+    from fastelbo.harness.compare import identical
+    from fastelbo.harness.loader import to_host
+    ref = (torch.ones(2), torch.zeros(2), 3)
+    got = to_host((torch.ones(2), np.zeros(2), 3))
+    assert got[2] == 3 and isinstance(got[0], torch.Tensor)
+    found = compare_outputs(ref, got, 1e-4, 1e-4).findings
+    assert [f.category for f in found] == ["output_type"]
+    assert "numpy.ndarray" in found[0].message
+    # Replaced outputs are never "identical", so they cannot also be blamed as a cache.
+    assert not identical(got, to_host((torch.ones(2), np.zeros(2), 3)))
+
+
+WORKER_TASKS = """
+import numpy as np
+
+
+def numpy_result():
+    return {"value": np.zeros(3)}
+
+
+def lambda_result():
+    return {"value": lambda: 0}
+
+
+def fine():
+    return {"value": 1}
+"""
+
+
+@pytest.mark.parametrize("func, text", [("numpy_result", "could not be read back safely (it "),
+                                        ("lambda_result", "could not be saved")])
+def test_worker_results_it_cannot_carry_are_errors_not_crashes(tmp_path, monkeypatch, func,
+                                                               text):
+    from fastelbo.harness.worker import run_task
+    (tmp_path / "worker_tasks_mod.py").write_text(WORKER_TASKS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    assert run_task("worker_tasks_mod:fine", 60).result == {"value": 1}
+    outcome = run_task(f"worker_tasks_mod:{func}", 60)
+    assert not outcome.ok and outcome.category == "exception"
+    assert text in outcome.reason, outcome.reason
+    if func == "numpy_result":  # names what it refused, without torch's advice to allow it
+        assert "GLOBAL numpy" in outcome.reason and "weights_only" not in outcome.reason
+
+
+def test_cli_check_unsupported_output_is_incorrect_not_a_traceback(capsys):
+    code = main(["check", str(TINY), str(CANDIDATES / "numpy_output.py"), "--trials", "1",
+                 "--batch-sizes", "", "--scales", ""])
+    out = capsys.readouterr().out
+    assert code == 1 and "output 2 is a numpy.ndarray" in out, out
+
+
+def test_cli_unexpected_harness_error_exits_2(capsys, monkeypatch):
+    from fastelbo.harness import check
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("harness bug")
+    monkeypatch.setattr(check, "run_check", boom)
+    code = main(["check", str(TINY), str(CANDIDATES / "wrong_shape.py")])
+    err = capsys.readouterr().err
+    assert code == 2 and "internal error" in err and "harness bug" in err

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+import traceback
+
+EXIT_ERROR = 2  # "could not judge", as in report.EXIT_ERROR
 
 
 def _ints(text: str) -> list[int]:
@@ -59,6 +63,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_export)
 
 
+def _never_raise(command: str):
+    """Backstop: an unexpected exception in the harness itself is "could not judge" (exit 2),
+    with its reason, never a traceback with exit 1 (which means "incorrect")."""
+    def wrap(func):
+        @functools.wraps(func)
+        def run(args) -> int:
+            try:
+                return func(args)
+            except Exception as exc:  # noqa: BLE001 - the exit code must keep its meaning
+                tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                print(tb.rstrip(), file=sys.stderr)
+                print(f"fastelbo {command}: internal error, no verdict: "
+                      f"{type(exc).__name__}: {exc}", file=sys.stderr)
+                return EXIT_ERROR
+        return run
+    return wrap
+
+
+@_never_raise("compile")
 def _compile(args) -> int:
     from .compile import run_compile
     report = run_compile(args.candidate, timeout=args.timeout)
@@ -66,6 +89,7 @@ def _compile(args) -> int:
     return report.exit_code
 
 
+@_never_raise("check")
 def _check(args) -> int:
     from .check import run_check
     report = run_check(args.problem, args.candidate, device=args.device, trials=args.trials,
@@ -75,6 +99,7 @@ def _check(args) -> int:
     return report.exit_code
 
 
+@_never_raise("bench")
 def _bench(args) -> int:
     from .bench import run_bench
     rows, code = run_bench(args.problem, args.candidates or None, device=args.device,

@@ -136,11 +136,23 @@ def to_device(values: list, device: torch.device) -> list:
     return [t.to(device) if isinstance(t, torch.Tensor) else t for t in values]
 
 
+# Outputs other than tensors that travel back to the harness as they are. Exact types only: a
+# subclass (numpy.float64 is a float) would not pass the harness's weights_only unpickling.
+PLAIN_OUTPUT_TYPES = (type(None), bool, int, float, complex, str)
+
+
 def to_host(out) -> tuple:
-    """Outputs as plain CPU tensors (subclasses stripped: the harness unpickles them safely)."""
-    from .compare import as_tuple
+    """Outputs as plain CPU tensors (subclasses stripped: the harness unpickles them safely).
+
+    Any other output that is not a plain Python number / string / None (a numpy array, a custom
+    object, a lambda) is replaced by `compare.unsupported_output(value)`: the harness could not
+    unpickle it, and compare_outputs reports it as an `output_type` finding.
+    """
+    from .compare import as_tuple, unsupported_output
     return tuple(t.detach().as_subclass(torch.Tensor).cpu().clone()
-                 if isinstance(t, torch.Tensor) else t for t in as_tuple(out))
+                 if isinstance(t, torch.Tensor)
+                 else t if type(t) in PLAIN_OUTPUT_TYPES else unsupported_output(t)
+                 for t in as_tuple(out))
 
 
 def sync(device: torch.device) -> None:

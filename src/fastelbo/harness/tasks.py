@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import loader
-from .compare import PERTURB_RUNS, compare_outputs, identical, perturbed
+from .compare import PERTURB_RUNS, compare_outputs, identical, perturbed, unsupported_type
 from .regimes import Regime, plan
 from .worker import TaskError, progress, traceback_tail
 
@@ -78,6 +78,11 @@ def _reference_trial(model, inputs, seed, dev, atol, rtol) -> dict:
     x = loader.to_device(inputs, dev)
     torch.manual_seed(seed)  # seeds the CPU and every CUDA generator
     first = loader.to_host(model(*x))
+    bad = [f"output {i} is a {name}" for i, o in enumerate(first)
+           if (name := unsupported_type(o)) is not None]
+    if bad:
+        raise TaskError("reference", "the reference returns outputs the harness cannot compare "
+                        f"(tensors and plain Python numbers only): {'; '.join(bad)}")
     loader.sync(dev)
     rng = loader.rng_state(dev)
     torch.manual_seed(seed)

@@ -70,13 +70,34 @@ def run_task(func: str, timeout: float, **kwargs) -> WorkerOutcome:
             return WorkerOutcome(None, "timeout", f"timeout after {timeout:g} s"
                                  + (f" (during {where})" if where else ""), tail, where)
         if result.exists():
-            data = torch.load(result, weights_only=True)
+            try:
+                data = torch.load(result, weights_only=True)
+                if not isinstance(data, dict):
+                    raise TypeError(f"the result is a {type(data).__name__}, not a dict")
+            except Exception as exc:  # noqa: BLE001 - a result we cannot read is the task's fault
+                return WorkerOutcome(None, "exception", "the worker's result could not be read "
+                                     "back safely (it holds objects other than tensors and "
+                                     f"plain Python values): {_load_error(exc)}", tail, where)
             if "worker_error" in data:
                 return WorkerOutcome(None, data.get("category", "exception"),
                                      data["worker_error"], tail, where)
             return WorkerOutcome(data, output_tail=tail, progress=where)
         return WorkerOutcome(None, "crash", f"crashed: {_describe_exit(code)}"
                              + (f" (during {where})" if where else ""), tail, where)
+
+
+def _first_line(exc: BaseException, chars: int = 500) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else "")[:chars]
+
+
+def _load_error(exc: BaseException) -> str:
+    """The informative line of a weights_only load failure (which global it refused), without
+    torch's advice to allowlist it or to load with weights_only=False."""
+    for line in str(exc).splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].split(" Please use")[0].strip()
+    return f"{type(exc).__name__}: {_first_line(exc)}"
 
 
 class TaskError(Exception):
@@ -101,6 +122,20 @@ def traceback_tail(exc: BaseException, lines: int = 12) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _save_result(out, path: Path) -> None:
+    """Write the result atomically (temp file, then os.replace): the parent sees a whole result
+    or none. A result torch.save cannot write (an unpicklable object) becomes an error result."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        torch.save(out, tmp)
+    except BaseException as exc:  # noqa: BLE001 - whatever the task returned, report something
+        out = {"worker_error": "the task's result could not be saved: "
+                               f"{type(exc).__name__}: {_first_line(exc)}",
+               "category": "exception"}
+        torch.save(out, tmp)
+    os.replace(tmp, path)
+
+
 def main(argv: list[str]) -> int:
     global _progress_path
     task_path, result_path, _progress_path = argv[0], argv[1], Path(argv[2])
@@ -112,7 +147,7 @@ def main(argv: list[str]) -> int:
         out = {"worker_error": str(exc), "category": exc.category}
     except BaseException as exc:  # noqa: BLE001 - the report must carry whatever went wrong
         out = {"worker_error": traceback_tail(exc), "category": "exception"}
-    torch.save(out, result_path)
+    _save_result(out, Path(result_path))
     sys.stdout.flush()
     # Skip interpreter teardown: a candidate's atexit hooks or CUDA context must not change
     # the verdict once the result is on disk.

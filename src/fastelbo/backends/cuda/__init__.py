@@ -112,6 +112,7 @@ def plan(x: torch.Tensor, params: VAEParams, *, rows: int = 0, cluster: int = 0,
 
     R <= 0 means no plan: -R is the kernel's status (1 too large, 3 arch, 4 no cluster fits).
     """
+    check_options(rows, cluster, staged)
     d, h, lat = VAEParams(*params).dims
     r, c, smem, variant, st = extension().plan(x.device.index or 0, x.shape[0], d, h, lat,
                                                rows, cluster, staged)
@@ -119,24 +120,87 @@ def plan(x: torch.Tensor, params: VAEParams, *, rows: int = 0, cluster: int = 0,
 
 
 PATHS = {"auto": 0, "cluster": 1, "rows": 2}
+INT32_MAX = 2**31 - 1
 
 
-def check_inputs(x: torch.Tensor, params: VAEParams, eps: torch.Tensor) -> None:
-    """Raise TypeError / ValueError naming the argument, before anything reaches C++."""
-    for name, t in (("x", x), ("eps", eps), *zip(VAEParams._fields, params)):
+class CudaInputError(ValueError, RuntimeError):
+    """A tensor the binding would reject for its device, layout or contiguity.
+
+    A ValueError for callers, and a RuntimeError as the binding's own TORCH_CHECK failure was:
+    these checks stand in for the binding's, since on some images a C++ exception cannot reach
+    Python at all (it kills the process; benchmarks/NOTES.md, run 8).
+    """
+
+
+def _int_option(name: str, value, lo: int, hi: int, meaning: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int ({meaning}), got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be {meaning}, got {value}")
+    return value
+
+
+def check_options(rows: int = 0, cluster: int = 0, staged: int = -1,
+                  path: str = "auto") -> None:
+    """The binding's checks on the launch options (rows, cluster, staged, path), in Python."""
+    _int_option("rows", rows, 0, 64, "0 (auto) or 1..64")
+    _int_option("cluster", cluster, 0, 16, "0 (auto) or 1..16")
+    _int_option("staged", staged, -1, 1, "-1 (auto), 0 or 1")
+    if not isinstance(path, str) or path not in PATHS:
+        raise ValueError(f"path must be one of {tuple(PATHS)}, got {path!r}")
+    if (rows > 0 or cluster > 0 or staged >= 0) and path == "rows":
+        raise ValueError(f"rows / cluster / staged force the cluster path; they conflict with "
+                         f"path='rows' (got rows={rows}, cluster={cluster}, staged={staged})")
+
+
+def check_inputs(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
+                 cluster: int = 0, staged: int = -1, path: str = "auto") -> None:
+    """Raise TypeError / ValueError naming the argument, before anything reaches C++.
+
+    Mirrors every check binding.cpp's elbo_forward makes before it launches (FE_CHECK_TENSOR on
+    x, eps and each parameter; dims, shapes and int32 limits; the launch options), so that the
+    binding never throws: on some images a C++ exception kills the process. Reads tensor
+    metadata only (no data, no CUDA call), so it runs anywhere, meta tensors included.
+    """
+    try:
+        params = VAEParams(*params)
+    except TypeError:
+        raise TypeError(f"params must be a VAEParams (or a sequence of "
+                        f"{len(VAEParams._fields)} tensors {VAEParams._fields})") from None
+    tensors = (("x", x), ("eps", eps), *zip(VAEParams._fields, params))
+    for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if t.dtype != torch.float32:
             raise TypeError(f"the cuda backend computes in float32 only; {name} is {t.dtype}. "
                             f"Use backend='torch' for other dtypes.")
-    for name, t, nd in (("x", x, 2), ("eps", eps, 2), ("enc_w", params.enc_w, 2),
-                        ("mu_w", params.mu_w, 2)):
+    dev = x.device
+    for name, t in tensors:
+        if t.device.type != "cuda":
+            raise CudaInputError(f"{name} must be a CUDA tensor, got one on {t.device}. "
+                                 f"Use backend='torch' on other devices.")
+        if t.device != dev:
+            raise CudaInputError(f"{name} is on {t.device} but x is on {dev}: every tensor "
+                                 f"must be on x's device")
+        if not t.is_contiguous():
+            raise CudaInputError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride "
+                                 f"{t.stride()}); call .contiguous() first")
+    for name, t, nd, what in (("x", x, 2, "(batch, input_dim)"),
+                              ("enc_w", params.enc_w, 2, "(hidden_dim, input_dim)"),
+                              ("mu_w", params.mu_w, 2, "(latent_dim, hidden_dim)")):
         if t.dim() != nd:
-            raise ValueError(f"{name} must be {nd}-D, got shape {tuple(t.shape)}")
+            raise ValueError(f"{name} must be {nd}-D {what}, got shape {tuple(t.shape)}")
     batch, d = x.shape
     h, lat = params.enc_w.shape[0], params.mu_w.shape[0]
     if batch < 1:
         raise ValueError("x must hold at least one row")
+    if d < 1 or h < 1 or lat < 1:
+        raise ValueError(f"dims must be positive, got input_dim={d} hidden_dim={h} "
+                         f"latent_dim={lat}")
+    if max(batch, d, h, lat) > INT32_MAX:
+        raise ValueError(f"sizes must fit in int32, got B={batch} D={d} H={h} L={lat}")
     want = {"x": (batch, d), "eps": (batch, lat), "enc_w": (h, d), "enc_b": (h,),
             "mu_w": (lat, h), "mu_b": (lat,), "lv_w": (lat, h), "lv_b": (lat,),
             "dec_w1": (h, lat), "dec_b1": (h,), "dec_w2": (d, h), "dec_b2": (d,)}
@@ -145,6 +209,7 @@ def check_inputs(x: torch.Tensor, params: VAEParams, eps: torch.Tensor) -> None:
             raise ValueError(f"{name} must have shape {want[name]}, got {tuple(t.shape)} "
                              f"(x is {tuple(x.shape)}, enc_w {tuple(params.enc_w.shape)}, "
                              f"mu_w {tuple(params.mu_w.shape)})")
+    check_options(rows, cluster, staged, path)
 
 
 def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
@@ -156,9 +221,8 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     (tuning only); _poison fills the outputs with NaN first, so tests can prove every element
     is written.
     """
+    check_inputs(x, params, eps, rows=rows, cluster=cluster, staged=staged, path=path)
     params = VAEParams(*params)
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {tuple(PATHS)}, got {path!r}")
-    check_inputs(x, params, eps)
-    out = extension().forward(x, eps, *params, rows, cluster, staged, _poison, PATHS[path])
+    out = extension().forward(x, eps, *params, rows, cluster, staged, bool(_poison),
+                              PATHS[path])
     return out[0], out[1], out[2]

@@ -1,0 +1,226 @@
+"""The cuda backend's Python-side input checks, on CPU (no GPU, no nvcc, no build).
+
+binding.cpp's FE_CHECKs must never fire: on some images any C++ exception kills the process
+(benchmarks/NOTES.md, run 8), so `check_inputs` mirrors each of them. It reads tensor metadata
+only, so CUDA tensors are stood in for by FakeTensorMode ones (a device and a shape, no memory).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fastelbo.backends import cuda
+from fastelbo.params import VAEParams
+
+B, D, H, L = 4, 33, 7, 5
+SHAPES = {"enc_w": (H, D), "enc_b": (H,), "mu_w": (L, H), "mu_b": (L,), "lv_w": (L, H),
+          "lv_b": (L,), "dec_w1": (H, L), "dec_b1": (H,), "dec_w2": (D, H), "dec_b2": (D,)}
+ALL = ("x", "eps", *VAEParams._fields)
+
+
+@pytest.fixture(scope="module")
+def fake():
+    return FakeTensorMode()
+
+
+def make(fake, device="cuda:0", batch=B, dims=(D, H, L)):
+    """(x, params, eps) on a fake CUDA device, all valid."""
+    d, h, lat = dims
+    shapes = {"enc_w": (h, d), "enc_b": (h,), "mu_w": (lat, h), "mu_b": (lat,),
+              "lv_w": (lat, h), "lv_b": (lat,), "dec_w1": (h, lat), "dec_b1": (h,),
+              "dec_w2": (d, h), "dec_b2": (d,)}
+    with fake:
+        x = torch.empty(batch, d, device=device)
+        eps = torch.empty(batch, lat, device=device)
+        params = VAEParams(*(torch.empty(shapes[n], device=device) for n in VAEParams._fields))
+    return x, params, eps
+
+
+def replaced(args, name, fn):
+    """args with tensor `name` (x, eps or a parameter) replaced by fn(tensor)."""
+    x, params, eps = args
+    if name == "x":
+        return fn(x), params, eps
+    if name == "eps":
+        return x, params, fn(eps)
+    return x, params._replace(**{name: fn(getattr(params, name))}), eps
+
+
+def test_import_needs_no_gpu_and_builds_nothing():
+    code = ("import fastelbo.backends.cuda as c\n"
+            "assert c._build.cache_info().currsize == 0, 'built at import'\n"
+            "print('ok')")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "CUDA_HOME": "/nonexistent",
+           "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env, check=False)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_valid_fake_cuda_inputs_pass(fake):
+    x, params, eps = make(fake)
+    cuda.check_inputs(x, params, eps)
+    cuda.check_inputs(x, tuple(params), eps)  # a plain sequence of 10 tensors is fine
+    cuda.check_inputs(x, params, eps, rows=64, cluster=16, staged=1, path="cluster")
+    cuda.check_inputs(x, params, eps, path="rows")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_cpu_tensor_is_rejected_by_name(fake, name):
+    args = replaced(make(fake), name, lambda t: torch.empty(t.shape))
+    with pytest.raises(ValueError, match=f"^{name} "):
+        cuda.check_inputs(*args)
+
+
+def test_everything_on_cpu_or_meta_is_rejected():
+    for device in ("cpu", "meta"):
+        x = torch.empty(B, D, device=device)
+        eps = torch.empty(B, L, device=device)
+        params = VAEParams(*(torch.empty(SHAPES[n], device=device) for n in VAEParams._fields))
+        with pytest.raises(cuda.CudaInputError, match=f"x must be a CUDA tensor, got one on "
+                                                      f"{device}"):
+            cuda.check_inputs(x, params, eps)
+
+
+@pytest.mark.parametrize("name", ALL[1:])
+def test_meta_tensor_among_cuda_ones_is_rejected(fake, name):
+    args = replaced(make(fake), name, lambda t: torch.empty(t.shape, device="meta"))
+    with pytest.raises(ValueError, match=f"{name} must be a CUDA tensor, got one on meta"):
+        cuda.check_inputs(*args)
+
+
+@pytest.mark.parametrize("name", ALL[1:])
+def test_other_cuda_device_is_rejected(fake, name):
+    x, params, eps = make(fake)
+    other = make(fake, device="cuda:1")
+    args = replaced((x, params, eps), name,
+                    lambda t: getattr(other[1], name) if name in SHAPES else other[2])
+    with pytest.raises(ValueError, match=f"{name} is on cuda:1 but x is on cuda:0"):
+        cuda.check_inputs(*args)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_non_contiguous_is_rejected(fake, name):
+    def strided(t):  # every other element of a twice-as-long buffer
+        with fake:
+            return torch.empty_strided(t.shape, [2 * s for s in t.stride()], device=t.device)
+    args = replaced(make(fake), name, strided)
+    assert not {"x": args[0], "eps": args[2]}.get(name, getattr(args[1], name, None)) \
+        .is_contiguous()
+    with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+        cuda.check_inputs(*args)
+
+
+def test_transposed_weight_is_rejected(fake):
+    x, params, eps = make(fake)
+    with fake:
+        w = torch.empty(D, H, device="cuda:0").t()
+    with pytest.raises(RuntimeError, match="enc_w must be contiguous"):  # as the binding said
+        cuda.check_inputs(x, params._replace(enc_w=w), eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16, torch.int32])
+@pytest.mark.parametrize("name", ALL)
+def test_non_float32_is_a_type_error(fake, name, dtype):
+    args = replaced(make(fake), name, lambda t: t.to(dtype))
+    with pytest.raises(TypeError, match=f"float32 only; {name} is {dtype}"):
+        cuda.check_inputs(*args)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_not_a_tensor_is_a_type_error(fake, name):
+    args = replaced(make(fake), name, lambda t: t.tolist() if t.device.type == "cpu" else [1.0])
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got list"):
+        cuda.check_inputs(*args)
+
+
+def test_sparse_is_a_type_error():
+    x = torch.empty(B, D).to_sparse()
+    params = VAEParams(*(torch.empty(SHAPES[n]) for n in VAEParams._fields))
+    with pytest.raises(TypeError, match="x must be a dense"):
+        cuda.check_inputs(x, params, torch.empty(B, L))
+
+
+def test_wrong_param_count_is_a_type_error(fake):
+    x, params, eps = make(fake)
+    with pytest.raises(TypeError, match="params must be a VAEParams"):
+        cuda.check_inputs(x, tuple(params)[:-1], eps)
+
+
+def test_dims_and_shapes(fake):
+    x, params, eps = make(fake)
+    with fake:
+        x1 = torch.empty(D, device="cuda:0")
+        x0 = torch.empty(0, D, device="cuda:0")
+        e0 = torch.empty(0, L, device="cuda:0")
+        w3 = torch.empty(1, H, D, device="cuda:0")
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        cuda.check_inputs(x1, params, eps)
+    with pytest.raises(ValueError, match="enc_w must be 2-D"):
+        cuda.check_inputs(x, params._replace(enc_w=w3), eps)
+    with pytest.raises(ValueError, match="x must hold at least one row"):
+        cuda.check_inputs(x0, params, e0)
+    with pytest.raises(ValueError, match="dims must be positive"):
+        cuda.check_inputs(*make(fake, dims=(D, 0, L)))
+    for name in ("eps", *VAEParams._fields):
+        def shrink(t):
+            with fake:
+                return torch.empty(*t.shape[:-1], t.shape[-1] + 1, device=t.device)
+        args = replaced((x, params, eps), name, shrink)
+        with pytest.raises(ValueError, match=f"{name} (must have shape|must be 2-D)"):
+            cuda.check_inputs(*args)
+
+
+def test_sizes_must_fit_int32(fake):
+    with pytest.raises(ValueError, match="sizes must fit in int32"):
+        cuda.check_inputs(*make(fake, batch=2**31))
+    cuda.check_inputs(*make(fake, batch=2**31 - 1))
+
+
+@pytest.mark.parametrize("option, bad", [("rows", -1), ("rows", 65), ("cluster", -1),
+                                         ("cluster", 17), ("staged", -2), ("staged", 2)])
+def test_forced_plan_out_of_range(fake, option, bad):
+    with pytest.raises(ValueError, match=f"{option} must be"):
+        cuda.check_inputs(*make(fake), **{option: bad})
+    with pytest.raises(ValueError, match=f"{option} must be"):
+        cuda.check_options(**{option: bad})
+
+
+@pytest.mark.parametrize("option, bad", [("rows", 1.0), ("cluster", True), ("staged", "1"),
+                                         ("rows", None)])
+def test_forced_plan_must_be_int(fake, option, bad):
+    with pytest.raises(TypeError, match=f"{option} must be an int"):
+        cuda.check_inputs(*make(fake), **{option: bad})
+
+
+@pytest.mark.parametrize("path", ["fast", "", None, 1, "Rows"])
+def test_bad_path(fake, path):
+    with pytest.raises(ValueError, match="path must be one of"):
+        cuda.check_inputs(*make(fake), path=path)
+
+
+@pytest.mark.parametrize("forced", [{"rows": 8}, {"cluster": 4}, {"staged": 0}])
+def test_forced_plan_conflicts_with_rows_path(fake, forced):
+    with pytest.raises(ValueError, match="conflict with path='rows'"):
+        cuda.check_inputs(*make(fake), path="rows", **forced)
+    cuda.check_inputs(*make(fake), path="cluster", **forced)
+
+
+def test_forward_checks_before_touching_the_extension(fake, monkeypatch):
+    def no_extension():
+        raise AssertionError("the extension was reached")
+    monkeypatch.setattr(cuda, "extension", no_extension)
+    x, params, eps = make(fake)
+    with pytest.raises(ValueError, match="rows must be"):
+        cuda.forward(x, params, eps, rows=99)
+    with pytest.raises(ValueError, match="path must be"):
+        cuda.forward(x, params, eps, path="fast")
+    with pytest.raises(ValueError, match="eps must be a CUDA tensor"):
+        cuda.forward(x, params, torch.empty(B, L))
+    with pytest.raises(ValueError, match="staged must be"):
+        cuda.plan(x, params, staged=5)
