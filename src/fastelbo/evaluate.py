@@ -59,14 +59,7 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    world = dist.detect()
-    device = dist.pick_device(args.device, world)
-    dist.init(world, device)
-    try:
-        evaluate(args, world, device)
-    finally:
-        dist.shutdown(world)
-    return 0
+    return dist.run(evaluate, args)
 
 
 def load_model(path: str | Path, device) -> tuple[ModelNew, dict]:

@@ -63,14 +63,7 @@ def parse_dims(text: str) -> tuple[int, int, int]:
 
 
 def main(args) -> int:
-    world = dist.detect()
-    device = dist.pick_device(args.device, world)
-    dist.init(world, device)
-    try:
-        train(args, world, device)
-    finally:
-        dist.shutdown(world)
-    return 0
+    return dist.run(train, args)
 
 
 def _config(args) -> dict:

@@ -57,6 +57,19 @@ def shutdown(world: World) -> None:
         dist.destroy_process_group()
 
 
+def run(job, args) -> int:
+    """The CLI entry of a (possibly torchrun-launched) job: job(args, world, device) between
+    the process group's set-up and tear-down."""
+    world = detect()
+    device = pick_device(args.device, world)
+    init(world, device)
+    try:
+        job(args, world, device)
+    finally:
+        shutdown(world)
+    return 0
+
+
 def barrier(world: World) -> None:
     """All ranks meet here (a no-op in a plain run): timed sections then start together."""
     if world.distributed:
