@@ -3,7 +3,7 @@ opaque torch.library op that torch.compile traces (forward and backward)."""
 import pytest
 import torch
 
-from fastelbo import ops
+from fastelbo import backends, ops
 from fastelbo.backends import torch_ref
 from fastelbo.params import VAEParams
 from fastelbo.validation import validation
@@ -104,3 +104,17 @@ def test_compiled_model_keeps_the_rng_contract_and_the_value_check():
     bad[2, 3] = 1.5
     with pytest.raises(ValueError, match=r"x\[2, 3\]"):
         compiled(bad)
+
+
+def test_gpu_backend_dtype_error_comes_before_the_noise_draw(monkeypatch):
+    """A backend's DTYPES are enforced before the draw: the generator is left untouched."""
+    import types
+    fake = types.SimpleNamespace(DTYPES=(torch.float32,), forward=torch_ref.forward)
+    monkeypatch.setattr(backends, "module", lambda name: fake)
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
+    _, new = twins((16, 8, 3), dtype=torch.float64)
+    x = torch.rand(4, 16, dtype=torch.float64)
+    state = torch.get_rng_state()
+    with pytest.raises(TypeError, match="computes in torch.float32"):
+        ops.elbo(x, new.vae_params(), backend="triton")
+    assert torch.equal(torch.get_rng_state(), state)

@@ -80,6 +80,10 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     if reason is not None:
         raise RuntimeError(f"backend={backend!r} cannot run on {x.device}: {reason}. "
                            f"backend='torch' runs everywhere.")
+    dtypes = getattr(backends.module(backend), "DTYPES", None)
+    if dtypes is not None and x.dtype not in dtypes:
+        raise TypeError(f"backend={backend!r} computes in {', '.join(map(str, dtypes))}, x is "
+                        f"{x.dtype}: use backend='torch' (or 'auto', which does)")
     return backend
 
 

@@ -19,6 +19,9 @@ from types import ModuleType
 
 import torch
 
+# The dtypes this backend computes in: fastelbo.ops refuses others before drawing any noise.
+DTYPES = (torch.float32,)
+
 from ...params import VAEParams
 
 HERE = Path(__file__).resolve().parent

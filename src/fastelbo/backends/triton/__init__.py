@@ -10,6 +10,9 @@ import os
 
 import torch
 
+# The dtypes this backend computes in: fastelbo.ops refuses others before drawing any noise.
+DTYPES = (torch.float32,)
+
 from ...params import VAEParams
 from . import elbo_forward as _fwd
 
