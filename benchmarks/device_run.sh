@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
-# Stages: env tests memcheck racecheck check bench cuda-plans triton-sweep iwae train train-epochs multi
-#         crossover. Each stage's log lands in $LOGS; at the end everything is packed into
+# Stages: env tests cuda-tests memcheck racecheck check check-auto bench cuda-plans cuda-paths
+#         profile threads512 triton-sweep iwae iwae-sweep train train-epochs multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,12 +27,15 @@ pytest_gpu() { run "$1" "$2" python3 -m pytest -q -m gpu -p no:cacheprovider -rf
 for stage in "$@"; do case $stage in
   env) run env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__,
         triton.__version__, torch.cuda.get_device_name(), torch.cuda.device_count())"' ;;
-  cuda-tests) pytest_gpu test_cuda_backend "${T_CUDA:-150}" tests/test_cuda_backend.py ;;
+  cuda-tests) pytest_gpu test_cuda_backend "${T_CUDA:-150}" tests/test_cuda_backend.py
+              pytest_gpu test_cuda_backward "${T_CUDA_BWD:-90}" tests/test_cuda_backward.py ;;
   tests)  # one process per file: a device assert in one cannot poison the others
     pytest_gpu test_cuda_backend "${T_CUDA:-150}" tests/test_cuda_backend.py
+    pytest_gpu test_cuda_backward "${T_CUDA_BWD:-90}" tests/test_cuda_backward.py
     pytest_gpu test_triton_gpu "${T_TRITON:-110}" tests/test_triton_gpu.py
     pytest_gpu test_triton_iwae "${T_IWAE:-90}" tests/test_triton_iwae.py
     pytest_gpu other_gpu "${T_OTHER:-90}" tests --ignore=tests/test_cuda_backend.py \
+      --ignore=tests/test_cuda_backward.py \
       --ignore=tests/test_triton_gpu.py --ignore=tests/test_triton_iwae.py ;;
   memcheck) run memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
   racecheck) run racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
@@ -45,8 +48,19 @@ for stage in "$@"; do case $stage in
   check-auto) run check_auto "${T_CHECK:-100}" $FE check vae_elbo fastelbo:auto --device cuda --batch-sizes 1,7,128,1000,65536 --trials 2 ;;
   bench) run bench "${T_BENCH:-160}" $FE bench vae_elbo fastelbo:auto fastelbo:cuda fastelbo:triton --device cuda --batch-sizes 128,4096,65536 --out "$LOGS/bench.jsonl" ;;
   cuda-plans) run cuda_plans 240 python3 benchmarks/cuda_bench.py --plans ;;
+  cuda-paths) run cuda_paths "${T_PATHS:-150}" python3 benchmarks/cuda_bench.py --paths
+              cp benchmarks/results/cuda_bench.csv "$LOGS/" ;;
+  profile) run profile "${T_PROFILE:-150}" python3 benchmarks/profile_kernels.py ;;
+  threads512)  # A/B of the cluster kernel at 512 threads per block, on a copy of the tree
+    rm -rf /tmp/t512 && cp -r "$PWD" /tmp/t512 && sed -i \
+      's/constexpr int kClusterThreads = 256;/constexpr int kClusterThreads = 512;/' \
+      /tmp/t512/src/fastelbo/backends/cuda/elbo.cu
+    run threads512_plans 200 env PYTHONPATH=/tmp/t512/src python3 /tmp/t512/benchmarks/cuda_bench.py --plans
+    run threads512_tests 150 env PYTHONPATH=/tmp/t512/src python3 -m pytest -q -m gpu \
+      -p no:cacheprovider -x /tmp/t512/tests/test_cuda_backend.py -k "every_launch_plan or cluster" ;;
   triton-sweep) run triton_sweep 240 python3 benchmarks/triton_forward_sweep.py --batches 4096 65536 ;;
   iwae) run iwae 70 python3 benchmarks/iwae_bench.py --out "$LOGS/iwae.jsonl" ;;
+  iwae-sweep) run iwae_sweep 200 python3 benchmarks/iwae_bench.py --sweep --reps 2 --eager-images 5 --out "$LOGS/iwae_sweep.jsonl" ;;
   train) run train 100 python3 benchmarks/train_bench.py --skip-compile --out "$LOGS/train.jsonl" ;;
   train-epochs) run train_epochs 120 python3 benchmarks/train_bench.py --epochs 10 --out "$LOGS/train.jsonl" ;;
   multi) run multi "${T_MULTI:-240}" env OUT="$LOGS/multi" bash benchmarks/multi_gpu.sh 2 ;;

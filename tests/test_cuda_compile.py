@@ -69,14 +69,18 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
     return kernels
 
 
-# The kernels: the cluster kernel's two register-tile variants (elbo_kernel<2,2>, <4,4>) and
-# the rows path's latent_kernel<staged h: true, false> and bce_kernel.
-EXPECTED_KERNELS = {"elbo_kernel": 2, "latent_kernel": 2, "bce_kernel": 1}
+# Each source's kernels: the cluster kernel's two register-tile variants (elbo_kernel<2,2>,
+# <4,4>), the rows path's two, the backward's three.
+EXPECTED_KERNELS = {
+    "elbo.cu": {"elbo_kernel": 2},
+    "rows.cu": {"reparam_kl_kernel": 1, "bce_kernel": 1},
+    "backward.cu": {"prep_kernel": 1, "bce_grad_kernel": 1, "latent_bwd_kernel": 1},
+}
 
 
-def _check_kernels(report: dict[str, dict[str, int]]) -> None:
-    counts = {k: sum(k in name for name in report) for k in EXPECTED_KERNELS}
-    assert counts == EXPECTED_KERNELS and len(report) == 5, (counts, list(report))
+def _check_kernels(report: dict[str, dict[str, int]], expected: dict[str, int]) -> None:
+    counts = {k: sum(f"{len(k)}{k}" in name for name in report) for k in expected}
+    assert counts == expected and len(report) == sum(expected.values()), (counts, list(report))
     for name, r in report.items():
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
         assert r["stack"] == 0, f"{name}: unexpected stack frame {r}"
@@ -84,12 +88,18 @@ def _check_kernels(report: dict[str, dict[str, int]]) -> None:
         assert r["registers"] <= 128, (name, r)
 
 
+def test_every_kernel_source_is_listed():
+    assert set(EXPECTED_KERNELS) == set(cuda_backend.KERNEL_SOURCES)
+    on_disk = {p.name for p in cuda_backend.HERE.glob("*.cu")}
+    assert on_disk == set(cuda_backend.KERNEL_SOURCES), on_disk
+
+
 @needs_nvcc
 @pytest.mark.parametrize("source", cuda_backend.KERNEL_SOURCES)
 def test_kernel_compiles_sm90_without_spills(source, tmp_path):
     out = _run([NVCC, *NVCC_FLAGS, "-c", str(cuda_backend.HERE / source),
                 "-o", str(tmp_path / "k.o")])
-    _check_kernels(_ptxas_report(out))
+    _check_kernels(_ptxas_report(out), EXPECTED_KERNELS[source])
 
 
 def test_kernel_sources_have_no_torch_and_no_fast_math():
@@ -104,7 +114,7 @@ def test_kernel_sources_have_no_torch_and_no_fast_math():
 def test_sources_are_package_data():
     for f in cuda_backend.source_files():
         assert f.exists(), f
-        assert f.suffix in (".cu", ".cpp", ".h"), f  # pyproject package-data patterns
+        assert f.suffix in (".cu", ".cpp", ".h", ".cuh"), f  # pyproject package-data patterns
 
 
 @needs_nvcc
@@ -157,7 +167,8 @@ def test_export_is_self_contained_python(tmp_path):
     ref = Model(784, 256, 32)
     for (k, a), (k2, b) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert k == k2 and torch.equal(a, b), k
-    assert '#include "elbo.h"' not in mod.CUDA_SOURCE
+    for header in cuda_backend.HEADERS:
+        assert f'#include "{header}"' not in mod.CUDA_SOURCE
     assert "PYBIND11_MODULE" in mod.CUDA_SOURCE  # present, but compiled out by FASTELBO_INLINE
     assert mod.CUDA_SOURCE.index("#define FASTELBO_INLINE") < mod.CUDA_SOURCE.index(
         "PYBIND11_MODULE")
@@ -172,7 +183,8 @@ def test_export_inline_source_compiles(tmp_path):
     cu.write_text(export.LOAD_INLINE_CUDA_PRELUDE + mod.CUDA_SOURCE)
     out = _run([NVCC, *NVCC_FLAGS, *TORCH_NVCC_DEFINES, *TORCH_INCLUDES, "-c", str(cu),
                 "-o", str(tmp_path / "inline.o")])
-    _check_kernels(_ptxas_report(out))
+    _check_kernels(_ptxas_report(out),
+                   {k: n for per in EXPECTED_KERNELS.values() for k, n in per.items()})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Export the CUDA backend as one self-contained KernelBench solution file.
 
-`write_kernelbench(path)` writes a Python file that imports torch only: the kernel (elbo.h,
-elbo.cu) and the binding (binding.cpp, with FASTELBO_INLINE defined so torch generates the
+`write_kernelbench(path)` writes a Python file that imports torch only: the kernels (headers
+and .cu files) and the binding (binding.cpp, with FASTELBO_INLINE defined so torch generates the
 Python binding) are inlined as text and built with torch.utils.cpp_extension.load_inline on
 first use. Its ModelNew has the reference Model's constructor, submodules and parameter names,
 draws torch.randn(B, latent_dim) exactly where the reference calls randn_like, then runs the
@@ -15,7 +15,10 @@ from pathlib import Path
 
 from .backends import cuda as cuda_backend
 
-_INCLUDE_HEADER = re.compile(r'^\s*#\s*include\s+"elbo\.h"\s*$', re.MULTILINE)
+# The package's own headers (elbo.h, elbo_math.cuh): inlined once, their #include lines dropped.
+_INCLUDE_HEADER = re.compile(
+    r'^\s*#\s*include\s+"(' + "|".join(map(re.escape, cuda_backend.HEADERS)) + r')"\s*$',
+    re.MULTILINE)
 
 # What load_inline puts in front of cuda_sources (tests compile the text with it).
 LOAD_INLINE_CUDA_PRELUDE = ("#include <torch/types.h>\n#include <cuda.h>\n"
@@ -116,9 +119,11 @@ def _raw_literal(text: str) -> str:
 
 
 def cuda_source() -> str:
-    """elbo.h + elbo.cu + binding.cpp as one translation unit, header inlined."""
+    """The headers, the kernel sources and binding.cpp as one translation unit."""
     here = cuda_backend.HERE
-    parts = ["// ---- elbo.h ----\n", (here / "elbo.h").read_text()]
+    parts = []
+    for name in cuda_backend.HEADERS:
+        parts += [f"\n// ---- {name} ----\n", _INCLUDE_HEADER.sub("", (here / name).read_text())]
     for name in cuda_backend.KERNEL_SOURCES:
         parts += [f"\n// ---- {name} ----\n", _INCLUDE_HEADER.sub("", (here / name).read_text())]
     parts += [f"\n// ---- {cuda_backend.BINDING_SOURCE} ----\n#define FASTELBO_INLINE 1\n",

@@ -17,10 +17,11 @@ from .validation import check_inputs
 
 
 # The GPU backends run behind two torch.library custom ops, so torch.compile and CUDA-graph
-# capture see one opaque forward and one opaque backward. The backward is the torch spec's
-# (torch_ref.backward: autograd's formulas written out, recomputing the activations from the
-# same eps), so the gradients are PyTorch's own, including BCE's division by
-# max(p(1-p), 1e-12) where the sigmoid saturates.
+# capture see one opaque forward and one opaque backward. The backward is the backend's own
+# where it has one (cuda: cuBLAS + fused kernels), else the torch spec's (torch_ref.backward:
+# autograd's formulas written out, recomputing the activations from the same eps); either way
+# the gradients are PyTorch's own, including BCE's division by max(p(1-p), 1e-12) where the
+# sigmoid saturates.
 @torch.library.custom_op("fastelbo::elbo_forward", mutates_args=())
 def _elbo_forward(backend: str, x: torch.Tensor, eps: torch.Tensor,
                   params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -33,23 +34,33 @@ def _(backend, x, eps, params):
 
 
 @torch.library.custom_op("fastelbo::elbo_backward", mutates_args=())
-def _elbo_backward(grads: list[torch.Tensor], used: list[bool], x: torch.Tensor,
-                   eps: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+def _elbo_backward(backend: str, grads: list[torch.Tensor], used: list[bool],
+                   needs: list[bool], x: torch.Tensor, eps: torch.Tensor,
+                   params: list[torch.Tensor]) -> list[torch.Tensor]:
     """`used[i]` says whether a gradient reaches output i (elbo, recon, kl); where none does,
-    autograd would not visit that branch, and neither does the backward."""
+    autograd would not visit that branch, and neither does the backward. `needs` = (x, eps):
+    whether their gradients are wanted; an unwanted one comes back as an empty tensor."""
     grads = [g if u else None for g, u in zip(grads, used)]
-    g_x, g_eps, g_params = torch_ref.backward(x, VAEParams(*params), eps, grads)
+    impl = getattr(backends.module(backend), "backward", torch_ref.backward)
+    g_x, g_eps, g_params = impl(x, VAEParams(*params), eps, grads, need_x=needs[0],
+                                need_eps=needs[1])
+    g_x = g_x if needs[0] else x.new_empty(0)
+    g_eps = g_eps if needs[1] else eps.new_empty(0)
     return [g_x, g_eps, *g_params]
 
 
 @_elbo_backward.register_fake
-def _(grads, used, x, eps, params):
-    return [torch.empty_like(t) for t in (x, eps, *params)]
+def _(backend, grads, used, needs, x, eps, params):
+    return [x.new_empty(x.shape if needs[0] else (0,)),
+            eps.new_empty(eps.shape if needs[1] else (0,)),
+            *(torch.empty_like(t) for t in params)]
 
 
 def _setup_context(ctx, inputs, output):
-    _, x, eps, params = inputs
+    backend, x, eps, params = inputs
     ctx.save_for_backward(x, eps, *params)
+    ctx.backend = backend
+    ctx.needs = [x.requires_grad, eps.requires_grad]
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
 
 
@@ -57,9 +68,11 @@ def _backward(ctx, g_elbo, g_recon, g_kl):
     x, eps, *params = ctx.saved_tensors
     given = (g_elbo, g_recon, g_kl)
     zeros = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
-    gx, geps, *gparams = _elbo_backward([zeros if g is None else g for g in given],
-                                        [g is not None for g in given], x, eps, params)
-    return None, gx, geps, gparams
+    gx, geps, *gparams = _elbo_backward(ctx.backend,
+                                        [zeros if g is None else g for g in given],
+                                        [g is not None for g in given], ctx.needs, x, eps,
+                                        params)
+    return (None, gx if ctx.needs[0] else None, geps if ctx.needs[1] else None, gparams)
 
 
 _elbo_forward.register_autograd(_backward, setup_context=_setup_context)

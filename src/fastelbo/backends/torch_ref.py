@@ -96,11 +96,13 @@ def _backward_rows(x, p: VAEParams, eps, g_rec, g_kl):
     return g_x, g_eps, encoder + decoder
 
 
-def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads):
+def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads, *,
+             need_x: bool = True, need_eps: bool = True):
     """Gradients w.r.t. (x, eps, params) of <grads, forward(x, params, eps)>, as autograd gives
     them through `forward`, chunked like it: the spec for the GPU backends' backward.
 
-    grads = (g_elbo, g_recon, g_kl); None marks an output no gradient reaches."""
+    grads = (g_elbo, g_recon, g_kl); None marks an output no gradient reaches. need_x /
+    need_eps False: None in that gradient's place (the signature every backend's backward has)."""
     g_elbo, g_recon, g_kl = grads
     bad = invalid_rows(x)
     keep = ~bad
@@ -122,5 +124,5 @@ def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads):
         g_eps.append(ge)
         for acc, g in zip(g_params, gp):
             acc += g
-    g_x = torch.where(keep[:, None], torch.cat(g_x), zero)
-    return g_x, torch.cat(g_eps), g_params
+    g_x = torch.where(keep[:, None], torch.cat(g_x), zero) if need_x else None
+    return g_x, (torch.cat(g_eps) if need_eps else None), g_params

@@ -1,12 +1,14 @@
 """CUDA C++ backend: the lowest-latency path (sm_90+), and never slower than eager PyTorch.
 
-Two paths (binding.cpp picks by batch size; `path=` forces one): small batches run ONE launch
-of the fused cluster kernel (thread-block clusters + distributed shared memory); large batches
-run the two big GEMMs with cuBLAS (as eager does) around two fused kernels that do everything
-else. elbo.cu holds the kernels (no torch types), elbo.h their plain params structs,
-binding.cpp the only torch-facing file. The extension is
-built on first use with torch.utils.cpp_extension.load (cached in torch's extension directory;
-the name carries a hash of the sources, so an edit rebuilds) and memoised here (functools.cache).
+Two forward paths (binding.cpp picks by batch size; `path=` forces one): small batches run ONE
+launch of the fused cluster kernel (elbo.cu: thread-block clusters + distributed shared
+memory); large batches run every GEMM with cuBLAS (as eager does) and two small fused kernels
+(rows.cu) for everything else. `backward` (any batch) recomputes the activations the same way
+and runs the gradient's GEMMs with cuBLAS around three fused kernels (backward.cu). The .cu
+files hold the kernels (no torch types), elbo.h their plain params structs, elbo_math.cuh the
+shared per-element math, binding.cpp the only torch-facing file. The extension is built on
+first use with torch.utils.cpp_extension.load (cached in torch's extension directory; the name
+carries a hash of the sources, so an edit rebuilds) and memoised here (functools.cache).
 """
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ DTYPES = (torch.float32,)
 from ...params import VAEParams
 
 HERE = Path(__file__).resolve().parent
-KERNEL_SOURCES = ("elbo.cu",)
+KERNEL_SOURCES = ("elbo.cu", "rows.cu", "backward.cu")
 BINDING_SOURCE = "binding.cpp"
-HEADERS = ("elbo.h",)
+HEADERS = ("elbo.h", "elbo_math.cuh")
 
 # IEEE float32 throughout (no --use_fast_math): sm_90 machine code, plus PTX for newer GPUs.
 NVCC_FLAGS = [
@@ -229,3 +231,32 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     out = extension().forward(x, eps, *params, rows, cluster, staged, bool(_poison),
                               PATHS[path])
     return out[0], out[1], out[2]
+
+
+def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads, *,
+             need_x: bool = True, need_eps: bool = True):
+    """(g_x, g_eps, [10 parameter grads]) of <grads, forward(x, params, eps)>, as
+    torch_ref.backward (the spec) gives them: cuBLAS GEMMs + backward.cu's fused kernels.
+
+    grads = (g_elbo, g_recon, g_kl), each (B,) or None where no gradient reaches that output.
+    need_x / need_eps False: that gradient is not computed and None comes back in its place.
+    """
+    check_inputs(x, params, eps)
+    params = VAEParams(*params)
+    if len(grads) != 3:
+        raise ValueError(f"grads must be (g_elbo, g_recon, g_kl), got {len(grads)} entries")
+    batch = x.shape[0]
+    used, given = [], []
+    for name, g in zip(("g_elbo", "g_recon", "g_kl"), grads):
+        used.append(g is not None)
+        if g is None:
+            given.append(x.new_zeros(batch))  # unread: the binding takes a defined tensor
+            continue
+        if not isinstance(g, torch.Tensor) or g.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor, got {getattr(g, 'dtype', g)!r}")
+        if g.device != x.device or tuple(g.shape) != (batch,):
+            raise CudaInputError(f"{name} must have shape ({batch},) on {x.device}, got "
+                                 f"{tuple(g.shape)} on {g.device}")
+        given.append(g.contiguous())  # e.g. mean()'s gradient is an expanded scalar
+    out = extension().backward(x, eps, *params, *given, *used, bool(need_x), bool(need_eps))
+    return (out[0] if need_x else None), (out[1] if need_eps else None), list(out[2:])

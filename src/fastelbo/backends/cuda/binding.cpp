@@ -5,12 +5,13 @@
 //
 // Which path (elbo.h, elbo.cu):
 //   cluster (B <= kClusterMaxBatch): one launch of the fused cluster kernel. Lowest latency.
-//   rows (larger B, or dims the cluster kernel cannot hold in shared memory): per chunk of
-//     kRowsChunk rows, at::linear for the encoder GEMM (the very call eager F.linear makes, so
-//     cuBLAS, TF32 only where torch.backends.cuda.matmul.allow_tf32 says so), latent_kernel,
-//     at::linear for the decoder output GEMM, bce_kernel. Eager runs the same two GEMMs plus
-//     ~15 elementwise passes over (B, D) tensors; this runs one, so it is never slower.
-// Both paths only launch on the current stream and allocate through the caching allocator:
+//   rows (larger B, or dims the cluster kernel cannot hold in shared memory): cuBLAS for every
+//     GEMM (at::linear, the call eager F.linear makes, so TF32 only where
+//     torch.backends.cuda.matmul.allow_tf32 says so; in-place ReLU after the two hidden
+//     layers), reparam_kl_kernel and bce_kernel (rows.cu). Eager runs the same GEMMs plus ~15 elementwise passes over (B, D) tensors.
+//   backward (elbo_backward, any B): recomputes the activations the same way, then cuBLAS for
+//     every gradient GEMM and backward.cu's three fused kernels for the rest.
+// All paths only launch on the current stream and allocate through the caching allocator:
 // CUDA-graph capturable.
 //
 // fastelbo/export.py inlines this file (with FASTELBO_INLINE defined and elbo.h pasted in) into
@@ -47,9 +48,10 @@ namespace {
 // launch path where it is the latency winner; revise from `cuda_bench.py --all` (paths table).
 constexpr int64_t kClusterMaxBatch = 256;
 // Rows per chunk of the rows path: intermediates h, d (chunk x H) and logits (chunk x D) are
-// 8192 * (256 + 256 + 784) * 4 B = 42 MB at the reference dims, vs ~490 MB of (B, D)
-// temporaries eager allocates at B=65536; 8192 rows still fill the GPU in every GEMM.
-constexpr int64_t kRowsChunk = 8192;
+// 65536 * (256 + 256 + 784) * 4 B = 340 MB at the reference dims, vs ~490 MB eager allocates at
+// B=65536. Chunks of 8192 rows (42 MB) made cuBLAS pick smaller tiles: +37% GEMM time at
+// B=65536 on an H200 (profile_kernels.py), which made the path slower than eager.
+constexpr int64_t kRowsChunk = 65536;
 
 enum Path : int64_t { kPathAuto = 0, kPathCluster = 1, kPathRows = 2 };
 
@@ -61,48 +63,49 @@ void check_shape(const at::Tensor& t, const char* name, std::vector<int64_t> wan
   FE_CHECK(t.sizes().equals(w), name, " must have shape ", w, ", got ", t.sizes());
 }
 
+// relu(a w^T + b) as F.relu(F.linear(...)): the GEMM, then an in-place ReLU that keeps NaN.
+// (at::_addmm_activation would fuse the ReLU into cuBLASLt's epilogue, one pass fewer, but
+// that epilogue's NaN rule is not documented: a NaN pre-activation, e.g. inf - inf once z
+// overflows, must stay NaN as in the reference.)
+at::Tensor relu_linear(const at::Tensor& a, const at::Tensor& w, const at::Tensor& b) {
+  return at::linear(a, w, b).relu_();
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  FE_CHECK(err == cudaSuccess, what, " launch failed: ", cudaGetErrorString(err));
+}
+
+// z = mu + exp(0.5 lv) eps into z, and kl into `kl` unless it is nullptr.
+void reparam(const at::Tensor& mu, const at::Tensor& lv, const float* eps, at::Tensor& z,
+             float* kl, cudaStream_t stream) {
+  fastelbo::ReparamParams rp{};
+  rp.mu = mu.data_ptr<float>();
+  rp.lv = lv.data_ptr<float>();
+  rp.eps = eps;
+  rp.z = z.data_ptr<float>();
+  rp.kl = kl;
+  rp.n = static_cast<int>(mu.size(0));
+  rp.L = static_cast<int>(mu.size(1));
+  check_launch(fastelbo::reparam_launch(rp, stream), "reparam_kl kernel");
+}
+
 // The rows path (see the file comment); outputs already allocated.
 void rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& enc_w,
                   const at::Tensor& enc_b, const at::Tensor& mu_w, const at::Tensor& mu_b,
                   const at::Tensor& lv_w, const at::Tensor& lv_b, const at::Tensor& dec_w1,
                   const at::Tensor& dec_b1, const at::Tensor& dec_w2, const at::Tensor& dec_b2,
                   std::vector<at::Tensor>& out, cudaStream_t stream) {
-  const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
-  fastelbo::LatentParams lp{};
-  lp.H = static_cast<int>(H);
-  lp.L = static_cast<int>(L);
-  cudaError_t err = cudaSuccess;
-  const fastelbo::ElboStatus st = fastelbo::latent_plan(lp, x.get_device(), &err);
-  FE_CHECK(st != fastelbo::kElboTooLarge, "latent_dim=", L,
-           " is too large for the rows path's shared memory; use backend='torch' or "
-           "backend='triton'");
-  FE_CHECK(st == fastelbo::kElboOk, "planning the rows path failed: ", cudaGetErrorString(err));
-  lp.wmu = mu_w.data_ptr<float>();
-  lp.bmu = mu_b.data_ptr<float>();
-  lp.wlv = lv_w.data_ptr<float>();
-  lp.blv = lv_b.data_ptr<float>();
-  lp.wd1 = dec_w1.data_ptr<float>();
-  lp.bd1 = dec_b1.data_ptr<float>();
-  const auto opts = x.options();
+  const int64_t B = x.size(0), D = x.size(1), L = mu_w.size(0);
   const int64_t chunk = std::min(B, kRowsChunk);
-  at::Tensor d = at::empty({chunk, H}, opts);
+  at::Tensor z = at::empty({chunk, L}, x.options());
   for (int64_t s = 0; s < B; s += chunk) {
     const int64_t n = std::min(chunk, B - s);
     const at::Tensor xs = x.narrow(0, s, n);
-    at::Tensor h = at::linear(xs, enc_w, enc_b);  // = eager's encoder GEMM, bias included
-    FE_CHECK(h.is_contiguous() && h.scalar_type() == at::kFloat, "unexpected encoder output");
-    if (!lp.stage_h) h.relu_();  // huge hidden_dim only: the kernel then reads h as is
-    lp.h = h.data_ptr<float>();
-    lp.eps = eps.data_ptr<float>() + s * L;
-    lp.d = d.data_ptr<float>();
-    lp.kl = out[2].data_ptr<float>() + s;
-    lp.n = static_cast<int>(n);
-    lp.vec = ((H % 4 == 0 && aligned16(lp.h) && aligned16(lp.wmu) && aligned16(lp.wlv)) ? 1u : 0u) |
-             ((L % 4 == 0 && aligned16(lp.wd1)) ? 2u : 0u);
-    err = fastelbo::latent_launch(lp, stream);
-    FE_CHECK(err == cudaSuccess, "latent kernel launch failed (rows=", lp.rows, ", smem=",
-             lp.smem_bytes, " B): ", cudaGetErrorString(err));
-    const at::Tensor logits = at::linear(d.narrow(0, 0, n), dec_w2, dec_b2);
+    const at::Tensor h = relu_linear(xs, enc_w, enc_b);
+    const at::Tensor mu = at::linear(h, mu_w, mu_b), lv = at::linear(h, lv_w, lv_b);
+    at::Tensor zs = z.narrow(0, 0, n);
+    reparam(mu, lv, eps.data_ptr<float>() + s * L, zs, out[2].data_ptr<float>() + s, stream);
+    const at::Tensor logits = at::linear(relu_linear(zs, dec_w1, dec_b1), dec_w2, dec_b2);
     FE_CHECK(logits.is_contiguous(), "unexpected decoder output");
     fastelbo::BceParams bp{};
     bp.logits = logits.data_ptr<float>();
@@ -113,8 +116,7 @@ void rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& 
     bp.n = static_cast<int>(n);
     bp.D = static_cast<int>(D);
     bp.vec = (D % 4 == 0 && aligned16(bp.logits) && aligned16(bp.x)) ? 1 : 0;
-    err = fastelbo::bce_launch(bp, stream);
-    FE_CHECK(err == cudaSuccess, "bce kernel launch failed: ", cudaGetErrorString(err));
+    check_launch(fastelbo::bce_launch(bp, stream), "bce kernel");
   }
 }
 
@@ -243,6 +245,114 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   return out;
 }
 
+// Gradients of <g, (elbo, recon, kl)> with respect to x, eps and the ten parameters, as
+// torch_ref.backward (the spec: autograd's formulas written out) gives them. use_*: whether a
+// gradient reaches that output (an unused output's g is ignored, as autograd's None);
+// need_x / need_eps: whether those gradients are wanted (else an empty tensor comes back in
+// their place). Inputs as for elbo_forward (fastelbo.backends.cuda checks them in Python);
+// g_* are (B,) float32 contiguous. Returns {g_x, g_eps, g_enc_w, g_enc_b, ..., g_dec_b2}.
+std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps,
+                                      const at::Tensor& enc_w, const at::Tensor& enc_b,
+                                      const at::Tensor& mu_w, const at::Tensor& mu_b,
+                                      const at::Tensor& lv_w, const at::Tensor& lv_b,
+                                      const at::Tensor& dec_w1, const at::Tensor& dec_b1,
+                                      const at::Tensor& dec_w2, const at::Tensor& dec_b2,
+                                      const at::Tensor& g_elbo, const at::Tensor& g_recon,
+                                      const at::Tensor& g_kl, bool use_elbo, bool use_recon,
+                                      bool use_kl, bool need_x, bool need_eps) {
+  const auto dev = x.device();
+  const at::Tensor* all[] = {&x, &eps, &enc_w, &enc_b, &mu_w, &mu_b, &lv_w, &lv_b, &dec_w1,
+                             &dec_b1, &dec_w2, &dec_b2, &g_elbo, &g_recon, &g_kl};
+  for (const at::Tensor* t : all) FE_CHECK_TENSOR(*t, "every backward input", dev);
+  const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
+  const c10::cuda::CUDAGuard guard(dev);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
+  const auto opts = x.options();
+  const bool rec = use_elbo || use_recon, kl = use_elbo || use_kl;
+  // Zero-filled only where nothing below writes every element.
+  auto grad = [&](const at::Tensor& t, bool written) {
+    return written ? at::empty_like(t) : at::zeros_like(t);
+  };
+  std::vector<at::Tensor> out;
+  out.push_back(need_x ? grad(x, rec) : at::empty({0}, opts));
+  out.push_back(need_eps ? grad(eps, rec || kl) : at::empty({0}, opts));
+  for (const at::Tensor* t : {&enc_w, &enc_b, &mu_w, &mu_b, &lv_w, &lv_b})
+    out.push_back(grad(*t, rec || kl));
+  for (const at::Tensor* t : {&dec_w1, &dec_b1, &dec_w2, &dec_b2}) out.push_back(grad(*t, rec));
+  if (!rec && !kl) return out;  // no gradient reaches any output
+  static const int64_t kDim0[] = {0};
+  const at::IntArrayRef rows_dim(kDim0);  // column sums: the bias gradients
+
+  // Invalid rows (x outside [0, 1] or NaN) are zeroed in x and in both branch gradients.
+  at::Tensor xc = at::empty({B, D}, opts), keep = at::empty({B}, opts);
+  at::Tensor g_rec = rec ? at::empty({B}, opts) : at::Tensor();
+  at::Tensor g_klr = kl ? at::empty({B}, opts) : at::Tensor();
+  fastelbo::PrepParams pp{};
+  pp.x = x.data_ptr<float>();
+  pp.g_elbo = use_elbo ? g_elbo.data_ptr<float>() : nullptr;
+  pp.g_recon = use_recon ? g_recon.data_ptr<float>() : nullptr;
+  pp.g_kl = use_kl ? g_kl.data_ptr<float>() : nullptr;
+  pp.xc = xc.data_ptr<float>();
+  pp.keep = keep.data_ptr<float>();
+  pp.rec_out = rec ? g_rec.data_ptr<float>() : nullptr;
+  pp.kl_out = kl ? g_klr.data_ptr<float>() : nullptr;
+  pp.n = static_cast<int>(B);
+  pp.D = static_cast<int>(D);
+  check_launch(fastelbo::prep_launch(pp, stream), "prep kernel");
+
+  const at::Tensor h = relu_linear(xc, enc_w, enc_b);
+  const at::Tensor mu = at::linear(h, mu_w, mu_b), lv = at::linear(h, lv_w, lv_b);
+  at::Tensor g_z, gx_rec;
+  if (rec) {
+    at::Tensor z = at::empty({B, L}, opts);
+    reparam(mu, lv, eps.data_ptr<float>(), z, nullptr, stream);
+    const at::Tensor d = relu_linear(z, dec_w1, dec_b1);
+    at::Tensor ga = at::linear(d, dec_w2, dec_b2);  // logits, then their gradient in place
+    fastelbo::BceGradParams bg{};
+    bg.ga = ga.data_ptr<float>();
+    bg.x = xc.data_ptr<float>();
+    bg.g_rec = g_rec.data_ptr<float>();
+    bg.keep = keep.data_ptr<float>();
+    bg.gx = need_x ? out[0].data_ptr<float>() : nullptr;
+    bg.n = static_cast<int>(B);
+    bg.D = static_cast<int>(D);
+    check_launch(fastelbo::bce_grad_launch(bg, stream), "bce_grad kernel");
+    at::mm_out(out[10], ga.t(), d);
+    at::sum_out(out[11], ga, rows_dim);
+    const at::Tensor g_d = at::threshold_backward(at::mm(ga, dec_w2), d, 0);
+    at::mm_out(out[8], g_d.t(), z);
+    at::sum_out(out[9], g_d, rows_dim);
+    g_z = at::mm(g_d, dec_w1);
+  }
+  at::Tensor g_mu = at::empty({B, L}, opts), g_lv = at::empty({B, L}, opts);
+  fastelbo::LatentBwdParams lb{};
+  lb.g_z = rec ? g_z.data_ptr<float>() : nullptr;
+  lb.mu = mu.data_ptr<float>();
+  lb.lv = lv.data_ptr<float>();
+  lb.eps = eps.data_ptr<float>();
+  lb.g_kl = kl ? g_klr.data_ptr<float>() : nullptr;
+  lb.g_mu = g_mu.data_ptr<float>();
+  lb.g_lv = g_lv.data_ptr<float>();
+  lb.g_eps = need_eps ? out[1].data_ptr<float>() : nullptr;
+  lb.n = static_cast<int>(B);
+  lb.L = static_cast<int>(L);
+  check_launch(fastelbo::latent_bwd_launch(lb, stream), "latent_bwd kernel");
+
+  const at::Tensor g_a1 =
+      at::threshold_backward(at::addmm(at::mm(g_mu, mu_w), g_lv, lv_w), h, 0);
+  at::mm_out(out[2], g_a1.t(), xc);
+  at::sum_out(out[3], g_a1, rows_dim);
+  at::mm_out(out[4], g_mu.t(), h);
+  at::sum_out(out[5], g_mu, rows_dim);
+  at::mm_out(out[6], g_lv.t(), h);
+  at::sum_out(out[7], g_lv, rows_dim);
+  if (need_x) {  // BCE's part (already in out[0]) + the encoder's, then invalid rows zeroed
+    out[0].addmm_(g_a1, enc_w);
+    out[0] = at::where(keep.unsqueeze(1) != 0, out[0], at::zeros({}, opts));
+  }
+  return out;
+}
+
 // The launch plan the kernel would use: {R, C, smem_bytes, variant, staged}, or
 // {-status, 0, 0, 0, 0} when there is none; for tests and benchmarks.
 std::vector<int64_t> elbo_plan_info(int64_t device, int64_t B, int64_t D, int64_t H, int64_t L,
@@ -272,6 +382,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("dec_w2"), pybind11::arg("dec_b2"), pybind11::arg("rows") = 0,
         pybind11::arg("cluster") = 0, pybind11::arg("staged") = -1,
         pybind11::arg("poison") = false, pybind11::arg("path") = 0);
+  m.def("backward", &elbo_backward,
+        "gradients {x, eps, 10 params} of <g, (elbo, recon, kl)>; see fastelbo/backends/cuda",
+        pybind11::arg("x"), pybind11::arg("eps"), pybind11::arg("enc_w"), pybind11::arg("enc_b"),
+        pybind11::arg("mu_w"), pybind11::arg("mu_b"), pybind11::arg("lv_w"),
+        pybind11::arg("lv_b"), pybind11::arg("dec_w1"), pybind11::arg("dec_b1"),
+        pybind11::arg("dec_w2"), pybind11::arg("dec_b2"), pybind11::arg("g_elbo"),
+        pybind11::arg("g_recon"), pybind11::arg("g_kl"), pybind11::arg("use_elbo"),
+        pybind11::arg("use_recon"), pybind11::arg("use_kl"), pybind11::arg("need_x"),
+        pybind11::arg("need_eps"));
   m.def("plan", &elbo_plan_info,
         "launch plan {R, C, smem_bytes, variant, staged} or {-status, 0, 0, 0, 0}",
         pybind11::arg("device"), pybind11::arg("B"), pybind11::arg("D"), pybind11::arg("H"),

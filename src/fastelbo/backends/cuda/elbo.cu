@@ -53,6 +53,7 @@
 //       read ob, x          -> BCE partial + bad-row flag to rank 0       S4 cluster.sync
 //   rank 0 reads the partials and writes the outputs; no block touches another's smem after S4.
 #include "elbo.h"
+#include "elbo_math.cuh"
 
 #include <cooperative_groups.h>
 
@@ -66,36 +67,13 @@ namespace cg = cooperative_groups;
 namespace fastelbo {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+// Threads per block of the cluster kernel. Its blocks are 1 per SM (shared memory), so more
+// threads is more warps to hide latency with; 512 / kClusterThreads blocks of <= 128
+// registers per thread then fit the register file.
+constexpr int kClusterThreads = 256;
+constexpr int kClusterWarps = kClusterThreads / 32;
 constexpr int kMaxRows = 64;   // rows per cluster; more gives little extra weight reuse
 
-// std::max(a, b) as PyTorch's kernels use it: returns a when a is NaN (fmaxf would drop it).
-__device__ __forceinline__ float nan_max(float a, float b) { return (a < b) ? b : a; }
-__device__ __forceinline__ float relu(float v) { return nan_max(v, 0.0f); }
-
-__host__ __device__ __forceinline__ int round4(int v) { return (v + 3) & ~3; }
-
-// The per-element math, shared by both paths (op by op as eager PyTorch rounds it).
-// z = mu + exp(0.5 logvar) * eps, separate roundings.
-__device__ __forceinline__ float reparam(float mu, float lv, float ep) {
-  return __fadd_rn(mu, __fmul_rn(expf(__fmul_rn(0.5f, lv)), ep));
-}
-// One term of the KL sum: 1 + logvar - mu^2 - exp(logvar).
-__device__ __forceinline__ float kl_term(float mu, float lv) {
-  return __fsub_rn(__fsub_rn(__fadd_rn(1.0f, lv), __fmul_rn(mu, mu)), expf(lv));
-}
-// BCE as PyTorch: (x - 1) * max(log1p(-p), -100) - x * max(log(p), -100), p = sigmoid(a);
-// x outside [0, 1] or NaN -> NaN and *bad set.
-__device__ __forceinline__ float bce_term(float a, float xv, bool* bad) {
-  const float pr = 1.0f / (1.0f + expf(-a));
-  const float lp = nan_max(logf(pr), -100.0f), l1p = nan_max(log1pf(-pr), -100.0f);
-  const bool ok = xv >= 0.0f && xv <= 1.0f;
-  *bad |= !ok;
-  return ok ? __fsub_rn(__fmul_rn(xv - 1.0f, l1p), __fmul_rn(xv, lp))
-            : __int_as_float(0x7fc00000);
-}
-__host__ __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 template <bool kGlobal>
 __device__ __forceinline__ float4 load4(const float* p) {
@@ -135,12 +113,12 @@ __device__ __forceinline__ void stage_rows(float* dst, int ld, Src src, int nrow
                                            bool vec) {
   if (vec) {
     const int k4 = K / 4;
-    for (int i = static_cast<int>(threadIdx.x); i < nrows * k4; i += kThreads) {
+    for (int i = static_cast<int>(threadIdx.x); i < nrows * k4; i += kClusterThreads) {
       const int r = i / k4, c = (i - r * k4) * 4;
       cp_async16(dst + r * ld + c, src(r) + c);
     }
   } else {
-    for (int i = static_cast<int>(threadIdx.x); i < nrows * K; i += kThreads) {
+    for (int i = static_cast<int>(threadIdx.x); i < nrows * K; i += kClusterThreads) {
       const int r = i / K, c = i - r * K;
       cp_async4(dst + r * ld + c, src(r) + c);
     }
@@ -161,9 +139,9 @@ __device__ __forceinline__ void tile_gemm(int R, int ncols, int K, ARow arow, WR
   if (ntiles == 0) return;  // uniform over the block
   const int kvec = K / VK;
   int ks = 1, ks_log = 0;
-  while (ks < 32 && ntiles * ks * 2 <= kThreads && ks * 2 <= kvec) { ks *= 2; ++ks_log; }
+  while (ks < 32 && ntiles * ks * 2 <= kClusterThreads && ks * 2 <= kvec) { ks *= 2; ++ks_log; }
   const int total = ntiles * ks;
-  for (int base = 0; base < total; base += kThreads) {  // uniform trip count: shuffles are safe
+  for (int base = 0; base < total; base += kClusterThreads) {  // uniform trip count: shuffles are safe
     const int t = base + static_cast<int>(threadIdx.x);
     const int tile = t >> ks_log, kk = t & (ks - 1);
     const bool active = tile < ntiles;
@@ -250,7 +228,7 @@ __device__ __forceinline__ void staged_layer(bool staged, bool vec, int R, int n
 }
 
 template <int TR, int TC>
-__global__ void __launch_bounds__(kThreads, 2) elbo_kernel(const __grid_constant__ ElboParams p) {
+__global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_kernel(const __grid_constant__ ElboParams p) {
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
   float* hs = smem;                  // R x ldh: h (after L1), then d (after L3)
@@ -340,14 +318,14 @@ __global__ void __launch_bounds__(kThreads, 2) elbo_kernel(const __grid_constant
       });
   __syncthreads();
   // z = mu + exp(0.5 logvar) * eps for this block's latent indices, pushed to every block.
-  for (int i = tid; i < R * lcnt * C; i += kThreads) {
+  for (int i = tid; i < R * lcnt * C; i += kClusterThreads) {
     const int q = i % C, e = i / C, r = e / lcnt, c = e - r * lcnt;
     const float ep = __ldg(p.eps + static_cast<size_t>(grow(r)) * L + j0 + c);
     cluster.map_shared_rank(zs, q)[r * ldl + j0 + c] =
         reparam(ml[r * ldm + c], ml[r * ldm + lcnt + c], ep);
   }
   // KL partial: sum_j (1 + logvar - mu^2 - exp(logvar)) over this block's j, to rank 0.
-  for (int r = tid; r < R; r += kThreads) {
+  for (int r = tid; r < R; r += kClusterThreads) {
     float s = 0.0f;
     for (int c = 0; c < lcnt; ++c) s += kl_term(ml[r * ldm + c], ml[r * ldm + lcnt + c]);
     cluster.map_shared_rank(kl_part, 0)[rank * R + r] = s;
@@ -379,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 2) elbo_kernel(const __grid_constant
   __syncthreads();
   // BCE (bce_term), one warp per row, fixed order: deterministic. Bad x -> NaN + row flag.
   const int warp = tid >> 5, lane = tid & 31;
-  for (int r = warp; r < R; r += kWarps) {
+  for (int r = warp; r < R; r += kClusterWarps) {
     const float* xr = p.x + static_cast<size_t>(grow(r)) * D + n0d;
     float s = 0.0f;
     bool bad = false;
@@ -395,7 +373,7 @@ __global__ void __launch_bounds__(kThreads, 2) elbo_kernel(const __grid_constant
   cluster.sync();  // S4
 
   if (rank == 0) {
-    for (int r = tid; r < R; r += kThreads) {
+    for (int r = tid; r < R; r += kClusterThreads) {
       const int gr = row0 + r;
       if (gr >= B) break;
       float rs = 0.0f, ks = 0.0f;
@@ -505,7 +483,7 @@ cudaError_t active_clusters(int device, int variant, int C, int smem, int* fits)
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(C);
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(kClusterThreads);
   cfg.dynamicSmemBytes = smem;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -612,7 +590,7 @@ static ElboStatus elbo_plan_locked(ElboParams& p, int device, int rows, int clus
 cudaError_t elbo_launch(const ElboParams& p, cudaStream_t stream) noexcept {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(cdiv(p.B, p.R) * p.C));
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(kClusterThreads);
   cfg.dynamicSmemBytes = static_cast<size_t>(p.smem_bytes);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -625,195 +603,6 @@ cudaError_t elbo_launch(const ElboParams& p, cudaStream_t stream) noexcept {
   cudaError_t e = cudaLaunchKernelEx(&cfg, kernel_for(p.variant), p);
   const cudaError_t last = cudaGetLastError();
   return e != cudaSuccess ? e : last;
-}
-
-
-// ======================================================================================
-// Rows path (large batches): the kernels between binding.cpp's cuBLAS GEMMs.
-//
-// Per row the work between the GEMMs is small (H=256 -> 2L=64 -> L=32 -> H=256: 49 kFLOP, vs
-// 803 kFLOP in the two big GEMMs), so latent_kernel is a plain one-block-per-row-tile kernel:
-// kLatentRows rows per block, relu(h) staged in shared memory (the A operand of both small
-// GEMMs), weights read through L1 (wmu + wlv + wd1 = 96 KB, shared by every block), 4x4
-// register tiles. bce_kernel is memory-bound: one warp per row, 16-byte loads of logits and x.
-// ======================================================================================
-namespace {
-
-constexpr int kLatentRows = 64;  // 64 rows x 64 mu/logvar columns = 256 4x4 tiles, one per thread
-
-template <bool kStageH>
-__global__ void __launch_bounds__(kThreads, 2) latent_kernel(const __grid_constant__ LatentParams p) {
-  extern __shared__ float4 smem4[];
-  float* smem = reinterpret_cast<float*>(smem4);
-  float* hs = smem;               // R x ldh: relu(h) (kStageH only)
-  float* zs = smem + p.off_zs;    // R x ldl: z
-  float* ml = smem + p.off_ml;    // R x ldm: mu (cols < L), logvar (cols >= L)
-  const int R = p.rows, n = p.n, H = p.H, L = p.L;
-  const int row0 = static_cast<int>(blockIdx.x) * R;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int nr = min(R, n - row0);  // rows of this tile (>= 1)
-  const bool v1 = p.vec & 1u, v2 = (p.vec >> 1) & 1u;
-  auto grow = [&](int r) { return row0 + min(r, nr - 1); };
-
-  if constexpr (kStageH) {
-    const int ldh = p.ldh;
-    if (v1) {
-      const int h4 = H / 4;
-      for (int i = tid; i < nr * h4; i += kThreads) {
-        const int r = i / h4, c = (i - r * h4) * 4;
-        float4 v = __ldg(reinterpret_cast<const float4*>(p.h + static_cast<size_t>(row0 + r) * H + c));
-        v.x = relu(v.x); v.y = relu(v.y); v.z = relu(v.z); v.w = relu(v.w);
-        *reinterpret_cast<float4*>(hs + r * ldh + c) = v;
-      }
-    } else {
-      for (int i = tid; i < nr * H; i += kThreads) {
-        const int r = i / H, c = i - r * H;
-        hs[r * ldh + c] = relu(__ldg(p.h + static_cast<size_t>(row0 + r) * H + c));
-      }
-    }
-    __syncthreads();
-  }
-  auto hrow_s = [&](int r) { return static_cast<const float*>(hs) + r * p.ldh; };
-  auto hrow_g = [&](int r) { return p.h + static_cast<size_t>(grow(r)) * H; };
-  auto wml = [&](int c) {
-    return c < L ? p.wmu + static_cast<size_t>(c) * H : p.wlv + static_cast<size_t>(c - L) * H;
-  };
-  auto put_ml = [&](int r, int c, float v, int kk, int) {
-    if (kk == 0) ml[r * p.ldm + c] = v + __ldg(c < L ? p.bmu + c : p.blv + c - L);
-  };
-  if constexpr (kStageH) layer<4, 4, false, true>(v1, nr, 2 * L, H, hrow_s, wml, put_ml);
-  else layer<4, 4, true, true>(v1, nr, 2 * L, H, hrow_g, wml, put_ml);
-  __syncthreads();
-
-  for (int i = tid; i < nr * L; i += kThreads) {
-    const int r = i / L, c = i - r * L;
-    const float ep = __ldg(p.eps + static_cast<size_t>(row0 + r) * L + c);
-    zs[r * p.ldl + c] = reparam(ml[r * p.ldm + c], ml[r * p.ldm + L + c], ep);
-  }
-  // KL: one warp per row, lanes over j in a fixed order, butterfly sum: deterministic.
-  const int warp = tid >> 5, lane = tid & 31;
-  for (int r = warp; r < nr; r += kWarps) {
-    float s = 0.0f;
-    for (int c = lane; c < L; c += 32) s += kl_term(ml[r * p.ldm + c], ml[r * p.ldm + L + c]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if (lane == 0) p.kl[row0 + r] = -0.5f * s;
-  }
-  __syncthreads();
-
-  // d = relu(z wd1^T + bd1) straight to global memory (the next GEMM's A operand).
-  layer<4, 4, false, true>(v2, nr, H, L,
-      [&](int r) { return static_cast<const float*>(zs) + r * p.ldl; },
-      [&](int c) { return p.wd1 + static_cast<size_t>(c) * L; },
-      [&](int r, int c, float v, int kk, int) {
-        if (kk == 0) p.d[static_cast<size_t>(row0 + r) * H + c] = relu(v + __ldg(p.bd1 + c));
-      });
-}
-
-__global__ void __launch_bounds__(kThreads) bce_kernel(const __grid_constant__ BceParams p) {
-  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
-  const int row = static_cast<int>(blockIdx.x) * kWarps + warp;
-  if (row >= p.n) return;  // whole warp: the shuffles below stay full-warp
-  const int D = p.D;
-  const float* a = p.logits + static_cast<size_t>(row) * D;
-  const float* xr = p.x + static_cast<size_t>(row) * D;
-  float s = 0.0f;
-  bool bad = false;
-  if (p.vec) {
-    const int d4 = D / 4;
-#pragma unroll 4
-    for (int c = lane; c < d4; c += 32) {
-      const float4 av = __ldg(reinterpret_cast<const float4*>(a) + c);
-      const float4 xv = __ldg(reinterpret_cast<const float4*>(xr) + c);
-      s += bce_term(av.x, xv.x, &bad);
-      s += bce_term(av.y, xv.y, &bad);
-      s += bce_term(av.z, xv.z, &bad);
-      s += bce_term(av.w, xv.w, &bad);
-    }
-  } else {
-#pragma unroll 4
-    for (int c = lane; c < D; c += 32) s += bce_term(__ldg(a + c), __ldg(xr + c), &bad);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-  bad = __any_sync(0xffffffffu, bad);
-  if (lane == 0) {
-    const float nan = __int_as_float(0x7fc00000);
-    const float kl = p.kl[row];
-    p.recon[row] = bad ? nan : s;
-    p.kl[row] = bad ? nan : kl;
-    p.elbo[row] = bad ? nan : -(s + kl);
-  }
-}
-
-using LatentKernel = void (*)(LatentParams);
-LatentKernel latent_kernel_for(int stage_h) {
-  return stage_h ? latent_kernel<true> : latent_kernel<false>;
-}
-
-long long latent_floats(int H, int L, int R, bool stage_h, int* off_zs, int* off_ml) {
-  long long off = stage_h ? static_cast<long long>(R) * (round4(H) + 4) : 0;
-  *off_zs = static_cast<int>(off);
-  off += static_cast<long long>(R) * (round4(L) + 4);
-  *off_ml = static_cast<int>(off);
-  off += static_cast<long long>(R) * round4(2 * L);
-  return off;
-}
-
-std::map<std::tuple<int, int>, int> g_latent_smem_set;  // (device, stage_h) -> limit set
-
-}  // namespace
-
-ElboStatus latent_plan(LatentParams& p, int device, cudaError_t* cuda_err) noexcept {
-  *cuda_err = cudaSuccess;
-  try {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    DeviceInfo dev;
-    cudaError_t e = device_info(device, &dev);
-    if (e != cudaSuccess) { *cuda_err = e; return kElboCudaError; }
-    // Staged relu(h) tile with the most rows that fit (>= 16 for reuse of the weights), else
-    // h from global memory (binding.cpp applies relu_ first) with whatever rows fit.
-    for (int st = 1; st >= 0; --st) {
-      for (int R = kLatentRows; R >= (st ? 16 : 1); R /= 2) {
-        int off_zs = 0, off_ml = 0;
-        const long long bytes = 4 * latent_floats(p.H, p.L, R, st != 0, &off_zs, &off_ml);
-        if (bytes > dev.smem_optin) continue;
-        auto& set = g_latent_smem_set[std::make_tuple(device, st)];
-        if (bytes > set) {
-          e = cudaFuncSetAttribute(latent_kernel_for(st),
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   static_cast<int>(bytes));
-          if (e != cudaSuccess) { *cuda_err = e; return kElboCudaError; }
-          set = static_cast<int>(bytes);
-        }
-        p.rows = R;
-        p.stage_h = st;
-        p.ldh = round4(p.H) + 4;
-        p.ldl = round4(p.L) + 4;
-        p.ldm = round4(2 * p.L);
-        p.off_zs = off_zs;
-        p.off_ml = off_ml;
-        p.smem_bytes = static_cast<int>(bytes);
-        return kElboOk;
-      }
-    }
-    return kElboTooLarge;
-  } catch (...) {
-    *cuda_err = cudaErrorMemoryAllocation;
-    return kElboCudaError;
-  }
-}
-
-cudaError_t latent_launch(const LatentParams& p, cudaStream_t stream) noexcept {
-  const dim3 grid(static_cast<unsigned>(cdiv(p.n, p.rows)));
-  latent_kernel_for(p.stage_h)<<<grid, kThreads, static_cast<size_t>(p.smem_bytes), stream>>>(p);
-  return cudaGetLastError();
-}
-
-cudaError_t bce_launch(const BceParams& p, cudaStream_t stream) noexcept {
-  const dim3 grid(static_cast<unsigned>(cdiv(p.n, kWarps)));
-  bce_kernel<<<grid, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
 }
 
 }  // namespace fastelbo

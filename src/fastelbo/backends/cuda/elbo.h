@@ -3,10 +3,12 @@
 // Role of the cuda backend: lowest latency, and never slower than eager PyTorch. Two paths:
 //   cluster path (small batches): the whole forward after the noise draw is ONE launch of
 //     elbo_kernel (thread-block clusters + DSMEM); see elbo.cu.
-//   rows path (large batches): binding.cpp runs the two big GEMMs with cuBLAS (ATen addmm, the
-//     same call F.linear makes) in row chunks, and two fused kernels of elbo.cu do everything
-//     else: latent_kernel (relu, mu/logvar, reparam, KL, decoder hidden layer) and bce_kernel
-//     (sigmoid, clamped BCE, row sums, NaN-row rule, elbo).
+//   rows path (large batches): binding.cpp runs every GEMM with cuBLAS (ATen, as F.linear does)
+//     and the two ReLUs in place, and two small kernels of rows.cu do
+//     the rest: reparam_kl_kernel (reparameterisation, KL) and bce_kernel (sigmoid, clamped BCE,
+//     row sums, NaN-row rule, elbo).
+//   backward (any batch; backward.cu): the same recomputation, cuBLAS for every GEMM and three
+//     fused elementwise kernels for everything else.
 // binding.cpp is the only file that sees torch. Every host function here is noexcept: failures
 // come back as an ElboStatus / cudaError_t, which binding.cpp turns into a Python exception.
 #pragma once
@@ -70,30 +72,16 @@ cudaError_t elbo_launch(const ElboParams& p, cudaStream_t stream) noexcept;
 // without the staged copies of x and the weight slices.
 long long elbo_smem_bytes(int D, int H, int L, int R, int C, bool staged) noexcept;
 
-// ---- rows path (large batches) ----
-// latent_kernel: for n rows, h (n, H) = x w1^T + b1 BEFORE the relu (stage_h = 1: the kernel
-// applies it while staging h in shared memory; stage_h = 0, only for dims whose h rows do not
-// fit: binding.cpp applies relu_ to h first and the kernel reads h from global memory).
-// Writes d (n, H) = relu(z wd1^T + bd1) and kl (n,) = -0.5 sum_j(1 + lv - mu^2 - exp(lv)).
-struct LatentParams {
-  const float* h;
+// ---- rows path (large batches; rows.cu): cuBLAS GEMMs in binding.cpp, these in between ----
+// reparam_kl_kernel: z = mu + exp(0.5 lv) * eps (n, L) and, when kl != nullptr,
+// kl = -0.5 sum_j (1 + lv - mu^2 - exp(lv)) (n,). One warp per row.
+struct ReparamParams {
+  const float* mu;    // (n, L)
+  const float* lv;    // (n, L)
   const float* eps;   // (n, L)
-  const float* wmu;
-  const float* bmu;
-  const float* wlv;
-  const float* blv;
-  const float* wd1;
-  const float* bd1;
-  float* d;           // (n, H)
-  float* kl;          // (n,)
-  int n, H, L;
-  // Filled by latent_plan():
-  int rows;           // rows per block
-  int stage_h;        // 1: relu(h) tile in shared memory
-  int ldh, ldl, ldm;  // shared-memory row strides (floats) of hs, zs, ml
-  int off_zs, off_ml;
-  int smem_bytes;
-  unsigned vec;       // bit 0: K=H layer may use float4 (h, wmu, wlv); bit 1: K=L layer (wd1)
+  float* z;           // (n, L)
+  float* kl;          // (n,) or nullptr
+  int n, L;
 };
 
 // bce_kernel: recon = sum_c BCE(sigmoid(logits), x), elbo = -(recon + kl); rows whose x holds a
@@ -103,15 +91,61 @@ struct BceParams {
   const float* x;       // (n, D)
   float* elbo;
   float* recon;
-  float* kl;            // in: from latent_kernel; out: NaN on bad rows
+  float* kl;            // in: from reparam_kl_kernel; out: NaN on bad rows
   int n, D;
   int vec;              // 1: D % 4 == 0 and logits, x 16-byte aligned
 };
 
-// Picks rows per block / staging for these dims on `device`, sets the kernel attributes.
-// kElboTooLarge: not even one row's latent activations fit in shared memory.
-ElboStatus latent_plan(LatentParams& p, int device, cudaError_t* cuda_err) noexcept;
-cudaError_t latent_launch(const LatentParams& p, cudaStream_t stream) noexcept;
+cudaError_t reparam_launch(const ReparamParams& p, cudaStream_t stream) noexcept;
 cudaError_t bce_launch(const BceParams& p, cudaStream_t stream) noexcept;
+
+// ---- backward (backward.cu): the gradient of <g, (elbo, recon, kl)>, as torch_ref.backward ----
+// prep_kernel, one warp per row: keep = x row inside [0, 1] and not NaN; xc = keep ? x : 0;
+// g_rec = keep ? g_recon - g_elbo : 0 and g_kl = keep ? g_kl - g_elbo : 0, where a missing
+// (nullptr) incoming gradient counts as absent, as autograd's None. Outputs whose pointer is
+// nullptr are not written (the branch no gradient reaches).
+struct PrepParams {
+  const float* x;        // (n, D)
+  const float* g_elbo;   // (n,) or nullptr
+  const float* g_recon;  // (n,) or nullptr
+  const float* g_kl;     // (n,) or nullptr
+  float* xc;             // (n, D)
+  float* keep;           // (n,) 1 or 0
+  float* rec_out;        // (n,) or nullptr: recon branch unused
+  float* kl_out;         // (n,) or nullptr: kl branch unused
+  int n, D;
+};
+
+// bce_grad_kernel, one warp per row, in place over the logits: p = sigmoid(a); a row holding a
+// NaN p has its BCE gradient zeroed (torch_ref's nan_rows); ga = sigmoid_backward(bce_backward(
+// g_rec, p, x), p). When gx != nullptr also gx = keep ? -logit(p) * g_rec : 0 (p -> 0.5 on NaN
+// rows), BCE's gradient with respect to its target.
+struct BceGradParams {
+  float* ga;             // (n, D): in logits, out the gradient at the logits
+  const float* x;        // (n, D): xc
+  const float* g_rec;    // (n,)
+  const float* keep;     // (n,)
+  float* gx;             // (n, D) or nullptr
+  int n, D;
+};
+
+// latent_bwd_kernel, elementwise over (n, L): from g_z (nullptr: recon branch unused) and g_kl
+// (nullptr: kl branch unused), g_mu and g_lv; g_eps = g_z * exp(0.5 lv) (0 without g_z) when
+// g_eps != nullptr.
+struct LatentBwdParams {
+  const float* g_z;      // (n, L) or nullptr
+  const float* mu;
+  const float* lv;
+  const float* eps;
+  const float* g_kl;     // (n,) or nullptr
+  float* g_mu;
+  float* g_lv;
+  float* g_eps;          // (n, L) or nullptr
+  int n, L;
+};
+
+cudaError_t prep_launch(const PrepParams& p, cudaStream_t stream) noexcept;
+cudaError_t bce_grad_launch(const BceGradParams& p, cudaStream_t stream) noexcept;
+cudaError_t latent_bwd_launch(const LatentBwdParams& p, cudaStream_t stream) noexcept;
 
 }  // namespace fastelbo

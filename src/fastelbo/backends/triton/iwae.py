@@ -167,13 +167,11 @@ class IwaeConfig:
     splits: int | None = None   # K-splits per image; None: the K-only rule of _splits
 
 
-# Not yet timed on hardware: chosen by the arithmetic in the module docstring, then checked
-# offline with ptxas (sm_90a, 784/256/32), both noise modes:
-#   BK=128, BN=64, BH=32, 8 warps, 2-3 stages: 255 regs, 0 spills, 64-88 KB smem
-#   BK=128, BN=32, BH=64, 8 warps:             255 regs, 0 spills, 80 KB smem
-# (BK=128 with BN=128 or BH=64; BK=64 with 4 warps; BK=256 with 8 or 16 warps all spill.)
-# benchmarks/iwae_bench.py --sweep times these on the GPU.
-GPU_CONFIG = IwaeConfig(block_k=128, block_n=64, block_h=32, num_warps=8, num_stages=2)
+# Timed on an H200 (benchmarks/iwae_bench.py --sweep, 2026-11-29, 10,000 images x K = 5000):
+# BK=128, BN=64, BH=64, 8 warps, 2 stages 0.617 s; the previous default (BH=32, 2 stages)
+# 0.737 s; BK=64/BN=128/BH=32 0.653 s; BK=256 (16 warps) 0.682 s; BH=16 0.83-0.96 s. A larger
+# BH rebuilds d in fewer, larger MMAs; every config tried is listed in iwae_bench.py's SWEEP.
+GPU_CONFIG = IwaeConfig(block_k=128, block_n=64, block_h=64, num_warps=8, num_stages=2)
 # The interpreter's cost is per op, not per FLOP: small tiles keep CPU tests quick.
 INTERPRET_CONFIG = IwaeConfig(block_k=16, block_n=32, block_h=32, num_warps=4, num_stages=1)
 # K is cut into pieces of at least SPLIT_TILES tiles, at most MAX_SPLITS of them per image. The

@@ -1,0 +1,114 @@
+// The backward's elementwise kernels. binding.cpp's elbo_backward recomputes the activations
+// (cuBLAS GEMMs + reparam_kl_kernel) and runs every GEMM of the gradient with cuBLAS; these
+// three kernels fuse everything else, which eager autograd (and torch_ref.backward, the spec
+// they follow op by op) spreads over ~60 small kernels:
+//   prep_kernel        invalid-row mask, x with invalid rows zeroed, the incoming gradients
+//                      folded into one per branch (elbo = -(recon + kl))
+//   bce_grad_kernel    sigmoid, the NaN-row rule, BCE's and sigmoid's backward, in place over
+//                      the logits; BCE's gradient with respect to x when x needs one
+//   latent_bwd_kernel  reparameterisation and KL backward: g_mu, g_lv, g_eps
+// One warp per row where a row-wide decision is needed (prep, bce_grad), fixed order.
+#include "elbo.h"
+#include "elbo_math.cuh"
+
+namespace fastelbo {
+namespace {
+
+__global__ void __launch_bounds__(kThreads) prep_kernel(const __grid_constant__ PrepParams p) {
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int row = static_cast<int>(blockIdx.x) * kWarps + warp;
+  if (row >= p.n) return;  // whole warp
+  const size_t base = static_cast<size_t>(row) * p.D;
+  bool bad = false;
+  for (int c = lane; c < p.D; c += 32) {
+    const float v = __ldg(p.x + base + c);
+    bad |= !(v >= 0.0f && v <= 1.0f);
+  }
+  bad = __any_sync(0xffffffffu, bad);
+  for (int c = lane; c < p.D; c += 32) p.xc[base + c] = bad ? 0.0f : __ldg(p.x + base + c);
+  if (lane != 0) return;
+  p.keep[row] = bad ? 0.0f : 1.0f;
+  // sum(parts) of torch_ref.backward: 0 + g_part + (-g_elbo), each term only where present.
+  const float ge = p.g_elbo != nullptr ? -__ldg(p.g_elbo + row) : 0.0f;
+  if (p.rec_out != nullptr) {
+    const float g = p.g_recon != nullptr ? __ldg(p.g_recon + row) + ge : ge;
+    p.rec_out[row] = bad ? 0.0f : g;
+  }
+  if (p.kl_out != nullptr) {
+    const float g = p.g_kl != nullptr ? __ldg(p.g_kl + row) + ge : ge;
+    p.kl_out[row] = bad ? 0.0f : g;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) bce_grad_kernel(const __grid_constant__ BceGradParams p) {
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int row = static_cast<int>(blockIdx.x) * kWarps + warp;
+  if (row >= p.n) return;  // whole warp
+  const size_t base = static_cast<size_t>(row) * p.D;
+  float* ga = p.ga + base;
+  const float* xr = p.x + base;
+  // torch_ref: nan_rows = isnan(prob).any(-1); there g_out = 0 and prob -> 0.5 (safe).
+  bool row_nan = false;
+  for (int c = lane; c < p.D; c += 32) row_nan |= isnan(sigmoid(ga[c]));
+  row_nan = __any_sync(0xffffffffu, row_nan);
+  const float g = row_nan ? 0.0f : __ldg(p.g_rec + row);
+  const bool keep = __ldg(p.keep + row) != 0.0f;
+  for (int c = lane; c < p.D; c += 32) {
+    const float pr = sigmoid(ga[c]);
+    const float safe = row_nan ? 0.5f : pr;
+    const float gp = bce_backward(g, safe, __ldg(xr + c));
+    // sigmoid_backward(where(nan_rows, 0, g_p), prob): prob itself, NaN included.
+    ga[c] = sigmoid_backward(row_nan ? 0.0f : gp, pr);
+    if (p.gx != nullptr) p.gx[base + c] = keep ? __fmul_rn(-logit(safe), g) : 0.0f;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) latent_bwd_kernel(const __grid_constant__ LatentBwdParams p) {
+  const size_t total = static_cast<size_t>(p.n) * p.L;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x; i < total;
+       i += static_cast<size_t>(gridDim.x) * kThreads) {
+    const int row = static_cast<int>(i / p.L);
+    const float lv = __ldg(p.lv + i);
+    const float sd = expf(__fmul_rn(0.5f, lv));
+    float g_mu = 0.0f, g_lv = 0.0f, g_eps = 0.0f;
+    const bool rec = p.g_z != nullptr, kl = p.g_kl != nullptr;
+    if (rec) {  // g_mu = g_z; g_lv = 0.5 * (g_z * eps * std); g_eps = g_z * std
+      const float gz = __ldg(p.g_z + i);
+      g_mu = gz;
+      g_lv = __fmul_rn(0.5f, __fmul_rn(__fmul_rn(gz, __ldg(p.eps + i)), sd));
+      g_eps = __fmul_rn(gz, sd);
+    }
+    if (kl) {   // + g_kl * mu, + (-0.5 * g_kl) * (1 - exp(lv))
+      const float gk = __ldg(p.g_kl + row);
+      const float kl_mu = __fmul_rn(gk, __ldg(p.mu + i));
+      const float kl_lv = __fmul_rn(__fmul_rn(-0.5f, gk), __fsub_rn(1.0f, expf(lv)));
+      g_mu = rec ? __fadd_rn(g_mu, kl_mu) : kl_mu;
+      g_lv = rec ? __fadd_rn(g_lv, kl_lv) : kl_lv;
+    }
+    p.g_mu[i] = g_mu;
+    p.g_lv[i] = g_lv;
+    if (p.g_eps != nullptr) p.g_eps[i] = g_eps;
+  }
+}
+
+}  // namespace
+
+cudaError_t prep_launch(const PrepParams& p, cudaStream_t stream) noexcept {
+  prep_kernel<<<cdiv(p.n, kWarps), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t bce_grad_launch(const BceGradParams& p, cudaStream_t stream) noexcept {
+  bce_grad_kernel<<<cdiv(p.n, kWarps), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t latent_bwd_launch(const LatentBwdParams& p, cudaStream_t stream) noexcept {
+  const long long total = static_cast<long long>(p.n) * p.L;
+  const long long want = (total + kThreads - 1) / kThreads;
+  const int blocks = static_cast<int>(want < 65535 ? want : 65535);
+  latent_bwd_kernel<<<blocks, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace fastelbo

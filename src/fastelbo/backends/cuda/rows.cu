@@ -1,0 +1,79 @@
+// The rows path's kernels (large batches): what runs between binding.cpp's cuBLAS GEMMs.
+//
+// Per row the work outside the GEMMs is small and memory- or special-function-bound, so both
+// kernels are one warp per row, lanes over the row's columns in a fixed order and a butterfly
+// sum: deterministic, no atomics. (A first version also did the latent GEMMs here with FFMA
+// register tiles; on an H200 it took 543 us at B = 65536 where cuBLAS takes ~130 us, so every
+// GEMM is cuBLAS's now.)
+#include "elbo.h"
+#include "elbo_math.cuh"
+
+namespace fastelbo {
+namespace {
+
+__global__ void __launch_bounds__(kThreads) reparam_kl_kernel(const __grid_constant__ ReparamParams p) {
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int row = static_cast<int>(blockIdx.x) * kWarps + warp;
+  if (row >= p.n) return;  // whole warp: the shuffles below stay full-warp
+  const size_t base = static_cast<size_t>(row) * p.L;
+  float s = 0.0f;
+  for (int c = lane; c < p.L; c += 32) {
+    const float mu = __ldg(p.mu + base + c), lv = __ldg(p.lv + base + c);
+    p.z[base + c] = reparam(mu, lv, __ldg(p.eps + base + c));
+    s += kl_term(mu, lv);
+  }
+  if (p.kl == nullptr) return;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (lane == 0) p.kl[row] = -0.5f * s;
+}
+
+__global__ void __launch_bounds__(kThreads) bce_kernel(const __grid_constant__ BceParams p) {
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int row = static_cast<int>(blockIdx.x) * kWarps + warp;
+  if (row >= p.n) return;  // whole warp: the shuffles below stay full-warp
+  const int D = p.D;
+  const float* a = p.logits + static_cast<size_t>(row) * D;
+  const float* xr = p.x + static_cast<size_t>(row) * D;
+  float s = 0.0f;
+  bool bad = false;
+  if (p.vec) {
+    const int d4 = D / 4;
+#pragma unroll 4
+    for (int c = lane; c < d4; c += 32) {
+      const float4 av = __ldg(reinterpret_cast<const float4*>(a) + c);
+      const float4 xv = __ldg(reinterpret_cast<const float4*>(xr) + c);
+      s += bce_term(av.x, xv.x, &bad);
+      s += bce_term(av.y, xv.y, &bad);
+      s += bce_term(av.z, xv.z, &bad);
+      s += bce_term(av.w, xv.w, &bad);
+    }
+  } else {
+#pragma unroll 4
+    for (int c = lane; c < D; c += 32) s += bce_term(__ldg(a + c), __ldg(xr + c), &bad);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  bad = __any_sync(0xffffffffu, bad);
+  if (lane == 0) {
+    const float nan = __int_as_float(0x7fc00000);
+    const float kl = p.kl[row];
+    p.recon[row] = bad ? nan : s;
+    p.kl[row] = bad ? nan : kl;
+    p.elbo[row] = bad ? nan : -(s + kl);
+  }
+}
+
+}  // namespace
+
+cudaError_t reparam_launch(const ReparamParams& p, cudaStream_t stream) noexcept {
+  reparam_kl_kernel<<<cdiv(p.n, kWarps), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t bce_launch(const BceParams& p, cudaStream_t stream) noexcept {
+  bce_kernel<<<cdiv(p.n, kWarps), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace fastelbo
