@@ -70,11 +70,13 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
 
 
 # Each source's kernels: the cluster kernel's two register-tile variants (elbo_kernel<2,2>,
-# <4,4>), the rows path's two, the backward's three.
+# <4,4>), the rows path's two, the backward's four, the optimizer's one.
 EXPECTED_KERNELS = {
     "elbo.cu": {"elbo_kernel": 2},
     "rows.cu": {"reparam_kl_kernel": 1, "bce_kernel": 1},
-    "backward.cu": {"prep_kernel": 1, "bce_grad_kernel": 1, "latent_bwd_kernel": 1},
+    "backward.cu": {"prep_kernel": 1, "bce_grad_kernel": 1, "latent_bwd_kernel": 1,
+                    "colsum_kernel": 1},
+    "adam.cu": {"adam_kernel": 1},
 }
 
 

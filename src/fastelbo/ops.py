@@ -67,9 +67,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, g_elbo, g_recon, g_kl):
     x, eps, *params = ctx.saved_tensors
     given = (g_elbo, g_recon, g_kl)
-    zeros = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    unread = x.new_empty(x.shape[0])  # stands in for an unused output's gradient (no fill)
     gx, geps, *gparams = _elbo_backward(ctx.backend,
-                                        [zeros if g is None else g for g in given],
+                                        [unread if g is None else g for g in given],
                                         [g is not None for g in given], ctx.needs, x, eps,
                                         params)
     return (None, gx if ctx.needs[0] else None, geps if ctx.needs[1] else None, gparams)

@@ -205,11 +205,14 @@ def train(args, world: dist.World, device: torch.device) -> dict:
 def build(dims, backend: str, device: torch.device, lr: float, seed: int,
           capturable: bool) -> tuple[ModelNew, torch.optim.Adam]:
     """The model and optimizer `fastelbo train` steps: ModelNew seeded like the reference Model
-    (equal seeds, equal initial weights), Adam fused on CUDA, capturable for the graph step."""
+    (equal seeds, equal initial weights), Adam (training/adam.py: one kernel launch per step on
+    CUDA, torch's fused Adam where that kernel does not apply), capturable for the graph step."""
+    from .training.adam import Adam
+
     torch.manual_seed(seed)
     model = ModelNew(*dims, backend=backend).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=lr, fused=device.type == "cuda" or None,
-                           capturable=capturable)
+    opt = Adam(model.parameters(), lr=lr, fused=device.type == "cuda" or None,
+               capturable=capturable)
     return model, opt
 
 

@@ -27,7 +27,7 @@ DTYPES = (torch.float32,)
 from ...params import VAEParams
 
 HERE = Path(__file__).resolve().parent
-KERNEL_SOURCES = ("elbo.cu", "rows.cu", "backward.cu")
+KERNEL_SOURCES = ("elbo.cu", "rows.cu", "backward.cu", "adam.cu")
 BINDING_SOURCE = "binding.cpp"
 HEADERS = ("elbo.h", "elbo_math.cuh")
 
@@ -250,7 +250,7 @@ def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads, *,
     for name, g in zip(("g_elbo", "g_recon", "g_kl"), grads):
         used.append(g is not None)
         if g is None:
-            given.append(x.new_zeros(batch))  # unread: the binding takes a defined tensor
+            given.append(x.new_empty(batch))  # unread: the binding takes a defined tensor
             continue
         if not isinstance(g, torch.Tensor) or g.dtype != torch.float32:
             raise TypeError(f"{name} must be a float32 tensor, got {getattr(g, 'dtype', g)!r}")

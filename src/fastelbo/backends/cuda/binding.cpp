@@ -10,7 +10,7 @@
 //     torch.backends.cuda.matmul.allow_tf32 says so; in-place ReLU after the two hidden
 //     layers), reparam_kl_kernel and bce_kernel (rows.cu). Eager runs the same GEMMs plus ~15 elementwise passes over (B, D) tensors.
 //   backward (elbo_backward, any B): recomputes the activations the same way, then cuBLAS for
-//     every gradient GEMM and backward.cu's three fused kernels for the rest.
+//     every gradient GEMM and backward.cu's four fused kernels for the rest.
 // All paths only launch on the current stream and allocate through the caching allocator:
 // CUDA-graph capturable.
 //
@@ -41,12 +41,11 @@
 
 namespace {
 
-// Crossover between the paths. The cluster kernel's time grows with the rows per cluster
-// (B / (SMs / C) rows at C = 16 on 132 SMs: 8 clusters); the rows path costs ~4 launches
-// (~2 us each in a graph) plus cuBLAS-rate GEMMs. First H200 data (before the DSMEM pull
-// rewrite): cluster 32 us at B=128 and 314 us at B=1024 vs eager ~90 us. 256 keeps the one-
-// launch path where it is the latency winner; revise from `cuda_bench.py --all` (paths table).
-constexpr int64_t kClusterMaxBatch = 256;
+// Crossover between the paths, from `cuda_bench.py --paths` on an H200 (2026-11-29, graph
+// replays, us per forward): B=192 cluster 69 / rows 92 / eager 106; B=256 cluster 79 / rows 77
+// / eager 91. The cluster kernel's time grows with the rows per cluster; the rows path's with
+// cuBLAS-rate GEMMs.
+constexpr int64_t kClusterMaxBatch = 192;
 // Rows per chunk of the rows path: intermediates h, d (chunk x H) and logits (chunk x D) are
 // 65536 * (256 + 256 + 784) * 4 B = 340 MB at the reference dims, vs ~490 MB eager allocates at
 // B=65536. Chunks of 8192 rows (42 MB) made cuBLAS pick smaller tiles: +37% GEMM time at
@@ -280,8 +279,6 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
     out.push_back(grad(*t, rec || kl));
   for (const at::Tensor* t : {&dec_w1, &dec_b1, &dec_w2, &dec_b2}) out.push_back(grad(*t, rec));
   if (!rec && !kl) return out;  // no gradient reaches any output
-  static const int64_t kDim0[] = {0};
-  const at::IntArrayRef rows_dim(kDim0);  // column sums: the bias gradients
 
   // Invalid rows (x outside [0, 1] or NaN) are zeroed in x and in both branch gradients.
   at::Tensor xc = at::empty({B, D}, opts), keep = at::empty({B}, opts);
@@ -302,7 +299,7 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
 
   const at::Tensor h = relu_linear(xc, enc_w, enc_b);
   const at::Tensor mu = at::linear(h, mu_w, mu_b), lv = at::linear(h, lv_w, lv_b);
-  at::Tensor g_z, gx_rec;
+  at::Tensor g_z, g_d, g_a4;
   if (rec) {
     at::Tensor z = at::empty({B, L}, opts);
     reparam(mu, lv, eps.data_ptr<float>(), z, nullptr, stream);
@@ -318,11 +315,10 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
     bg.D = static_cast<int>(D);
     check_launch(fastelbo::bce_grad_launch(bg, stream), "bce_grad kernel");
     at::mm_out(out[10], ga.t(), d);
-    at::sum_out(out[11], ga, rows_dim);
-    const at::Tensor g_d = at::threshold_backward(at::mm(ga, dec_w2), d, 0);
+    g_d = at::threshold_backward(at::mm(ga, dec_w2), d, 0);
     at::mm_out(out[8], g_d.t(), z);
-    at::sum_out(out[9], g_d, rows_dim);
     g_z = at::mm(g_d, dec_w1);
+    g_a4 = ga;
   }
   at::Tensor g_mu = at::empty({B, L}, opts), g_lv = at::empty({B, L}, opts);
   fastelbo::LatentBwdParams lb{};
@@ -341,16 +337,66 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
   const at::Tensor g_a1 =
       at::threshold_backward(at::addmm(at::mm(g_mu, mu_w), g_lv, lv_w), h, 0);
   at::mm_out(out[2], g_a1.t(), xc);
-  at::sum_out(out[3], g_a1, rows_dim);
   at::mm_out(out[4], g_mu.t(), h);
-  at::sum_out(out[5], g_mu, rows_dim);
   at::mm_out(out[6], g_lv.t(), h);
-  at::sum_out(out[7], g_lv, rows_dim);
+  // The bias gradients, column sums over the batch, in one launch.
+  fastelbo::ColSumParams cs{};
+  auto add_sum = [&](const at::Tensor& g, at::Tensor& dst) {
+    cs.src[cs.count] = g.data_ptr<float>();
+    cs.dst[cs.count] = dst.data_ptr<float>();
+    cs.cols[cs.count] = static_cast<int>(g.size(1));
+    ++cs.count;
+  };
+  add_sum(g_a1, out[3]);
+  add_sum(g_mu, out[5]);
+  add_sum(g_lv, out[7]);
+  if (rec) {
+    add_sum(g_d, out[9]);
+    add_sum(g_a4, out[11]);
+  }
+  cs.n = static_cast<int>(B);
+  check_launch(fastelbo::colsum_launch(cs, stream), "colsum kernel");
   if (need_x) {  // BCE's part (already in out[0]) + the encoder's, then invalid rows zeroed
     out[0].addmm_(g_a1, enc_w);
     out[0] = at::where(keep.unsqueeze(1) != 0, out[0], at::zeros({}, opts));
   }
   return out;
+}
+
+// One Adam update (adam.cu) of every tensor in `params`, in place, on the current stream; the
+// step counts in `steps` (device scalars) already hold this step's count. fastelbo/training/
+// adam.py checks devices, dtypes, shapes and contiguity in Python first.
+void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+               const std::vector<at::Tensor>& steps, double lr, double beta1, double beta2,
+               double eps, double weight_decay) {
+  const size_t n = params.size();
+  FE_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+               steps.size() == n, "adam_step: one grad, exp_avg, exp_avg_sq and step per param");
+  if (n == 0) return;
+  const auto dev = params[0].device();
+  const c10::cuda::CUDAGuard guard(dev);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
+  for (size_t s = 0; s < n; s += fastelbo::kAdamMax) {
+    fastelbo::AdamParams ap{};
+    ap.lr = lr;
+    ap.beta1 = beta1;
+    ap.beta2 = beta2;
+    ap.eps = eps;
+    ap.weight_decay = weight_decay;
+    for (size_t i = s; i < std::min(n, s + fastelbo::kAdamMax); ++i) {
+      for (const at::Tensor* t : {&params[i], &grads[i], &exp_avgs[i], &exp_avg_sqs[i], &steps[i]})
+        FE_CHECK_TENSOR(*t, "every adam_step tensor", dev);
+      ap.param[ap.count] = params[i].data_ptr<float>();
+      ap.grad[ap.count] = grads[i].data_ptr<float>();
+      ap.exp_avg[ap.count] = exp_avgs[i].data_ptr<float>();
+      ap.exp_avg_sq[ap.count] = exp_avg_sqs[i].data_ptr<float>();
+      ap.step[ap.count] = steps[i].data_ptr<float>();
+      ap.numel[ap.count] = params[i].numel();
+      ++ap.count;
+    }
+    check_launch(fastelbo::adam_launch(ap, stream), "adam kernel");
+  }
 }
 
 // The launch plan the kernel would use: {R, C, smem_bytes, variant, staged}, or
@@ -391,6 +437,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("g_recon"), pybind11::arg("g_kl"), pybind11::arg("use_elbo"),
         pybind11::arg("use_recon"), pybind11::arg("use_kl"), pybind11::arg("need_x"),
         pybind11::arg("need_eps"));
+  m.def("adam_step", &adam_step, "one Adam update of float32 CUDA tensors; see training/adam.py",
+        pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("exp_avgs"),
+        pybind11::arg("exp_avg_sqs"), pybind11::arg("steps"), pybind11::arg("lr"),
+        pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"),
+        pybind11::arg("weight_decay"));
   m.def("plan", &elbo_plan_info,
         "launch plan {R, C, smem_bytes, variant, staged} or {-status, 0, 0, 0, 0}",
         pybind11::arg("device"), pybind11::arg("B"), pybind11::arg("D"), pybind11::arg("H"),

@@ -116,7 +116,7 @@ struct PrepParams {
   int n, D;
 };
 
-// bce_grad_kernel, one warp per row, in place over the logits: p = sigmoid(a); a row holding a
+// bce_grad_kernel, one block per row, in place over the logits: p = sigmoid(a); a row holding a
 // NaN p has its BCE gradient zeroed (torch_ref's nan_rows); ga = sigmoid_backward(bce_backward(
 // g_rec, p, x), p). When gx != nullptr also gx = keep ? -logit(p) * g_rec : 0 (p -> 0.5 on NaN
 // rows), BCE's gradient with respect to its target.
@@ -144,8 +144,35 @@ struct LatentBwdParams {
   int n, L;
 };
 
+// colsum_kernel: dst[t][j] = sum_i src[t][i * cols[t] + j] for t < count, i < n.
+constexpr int kColSumMax = 8;
+struct ColSumParams {
+  const float* src[kColSumMax];
+  float* dst[kColSumMax];
+  int cols[kColSumMax];
+  int first_block[kColSumMax];  // filled by colsum_launch
+  int count, n;
+};
+
 cudaError_t prep_launch(const PrepParams& p, cudaStream_t stream) noexcept;
+cudaError_t colsum_launch(ColSumParams& p, cudaStream_t stream) noexcept;
 cudaError_t bce_grad_launch(const BceGradParams& p, cudaStream_t stream) noexcept;
 cudaError_t latent_bwd_launch(const LatentBwdParams& p, cudaStream_t stream) noexcept;
+
+// ---- Adam (adam.cu): one update of up to kAdamMax float32 tensors, torch's fused formula ----
+constexpr int kAdamMax = 16;
+struct AdamParams {
+  float* param[kAdamMax];
+  const float* grad[kAdamMax];
+  float* exp_avg[kAdamMax];
+  float* exp_avg_sq[kAdamMax];
+  const float* step[kAdamMax];  // device scalars, already incremented for this step
+  long long numel[kAdamMax];
+  int first_block[kAdamMax];    // filled by adam_launch
+  int count;
+  double lr, beta1, beta2, eps, weight_decay;
+};
+
+cudaError_t adam_launch(AdamParams& p, cudaStream_t stream) noexcept;
 
 }  // namespace fastelbo
