@@ -5,8 +5,9 @@
     compute-sanitizer --tool synccheck python3 benchmarks/cuda_sanitize.py
     compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize.py --quick
 
---quick runs 4 small cases (both paths, staged and unstaged cluster plans) so racecheck, which
-is the slowest tool, finishes in a minute or two.
+--quick runs 4 small forward cases (both paths, staged and unstaged cluster plans), the
+backward at two odd sizes (every branch: all outputs used, and kl alone) and one Adam step,
+so racecheck, which is the slowest tool, finishes in a minute or two.
 
 Exits 1 on any mismatch (atol = rtol = 1e-4) and 2 when the backend is unavailable. Kept small:
 every launch runs 10-100x slower under the sanitizer.
@@ -53,8 +54,49 @@ def quick() -> int:
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} dims={dims} B={batch} rows={rows} cluster={cluster} "
               f"staged={staged} path={path}", flush=True)
+    failures += quick_backward_and_adam()
     print(f"{failures} failure(s)")
     return 1 if failures else 0
+
+
+def _close(a, b) -> bool:
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    return bool(((a - b).abs() <= 1e-4 * max(scale, 1e-30)).all()) and torch.equal(
+        torch.isnan(a), torch.isnan(b))
+
+
+def quick_backward_and_adam() -> int:
+    from fastelbo.training.adam import Adam
+
+    failures = 0
+    for dims, batch, used in (((33, 7, 5), 9, (True, True, True)),
+                              ((781, 250, 31), 5, (False, False, True))):
+        torch.manual_seed(1)
+        params = VAEParams(*(t.detach().cuda() for t in Model(*dims).state_dict().values()))
+        x = torch.rand(batch, dims[0], device="cuda")
+        x[batch // 2, 0] = float("nan")
+        eps = torch.randn(batch, dims[2], device="cuda")
+        grads = [torch.randn(batch, device="cuda") if u else None for u in used]
+        got = backend.backward(x, params, eps, grads)
+        want = torch_ref.backward(x, params, eps, grads)
+        torch.cuda.synchronize()
+        ok = all(_close(a, b) for a, b in zip([got[0], got[1], *got[2]],
+                                              [want[0], want[1], *want[2]]))
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} backward dims={dims} B={batch} used={used}",
+              flush=True)
+    ps = [torch.randn(n, device="cuda", requires_grad=True) for n in (1000, 7, 3000)]
+    ref = [p.detach().clone().requires_grad_() for p in ps]
+    for p, q in zip(ps, ref):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    Adam(ps, lr=1e-2).step()
+    torch.optim.Adam(ref, lr=1e-2, fused=True).step()
+    torch.cuda.synchronize()
+    ok = all(torch.allclose(p, q, rtol=1e-6, atol=1e-7) for p, q in zip(ps, ref))
+    failures += not ok
+    print(f"{'ok  ' if ok else 'FAIL'} adam step (3 tensors)", flush=True)
+    return failures
 
 
 def main() -> int:
