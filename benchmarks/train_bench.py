@@ -7,9 +7,9 @@ Speed (default): steps/s at B = 128, 784/256/32, Adam lr 1e-3, each after --warm
 timed over --steps steps between torch.cuda.synchronize calls (median of --trials), for
   eager          the problem's Model + torch.optim.Adam(fused=True): forward, backward, step
   compile        torch.compile of that same step function (mode default)
-  fastelbo-eager ModelNew (backend auto) + fused Adam, fastelbo's EagerStep
+  fastelbo-eager ModelNew (backend auto) + fastelbo's Adam (train.build), fastelbo's EagerStep
   fastelbo-graph fastelbo train's default GPU step: the whole step as one CUDA graph
-                 (training/step.py GraphStep, ModelNew backend auto, capturable fused Adam)
+                 (training/step.py GraphStep, ModelNew backend auto, capturable fastelbo Adam)
   fastelbo-loop  fastelbo-graph plus what `fastelbo train` does around it each step (Batches.get:
                  index_select, seeded noise; the loss accumulation)
 x comes from a pool of 16 prepared batches; eps is drawn each step (inside the reference's
