@@ -174,6 +174,18 @@ def test_export_is_self_contained_python(tmp_path):
     assert "PYBIND11_MODULE" in mod.CUDA_SOURCE  # present, but compiled out by FASTELBO_INLINE
     assert mod.CUDA_SOURCE.index("#define FASTELBO_INLINE") < mod.CUDA_SOURCE.index(
         "PYBIND11_MODULE")
+    # Bad input is refused in Python, before any build or launch (no C++ exception path).
+    with pytest.raises(ValueError, match="CUDA device"):
+        model(torch.rand(2, 784))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        model([[0.5] * 784])
+
+
+def test_export_declaration_is_the_bindings_signature():
+    binding = (cuda_backend.HERE / cuda_backend.BINDING_SOURCE).read_text()
+    decl = export.CPP_DECLARATION
+    assert decl.endswith(");\n") and decl.startswith("std::vector<at::Tensor> elbo_forward(")
+    assert decl[:-2] + " {" in binding  # the definition, word for word
 
 
 @needs_nvcc
