@@ -50,7 +50,8 @@ SATURATION = {"reference_as_candidate", "kl_sign_flipped", "bce_unclamped"}
 def _check(path: Path):
     timeout = HANG_TIMEOUT if path.stem == "hangs" else 120.0
     scales = (4.0, 16.0) if path.stem in SATURATION else ()
-    return run_check(TINY, path, trials=2, batch_sizes=[1, 5], scales=scales, timeout=timeout)
+    return run_check(TINY, path, trials=2, batch_sizes=[1, 5], scales=scales, timeout=timeout,
+                     build_timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +113,73 @@ def test_envelope_only_in_scale_regimes_and_real_errors_still_fail_there(reports
 
 def test_hang_is_killed_and_reported_where(reports):
     report = reports["hangs"]
-    assert "regime default, trial 0" in report.reasons[0]
+    assert "during warm-up: first forward" in report.reasons[0], report.reasons[0]
     assert {r.status for r in report.regimes} == {"NOT RUN"}
+
+
+SLOW_BUILD = """
+import os
+import time
+from pathlib import Path
+
+from fastelbo.problems import load_problem
+
+Model = load_problem("vae_elbo").Model
+MARK = Path(os.environ["FASTELBO_TEST_BUILD_MARK"])
+
+
+class ModelNew(Model):
+    \"\"\"Its first call ever takes 15 s (a cold build), later ones none (the cache).\"\"\"
+    def forward(self, x):
+        if not MARK.exists():
+            time.sleep(15)
+            MARK.write_text("built")
+        return super().forward(x)
+"""
+
+
+def test_a_cold_build_has_its_own_budget(tmp_path, monkeypatch):
+    """The warm-up run builds (here: waits out) what the candidate compiles lazily, within
+    build_timeout; the checking passes keep their own, shorter timeout."""
+    cand = tmp_path / "slow_build.py"
+    cand.write_text(SLOW_BUILD)
+    monkeypatch.setenv("FASTELBO_TEST_BUILD_MARK", str(tmp_path / "built"))
+    report = run_check(TINY, cand, trials=1, batch_sizes=[], scales=(), timeout=12.0,
+                       build_timeout=60.0)
+    assert report.exit_code == 0, report.reasons
+    (tmp_path / "built").unlink()
+    report = run_check(TINY, cand, trials=1, batch_sizes=[], scales=(), timeout=12.0,
+                       build_timeout=5.0)
+    assert report.exit_code == 2 and "warm-up" in report.reasons[0], report.reasons
+
+
+def test_interrupt_kills_the_worker_group(monkeypatch):
+    """Ctrl-C while waiting on a worker kills it and its children (its own session, which
+    the terminal's SIGINT does not reach), then propagates."""
+    import signal
+    import subprocess
+
+    from fastelbo.harness import worker
+
+    started = {}
+
+    class Interrupted(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started["proc"] = self
+
+        def wait(self, timeout=None):
+            if timeout is not None:
+                raise KeyboardInterrupt
+            return super().wait()
+
+    monkeypatch.setattr(worker.subprocess, "Popen", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        worker.run_task("subprocess:run", 60, args=["sleep", "30"])
+    proc = started["proc"]
+    assert proc.returncode == -signal.SIGKILL
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing of its session is left (the sleep child included)
 
 
 def test_builtin_torch_backend_passes_the_real_problem():

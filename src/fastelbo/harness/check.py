@@ -26,7 +26,13 @@ TASKS = "fastelbo.harness.tasks"
 def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu",
               trials: int = 3, atol: float = 1e-4, rtol: float = 1e-4,
               batch_sizes: list[int] | None = None, scales: tuple[float, ...] = (4.0, 16.0),
-              timeout: float = 300.0, seed: int = 0) -> CheckReport:
+              timeout: float = 300.0, seed: int = 0,
+              build_timeout: float = 600.0) -> CheckReport:
+    """Judge `candidate` against `problem` (see README, "How check decides"). `timeout` bounds
+    each of the reference and candidate passes; before the candidate pass a warm-up run (one
+    forward, output discarded) builds and caches whatever the candidate compiles, within
+    `build_timeout`, so a cold nvcc or Triton build never eats the checking budget (a candidate
+    that hangs is reported after `build_timeout`, then)."""
     report = CheckReport(problem=str(problem), candidate=str(candidate), device=device,
                          atol=atol, rtol=rtol, trials=trials)
     try:
@@ -50,6 +56,14 @@ def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu"
     task_regimes = [{"name": r["name"], "scale": r["scale"],
                      "trials": [{"seed": t["seed"], "inputs": t["inputs"]} for t in r["trials"]]}
                     for r in judged]
+    if judged and judged[0]["trials"]:
+        warm = run_task(f"{TASKS}:warm_up", build_timeout, candidate=str(cand), device=device,
+                        init_inputs=ref["init_inputs"], inputs=judged[0]["trials"][0]["inputs"])
+        if not warm.ok and warm.category in ("timeout", "crash", "import", "build"):
+            return _with_regimes(report, ref, {}).error(
+                warm.category, f"warm-up (import, build, first forward): {warm.reason}",
+                warm.output_tail)
+        # An exception there is reported by the candidate pass, with its regime and trial.
     cand = run_task(f"{TASKS}:candidate_pass", timeout, candidate=str(cand), device=device,
                     seed=seed, init_inputs=ref["init_inputs"], state_dict=ref["state_dict"],
                     regimes=task_regimes)

@@ -37,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="parameter scalings for the saturation regimes (default 4,16)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds per worker (reference, candidate; default 300)")
+    p.add_argument("--build-timeout", type=float, default=600.0,
+                   help="seconds for the warm-up run that builds the candidate (default 600)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_check)
@@ -94,7 +96,8 @@ def _check(args) -> int:
     from .check import run_check
     report = run_check(args.problem, args.candidate, device=args.device, trials=args.trials,
                        atol=args.atol, rtol=args.rtol, batch_sizes=args.batch_sizes,
-                       scales=args.scales, timeout=args.timeout, seed=args.seed)
+                       scales=args.scales, timeout=args.timeout, seed=args.seed,
+                       build_timeout=args.build_timeout)
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
     return report.exit_code
 

@@ -173,6 +173,23 @@ def _candidate_trial(model, trial: dict, dev) -> dict:
     return {"outputs": outputs, "rng": rng, "mutated": mutated}
 
 
+def warm_up(candidate: str, device: str, init_inputs: list, inputs: list) -> dict:
+    """Import the candidate, construct ModelNew and run one forward, output discarded: whatever
+    the candidate compiles, at import or lazily on its first call (load_inline, Triton), is
+    built and cached before the timed candidate pass, so a cold build has its own budget."""
+    dev = torch.device(device)
+    progress("warm-up: importing the candidate (building its extensions)")
+    cls = loader.import_candidate(candidate).ModelNew
+    progress("warm-up: constructing ModelNew")
+    model, _ = loader.build_model(cls, init_inputs, 0)
+    model.to(dev).eval()
+    progress("warm-up: first forward (lazy builds)")
+    with torch.no_grad():
+        model(*loader.to_device(inputs, dev))
+    loader.sync(dev)
+    return {}
+
+
 def import_only(candidate: str) -> dict:
     """Import the candidate (building any inline extension) and list the extensions it loaded.
 

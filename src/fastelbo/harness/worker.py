@@ -46,6 +46,15 @@ def _describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the worker's own session: it and its children (nvcc, ninja, compile workers)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def run_task(func: str, timeout: float, **kwargs) -> WorkerOutcome:
     """Run `func(**kwargs)` (func = "module:name") in a spawned worker with a timeout."""
     with tempfile.TemporaryDirectory(prefix="fastelbo-worker-") as tmp:
@@ -61,9 +70,13 @@ def run_task(func: str, timeout: float, **kwargs) -> WorkerOutcome:
             try:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the worker's own session: it and its children
-                proc.wait()
+                _kill_group(proc)
                 code = None
+            except BaseException:
+                # Ctrl-C (or any error) here: the worker runs in its own session, so the
+                # terminal's SIGINT never reaches it; without this it would run on, orphaned.
+                _kill_group(proc)
+                raise
         tail = log.read_text(errors="replace")[-TAIL_CHARS:]
         where = progress.read_text() if progress.exists() else ""
         if code is None:
