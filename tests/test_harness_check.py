@@ -185,9 +185,11 @@ def test_interrupt_kills_the_worker_group(monkeypatch):
 def test_builtin_torch_backend_passes_the_real_problem():
     report = run_check("vae_elbo", "fastelbo:torch", trials=1, batch_sizes=[3])
     assert report.exit_code == 0, report.format()
-    # At 16x weights the reference itself overflows: that regime is not counted.
-    assert report.regime("scale=16").status == "N/A"
-    assert "non-finite" in report.regime("scale=16").note
+    # At 16x weights the reference itself overflows (KL -> inf): the overflow positions are
+    # judged like any value, fragile ones (finite in only some perturbed runs) excepted.
+    regime = report.regime("scale=16")
+    assert regime.status == "PASS", report.format()
+    assert "non-finite" in regime.note and "positions judged" in regime.note
 
 
 def test_nondeterministic_reference_is_reported_not_blamed_on_candidate(tmp_path):

@@ -84,14 +84,46 @@ def test_reference_envelope_is_deterministic_and_restores_parameters():
     model = torch.nn.Linear(4, 3)
     weights = [p.detach().clone() for p in model.parameters()]
     x = [torch.randn(5, 4)]
-    lo, hi = tasks._envelope(model, x, 7, torch.device("cpu"), 4)
-    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     ref = model(*x).detach()
+    (lo, hi), fragile = tasks._envelope(model, x, 7, torch.device("cpu"), 4, "", (ref,))
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert not bool(fragile[0].any())  # finite everywhere, in every run
     assert bool((lo[0] <= hi[0]).all() and (lo[0] < hi[0]).any())  # perturbed, ...
     for bound in (lo[0], hi[0]):  # ...by rounding-level amounts only: 2**-18 of |w|*|x|
         torch.testing.assert_close(bound, ref, rtol=0, atol=5e-5)  # summed over 4 terms
-    again = tasks._envelope(model, x, 7, torch.device("cpu"), 4)
-    assert torch.equal(again[0][0], lo[0]) and torch.equal(again[1][0], hi[0])
+    (lo2, hi2), _ = tasks._envelope(model, x, 7, torch.device("cpu"), 4)
+    assert torch.equal(lo2[0], lo[0]) and torch.equal(hi2[0], hi[0])
+
+
+def test_envelope_marks_elements_whose_finiteness_is_fragile():
+    """exp(w * x) with w * x at the float32 overflow edge: perturbed runs disagree on inf."""
+    class Edge(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([1.0, 1.0, 1.0]))
+
+        def forward(self, x):
+            return (torch.exp(self.w * x),)
+
+    model = Edge()
+    edge = float(torch.log(torch.tensor(torch.finfo(torch.float32).max)))  # ~88.72
+    x = [torch.tensor([1.0, edge, 200.0])]
+    ref = model(*x)[0].detach()
+    _, fragile = tasks._envelope(model, x, 3, torch.device("cpu"), 16, "", (ref,))
+    assert fragile[0].tolist() == [False, True, False]  # 200 overflows in every run
+
+
+def test_fragile_positions_are_not_judged_robust_ones_are():
+    ref = (torch.tensor([1.0, float("inf"), float("inf"), 2.0]),)
+    fragile = [torch.tensor([False, True, False, False])]
+    lohi = [(torch.tensor([1.0, 3e38, float("inf"), 2.0]),),
+            (torch.tensor([1.0, float("inf"), float("inf"), 2.0]),)]
+    ok = compare_outputs(ref, (torch.tensor([1.0, 3.3e38, float("inf"), 2.0]),), 1e-4, 1e-4,
+                         runs=lohi, fragile=fragile)
+    assert ok.ok and ok.diffs[0].n_envelope == 1
+    moved = compare_outputs(ref, (torch.tensor([1.0, float("inf"), 3e38, 2.0]),), 1e-4, 1e-4,
+                            runs=lohi, fragile=fragile)
+    assert [f.category for f in moved.findings] == ["nonfinite"]  # the robust inf moved
 
 
 STEP = Path(__file__).parent / "problems" / "step.py"

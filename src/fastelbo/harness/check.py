@@ -101,13 +101,15 @@ def _with_regimes(report: CheckReport, ref: dict, got: dict, atol: float = 0.0,
             regime.status = "NOT RUN" if not cand_trials else "INCOMPLETE"
         else:
             regime.status = "PASS" if all(t.passed for t in regime.trials) else "FAIL"
+        regime.note = r.get("note", "")
     return report
 
 
 def judge_trial(index: int, ref: dict, got: dict, prev: tuple | None, atol: float,
                 rtol: float) -> TrialReport:
     """All findings for one trial; `prev` is the previous trial's (reference, candidate)."""
-    cmp = compare_outputs(ref["outputs"], got["outputs"], atol, rtol, ref.get("envelope"))
+    cmp = compare_outputs(ref["outputs"], got["outputs"], atol, rtol, ref.get("envelope"),
+                          fragile=ref.get("fragile"))
     findings = list(cmp.findings)
     if prev is not None and identical(got["outputs"], prev[1]["outputs"]) \
             and not identical(ref["outputs"], prev[0]["outputs"]):

@@ -92,8 +92,10 @@ class CheckReport:
         if self.regimes:
             lines.append(f"{'regime':<18} {'batch':>6} {'scale':>5}  {'status':<10} detail")
         for r in self.regimes:
+            detail = _trial_summary(r) if r.trials else ""
+            detail = f"{detail}  ({r.note})" if detail and r.note else (detail or r.note)
             lines.append(f"{r.name:<18} {r.batch_size!s:>6} {r.scale:>5g}  {r.status:<10} "
-                         f"{r.note or _trial_summary(r)}")
+                         f"{detail}")
             found = [(t, f) for t in r.trials for f in t.findings]
             for t, f in found[:MAX_FINDING_LINES]:
                 lines.append(f"{'':<18}   trial {t.index} (seed {t.seed}): [{f.category}] "
