@@ -42,3 +42,14 @@ def fake_gpu_backend(monkeypatch):
     monkeypatch.setattr(backends, "module",
                         lambda name: torch_ref if name in ("cuda", "triton") else real(name))
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    """The cuda backend module, or a skip naming why it cannot run here."""
+    from fastelbo.backends import cuda as backend
+
+    why = backend.unavailable_reason(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(why)
+    return backend

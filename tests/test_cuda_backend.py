@@ -36,16 +36,6 @@ NAMES = ("elbo", "recon", "kl")
 PATHS = ("cluster", "rows")
 
 
-@pytest.fixture(scope="module")
-def cuda():
-    from fastelbo.backends import cuda as backend
-
-    why = backend.unavailable_reason(torch.device("cuda"))
-    if why is not None:
-        pytest.skip(why)
-    return backend
-
-
 def make_params(dims, seed=0, scale=1.0) -> VAEParams:
     torch.manual_seed(seed)
     model = Model(*dims)

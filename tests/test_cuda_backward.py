@@ -30,16 +30,6 @@ USED = [(True, False, False), (False, True, False), (False, False, True), (True,
 NAMES = ("g_x", "g_eps", *VAEParams._fields)
 
 
-@pytest.fixture(scope="module")
-def cuda():
-    from fastelbo.backends import cuda as backend
-
-    why = backend.unavailable_reason(torch.device("cuda"))
-    if why is not None:
-        pytest.skip(why)
-    return backend
-
-
 def make_case(batch, dims, seed, scale=1.0):
     torch.manual_seed(seed)
     params = VAEParams(*(t.detach().cuda() * scale for t in Model(*dims).state_dict().values()))
