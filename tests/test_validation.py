@@ -29,6 +29,7 @@ def test_bad_x(model, x, exc, match):
     (lambda: torch.randn(4, 2), ValueError, r"eps must have shape \(4, 3\)"),
     (lambda: torch.randn(4, 3, dtype=torch.float64), TypeError, "eps must be torch.float32"),
     (lambda: 0.5, TypeError, "eps must be a torch.Tensor"),
+    (lambda: torch.randn(4, 3, device="meta"), ValueError, "eps is on meta"),  # as x is
 ])
 def test_bad_eps(model, eps, exc, match):
     with pytest.raises(exc, match=match):
@@ -90,3 +91,13 @@ def test_malformed_parameters_are_named(field, value, exc, match):
     p = fastelbo.ModelNew(16, 8, 3).vae_params()._replace(**{field: value})
     with pytest.raises(exc, match=match):
         fastelbo.elbo(torch.rand(2, 16), p)
+
+
+def test_parameters_on_two_devices_or_dtypes(model):
+    from fastelbo.validation import check_params
+
+    params = model.vae_params()
+    with pytest.raises(ValueError, match="dec_b2 is on meta"):
+        check_params(params._replace(dec_b2=params.dec_b2.to("meta")))
+    with pytest.raises(TypeError, match="dec_b2 is torch.float64"):
+        check_params(params._replace(dec_b2=params.dec_b2.double()))

@@ -53,9 +53,12 @@ def check_params(params: VAEParams) -> None:
         p = getattr(params, name)
         if tuple(p.shape) != want:
             raise ValueError(f"parameter {name} must have shape {want}, got {tuple(p.shape)}")
-        if p.dtype != ref.dtype or p.device != ref.device:
-            raise TypeError(f"parameter {name} is {p.dtype} on {p.device}, but enc_w is "
-                            f"{ref.dtype} on {ref.device}: all parameters must match")
+        if p.dtype != ref.dtype:
+            raise TypeError(f"parameter {name} is {p.dtype}, but enc_w is {ref.dtype}: all "
+                            f"parameters must have one dtype")
+        if p.device != ref.device:
+            raise ValueError(f"parameter {name} is on {p.device}, but enc_w is on {ref.device}: "
+                             f"all parameters must be on one device")
 
 
 def check_inputs(x, params: VAEParams, eps) -> None:
@@ -80,8 +83,10 @@ def check_inputs(x, params: VAEParams, eps) -> None:
             raise TypeError(f"eps must be a torch.Tensor or None, got {type(eps).__name__}")
         if tuple(eps.shape) != (x.shape[0], lat):
             raise ValueError(f"eps must have shape ({x.shape[0]}, {lat}), got {tuple(eps.shape)}")
-        if eps.device != w.device or eps.dtype != w.dtype:
-            raise TypeError(f"eps must be {w.dtype} on {w.device}, got {eps.dtype} on {eps.device}")
+        if eps.device != w.device:  # a ValueError, like x on the wrong device
+            raise ValueError(f"eps is on {eps.device} but the parameters are on {w.device}")
+        if eps.dtype != w.dtype:
+            raise TypeError(f"eps must be {w.dtype}, got {eps.dtype}")
     if _enabled and not _capturing(x):
         _check_values_eagerly(x)
 
