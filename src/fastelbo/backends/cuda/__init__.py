@@ -4,7 +4,7 @@ Two forward paths (binding.cpp picks by batch size; `path=` forces one): small b
 launch of the fused cluster kernel (elbo.cu: thread-block clusters + distributed shared
 memory); large batches run every GEMM with cuBLAS (as eager does) and two small fused kernels
 (rows.cu) for everything else. `backward` (any batch) recomputes the activations the same way
-and runs the gradient's GEMMs with cuBLAS around three fused kernels (backward.cu). The .cu
+and runs the gradient's GEMMs with cuBLAS around four fused kernels (backward.cu). The .cu
 files hold the kernels (no torch types), elbo.h their plain params structs, elbo_math.cuh the
 shared per-element math, binding.cpp the only torch-facing file. The extension is built on
 first use with torch.utils.cpp_extension.load (cached in torch's extension directory; the name

@@ -7,7 +7,7 @@
 //     and the two ReLUs in place, and two small kernels of rows.cu do
 //     the rest: reparam_kl_kernel (reparameterisation, KL) and bce_kernel (sigmoid, clamped BCE,
 //     row sums, NaN-row rule, elbo).
-//   backward (any batch; backward.cu): the same recomputation, cuBLAS for every GEMM and three
+//   backward (any batch; backward.cu): the same recomputation, cuBLAS for every GEMM and four
 //     fused elementwise kernels for everything else.
 // binding.cpp is the only file that sees torch. Every host function here is noexcept: failures
 // come back as an ElboStatus / cudaError_t, which binding.cpp turns into a Python exception.
