@@ -41,6 +41,12 @@ class Adam(torch.optim.Adam):
 
     `fused` and `foreach` only choose torch's implementation for the fallback path."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # torch's fused Adam takes GradScaler's grad_scale / found_inf in step(); this step
+        # does not, so GradScaler unscales the gradients itself first, as for any optimizer.
+        self._step_supports_amp_scaling = False
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
