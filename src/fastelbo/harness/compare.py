@@ -114,13 +114,15 @@ def diff_tensors(ref: torch.Tensor, got: torch.Tensor, atol: float, rtol: float,
                 f"{_fmt_index(first, ref.shape)}: candidate {g.flatten()[first].item():.6g}, "
                 f"reference {r.flatten()[first].item():.6g}"))
     finite = torch.isfinite(r) & torch.isfinite(g)
-    err = torch.where(finite & judged, (g - r).abs(), torch.zeros((), dtype=torch.float64))
+    absdiff = (g - r).abs()
+    beyond = finite & (absdiff > atol + rtol * r.abs())
+    err = torch.where(finite & judged, absdiff, torch.zeros((), dtype=torch.float64))
     rel = err / r.abs().clamp_min(torch.finfo(torch.float64).tiny)
-    outside = finite & (err > atol + rtol * r.abs())
+    outside = beyond & judged
     env = outside & envelope_accepts([ref, *runs], got, atol, rtol) if runs else \
         torch.zeros_like(outside)
     # Fragile elements are never judged; those where the candidate differs count as accepted.
-    env |= ~judged & (differs | (finite & ((g - r).abs() > atol + rtol * r.abs())))
+    env |= ~judged & (differs | beyond)
     bad = outside & ~env
     diff = TensorDiff(index, True,
                       max_abs=float(err.max()) if err.numel() else 0.0,
