@@ -2,7 +2,7 @@
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
 # Stages: env tests cuda-tests memcheck racecheck check check-auto bench cuda-plans cuda-paths
-#         profile threads512 triton-sweep iwae iwae-sweep train train-epochs multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
+#         trace profile threads512 triton-sweep iwae iwae-sweep train train-epochs multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +50,11 @@ for stage in "$@"; do case $stage in
   cuda-plans) run cuda_plans 240 python3 benchmarks/cuda_bench.py --plans ;;
   cuda-paths) run cuda_paths "${T_PATHS:-150}" python3 benchmarks/cuda_bench.py --paths
               cp benchmarks/results/cuda_bench.csv "$LOGS/" ;;
+  trace)  # per-phase cycles of the cluster kernel (benchmarks/cuda_trace.cu), several plans
+    nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -I src/fastelbo/backends/cuda \
+      -o /tmp/cuda_trace benchmarks/cuda_trace.cu > "$LOGS/trace_build.log" 2>&1
+    run trace 120 bash -c 'for a in "128" "128 0 8" "128 8 16" "64" "192" "16"; do
+      /tmp/cuda_trace $a; echo; done' ;;
   profile) run profile "${T_PROFILE:-150}" python3 benchmarks/profile_kernels.py ;;
   threads512)  # A/B of the cluster kernel at 512 threads per block, on a copy of the tree
     rm -rf /tmp/t512 && cp -r "$PWD" /tmp/t512 && sed -i \

@@ -67,6 +67,23 @@ namespace cg = cooperative_groups;
 namespace fastelbo {
 namespace {
 
+// Phase timestamps for benchmarks/cuda_trace.cu (built with -DFASTELBO_TRACE only): thread 0
+// of each block records clock64() at each point below; the package build has none of this.
+#ifdef FASTELBO_TRACE
+constexpr int kTracePoints = 13;
+constexpr int kTraceBlocks = 1024;
+__device__ long long g_elbo_trace[kTraceBlocks * kTracePoints];
+#define FE_TRACE(i)                                                       \
+  do {                                                                    \
+    if (threadIdx.x == 0 && blockIdx.x < kTraceBlocks)                    \
+      g_elbo_trace[blockIdx.x * kTracePoints + (i)] = clock64();          \
+  } while (0)
+#else
+#define FE_TRACE(i) \
+  do {              \
+  } while (0)
+#endif
+
 // Threads per block of the cluster kernel. Its blocks are 1 per SM (shared memory), so more
 // threads is more warps to hide latency with; 512 / kClusterThreads blocks of <= 128
 // registers per thread then fit the register file.
@@ -260,6 +277,7 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
   const int ldh = p.ldh, ldl = p.ldl, ldm = p.ldm, ldo = p.ldo, ldx = p.ldx;
   const bool v1 = p.vec & 1u, v2 = (p.vec >> 1) & 1u, v3 = (p.vec >> 2) & 1u,
              v4 = (p.vec >> 3) & 1u;
+  FE_TRACE(0);
 
   // Issue every staged copy now, one commit group per layer (groups are committed even when
   // empty, so the wait counts below hold either way).
@@ -284,9 +302,11 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
     stage_rows(wd2s, ldh, [&](int c) { return p.wd2 + static_cast<size_t>(n0d + c) * H; },
                ncol_d, H, v4);
   cp_async_commit();
+  FE_TRACE(1);
 
   cp_async_wait<3>();  // own copies of group 0 landed; the barrier publishes everyone's
   cluster.sync();      // S0
+  FE_TRACE(2);
 
   // L1: h = relu(x w1^T + b1), this block's columns, pushed to every block's hs.
   auto put_h = [&](int r, int c, float v, int kk, int ks) {
@@ -299,8 +319,10 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
       [&](int r) { return p.x + static_cast<size_t>(grow(r)) * D; },
       [&](int c) { return static_cast<const float*>(w1s) + c * ldx; },
       [&](int c) { return p.w1 + static_cast<size_t>(n0h + c) * D; }, put_h);
+  FE_TRACE(3);
   cp_async_wait<2>();
   cluster.sync();  // S1
+  FE_TRACE(4);
 
   // L2: mu and logvar for latent indices [j0, j0 + lcnt), kept local.
   auto hrow = [&](int r) { return static_cast<const float*>(hs) + r * ldh; };
@@ -330,8 +352,10 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
     for (int c = 0; c < lcnt; ++c) s += kl_term(ml[r * ldm + c], ml[r * ldm + lcnt + c]);
     cluster.map_shared_rank(kl_part, 0)[rank * R + r] = s;
   }
+  FE_TRACE(5);
   cp_async_wait<1>();
   cluster.sync();  // S2
+  FE_TRACE(6);
 
   // L3: d = relu(z wd1^T + bd1), own columns into own hs (all hs reads, local and remote, of
   // L1's h happened before S2).
@@ -344,8 +368,10 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
   staged_layer<TR, TC, false>(staged, v3, R, ncol_h, L, zrow, zrow,
       [&](int c) { return static_cast<const float*>(wd1s) + c * ldl; },
       [&](int c) { return p.wd1 + static_cast<size_t>(n0h + c) * L; }, put_d);
+  FE_TRACE(7);
   cp_async_wait<0>();
   cluster.sync();  // S3
+  FE_TRACE(8);
 
   // L4: logits a = d wd2^T + bd2 for this block's columns of x, kept local.
   staged_layer<TR, TC, false>(staged, v4, R, ncol_d, H, hrow, hrow,
@@ -354,6 +380,7 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
       [&](int r, int c, float v, int kk, int) {
         if (kk == 0) ob[r * ldo + c] = v + __ldg(p.bd2 + n0d + c);
       });
+  FE_TRACE(9);
   __syncthreads();
   // BCE (bce_term), one warp per row, fixed order: deterministic. Bad x -> NaN + row flag.
   const int warp = tid >> 5, lane = tid & 31;
@@ -370,7 +397,9 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
       cluster.map_shared_rank(bad_part, 0)[rank * R + r] = bad ? 1.0f : 0.0f;
     }
   }
+  FE_TRACE(10);
   cluster.sync();  // S4
+  FE_TRACE(11);
 
   if (rank == 0) {
     for (int r = tid; r < R; r += kClusterThreads) {
@@ -390,6 +419,7 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
       p.elbo[gr] = bad ? nan : -(rs + kl);
     }
   }
+  FE_TRACE(12);
 }
 
 using Kernel = void (*)(ElboParams);
