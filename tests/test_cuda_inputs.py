@@ -224,3 +224,61 @@ def test_forward_checks_before_touching_the_extension(fake, monkeypatch):
         cuda.forward(x, params, torch.empty(B, L))
     with pytest.raises(ValueError, match="staged must be"):
         cuda.plan(x, params, staged=5)
+
+
+def _recording_extension(monkeypatch):
+    calls = []
+
+    def forward(*args):
+        calls.append(args)
+        b = args[0].shape[0]
+        return [args[0].new_empty(b) for _ in range(3)]
+
+    monkeypatch.setattr(cuda, "extension", lambda: type("Ext", (), {"forward": forward}))
+    return calls
+
+
+def test_forward_prepared_launches_with_the_default_options(fake, monkeypatch):
+    calls = _recording_extension(monkeypatch)
+    x, params, eps = make(fake)
+    cuda.forward_prepared(x, params, eps)
+    cuda.forward(x, params, eps)
+    (args_prepared, args_forward) = calls
+    assert len(args_prepared) == 2 + 10 + 5
+    assert all(a is b for a, b in zip(args_prepared[:12], (x, eps, *params)))
+    assert args_prepared[12:] == args_forward[12:] == (0, 0, -1, False, cuda.PATHS["auto"])
+
+
+def test_forward_prepared_refuses_what_ops_does_not_check(fake, monkeypatch):
+    """ops has checked shapes, dtype, device and made the tensors contiguous; what is left
+    (positive dims, int32 sizes, a dense layout) raises check_inputs' own exception."""
+    calls = _recording_extension(monkeypatch)
+    cases = [(make(fake, dims=(D, 0, L)), ValueError, "dims must be positive"),
+             (make(fake, batch=2**31), ValueError, "sizes must fit in int32")]
+    x, params, _ = make(fake)
+    cases.append(((x, params, torch.empty(B, L).to_sparse()), TypeError,
+                  "eps must be a dense"))
+    for args, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            cuda.forward_prepared(*args)
+    assert not calls
+
+
+def test_a_device_found_able_is_not_asked_again(monkeypatch):
+    """unavailable_reason remembers a yes per indexed CUDA device (ops asks on every call),
+    never a no."""
+    asked = []
+
+    def capability(index):
+        asked.append(index)
+        return (9, 0) if index == 0 else (8, 0)
+
+    monkeypatch.setattr(cuda, "_RUNS_ON", set())
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(cuda, "_build", lambda: (object(), None))
+    for _ in range(3):
+        assert cuda.unavailable_reason(torch.device("cuda:0")) is None
+        assert "compute capability 9.0+" in cuda.unavailable_reason(torch.device("cuda:1"))
+    assert asked == [0, 1, 1, 1]

@@ -118,3 +118,107 @@ def test_gpu_backend_dtype_error_comes_before_the_noise_draw(monkeypatch):
     with pytest.raises(TypeError, match="computes in torch.float32"):
         ops.elbo(x, new.vae_params(), backend="triton")
     assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.fixture
+def op_calls(fake_gpu_backend, monkeypatch):
+    """Counts of GPU-backend calls that went through the custom op and that went around it.
+
+    'cuda' is answered by a stand-in module whose forward_prepared is the torch spec, so both
+    routes run the same arithmetic on a CPU."""
+    import types
+    calls = {"op": 0, "backend": 0}
+    real_op = ops._elbo_forward
+
+    def op(*args):
+        calls["op"] += 1
+        return real_op(*args)
+
+    def forward_prepared(x, params, eps):
+        calls["backend"] += 1
+        return torch_ref.forward(x, params, eps)
+
+    def forward(*args, **kwargs):
+        raise AssertionError("ops calls forward_prepared where a backend has it")
+
+    fake = types.SimpleNamespace(DTYPES=(torch.float32,), forward=forward,
+                                 forward_prepared=forward_prepared)
+    real_module = backends.module
+    monkeypatch.setattr(backends, "module",
+                        lambda name: fake if name == "cuda" else real_module(name))
+    monkeypatch.setattr(ops, "_elbo_forward", op)
+    return calls
+
+
+def test_no_grad_calls_the_backend_directly_and_grad_goes_through_the_op(op_calls):
+    _, new = twins((16, 8, 3), backend="cuda")
+    x, eps = torch.rand(6, 16), torch.randn(6, 3)
+    with torch.no_grad():
+        direct = new(x, eps)
+    assert op_calls == {"op": 0, "backend": 1}
+    through_op = new(x, eps)  # the parameters require grad
+    assert op_calls == {"op": 1, "backend": 2}
+    assert through_op[0].requires_grad and not direct[0].requires_grad
+    for d, o in zip(direct, through_op):
+        assert torch.equal(d, o.detach())
+
+
+def test_grad_mode_alone_does_not_need_the_op(op_calls):
+    """Grad mode on, but nothing requires grad: autograd records nothing, so no op."""
+    _, new = twins((16, 8, 3), backend="cuda")
+    p = [t.detach() for t in new.vae_params()]
+    x, eps = torch.rand(6, 16), torch.randn(6, 3)
+    out = ops.elbo(x, p, eps, backend="cuda")
+    assert op_calls == {"op": 0, "backend": 1} and not out[0].requires_grad
+    ops.elbo(x.requires_grad_(), p, eps, backend="cuda")  # a gradient wanted for x only
+    ops.elbo(x.detach(), p, eps.requires_grad_(), backend="cuda")  # ... for eps only
+    assert op_calls == {"op": 2, "backend": 3}
+
+
+def test_gradients_through_the_op_equal_the_torch_backend(op_calls):
+    _, new = twins((16, 8, 3), backend="cuda")
+    _, ref = twins((16, 8, 3), backend="torch")
+    x, eps = torch.rand(6, 16), torch.randn(6, 3)
+    for model in (new, ref):
+        (-model(x, eps)[0].mean() + model(x, eps)[2].sum()).backward()
+    assert op_calls["op"] == 2
+    for (name, g), r in zip(new.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(g.grad, r.grad, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_an_op_watcher_still_sees_the_op_under_no_grad(op_calls):
+    """A dispatch mode (FakeTensorMode, profilers, export's tracer) sees the one opaque op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    _, new = twins((16, 8, 3), backend="cuda")
+    x, eps = torch.rand(6, 16), torch.randn(6, 3)
+    with torch.no_grad(), validation(False), Seen() as seen:
+        new(x, eps)
+    assert op_calls["op"] == 1 and "fastelbo.elbo_forward.default" in seen.ops
+
+
+def test_compile_under_no_grad_still_traces_the_op(op_calls):
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    _, new = twins((16, 8, 3), backend="cuda")
+    x, eps = torch.rand(6, 16), torch.randn(6, 3)
+    compiled = torch.compile(new, backend=record, fullgraph=True)
+    with torch.no_grad(), validation(False):
+        got, want = compiled(x, eps), new(x, eps)
+    targets = {n.target for g in graphs for n in g.graph.nodes}
+    assert torch.ops.fastelbo.elbo_forward.default in targets
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

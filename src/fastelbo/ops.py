@@ -1,7 +1,9 @@
 """The one public op: `elbo(x, params, eps=None, backend=...)`.
 
 It validates, draws the noise, picks a backend and carries autograd. Backends see only
-validated, contiguous tensors and a given eps.
+validated, contiguous tensors and a given eps. A GPU backend's call goes through the custom op
+below when autograd or a tracer needs it, and straight to the backend otherwise (`_needs_op`):
+the op's dispatch costs more host time than the whole launch.
 
 RNG contract: without `eps`, exactly one `torch.randn(B, latent_dim)` is drawn from the default
 generator of x's device, where the reference calls `randn_like`; equal seeds give equal results.
@@ -16,16 +18,24 @@ from .params import VAEParams
 from .validation import check_inputs
 
 
-# The GPU backends run behind two torch.library custom ops, so torch.compile and CUDA-graph
-# capture see one opaque forward and one opaque backward. The backward is the backend's own
+def _prepared_forward(backend: str):
+    """The backend's forward for inputs `elbo` has validated and made contiguous."""
+    mod = backends.module(backend)
+    return getattr(mod, "forward_prepared", mod.forward)
+
+
+# The GPU backends run behind two torch.library custom ops, so autograd, torch.compile and
+# other tracers see one opaque forward and one opaque backward (CUDA-graph capture sees the
+# backend's launches on the current stream either way). The backward is the backend's own
 # where it has one (cuda: cuBLAS + fused kernels), else the torch spec's (torch_ref.backward:
 # autograd's formulas written out, recomputing the activations from the same eps); either way
 # the gradients are PyTorch's own, including BCE's division by max(p(1-p), 1e-12) where the
-# sigmoid saturates.
+# sigmoid saturates. The forward op's inputs are those `elbo` validated (or, in a compiled
+# graph, ones that passed the guards of a traced, validated call): it takes the prepared entry.
 @torch.library.custom_op("fastelbo::elbo_forward", mutates_args=())
 def _elbo_forward(backend: str, x: torch.Tensor, eps: torch.Tensor,
                   params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tuple(backends.module(backend).forward(x, VAEParams(*params), eps))
+    return tuple(_prepared_forward(backend)(x, VAEParams(*params), eps))
 
 
 @_elbo_forward.register_fake
@@ -78,12 +88,15 @@ def _backward(ctx, g_elbo, g_recon, g_kl):
 _elbo_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.compiler.disable
-def _draw_noise(x: torch.Tensor, latent: int) -> torch.Tensor:
-    """The one randn of the RNG contract. Kept out of torch.compile graphs (a graph break), so
-    a compiled model draws the same noise as eager for the same seed; Inductor would otherwise
-    substitute its own generator."""
+def _randn(x: torch.Tensor, latent: int) -> torch.Tensor:
+    """The one randn of the RNG contract."""
     return torch.randn(x.shape[0], latent, device=x.device, dtype=x.dtype)
+
+
+# Under torch.compile the draw is kept out of the graph (a graph break), so a compiled model
+# draws the same noise as eager for the same seed; Inductor would otherwise substitute its own
+# generator. Eager calls skip the wrapper (it sets and restores dynamo's frame hook per call).
+_draw_noise = torch.compiler.disable(_randn)
 
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
@@ -100,17 +113,43 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _needs_op(x: torch.Tensor, eps: torch.Tensor, params: VAEParams) -> bool:
+    """Whether a GPU backend's call must go through the custom op: autograd has to record it
+    (some input requires grad), or something sees ops as they run (torch.compile / export
+    tracing, a functorch transform, a dispatch mode such as FakeTensorMode, a torch-function
+    mode, a tensor subclass). Otherwise the op would add only host time (~15 us of dispatch
+    per call on a 2-core CPU, half the cuda kernel's time at B=128), so the backend is called
+    directly: the same launches on the current stream, so CUDA-graph capture is unaffected."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
+        return True
+    grad = torch.is_grad_enabled()
+    for t in (x, eps, *params):
+        if type(t) not in _PLAIN or (grad and t.requires_grad):
+            return True
+    return False
+
+
 def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
          backend: str = "auto"):
     """(elbo, recon, kl), each of shape (B,), as the reference Model computes them."""
     if backend != "auto" and backend not in backends.NAMES:
         raise ValueError(f"backend must be one of {('auto',) + backends.NAMES}, got {backend!r}")
-    params = VAEParams(*params)
+    if type(params) is not VAEParams:
+        params = VAEParams(*params)
     check_inputs(x, params, eps)
     name = resolve_backend(backend, x)
     if eps is None:
-        eps = _draw_noise(x, params.dims[2])
-    x, eps, params = x.contiguous(), eps.contiguous(), params.contiguous()
+        eps = (_draw_noise if torch.compiler.is_compiling() else _randn)(x, params[2].shape[0])
+    else:
+        eps = eps.contiguous()
+    # .contiguous() returns the tensor itself when it already is.
+    x, params = x.contiguous(), VAEParams._make(map(torch.Tensor.contiguous, params))
     if name == "torch":
         return torch_ref.forward(x, params, eps)
-    return _elbo_forward(name, x, eps, list(params))
+    if _needs_op(x, eps, params):
+        return _elbo_forward(name, x, eps, list(params))
+    return _prepared_forward(name)(x, params, eps)

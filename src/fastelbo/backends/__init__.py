@@ -3,6 +3,10 @@
 Every backend module exposes
     forward(x, params: VAEParams, eps) -> (elbo, recon, kl)   inputs already validated
     unavailable_reason(device: torch.device) -> str | None    None when it can run there
+and may expose
+    forward_prepared(x, params, eps)   what fastelbo.ops calls instead of forward, once it has
+                                       validated, resolved this backend and made all contiguous
+                                       (cuda: its forward re-checks everything, this does not)
 Roles: torch = spec and CPU path; cuda = lowest latency; triton = throughput.
 """
 from __future__ import annotations
@@ -20,10 +24,16 @@ _MODULES = {"torch": ".torch_ref", "cuda": ".cuda", "triton": ".triton"}
 _CROSSOVER = Path(__file__).with_name("crossover.json")
 
 
+_LOADED: dict[str, ModuleType] = {}
+
+
 def module(name: str) -> ModuleType:
-    if name not in _MODULES:
-        raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {name!r}")
-    return importlib.import_module(_MODULES[name], __name__)
+    mod = _LOADED.get(name)  # per call from fastelbo.ops: a dict lookup, not an import
+    if mod is None:
+        if name not in _MODULES:
+            raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {name!r}")
+        mod = _LOADED[name] = importlib.import_module(_MODULES[name], __name__)
+    return mod
 
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:

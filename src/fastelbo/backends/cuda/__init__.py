@@ -93,8 +93,15 @@ def extension() -> ModuleType:
     return mod
 
 
+# CUDA devices (with an index) this backend was found to run on: fastelbo.ops asks once per
+# call, and a device that can run it keeps being able to (a no is asked again every time).
+_RUNS_ON: set[torch.device] = set()
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     """Why this backend cannot run on `device`, or None when it can."""
+    if device in _RUNS_ON:
+        return None
     device = torch.device(device)
     if device.type != "cuda":
         return f"the cuda backend runs on CUDA devices only, not {device.type}"
@@ -108,6 +115,8 @@ def unavailable_reason(device: torch.device) -> str | None:
         return (f"the kernel needs compute capability 9.0+ (thread-block clusters), "
                 f"device {index} has {major}.{minor}")
     _, why = _build()
+    if why is None and device.index is not None:
+        _RUNS_ON.add(device)
     return why
 
 
@@ -230,6 +239,26 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     params = VAEParams(*params)
     out = extension().forward(x, eps, *params, rows, cluster, staged, bool(_poison),
                               PATHS[path])
+    return out[0], out[1], out[2]
+
+
+def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor):
+    """forward with the default launch options, for fastelbo.ops only.
+
+    ops has already run validation.check_inputs (types, shapes, one dtype, one device),
+    resolved this backend for x (so a CUDA device this backend runs on, and float32) and made
+    every tensor contiguous: of check_inputs' checks, only those left are repeated here (a dense
+    layout, positive dims, sizes within int32). Any failure is re-checked by check_inputs,
+    which raises the same exception as `forward` would. Call `forward` otherwise.
+    """
+    batch, d = x.shape
+    h, lat = params[0].shape[0], params[2].shape[0]
+    if not (0 < batch <= INT32_MAX and 0 < d <= INT32_MAX and 0 < h <= INT32_MAX
+            and 0 < lat <= INT32_MAX and x.layout == eps.layout == torch.strided
+            and all(p.layout == torch.strided for p in params)):
+        check_inputs(x, params, eps)
+        raise AssertionError("forward_prepared was handed inputs fastelbo.ops did not prepare")
+    out = extension().forward(x, eps, *params, 0, 0, -1, False, PATHS["auto"])
     return out[0], out[1], out[2]
 
 
