@@ -79,3 +79,69 @@ def test_gradients_flow_through_model(monkeypatch):
     (-ref(x)[0].mean()).backward()
     for (name, g), r in zip(new.named_parameters(), ref.parameters()):
         torch.testing.assert_close(g.grad, r.grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _by_attribute(model):
+    """vae_params the plain way: nn.Module attribute access."""
+    enc, dec1, dec2 = model.encoder[0], model.decoder[0], model.decoder[2]
+    return (enc.weight, enc.bias, model.fc_mu.weight, model.fc_mu.bias, model.fc_logvar.weight,
+            model.fc_logvar.bias, dec1.weight, dec1.bias, dec2.weight, dec2.bias)
+
+
+def _same(model, computed=()):
+    """The very tensors attribute access gives; equal ones for `computed` fields (parametrize
+    and prune compute the weight on each access)."""
+    got, want = model.vae_params(), _by_attribute(model)
+    assert len(got) == len(want) == 10
+    for name, g, w in zip(fastelbo.VAEParams._fields, got, want):
+        assert torch.equal(g, w) if name in computed else g is w, name
+
+
+def test_vae_params_follow_every_change_to_the_module():
+    from torch import nn
+    from torch.nn.utils import parametrize, prune
+
+    model = fastelbo.ModelNew(16, 8, 3)
+    _same(model)
+    model.to(torch.float64)
+    _same(model)
+    assert model.vae_params().enc_w.dtype == torch.float64
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.float()  # new Parameter objects, not new .data
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    _same(model)
+    other = fastelbo.ModelNew(16, 8, 3)
+    model.load_state_dict(other.state_dict())
+    _same(model)
+    model.load_state_dict(other.state_dict(), assign=True)  # new Parameters on other's data
+    _same(model)
+    assert model.vae_params().mu_w.data_ptr() == other.fc_mu.weight.data_ptr()
+    model.fc_mu = nn.Linear(8, 3)
+    model.decoder[2] = nn.Linear(8, 16)
+    model.fc_logvar.bias = nn.Parameter(torch.zeros(3))
+    _same(model)
+    assert model.vae_params().mu_w is model.fc_mu.weight
+    assert model.vae_params().lv_b is model.fc_logvar.bias
+    parametrize.register_parametrization(model.fc_mu, "weight", _Doubled())
+    _same(model, computed=("mu_w",))
+    torch.testing.assert_close(model.vae_params().mu_w,
+                               2 * model.fc_mu.parametrizations.weight.original)
+    prune.l1_unstructured(model.decoder[0], "weight", amount=0.5)
+    _same(model, computed=("mu_w", "dec_w1"))
+    assert (model.vae_params().dec_w1 == 0).sum() == 12  # half of its 24 weights
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_vae_params_is_cheap():
+    """Reading the ten parameters costs dict lookups, not 15 nn.Module.__getattr__ calls."""
+    import timeit
+    model = fastelbo.ModelNew(16, 8, 3)
+    fast = min(timeit.repeat(model.vae_params, number=2000, repeat=5))
+    slow = min(timeit.repeat(lambda: _by_attribute(model), number=2000, repeat=5))
+    assert fast < slow / 2, (fast, slow)

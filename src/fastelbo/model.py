@@ -33,6 +33,23 @@ class ModelNew(nn.Module):
         )
 
     def vae_params(self) -> VAEParams:
+        """The ten parameters named by STATE_DICT_KEYS, as they are now (read on every call,
+        never cached: reassigned submodules or parameters, .to(), load_state_dict all show)."""
+        # nn.Module.__getattr__ costs ~1 us per access (15 of them): read the registries it
+        # falls back to (_modules, _parameters) directly. nn.Module keeps a registered name out
+        # of __dict__ and refuses to register a name the class already defines, so both give
+        # the same tensor; a module that keeps its weight elsewhere (torch.nn.utils.parametrize,
+        # prune, weight_norm) lacks the key and takes the attribute path below.
+        try:
+            mods = self._modules
+            enc = mods["encoder"]._modules["0"]._parameters
+            mu, lv = mods["fc_mu"]._parameters, mods["fc_logvar"]._parameters
+            dec = mods["decoder"]._modules
+            d1, d2 = dec["0"]._parameters, dec["2"]._parameters
+            return VAEParams(enc["weight"], enc["bias"], mu["weight"], mu["bias"], lv["weight"],
+                             lv["bias"], d1["weight"], d1["bias"], d2["weight"], d2["bias"])
+        except (KeyError, AttributeError):
+            pass
         enc, dec1, dec2 = self.encoder[0], self.decoder[0], self.decoder[2]
         return VAEParams(enc.weight, enc.bias, self.fc_mu.weight, self.fc_mu.bias,
                          self.fc_logvar.weight, self.fc_logvar.bias,
