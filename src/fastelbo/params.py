@@ -33,15 +33,16 @@ class VAEParams(NamedTuple):
         return inp, hidden, self.mu_w.shape[0]
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        d, h, lat = self.dims
-        return {
-            "enc_w": (h, d), "enc_b": (h,), "mu_w": (lat, h), "mu_b": (lat,),
-            "lv_w": (lat, h), "lv_b": (lat,), "dec_w1": (h, lat), "dec_b1": (h,),
-            "dec_w2": (d, h), "dec_b2": (d,),
-        }
+        return dict(zip(self._fields, param_shapes(*self.dims)))
 
     def contiguous(self) -> VAEParams:
         return VAEParams(*(p.contiguous() for p in self))
+
+
+def param_shapes(input_dim: int, hidden_dim: int, latent_dim: int) -> tuple[tuple[int, ...], ...]:
+    """The ten parameters' shapes, in VAEParams order."""
+    d, h, lat = input_dim, hidden_dim, latent_dim
+    return ((h, d), (h,), (lat, h), (lat,), (lat, h), (lat,), (h, lat), (h,), (d, h), (d,))
 
 
 # Parameter names of the reference `Model` (and of ModelNew), in VAEParams order.

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .params import VAEParams
+from .params import VAEParams, param_shapes
 
 _enabled = os.environ.get("FASTELBO_VALIDATE", "1").strip().lower() not in ("0", "false", "no")
 
@@ -39,25 +39,28 @@ def validation(enabled: bool):
 
 
 def check_params(params: VAEParams) -> None:
+    # Runs on every forward: one pass over the ten tensors after the dims, each check reading
+    # tensor metadata once (torch.Size compares equal to a tuple).
     for name, p in zip(VAEParams._fields, params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"parameter {name} must be a torch.Tensor, got {type(p).__name__}")
-    for name in ("enc_w", "mu_w"):  # the dims are read off these two
-        if getattr(params, name).dim() != 2:
+    ref, mu_w = params[0], params[2]
+    for name, p in (("enc_w", ref), ("mu_w", mu_w)):  # the dims are read off these two
+        if p.dim() != 2:
             raise ValueError(f"parameter {name} must be 2-D (out, in), got shape "
-                             f"{tuple(getattr(params, name).shape)}")
-    ref = params.enc_w
+                             f"{tuple(p.shape)}")
     if not ref.is_floating_point():
         raise TypeError(f"parameters must be floating point, got {ref.dtype}")
-    for name, want in params.expected_shapes().items():
-        p = getattr(params, name)
-        if tuple(p.shape) != want:
+    dtype, device = ref.dtype, ref.device
+    h, d = ref.shape
+    for name, want, p in zip(VAEParams._fields, param_shapes(d, h, mu_w.shape[0]), params):
+        if p.shape != want:
             raise ValueError(f"parameter {name} must have shape {want}, got {tuple(p.shape)}")
-        if p.dtype != ref.dtype:
-            raise TypeError(f"parameter {name} is {p.dtype}, but enc_w is {ref.dtype}: all "
+        if p.dtype != dtype:
+            raise TypeError(f"parameter {name} is {p.dtype}, but enc_w is {dtype}: all "
                             f"parameters must have one dtype")
-        if p.device != ref.device:
-            raise ValueError(f"parameter {name} is on {p.device}, but enc_w is on {ref.device}: "
+        if p.device != device:
+            raise ValueError(f"parameter {name} is on {p.device}, but enc_w is on {device}: "
                              f"all parameters must be on one device")
 
 
