@@ -35,6 +35,7 @@ def test_cpu_quick_bench_appends_rows_with_provenance_and_metrics(tmp_path):
     for r in rows:
         assert PROVENANCE <= set(r)
         assert r["device"] == "cpu" and r["wall_ms"] > 0
+        assert r["validate"] is True  # the value check ran (the default)
         assert "events_ms" not in r and "graph_ms" not in r  # CPU: wall clock only
     torch_row = rows[2]
     assert torch_row["status"] == "ok" and torch_row["correct"] is True
@@ -104,3 +105,35 @@ def test_a_failing_batch_size_does_not_abort_the_others(tmp_path):
     assert mine[5]["status"] == "ERROR" and "no kernel for batch 5" in mine[5]["error"]
     assert mine[7]["status"] == "ERROR" and "SIGSEGV" in mine[7]["error"]
     assert mine[7]["flags"] == ["crash"]
+
+
+def test_no_validate_runs_the_workers_with_the_value_check_off(tmp_path, monkeypatch, capsys):
+    """--no-validate: the workers see FASTELBO_VALIDATE=0 (this candidate refuses to run
+    otherwise), every row says validate=false, and the table's title says so."""
+    monkeypatch.delenv("FASTELBO_VALIDATE", raising=False)
+    cand = tmp_path / "needs_validation_off.py"
+    cand.write_text(f"import fastelbo\nfrom fastelbo.problems import load_module\n\n"
+                    f"Model = load_module({TINY!r}).Model\n\n\n"
+                    f"class ModelNew(Model):\n    def forward(self, x):\n"
+                    f"        if fastelbo.validation_enabled():\n"
+                    f"            raise RuntimeError('validation is on in the worker')\n"
+                    f"        return super().forward(x)\n")
+    out = tmp_path / "bench.jsonl"
+    code = main(["bench", TINY, str(cand), "--device", "cpu", "--quick", "--no-compile",
+                 "--batch-sizes", "3", "--out", str(out), "--no-validate"])
+    rows = _rows(out)
+    assert code != 2 and [r["status"] for r in rows] == ["ok", "ok"]  # quick timings may flag
+    assert all(r["validate"] is False for r in rows)
+    assert "FASTELBO_VALIDATE=0" in capsys.readouterr().out
+    rows, code = bench.run_bench(TINY, [str(cand)], device="cpu", batch_sizes=[3],
+                                 compile_baseline=False, quick=True, out=None)
+    assert code == 2 and "validation is on in the worker" in rows[-1]["error"]
+    assert all(r["validate"] is True for r in rows)
+
+
+def test_validate_row_field_follows_the_environment(monkeypatch):
+    """Already off in the harness's environment: the workers inherit it, and the rows say so."""
+    monkeypatch.setenv("FASTELBO_VALIDATE", "0")
+    rows, _ = bench.run_bench(TINY, ["fastelbo:torch"], device="cpu", batch_sizes=[2],
+                              compile_baseline=False, quick=True, out=None)
+    assert rows and all(r["validate"] is False for r in rows)

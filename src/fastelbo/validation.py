@@ -16,7 +16,15 @@ import torch
 
 from .params import VAEParams, param_shapes
 
-_enabled = os.environ.get("FASTELBO_VALIDATE", "1").strip().lower() not in ("0", "false", "no")
+ENV_VAR = "FASTELBO_VALIDATE"
+
+
+def enabled_by_env(environ=os.environ) -> bool:
+    """The switch's value at import: on unless ENV_VAR is 0, false or no."""
+    return environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no")
+
+
+_enabled = enabled_by_env()
 
 
 def set_validation(enabled: bool) -> None:

@@ -2,7 +2,10 @@
 
 Each entry (eager, torch.compile, each candidate) runs in its own worker: it builds the model
 with the reference's weights, runs one seeded forward per batch size for a correctness check
-against eager, then times it (timing.py). A batch size that fails gives an ERROR row and the
+against eager, then times it (timing.py). `validate=False` (`--no-validate`) runs every worker
+with FASTELBO_VALIDATE=0, fastelbo's documented switch for its per-call value check (one
+device-to-host sync per forward); a candidate that does not read it is unaffected. Each row
+records the setting as "validate". A batch size that fails gives an ERROR row and the
 others still run: an exception is caught in the worker, and after a crash, a hang or a broken
 CUDA context the sizes left are rerun in fresh workers, one each. Rows are appended to a jsonl
 file with the device, versions and commit (results.py). A speedup is only as good as the output
@@ -16,6 +19,8 @@ from functools import partial
 import torch
 
 from .. import backends
+from ..validation import ENV_VAR as VALIDATE_ENV
+from ..validation import enabled_by_env
 from . import loader
 from .compare import compare_outputs
 from .results import append_jsonl, environment, utc_now
@@ -114,7 +119,7 @@ def _usable(dev: torch.device) -> bool:
         return False
 
 
-def _entry_rows(sizes: list[int] | None, timeout: float,
+def _entry_rows(sizes: list[int] | None, timeout: float, env: dict[str, str] | None,
                 **task) -> tuple[list[dict], list[int] | None]:
     """One entry's worker rows (metrics, or "error"), and the batch sizes they cover.
 
@@ -122,14 +127,15 @@ def _entry_rows(sizes: list[int] | None, timeout: float,
     fresh worker, so one bad size costs only its own row. An exception outside the per-size loop
     (import, build, construction) concerns every size alike: one ERROR row each, no rerun.
     """
-    outcome = run_task("fastelbo.harness.bench:bench_entry", timeout, batch_sizes=sizes, **task)
+    outcome = run_task("fastelbo.harness.bench:bench_entry", timeout, env=env,
+                       batch_sizes=sizes, **task)
     if outcome.ok:
         rows = list(outcome.result["rows"])
         for n in outcome.result["unfinished"]:
-            rows += _entry_rows([n], timeout, **task)[0]
+            rows += _entry_rows([n], timeout, env, **task)[0]
         return rows, outcome.result["batch_sizes"]
     if sizes and len(sizes) > 1 and outcome.category in ("crash", "timeout"):
-        return [r for n in sizes for r in _entry_rows([n], timeout, **task)[0]], sizes
+        return [r for n in sizes for r in _entry_rows([n], timeout, env, **task)[0]], sizes
     return [{"batch_size": n, "error": outcome.reason, "category": outcome.category}
             for n in (sizes or [None])], sizes
 
@@ -138,7 +144,7 @@ def run_bench(problem: str, candidates: list[str] | None = None, *, device: str 
               batch_sizes: list[int] | None = None, out: str | None = None,
               compile_baseline: bool = True, graph_reps: int = 100, quick: bool = False,
               timeout: float = 600.0, seed: int = 0, atol: float = 1e-4,
-              rtol: float = 1e-4) -> tuple[list[dict], int]:
+              rtol: float = 1e-4, validate: bool = True) -> tuple[list[dict], int]:
     """Rows (one per entry and batch size) and an exit code: 0 all correct, 1 some row
     INCORRECT or flagged, 2 some entry could not run."""
     from ..problems import problem_path
@@ -148,13 +154,17 @@ def run_bench(problem: str, candidates: list[str] | None = None, *, device: str 
     entries = [(EAGER, EAGER, None)] + ([(COMPILED, COMPILED, None)] if compile_baseline else [])
     entries += [(c, "candidate", str(loader.candidate_path(c)))
                 for c in (candidates or default_candidates(device))]
+    env = None if validate else {VALIDATE_ENV: "0"}
     base = {**environment(device), "date": utc_now(), "problem": str(problem),
-            "quick": quick, "graph_reps": graph_reps if device.startswith("cuda") else None}
+            "quick": quick, "graph_reps": graph_reps if device.startswith("cuda") else None,
+            # what the workers ran with: off by request or already off in this environment
+            "validate": validate and enabled_by_env()}
     results: dict[str, dict[int, dict]] = {}
     rows, code = [], 0
     for name, kind, path in entries:
-        got, sizes = _entry_rows(batch_sizes, timeout, problem=prob, kind=kind, candidate=path,
-                                 device=device, seed=seed, quick=quick, graph_reps=graph_reps)
+        got, sizes = _entry_rows(batch_sizes, timeout, env, problem=prob, kind=kind,
+                                 candidate=path, device=device, seed=seed, quick=quick,
+                                 graph_reps=graph_reps)
         batch_sizes = batch_sizes or sizes
         results[name] = {r["batch_size"]: r for r in got if "error" not in r}
         for r in got:

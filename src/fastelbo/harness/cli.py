@@ -58,6 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="forwards captured in one CUDA graph (default 100)")
     p.add_argument("--quick", action="store_true", help="few repetitions (tests, smoke runs)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per entry")
+    p.add_argument("--no-validate", action="store_true",
+                   help="run the workers with FASTELBO_VALIDATE=0: fastelbo candidates skip "
+                        "their per-call value check (one device sync per forward); each row "
+                        "records validate=false")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("export", help="write a self-contained KernelBench solution file")
@@ -108,7 +112,8 @@ def _bench(args) -> int:
     rows, code = run_bench(args.problem, args.candidates or None, device=args.device,
                            batch_sizes=args.batch_sizes, out=args.out or None,
                            compile_baseline=not args.no_compile, graph_reps=args.graph_reps,
-                           quick=args.quick, timeout=args.timeout)
+                           quick=args.quick, timeout=args.timeout,
+                           validate=not args.no_validate)
     from .table import print_rows
     print_rows(rows)
     if args.out:

@@ -39,6 +39,8 @@ def print_rows(rows: list[dict]) -> None:
              f"torch {rows[0]['torch']}, commit {rows[0]['commit']}")
     if rows[0]["device"] == "cpu":
         title += " -- CPU timings: wall clock only"
+    if rows[0].get("validate") is False:
+        title += " -- FASTELBO_VALIDATE=0 (no per-call value check)"
     cells = [_cells(r) for r in rows]
     try:
         from rich.console import Console

@@ -55,8 +55,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_task(func: str, timeout: float, **kwargs) -> WorkerOutcome:
-    """Run `func(**kwargs)` (func = "module:name") in a spawned worker with a timeout."""
+def run_task(func: str, timeout: float, *, env: dict[str, str] | None = None,
+             **kwargs) -> WorkerOutcome:
+    """Run `func(**kwargs)` (func = "module:name") in a spawned worker with a timeout; `env`
+    adds to (or overrides) the worker's environment, which is otherwise the harness's own."""
     with tempfile.TemporaryDirectory(prefix="fastelbo-worker-") as tmp:
         tmp = Path(tmp)
         task, result, progress, log = (tmp / n for n in ("task.pt", "result.pt", "progress",
@@ -66,7 +68,8 @@ def run_task(func: str, timeout: float, **kwargs) -> WorkerOutcome:
                str(progress)]
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    env={**os.environ, **env} if env else None)
             try:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
