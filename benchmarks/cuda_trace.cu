@@ -7,13 +7,15 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 \
 //        -I src/fastelbo/backends/cuda -o /tmp/cuda_trace benchmarks/cuda_trace.cu
-//   /tmp/cuda_trace [B] [rows] [cluster] [staged]     (0 / -1: the planner's choice)
+//   /tmp/cuda_trace fast|cluster [B] [rows] [cluster] [staged]   (0 / -1: the planner's choice)
 #define FASTELBO_TRACE
 #include "elbo.cu"
+#include "elbo_fast.cu"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CK(call)                                                                     \
@@ -43,18 +45,23 @@ float* device_random(size_t n, float lo, float hi) {
   return d;
 }
 
-const char* kPhase[] = {"stage issue",   "S0 (wait x,w1)", "L1 compute",   "S1",
-                        "L2+reparam+KL", "S2",             "L3 compute",   "S3",
-                        "L4 compute",    "BCE",            "S4",           "final (rank 0)"};
+const char* kClusterPhase[] = {"stage issue",   "S0 (wait x,w1)", "L1 compute", "S1",
+                               "L2+reparam+KL", "S2",             "L3 compute", "S3",
+                               "L4 compute",    "BCE",            "S4",         "final (rank 0)"};
+const char* kFastPhase[] = {"stage issue", "wait G0",  "L1 partial",    "S1",
+                            "RS1 pull+sum", "L2 partial", "S2",         "RS2+reparam+KL",
+                            "S3",          "L3+push",  "S4",            "L4+BCE",
+                            "row sums",    "S5",       "final (rank 0)"};
 
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace fastelbo;
-  const int B = argc > 1 ? std::atoi(argv[1]) : 128;
-  const int rows = argc > 2 ? std::atoi(argv[2]) : 0;
-  const int cluster = argc > 3 ? std::atoi(argv[3]) : 0;
-  const int staged = argc > 4 ? std::atoi(argv[4]) : -1;
+  const bool fast = argc > 1 && std::string(argv[1]) == "fast";
+  const int B = argc > 2 ? std::atoi(argv[2]) : 128;
+  const int rows = argc > 3 ? std::atoi(argv[3]) : 0;
+  const int cluster = argc > 4 ? std::atoi(argv[4]) : 0;
+  const int staged = argc > 5 ? std::atoi(argv[5]) : -1;
   const int D = 784, H = 256, L = 32;
   ElboParams p{};
   p.B = B; p.D = D; p.H = H; p.L = L;
@@ -76,16 +83,28 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&out, 3 * static_cast<size_t>(B) * sizeof(float)));
   p.elbo = out; p.recon = out + B; p.kl = out + 2 * B;
   p.vec = 0xF;
+  FastParams f{};
+  f.x = p.x; f.eps = p.eps; f.w1 = p.w1; f.b1 = p.b1; f.wmu = p.wmu; f.bmu = p.bmu;
+  f.wlv = p.wlv; f.blv = p.blv; f.wd1 = p.wd1; f.bd1 = p.bd1; f.wd2 = p.wd2; f.bd2 = p.bd2;
+  f.elbo = p.elbo; f.recon = p.recon; f.kl = p.kl;
+  f.B = B; f.D = D; f.H = H; f.L = L;
   cudaError_t err = cudaSuccess;
-  const ElboStatus st = elbo_plan(p, 0, rows, cluster, staged, &err);
+  const ElboStatus st = fast ? elbo_fast_plan(f, 0, cluster, false, &err)
+                             : elbo_plan(p, 0, rows, cluster, staged, &err);
   if (st != kElboOk) { std::fprintf(stderr, "plan: status %d (%s)\n", st, cudaGetErrorString(err)); return 1; }
-  const int blocks = cdiv(B, p.R) * p.C;
-  std::printf("B=%d plan: R=%d C=%d staged=%d variant=%d smem=%d B blocks=%d\n", B, p.R, p.C,
-              p.staged, p.variant, p.smem_bytes, blocks);
+  const int blocks = fast ? cdiv(B, f.R) * f.C : cdiv(B, p.R) * p.C;
+  if (fast)
+    std::printf("fast B=%d plan: R=%d C=%d smem=%d B blocks=%d\n", B, f.R, f.C, f.smem_bytes, blocks);
+  else
+    std::printf("cluster B=%d plan: R=%d C=%d staged=%d variant=%d smem=%d B blocks=%d\n", B, p.R,
+                p.C, p.staged, p.variant, p.smem_bytes, blocks);
+  auto launch = [&](cudaStream_t s) { return fast ? elbo_fast_launch(f, s) : elbo_launch(p, s); };
+  const char** phase = fast ? kFastPhase : kClusterPhase;
+  const int points = fast ? 16 : 13;
 
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  for (int i = 0; i < 20; ++i) CK(elbo_launch(p, s));
+  for (int i = 0; i < 20; ++i) CK(launch(s));
   CK(cudaStreamSynchronize(s));
 
   // Device time per launch: one graph of kReps launches, median of 5 replays.
@@ -93,7 +112,7 @@ int main(int argc, char** argv) {
   cudaGraph_t g;
   cudaGraphExec_t ge;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < kReps; ++i) CK(elbo_launch(p, s));
+  for (int i = 0; i < kReps; ++i) CK(launch(s));
   CK(cudaStreamEndCapture(s, &g));
   CK(cudaGraphInstantiate(&ge, g, 0));
   CK(cudaGraphLaunch(ge, s));
@@ -118,7 +137,7 @@ int main(int argc, char** argv) {
               ms[2] * 1e3f / kReps, kReps);
 
   // One traced launch alone.
-  CK(elbo_launch(p, s));
+  CK(launch(s));
   CK(cudaStreamSynchronize(s));
   const int nb = std::min(blocks, kTraceBlocks);
   std::vector<long long> tr(static_cast<size_t>(kTraceBlocks) * kTracePoints);
@@ -126,17 +145,17 @@ int main(int argc, char** argv) {
   std::printf("per phase, cycles over %d blocks (clock attr %d MHz): median  max\n", nb,
               clock_khz / 1000);
   long long total_med = 0;
-  for (int ph = 0; ph + 1 < kTracePoints; ++ph) {
+  for (int ph = 0; ph + 1 < points; ++ph) {
     std::vector<long long> d(nb);
     for (int b = 0; b < nb; ++b)
       d[b] = tr[b * kTracePoints + ph + 1] - tr[b * kTracePoints + ph];
     std::sort(d.begin(), d.end());
     total_med += d[nb / 2];
-    std::printf("  %-16s %8lld %8lld\n", kPhase[ph], d[nb / 2], d[nb - 1]);
+    std::printf("  %-16s %8lld %8lld\n", phase[ph], d[nb / 2], d[nb - 1]);
   }
   std::vector<long long> tot(nb);
   for (int b = 0; b < nb; ++b)
-    tot[b] = tr[b * kTracePoints + kTracePoints - 1] - tr[b * kTracePoints];
+    tot[b] = tr[b * kTracePoints + points - 1] - tr[b * kTracePoints];
   std::sort(tot.begin(), tot.end());
   std::printf("  %-16s %8lld %8lld  (sum of medians %lld)\n", "whole block", tot[nb / 2],
               tot[nb - 1], total_med);

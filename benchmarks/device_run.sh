@@ -53,8 +53,8 @@ for stage in "$@"; do case $stage in
   trace)  # per-phase cycles of the cluster kernel (benchmarks/cuda_trace.cu), several plans
     nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -I src/fastelbo/backends/cuda \
       -o /tmp/cuda_trace benchmarks/cuda_trace.cu > "$LOGS/trace_build.log" 2>&1
-    run trace 120 bash -c 'for a in "128" "128 0 8" "128 8 16" "64" "192" "16"; do
-      /tmp/cuda_trace $a; echo; done' ;;
+    run trace 120 bash -c 'for a in "cluster 128" "fast 128" "fast 64" "fast 16" "fast 140" \
+      "fast 1000" "fast 128 0 8"; do /tmp/cuda_trace $a; echo; done' ;;
   profile) run profile "${T_PROFILE:-150}" python3 benchmarks/profile_kernels.py ;;
   threads512)  # A/B of the cluster kernel at 512 threads per block, on a copy of the tree
     rm -rf /tmp/t512 && cp -r "$PWD" /tmp/t512 && sed -i \

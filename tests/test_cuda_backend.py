@@ -1,7 +1,8 @@
 """The cuda backend against the torch spec (same weights, same eps), on a CUDA device (sm_90+).
 
-Both paths are covered: "cluster" (the one-launch kernel, small batches) and "rows" (cuBLAS
-GEMMs + two fused kernels, large batches); `path=` forces one, "auto" picks by batch size.
+Every path is covered: "fast" and "cluster" (the one-launch kernels of elbo_fast.cu and elbo.cu,
+small batches) and "rows" (cuBLAS GEMMs + two fused kernels, large batches); `path=` forces
+one, "auto" picks by batch size and dims.
 
 Tolerance: the contract is atol = rtol = 1e-4 in float32 against PyTorch. Where the float64
 reference is meaningful (no saturation), the kernel's error against it must also be no worse
@@ -33,7 +34,17 @@ ATOL = RTOL = 1e-4
 DIMS = [(784, 256, 32), (781, 250, 31), (64, 48, 2), (100, 1024, 1), (33, 7, 5)]
 BATCHES = [1, 3, 7, 128, 1000, 65536]
 NAMES = ("elbo", "recon", "kl")
-PATHS = ("cluster", "rows")
+PATHS = ("fast", "cluster", "rows")
+# Dims the fast kernel takes (multiples of 4, H % 32 == 0): C=16 and C=8 (H=96), input columns
+# split unevenly (D=100: 25 float4 over 8 blocks) or leaving blocks without any (D=16), two
+# decoder passes per block (D=1000: 63 columns > 56), two encoder passes (H=512), latent
+# indices absent from some blocks (L=12 over 8, L=4 over 16).
+FAST_DIMS = [(784, 256, 32), (100, 96, 12), (1000, 256, 32), (256, 512, 64), (16, 64, 4)]
+
+
+def skip_unless_fast_dims(path, dims):
+    if path == "fast" and (dims[0] % 4 or dims[1] % 32 or dims[2] % 4):
+        pytest.skip("path='fast' takes dims that are multiples of 4, hidden_dim of 32")
 
 
 def make_params(dims, seed=0, scale=1.0) -> VAEParams:
@@ -94,6 +105,9 @@ def check_against_reference(backend, x, params, eps, f64=True, **kw):
 @pytest.mark.parametrize("dims", DIMS, ids=lambda d: "x".join(map(str, d)))
 @pytest.mark.parametrize("batch", BATCHES)
 def test_matches_reference(cuda, batch, dims, path):
+    skip_unless_fast_dims(path, dims)
+    if path == "fast" and batch > 1000:
+        pytest.skip("the fast kernel at B=65536 (3277 waves of clusters) is not a use case")
     params = make_params(dims)
     x, eps = make_inputs(batch, dims)
     check_against_reference(cuda, x, params, eps, f64=batch <= 1000, path=path)
@@ -109,7 +123,37 @@ def test_rows_path(cuda, batch, dims):
     check_against_reference(cuda, x, params, eps, f64=batch <= 4096, path="rows")
 
 
-@pytest.mark.parametrize("batch", [1, 256, 257, 512, 8193])
+@pytest.mark.parametrize("dims", FAST_DIMS, ids=lambda d: "x".join(map(str, d)))
+@pytest.mark.parametrize("batch", [1, 2, 19, 20, 21, 128, 140, 141, 1000])
+def test_fast_path(cuda, batch, dims):
+    """Rows per cluster around the 20-row tile, one and several waves of clusters."""
+    params = make_params(dims, seed=batch)
+    x, eps = make_inputs(batch, dims, seed=batch + 1)
+    check_against_reference(cuda, x, params, eps, path="fast")
+
+
+def test_fast_path_refuses_what_it_cannot_run(cuda):
+    params = make_params((33, 7, 5))
+    x, eps = make_inputs(4, (33, 7, 5))
+    with pytest.raises(ValueError, match="path='fast' does not apply"):
+        cuda.forward(x, params, eps, path="fast")
+    params = make_params((784, 256, 32))
+    x, eps = make_inputs(5, (784, 256, 32))
+    xm = torch.empty(5 * 784 + 1, device="cuda")[1:].view(5, 784)
+    xm.copy_(x)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        cuda.forward(xm, params, eps, path="fast")
+    check_against_reference(cuda, xm, params, eps)  # auto: the general kernel instead
+
+
+def test_fast_plan_fills_the_gpu_at_batch_128(cuda):
+    r, c, smem, status = cuda.extension().fast_plan(0, 128, 784, 256, 32, True)
+    assert status == 0 and r <= 20 and c == 16, (r, c, smem, status)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert -(-128 // r) * c >= sms * 3 // 4, (r, c, sms)
+
+
+@pytest.mark.parametrize("batch", [1, 128, 140, 141, 192, 193, 256, 257, 512, 8193])
 def test_auto_path_matches_reference(cuda, batch):
     """Either side of the crossover and of a chunk boundary."""
     dims = (784, 256, 32)
@@ -161,6 +205,7 @@ def test_plan_fills_the_gpu_at_batch_128(cuda):
 @pytest.mark.parametrize("dims", [(784, 256, 32), (33, 7, 5)], ids=lambda d: "x".join(map(str, d)))
 def test_saturated_parameters(cuda, dims, scale, path):
     """Large weights drive sigmoid to 0/1 and the logs into the -100 clamp."""
+    skip_unless_fast_dims(path, dims)
     params = make_params(dims, scale=scale)
     x, eps = make_inputs(257, dims, binary=True)
     got = cuda.forward(x, params, eps, _poison=True, path=path)
@@ -195,9 +240,10 @@ def test_invalid_rows_are_nan(cuda, dims, batch):
     with fastelbo.validation(False):
         got = fastelbo.elbo(x, params, eps, backend="cuda")  # auto: rows path at 9000
         if batch == 300:
-            got_c = cuda.forward(x, params, eps, path="cluster")
-            for g, c, n in zip(got, got_c, NAMES):
-                assert torch.equal(torch.isnan(g), torch.isnan(c)), n
+            for path in ("cluster", "fast") if dims == (784, 256, 32) else ("cluster",):
+                got_c = cuda.forward(x, params, eps, path=path)
+                for g, c, n in zip(got, got_c, NAMES):
+                    assert torch.equal(torch.isnan(g), torch.isnan(c)), (path, n)
     want = torch_ref.forward(x, params, eps)
     good = torch.ones(batch, dtype=torch.bool, device="cuda")
     good[bad_rows] = False
@@ -298,7 +344,7 @@ def test_cuda_graph_of_100_forwards(cuda):
 @pytest.mark.parametrize("path", PATHS)
 def test_non_default_stream(cuda, path):
     """Inputs written on a side stream behind a sleep: only a launch on that stream sees them."""
-    dims = (781, 250, 31)
+    dims = (784, 256, 32) if path == "fast" else (781, 250, 31)
     params = make_params(dims)
     x, eps = make_inputs(1000, dims)
     want = torch_ref.forward(x, params, eps)
@@ -373,7 +419,7 @@ class TestBadInputs:
         with pytest.raises(ValueError, match="x must be 2-D"):
             cuda.forward(x[0].contiguous(), params, eps)
         with pytest.raises(ValueError, match="path must be"):
-            cuda.forward(x, params, eps, path="fast")
+            cuda.forward(x, params, eps, path="turbo")
 
     def test_binding_errors_in_a_subprocess(self, cuda):
         """The C++ checks behind the Python ones raise RuntimeError (a crash fails the test

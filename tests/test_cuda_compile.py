@@ -72,6 +72,7 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
 # Each source's kernels: the cluster kernel's two register-tile variants (elbo_kernel<2,2>,
 # <4,4>), the rows path's two, the backward's four, the optimizer's one.
 EXPECTED_KERNELS = {
+    "elbo_fast.cu": {"elbo_fast_kernel": 1},
     "elbo.cu": {"elbo_kernel": 2},
     "rows.cu": {"reparam_kl_kernel": 1, "bce_kernel": 1},
     "backward.cu": {"prep_kernel": 1, "bce_grad_kernel": 1, "latent_bwd_kernel": 1,
@@ -86,8 +87,10 @@ def _check_kernels(report: dict[str, dict[str, int]], expected: dict[str, int]) 
     for name, r in report.items():
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
         assert r["stack"] == 0, f"{name}: unexpected stack frame {r}"
-        # __launch_bounds__(256, 2): two blocks per SM need <= 128 registers per thread.
-        assert r["registers"] <= 128, (name, r)
+        # __launch_bounds__(256, 2): two blocks per SM need <= 128 registers per thread; the
+        # fast cluster kernel runs one block per SM (its shared memory) and may use 255.
+        limit = 255 if "elbo_fast_kernel" in name else 128
+        assert r["registers"] <= limit, (name, r)
 
 
 def test_every_kernel_source_is_listed():

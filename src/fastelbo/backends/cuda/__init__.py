@@ -1,9 +1,10 @@
 """CUDA C++ backend: the lowest-latency path (sm_90+), and never slower than eager PyTorch.
 
-Two forward paths (binding.cpp picks by batch size; `path=` forces one): small batches run ONE
-launch of the fused cluster kernel (elbo.cu: thread-block clusters + distributed shared
-memory); large batches run every GEMM with cuBLAS (as eager does) and two small fused kernels
-(rows.cu) for everything else. `backward` (any batch) recomputes the activations the same way
+Three forward paths (binding.cpp picks by batch size; `path=` forces one): small batches run ONE
+launch of a fused cluster kernel (thread-block clusters + distributed shared memory):
+elbo_fast.cu where the dims are multiples of 4 and its clusters fit in one wave (B <= 140 on an
+H200), else elbo.cu, the general one; large batches run every GEMM with cuBLAS (as eager does)
+and two small fused kernels (rows.cu) for everything else. `backward` (any batch) recomputes the activations the same way
 and runs the gradient's GEMMs with cuBLAS around four fused kernels (backward.cu). The .cu
 files hold the kernels (no torch types), elbo.h their plain params structs, elbo_math.cuh the
 shared per-element math, binding.cpp the only torch-facing file. The extension is built on
@@ -27,9 +28,9 @@ DTYPES = (torch.float32,)
 from ...params import VAEParams
 
 HERE = Path(__file__).resolve().parent
-KERNEL_SOURCES = ("elbo.cu", "rows.cu", "backward.cu", "adam.cu")
+KERNEL_SOURCES = ("elbo_fast.cu", "elbo.cu", "rows.cu", "backward.cu", "adam.cu")
 BINDING_SOURCE = "binding.cpp"
-HEADERS = ("elbo.h", "elbo_math.cuh")
+HEADERS = ("elbo.h", "elbo_math.cuh", "cluster.cuh")
 
 # IEEE float32 throughout (no --use_fast_math): sm_90 machine code, plus PTX for newer GPUs.
 NVCC_FLAGS = [
@@ -133,7 +134,31 @@ def plan(x: torch.Tensor, params: VAEParams, *, rows: int = 0, cluster: int = 0,
     return r, c, smem, variant, st
 
 
-PATHS = {"auto": 0, "cluster": 1, "rows": 2}
+# Why path='fast' cannot run, by the planner's status (elbo.h ElboStatus).
+_FAST_STATUS = {1: "its shared memory does not fit this GPU for these dims",
+                3: "it needs compute capability 9.0+",
+                4: "no thread-block cluster of 16 or 8 blocks fits on this GPU",
+                5: "input_dim, hidden_dim and latent_dim must be multiples of 4 and hidden_dim "
+                   "a multiple of 32 (4 x 8 blocks)"}
+_FAST_ALIGNED = ("x", "enc_w", "enc_b", "mu_w", "lv_w", "dec_w1", "dec_b1", "dec_w2")
+
+
+def check_fast_path(x: torch.Tensor, params: VAEParams) -> None:
+    """ValueError unless path='fast' applies to these tensors (dims, 16-byte alignment, GPU)."""
+    named = {"x": x, **params._asdict()}
+    for name in _FAST_ALIGNED:
+        if named[name].data_ptr() % 16:
+            raise ValueError(f"path='fast' needs 16-byte aligned tensors; {name} is not (a view "
+                             f"with an offset?): use path='auto'")
+    d, h, lat = params.dims
+    status = extension().fast_plan(x.device.index or 0, x.shape[0], d, h, lat)[3]
+    if status:
+        raise ValueError(f"path='fast' does not apply to input_dim={d} hidden_dim={h} "
+                         f"latent_dim={lat}: {_FAST_STATUS.get(status, f'status {status}')}; "
+                         f"use path='auto'")
+
+
+PATHS = {"auto": 0, "cluster": 1, "rows": 2, "fast": 3}
 INT32_MAX = 2**31 - 1
 
 
@@ -162,9 +187,9 @@ def check_options(rows: int = 0, cluster: int = 0, staged: int = -1,
     _int_option("staged", staged, -1, 1, "-1 (auto), 0 or 1")
     if not isinstance(path, str) or path not in PATHS:
         raise ValueError(f"path must be one of {tuple(PATHS)}, got {path!r}")
-    if (rows > 0 or cluster > 0 or staged >= 0) and path == "rows":
+    if (rows > 0 or cluster > 0 or staged >= 0) and path in ("rows", "fast"):
         raise ValueError(f"rows / cluster / staged force the cluster path; they conflict with "
-                         f"path='rows' (got rows={rows}, cluster={cluster}, staged={staged})")
+                         f"path={path!r} (got rows={rows}, cluster={cluster}, staged={staged})")
 
 
 def check_inputs(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
@@ -230,13 +255,16 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
             cluster: int = 0, staged: int = -1, path: str = "auto", _poison: bool = False):
     """(elbo, recon, kl), each (B,) float32, on the current stream.
 
-    path: "auto" (cluster kernel for small batches, rows path for large ones), "cluster" or
-    "rows". rows / cluster > 0 and staged in (0, 1) force the cluster kernel's launch plan
+    path: "auto" (a cluster kernel for small batches, the rows path for large ones), "fast"
+    (elbo_fast.cu: dims multiples of 4, any B), "cluster" (elbo.cu, any dims) or "rows".
+    rows / cluster > 0 and staged in (0, 1) force the cluster kernel's launch plan
     (tuning only); _poison fills the outputs with NaN first, so tests can prove every element
     is written.
     """
     check_inputs(x, params, eps, rows=rows, cluster=cluster, staged=staged, path=path)
     params = VAEParams(*params)
+    if path == "fast":
+        check_fast_path(x, params)
     out = extension().forward(x, eps, *params, rows, cluster, staged, bool(_poison),
                               PATHS[path])
     return out[0], out[1], out[2]

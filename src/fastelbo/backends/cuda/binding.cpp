@@ -3,8 +3,10 @@
 // current stream, turning every status / CUDA error into an exception (elbo.cu's host functions
 // are noexcept and return codes; no exception crosses from .cu code). elbo.cu never sees torch.
 //
-// Which path (elbo.h, elbo.cu):
-//   cluster (B <= kClusterMaxBatch): one launch of the fused cluster kernel. Lowest latency.
+// Which path (elbo.h, elbo_fast.cu, elbo.cu):
+//   fast (B <= kClusterMaxBatch, dims multiples of 4, clusters in one wave: B <= 140 on an
+//     H200): one launch of the fast cluster kernel. Lowest latency.
+//   cluster (other B <= kClusterMaxBatch and any dims): one launch of the general cluster kernel.
 //   rows (larger B, or dims the cluster kernel cannot hold in shared memory): cuBLAS for every
 //     GEMM (at::linear, the call eager F.linear makes, so TF32 only where
 //     torch.backends.cuda.matmul.allow_tf32 says so; in-place ReLU after the two hidden
@@ -52,7 +54,7 @@ constexpr int64_t kClusterMaxBatch = 192;
 // B=65536 on an H200 (profile_kernels.py), which made the path slower than eager.
 constexpr int64_t kRowsChunk = 65536;
 
-enum Path : int64_t { kPathAuto = 0, kPathCluster = 1, kPathRows = 2 };
+enum Path : int64_t { kPathAuto = 0, kPathCluster = 1, kPathRows = 2, kPathFast = 3 };
 
 bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; }
 
@@ -121,7 +123,8 @@ void rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& 
 
 }  // namespace
 
-// Returns {elbo, recon, kl}, each (B,) float32. path: 0 auto, 1 cluster, 2 rows. rows / cluster
+// Returns {elbo, recon, kl}, each (B,) float32. path: 0 auto, 1 cluster, 2 rows, 3 fast
+// (elbo_fast.cu; auto takes it for B <= kClusterMaxBatch where it applies and fits one wave). rows / cluster
 // > 0 and staged >= 0 force the cluster plan (tuning; -1 / 0 = automatic) and imply path 1;
 // poison = true fills the outputs with NaN before the launch (tests: every element is written).
 std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
@@ -171,11 +174,11 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   FE_CHECK(rows >= 0 && rows <= 64, "rows must be 0 (auto) or 1..64, got ", rows);
   FE_CHECK(cluster >= 0 && cluster <= 16, "cluster must be 0 (auto) or 1..16, got ", cluster);
   FE_CHECK(staged >= -1 && staged <= 1, "staged must be -1 (auto), 0 or 1, got ", staged);
-  FE_CHECK(path >= kPathAuto && path <= kPathRows,
-           "path must be 0 (auto), 1 (cluster) or 2 (rows), got ", path);
+  FE_CHECK(path >= kPathAuto && path <= kPathFast,
+           "path must be 0 (auto), 1 (cluster), 2 (rows) or 3 (fast), got ", path);
   const bool forced_plan = rows > 0 || cluster > 0 || staged >= 0;
-  FE_CHECK(!(forced_plan && path == kPathRows),
-           "rows / cluster / staged force the cluster path; they conflict with path=rows");
+  FE_CHECK(!(forced_plan && (path == kPathRows || path == kPathFast)),
+           "rows / cluster / staged force the cluster path; they conflict with path=rows/fast");
   if (forced_plan) path = kPathCluster;
 
   const c10::cuda::CUDAGuard guard(dev);
@@ -188,6 +191,39 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
     rows_forward(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
                  out, stream);
     return out;
+  }
+  if (path == kPathFast || path == kPathAuto) {
+    // The fast cluster kernel where the dims allow it and (auto) its clusters fit in one wave.
+    fastelbo::FastParams f{};
+    f.x = x.data_ptr<float>();
+    f.eps = eps.data_ptr<float>();
+    f.w1 = enc_w.data_ptr<float>();
+    f.b1 = enc_b.data_ptr<float>();
+    f.wmu = mu_w.data_ptr<float>();
+    f.bmu = mu_b.data_ptr<float>();
+    f.wlv = lv_w.data_ptr<float>();
+    f.blv = lv_b.data_ptr<float>();
+    f.wd1 = dec_w1.data_ptr<float>();
+    f.bd1 = dec_b1.data_ptr<float>();
+    f.wd2 = dec_w2.data_ptr<float>();
+    f.bd2 = dec_b2.data_ptr<float>();
+    f.elbo = out[0].data_ptr<float>();
+    f.recon = out[1].data_ptr<float>();
+    f.kl = out[2].data_ptr<float>();
+    f.B = static_cast<int>(B);
+    f.D = static_cast<int>(D);
+    f.H = static_cast<int>(H);
+    f.L = static_cast<int>(L);
+    cudaError_t ferr = cudaSuccess;
+    const auto fst = fastelbo::elbo_fast_plan(f, dev.index(), 0, path == kPathAuto, &ferr);
+    FE_CHECK(fst != fastelbo::kElboCudaError, "planning the fast launch failed: ",
+             cudaGetErrorString(ferr));
+    if (fst == fastelbo::kElboOk) {
+      check_launch(fastelbo::elbo_fast_launch(f, stream), "fast cluster kernel");
+      return out;
+    }
+    FE_CHECK(path == kPathAuto, "path=fast does not apply here (status ", static_cast<int>(fst),
+             "); fastelbo.backends.cuda checks this before the call");
   }
 
   fastelbo::ElboParams p{};
@@ -416,6 +452,23 @@ std::vector<int64_t> elbo_plan_info(int64_t device, int64_t B, int64_t D, int64_
   return {p.R, p.C, p.smem_bytes, p.variant, p.staged};
 }
 
+// The fast path's plan: {R, C, smem_bytes, 0} or {0, 0, 0, status} when it does not apply
+// (one_wave: only if every cluster is co-resident, as path='auto' asks); for tests, benchmarks
+// and fastelbo.backends.cuda's checks of path='fast'.
+std::vector<int64_t> elbo_fast_plan_info(int64_t device, int64_t B, int64_t D, int64_t H,
+                                         int64_t L, bool one_wave) {
+  fastelbo::FastParams f{};
+  f.B = static_cast<int>(B);
+  f.D = static_cast<int>(D);
+  f.H = static_cast<int>(H);
+  f.L = static_cast<int>(L);
+  cudaError_t err = cudaSuccess;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const auto st = fastelbo::elbo_fast_plan(f, static_cast<int>(device), 0, one_wave, &err);
+  if (st != fastelbo::kElboOk) return {0, 0, 0, static_cast<int64_t>(st)};
+  return {f.R, f.C, f.smem_bytes, 0};
+}
+
 #ifndef FASTELBO_INLINE
 #include <torch/extension.h>
 
@@ -447,5 +500,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("device"), pybind11::arg("B"), pybind11::arg("D"), pybind11::arg("H"),
         pybind11::arg("L"), pybind11::arg("rows") = 0, pybind11::arg("cluster") = 0,
         pybind11::arg("staged") = -1);
+  m.def("fast_plan", &elbo_fast_plan_info,
+        "fast-path plan {R, C, smem_bytes, 0} or {0, 0, 0, status}", pybind11::arg("device"),
+        pybind11::arg("B"), pybind11::arg("D"), pybind11::arg("H"), pybind11::arg("L"),
+        pybind11::arg("one_wave") = false);
 }
 #endif

@@ -53,6 +53,7 @@
 //       read ob, x          -> BCE partial + bad-row flag to rank 0       S4 cluster.sync
 //   rank 0 reads the partials and writes the outputs; no block touches another's smem after S4.
 #include "elbo.h"
+#include "cluster.cuh"
 #include "elbo_math.cuh"
 
 #include <cooperative_groups.h>
@@ -66,23 +67,6 @@ namespace cg = cooperative_groups;
 
 namespace fastelbo {
 namespace {
-
-// Phase timestamps for benchmarks/cuda_trace.cu (built with -DFASTELBO_TRACE only): thread 0
-// of each block records clock64() at each point below; the package build has none of this.
-#ifdef FASTELBO_TRACE
-constexpr int kTracePoints = 13;
-constexpr int kTraceBlocks = 1024;
-__device__ long long g_elbo_trace[kTraceBlocks * kTracePoints];
-#define FE_TRACE(i)                                                       \
-  do {                                                                    \
-    if (threadIdx.x == 0 && blockIdx.x < kTraceBlocks)                    \
-      g_elbo_trace[blockIdx.x * kTracePoints + (i)] = clock64();          \
-  } while (0)
-#else
-#define FE_TRACE(i) \
-  do {              \
-  } while (0)
-#endif
 
 // Threads per block of the cluster kernel. Its blocks are 1 per SM (shared memory), so more
 // threads is more warps to hide latency with; 512 / kClusterThreads blocks of <= 128
@@ -101,26 +85,6 @@ template <bool kGlobal>
 __device__ __forceinline__ float load1(const float* p) {
   if constexpr (kGlobal) return __ldg(p);
   else return *p;
-}
-
-// Ampere-style asynchronous global -> shared copies: all of a block's weight slices are in
-// flight at once, so the layers read shared memory instead of waiting on L2 round trips.
-__device__ __forceinline__ void cp_async16(float* dst, const float* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d),
-               "l"(__cvta_generic_to_global(src)) : "memory");
-}
-__device__ __forceinline__ void cp_async4(float* dst, const float* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d),
-               "l"(__cvta_generic_to_global(src)) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Copies rows [0, nrows) of K floats, row r starting at src(r), to dst + r * ld (ld % 4 == 0).
@@ -469,92 +433,104 @@ Layout make_layout(int D, int H, int L, int R, int C, bool staged) {
   return l;
 }
 
-struct DeviceInfo {
-  int major = 0, sms = 0, smem_optin = 0;
-};
+}  // namespace
 
-std::mutex g_mutex;
-std::map<int, DeviceInfo> g_devices;
-// (device, variant) -> dynamic smem limit already set; (device, variant, C, smem) -> fits.
-std::map<std::tuple<int, int>, int> g_smem_set;
-std::map<std::tuple<int, int, int, int>, int> g_fits;
+namespace {
+std::mutex g_mutex;  // guards the caches below (plans may be made from several threads)
+std::map<int, ClusterDevice> g_devices;
+// (kernel, device) -> dynamic smem limit already set; (kernel, device, C, threads, smem) -> fits.
+std::map<std::tuple<const void*, int>, int> g_smem_set;
+std::map<std::tuple<const void*, int, int, int, int>, int> g_fits;
+}  // namespace
 
-cudaError_t device_info(int device, DeviceInfo* out) {
-  auto it = g_devices.find(device);
-  if (it != g_devices.end()) { *out = it->second; return cudaSuccess; }
-  DeviceInfo d;
-  cudaError_t e = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess)
-    e = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (e != cudaSuccess) return e;
-  g_devices[device] = d;
-  *out = d;
-  return cudaSuccess;
+cudaError_t cluster_device(int device, ClusterDevice* out) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_devices.find(device);
+    if (it != g_devices.end()) { *out = it->second; return cudaSuccess; }
+    ClusterDevice d;
+    cudaError_t e = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (e != cudaSuccess) return e;
+    g_devices[device] = d;
+    *out = d;
+    return cudaSuccess;
+  } catch (...) {  // std::map allocation / mutex: no exception leaves this file
+    return cudaErrorMemoryAllocation;
+  }
 }
 
-// How many clusters of C blocks with `smem` bytes each can be resident at once on `device`
-// (0: this cluster shape cannot be launched there).
-cudaError_t active_clusters(int device, int variant, int C, int smem, int* fits) {
-  const auto key = std::make_tuple(device, variant, C, smem);
-  auto it = g_fits.find(key);
-  if (it != g_fits.end()) { *fits = it->second; return cudaSuccess; }
-  Kernel k = kernel_for(variant);
-  auto& set = g_smem_set[std::make_tuple(device, variant)];
-  cudaError_t e = cudaSuccess;
-  if (smem > set) {
-    e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    set = smem;
+cudaError_t cluster_fit(const void* kernel, int device, int C, int threads, int smem,
+                        int* clusters) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const auto key = std::make_tuple(kernel, device, C, threads, smem);
+    auto it = g_fits.find(key);
+    if (it != g_fits.end()) { *clusters = it->second; return cudaSuccess; }
+    auto& set = g_smem_set[std::make_tuple(kernel, device)];
+    cudaError_t e = cudaSuccess;
+    if (smem > set) {
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) return e;
+      set = smem;
+    }
+    if (C > 8) {
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      if (e != cudaSuccess) { cudaGetLastError(); *clusters = 0; g_fits[key] = 0; return cudaSuccess; }
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(C);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = C;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    e = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
+    if (e != cudaSuccess) { cudaGetLastError(); n = 0; }  // e.g. C too large here
+    *clusters = n;
+    g_fits[key] = n;
+    return cudaSuccess;
+  } catch (...) {
+    return cudaErrorMemoryAllocation;
   }
-  if (C > 8) {
-    e = cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e != cudaSuccess) { cudaGetLastError(); *fits = 0; g_fits[key] = 0; return cudaSuccess; }
-  }
+}
+
+cudaError_t cluster_launch(const void* kernel, int blocks, int C, int threads, int smem,
+                           void** args, cudaStream_t stream) noexcept {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(C);
-  cfg.blockDim = dim3(kClusterThreads);
-  cfg.dynamicSmemBytes = smem;
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = C;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(C);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  int clusters = 0;
-  e = cudaOccupancyMaxActiveClusters(&clusters, k, &cfg);
-  if (e != cudaSuccess) { cudaGetLastError(); clusters = 0; }  // e.g. C too large here
-  *fits = clusters;
-  g_fits[key] = clusters;
-  return cudaSuccess;
+  const cudaError_t e = cudaLaunchKernelExC(&cfg, kernel, args);
+  const cudaError_t last = cudaGetLastError();
+  return e != cudaSuccess ? e : last;
 }
-
-}  // namespace
 
 long long elbo_smem_bytes(int D, int H, int L, int R, int C, bool staged) noexcept {
   return make_layout(D, H, L, R, C, staged).floats * 4;
 }
 
-static ElboStatus elbo_plan_locked(ElboParams& p, int device, int rows, int cluster,
-                                   int staged, cudaError_t* cuda_err);
-
 ElboStatus elbo_plan(ElboParams& p, int device, int rows, int cluster, int staged,
                      cudaError_t* cuda_err) noexcept {
-  try {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    return elbo_plan_locked(p, device, rows, cluster, staged, cuda_err);
-  } catch (...) {  // std::map allocation / mutex: no exception leaves this file
-    *cuda_err = cudaErrorMemoryAllocation;
-    return kElboCudaError;
-  }
-}
-
-static ElboStatus elbo_plan_locked(ElboParams& p, int device, int rows, int cluster,
-                                   int staged, cudaError_t* cuda_err) {
   *cuda_err = cudaSuccess;
-  DeviceInfo dev;
-  cudaError_t e = device_info(device, &dev);
+  ClusterDevice dev;
+  cudaError_t e = cluster_device(device, &dev);
   if (e != cudaSuccess) { *cuda_err = e; return kElboCudaError; }
   if (dev.major < 9) return kElboBadArch;
   static const int kAuto[] = {16, 8, 4, 2, 1};
@@ -581,7 +557,8 @@ static ElboStatus elbo_plan_locked(ElboParams& p, int device, int rows, int clus
         const long long bytes = elbo_smem_bytes(p.D, p.H, p.L, R, C, st != 0);
         if (bytes > dev.smem_optin) { active = 0; break; }
         smem = static_cast<int>(bytes);
-        e = active_clusters(device, R >= 32 ? 1 : 0, C, smem, &active);
+        e = cluster_fit(reinterpret_cast<const void*>(kernel_for(R >= 32 ? 1 : 0)), device, C,
+                        kClusterThreads, smem, &active);
         if (e != cudaSuccess) { *cuda_err = e; return kElboCudaError; }
         if (active == 0 || rows > 0 || cdiv(p.B, R) <= active) break;
         const int r1 = min(cdiv(p.B, active), rcap);
@@ -589,7 +566,8 @@ static ElboStatus elbo_plan_locked(ElboParams& p, int device, int rows, int clus
         const long long b1 = elbo_smem_bytes(p.D, p.H, p.L, r1, C, st != 0);
         int a1 = 0;
         if (b1 <= dev.smem_optin) {
-          e = active_clusters(device, r1 >= 32 ? 1 : 0, C, static_cast<int>(b1), &a1);
+          e = cluster_fit(reinterpret_cast<const void*>(kernel_for(r1 >= 32 ? 1 : 0)), device, C,
+                          kClusterThreads, static_cast<int>(b1), &a1);
           if (e != cudaSuccess) { *cuda_err = e; return kElboCudaError; }
         }
         if (a1 == 0 || cdiv(p.B, r1) > a1) break;  // keep R: two waves either way
@@ -618,21 +596,9 @@ static ElboStatus elbo_plan_locked(ElboParams& p, int device, int rows, int clus
 }
 
 cudaError_t elbo_launch(const ElboParams& p, cudaStream_t stream) noexcept {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(cdiv(p.B, p.R) * p.C));
-  cfg.blockDim = dim3(kClusterThreads);
-  cfg.dynamicSmemBytes = static_cast<size_t>(p.smem_bytes);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(p.C);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel_for(p.variant), p);
-  const cudaError_t last = cudaGetLastError();
-  return e != cudaSuccess ? e : last;
+  void* args[] = {const_cast<ElboParams*>(&p)};
+  return cluster_launch(reinterpret_cast<const void*>(kernel_for(p.variant)),
+                        cdiv(p.B, p.R) * p.C, p.C, kClusterThreads, p.smem_bytes, args, stream);
 }
 
 }  // namespace fastelbo

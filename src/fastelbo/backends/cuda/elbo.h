@@ -56,6 +56,7 @@ enum ElboStatus : int {
   kElboCudaError = 2,  // a CUDA runtime call failed: see *cuda_err
   kElboBadArch = 3,    // device below compute capability 9.0 (no thread-block clusters)
   kElboNoCluster = 4,  // no cluster size (16, 8, 4, 2, 1) is schedulable with this shared memory
+  kElboNotAligned = 5, // fast path only: dims or pointers not float4-friendly
 };
 
 // Chooses R, C, staging and the variant for this device and these dims (rows / cluster > 0
@@ -71,6 +72,62 @@ cudaError_t elbo_launch(const ElboParams& p, cudaStream_t stream) noexcept;
 // Shared-memory bytes the kernel needs for R rows per cluster, cluster size C, with or
 // without the staged copies of x and the weight slices.
 long long elbo_smem_bytes(int D, int H, int L, int R, int C, bool staged) noexcept;
+
+// ---- fast cluster path (elbo_fast.cu): the same one-launch forward for float4-friendly dims ----
+// Clusters of C blocks own up to kFastRows batch rows. The encoder is split over the input
+// dimension (block k multiplies its slice of x's columns by the same slice of w1: x is read
+// once per cluster) and reduced through distributed shared memory; the decoder's last layer is
+// split over output columns (block k: its columns of the logits, its columns of x for BCE).
+constexpr int kFastRows = 20;  // rows per cluster: 4 row lanes x 5 rows per thread
+struct FastParams {
+  const float* x;
+  const float* eps;
+  const float* w1;
+  const float* b1;
+  const float* wmu;
+  const float* bmu;
+  const float* wlv;
+  const float* blv;
+  const float* wd1;
+  const float* bd1;
+  const float* wd2;
+  const float* bd2;
+  float* elbo;
+  float* recon;
+  float* kl;
+  int B, D, H, L;
+  // Filled by elbo_fast_plan():
+  int R, C;              // batch rows per cluster (<= kFastRows), blocks per cluster
+  int qmax;              // most float4 columns of x any block owns (D / 4 split over C)
+  int hs, ns_l, ns_d;    // per block: hidden columns (H / C), latent indices, output columns
+  int ldk, ldp, ldd;     // smem row strides (floats): x / w1 slices, encoder partials, d / wd2
+  int off_xk, off_w1k, off_b1, off_p1, off_hk, off_wl, off_p2, off_bl, off_eps, off_ml;
+  int off_zs, off_wd1, off_bd1, off_wd2, off_bd2, off_xd, off_bce, off_pull;
+  int off_rec, off_kl, off_bad;
+  int smem_bytes;
+};
+
+// Plans the fast path for this device (cluster > 0 forces C; one_wave: only if all clusters are
+// co-resident, as `auto` wants). kElboOk, or why not: kElboTooLarge (smem), kElboBadArch,
+// kElboNoCluster, kElboNotAligned (dims or pointers not float4-friendly), kElboCudaError.
+// Host-only, no stream work: safe during CUDA graph capture.
+ElboStatus elbo_fast_plan(FastParams& p, int device, int cluster, bool one_wave,
+                          cudaError_t* cuda_err) noexcept;
+cudaError_t elbo_fast_launch(const FastParams& p, cudaStream_t stream) noexcept;
+
+// ---- cluster launch helpers shared by both cluster kernels (elbo.cu) ----
+struct ClusterDevice {
+  int major = 0, sms = 0, smem_optin = 0;
+};
+// Cached per device.
+cudaError_t cluster_device(int device, ClusterDevice* out) noexcept;
+// How many clusters of C blocks (threads each, smem bytes of dynamic shared memory) can be
+// resident at once (0: not launchable here); raises the kernel's smem limit as needed. Cached.
+cudaError_t cluster_fit(const void* kernel, int device, int C, int threads, int smem,
+                        int* clusters) noexcept;
+// cudaLaunchKernelEx with a cluster dimension of C; the launch's error (cudaGetLastError folded in).
+cudaError_t cluster_launch(const void* kernel, int blocks, int C, int threads, int smem,
+                           void** args, cudaStream_t stream) noexcept;
 
 // ---- rows path (large batches; rows.cu): cuBLAS GEMMs in binding.cpp, these in between ----
 // reparam_kl_kernel: z = mu + exp(0.5 lv) * eps (n, L) and, when kl != nullptr,

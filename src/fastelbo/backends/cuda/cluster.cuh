@@ -1,0 +1,48 @@
+// Device helpers shared by the two cluster kernels (elbo.cu, elbo_fast.cu): Ampere-style
+// asynchronous global -> shared copies, and the phase stamps of benchmarks/cuda_trace.cu.
+// No torch types; included by .cu files only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace fastelbo {
+
+// cp.async: a block's slices are all in flight at once, so the layers read shared memory
+// instead of waiting on L2 round trips. 16-byte copies need 16-byte aligned src and dst.
+__device__ __forceinline__ void cp_async16(float* dst, const float* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d),
+               "l"(__cvta_generic_to_global(src)) : "memory");
+}
+__device__ __forceinline__ void cp_async4(float* dst, const float* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d),
+               "l"(__cvta_generic_to_global(src)) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most N of this thread's commit groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+}  // namespace fastelbo
+
+// Phase timestamps for benchmarks/cuda_trace.cu (built with -DFASTELBO_TRACE only): thread 0
+// of each block records clock64() at FE_TRACE(i); the package build compiles none of this.
+#ifdef FASTELBO_TRACE
+constexpr int kTracePoints = 16;
+constexpr int kTraceBlocks = 1024;
+static __device__ long long g_elbo_trace[kTraceBlocks * kTracePoints];
+#define FE_TRACE(i)                                                \
+  do {                                                             \
+    if (threadIdx.x == 0 && blockIdx.x < kTraceBlocks)             \
+      g_elbo_trace[blockIdx.x * kTracePoints + (i)] = clock64();   \
+  } while (0)
+#else
+#define FE_TRACE(i) \
+  do {              \
+  } while (0)
+#endif
