@@ -101,8 +101,9 @@ struct FastParams {
   int qmax;              // most float4 columns of x any block owns (D / 4 split over C)
   int hs, ns_l, ns_d;    // per block: hidden columns (H / C), latent indices, output columns
   int ldk, ldp, ldd;     // smem row strides (floats): x / w1 slices, encoder partials, d / wd2
+  int ldq, lds_l, lds_d; // strides: hk / wl rows, latent-index rows (bl, eps), x / bce rows
   int off_xk, off_w1k, off_b1, off_p1, off_hk, off_wl, off_p2, off_bl, off_eps, off_ml;
-  int off_zs, off_wd1, off_bd1, off_wd2, off_bd2, off_xd, off_bce, off_pull;
+  int off_zs, off_wd1, off_bd1, off_dk, off_wd2, off_bd2, off_xd, off_pull;
   int off_rec, off_kl, off_bad;
   int smem_bytes;
 };

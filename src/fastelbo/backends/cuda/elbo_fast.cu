@@ -66,28 +66,75 @@ __device__ __forceinline__ float dot4(float4 a, float4 w, float acc) {
   acc = fmaf(a.z, w.z, acc);
   return fmaf(a.w, w.w, acc);
 }
+__device__ __forceinline__ int floor4(int v) { return v & ~3; }
+
+// acc[i][j] += sum over float4 columns q in [q0, q1) of a[i][4q..] . w[j][4q..], each
+// accumulator in column order. The next column's operands load while this one's FMAs issue.
+template <int TR, int TC>
+__device__ __forceinline__ void tile_dot(const float* const (&a)[TR], const float* const (&w)[TC],
+                                         int q0, int q1, float (&acc)[TR][TC]) {
+  if (q0 >= q1) return;
+  float4 av[TR], wv[TC];
+#pragma unroll
+  for (int i = 0; i < TR; ++i) av[i] = ld4(a[i] + 4 * q0);
+#pragma unroll
+  for (int j = 0; j < TC; ++j) wv[j] = ld4(w[j] + 4 * q0);
+#pragma unroll 2
+  for (int q = q0; q < q1; ++q) {
+    const int qn = 4 * min(q + 1, q1 - 1);  // the last round reloads its own column
+    float4 an[TR], wn[TC];
+#pragma unroll
+    for (int i = 0; i < TR; ++i) an[i] = ld4(a[i] + qn);
+#pragma unroll
+    for (int j = 0; j < TC; ++j) wn[j] = ld4(w[j] + qn);
+#pragma unroll
+    for (int i = 0; i < TR; ++i)
+#pragma unroll
+      for (int j = 0; j < TC; ++j) acc[i][j] = dot4(av[i], wv[j], acc[i][j]);
+#pragma unroll
+    for (int i = 0; i < TR; ++i) av[i] = an[i];
+#pragma unroll
+    for (int j = 0; j < TC; ++j) wv[j] = wn[j];
+  }
+}
+
+// dst(i) = src(i) for i < n, float4 each, kBatch loads in flight per thread before any store
+// (the loads are DSMEM reads of other blocks, ~hundreds of cycles each).
+template <int kBatch, class Src, class Dst>
+__device__ __forceinline__ void gather4(int n, Src src, Dst dst) {
+  for (int base = static_cast<int>(threadIdx.x); base < n; base += kBatch * kFastThreads) {
+    float4 v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (base + u * kFastThreads < n) v[u] = src(base + u * kFastThreads);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (base + u * kFastThreads < n) dst(base + u * kFastThreads, v[u]);
+  }
+}
 
 __global__ void __launch_bounds__(kFastThreads, 1)
     elbo_fast_kernel(const __grid_constant__ FastParams p) {
   extern __shared__ float4 smem4[];
+  __shared__ alignas(8) unsigned long long bar[4];  // one mbarrier per staging group
   float* sm = reinterpret_cast<float*>(smem4);
-  float* xk = sm + p.off_xk;     // 20 x ldk: this block's x columns (float4 quads qa..qb)
+  float* xk = sm + p.off_xk;     // 20 x ldk: this block's x columns (float4 quads qa..)
   float* w1k = sm + p.off_w1k;   // H x ldk: the same columns of w1
   float* b1k = sm + p.off_b1;    // hs
   float* p1 = sm + p.off_p1;     // 20 x ldp: partial h; later ds (20 x ldd): all of d
-  float* hk = sm + p.off_hk;     // 20 x hs: h for this block's hidden columns
-  float* wl = sm + p.off_wl;     // 2L x hs: wmu | wlv, this block's hidden columns
+  float* hk = sm + p.off_hk;     // 20 x ldq: h for this block's hidden columns
+  float* wl = sm + p.off_wl;     // 2L x ldq: wmu | wlv, this block's hidden columns
   float* p2 = sm + p.off_p2;     // 20 x 2L: partial mu | logvar
-  float* bl = sm + p.off_bl;     // 2 x ns_l: bmu, blv of this block's latent indices
-  float* epk = sm + p.off_eps;   // 20 x ns_l
+  float* bl = sm + p.off_bl;     // 2 x lds_l: bmu, blv around this block's latent indices
+  float* epk = sm + p.off_eps;   // 20 x lds_l: eps, same columns
   float* ml = sm + p.off_ml;     // 20 x 2 ns_l: mu, logvar of this block's latent indices
   float* zs = sm + p.off_zs;     // 20 x L: all of z (pushed by every block)
   float* wd1s = sm + p.off_wd1;  // hs x L
   float* bd1k = sm + p.off_bd1;  // hs
+  float* dk = sm + p.off_dk;     // 20 x hs: d for this block's hidden columns
   float* wd2s = sm + p.off_wd2;  // ns_d x ldd
-  float* bd2k = sm + p.off_bd2;  // ns_d
-  float* xd = sm + p.off_xd;     // 20 x ns_d: x at this block's output columns
-  float* bce = sm + p.off_bce;   // 20 x ns_d: BCE terms
+  float* bd2k = sm + p.off_bd2;  // lds_d: bd2 around this block's output columns
+  float* xd = sm + p.off_xd;     // 20 x lds_d: x, same columns
   float* pull = sm + p.off_pull; // scratch over w1k once L1 is done: pulled partials, L4 sums
   float* rec_part = sm + p.off_rec;  // C x 20 (rank 0): BCE row sums per block
   float* kl_part = sm + p.off_kl;    // C x 20 (rank 0): KL row sums per block
@@ -99,90 +146,74 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   const int k = static_cast<int>(cluster.block_rank());
   const int row0 = static_cast<int>(blockIdx.x / C) * R;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int ldk = p.ldk, ldp = p.ldp, ldd = p.ldd, hs = p.hs, ns_l = p.ns_l, ns_d = p.ns_d;
+  const int ldk = p.ldk, ldp = p.ldp, ldd = p.ldd, ldq = p.ldq, hs = p.hs, ns_l = p.ns_l;
+  const int lds_l = p.lds_l, lds_d = p.lds_d;
   const int nq = D / 4, qa = k * nq / C, nqk = (k + 1) * nq / C - qa;
-  const int h0 = k * hs;
+  const int h0 = k * hs, g4 = hs / 4, hq = H / 4;
   const int j0 = k * ns_l, lcnt = max(0, min(ns_l, L - j0));
-  const int n0d = k * ns_d, ncd = max(0, min(ns_d, D - n0d));
+  const int n0d = k * p.ns_d, ncd = max(0, min(p.ns_d, D - n0d));
+  // 16-byte aligned windows around this block's latent indices and output columns.
+  const int sl0 = floor4(j0), nsl = lcnt > 0 ? round4(j0 + lcnt) - sl0 : 0, shl = j0 - sl0;
+  const int sd0 = floor4(n0d), nsd = ncd > 0 ? round4(n0d + ncd) - sd0 : 0, shd = n0d - sd0;
   auto grow = [&](int r) { return static_cast<size_t>(min(row0 + r, B - 1)); };
   FE_TRACE(0);
 
-  // Staging, one commit group per phase that needs it (groups committed even when empty).
-  for (int i = tid; i < kFastRows * nqk; i += kFastThreads) {
-    const int r = i / nqk, q = i - r * nqk;
-    cp_async16(xk + r * ldk + 4 * q, p.x + grow(r) * D + 4 * (qa + q));
+  // Staging: four groups of bulk copies, one mbarrier each, in the order the layers need them.
+  const int nx = nqk > 0 ? kFastRows : 0, nw = nqk > 0 ? H : 0;
+  const int nl = nsl > 0 ? kFastRows + 2 : 0, nd = nsd > 0 ? kFastRows + 1 : 0;
+  if (tid == 0) {
+#pragma unroll
+    for (int g = 0; g < 4; ++g) mbar_init(&bar[g], 1);
+    mbar_fence_init();
+    mbar_arrive_expect(&bar[0], 16u * nqk * (nx + nw) + 4u * hs);
+    mbar_arrive_expect(&bar[1], 4u * (2 * L * hs + nl * nsl));
+    mbar_arrive_expect(&bar[2], 4u * (hs * L + hs));
+    mbar_arrive_expect(&bar[3], 4u * (ncd * H + nd * nsd));
   }
-  for (int i = tid; i < H * nqk; i += kFastThreads) {
-    const int n = i / nqk, q = i - n * nqk;
-    cp_async16(w1k + n * ldk + 4 * q, p.w1 + static_cast<size_t>(n) * D + 4 * (qa + q));
+  __syncthreads();  // barriers initialised before any copy names them
+  for (int i = tid; i < nx + nw + 1; i += kFastThreads) {
+    if (i < nx) bulk_copy(xk + i * ldk, p.x + grow(i) * D + 4 * qa, 16u * nqk, &bar[0]);
+    else if (i < nx + nw)
+      bulk_copy(w1k + (i - nx) * ldk, p.w1 + static_cast<size_t>(i - nx) * D + 4 * qa,
+                16u * nqk, &bar[0]);
+    else bulk_copy(b1k, p.b1 + h0, 4u * hs, &bar[0]);
   }
-  for (int i = tid; i < hs / 4; i += kFastThreads) cp_async16(b1k + 4 * i, p.b1 + h0 + 4 * i);
-  cp_async_commit();
-  const int g4 = hs / 4;
-  for (int i = tid; i < 2 * L * g4; i += kFastThreads) {
-    const int c = i / g4, q = i - c * g4;
-    const float* src = c < L ? p.wmu + static_cast<size_t>(c) * H : p.wlv + static_cast<size_t>(c - L) * H;
-    cp_async16(wl + c * hs + 4 * q, src + h0 + 4 * q);
+  for (int i = tid; i < 2 * L + nl; i += kFastThreads) {
+    if (i < L) bulk_copy(wl + i * ldq, p.wmu + static_cast<size_t>(i) * H + h0, 4u * hs, &bar[1]);
+    else if (i < 2 * L)
+      bulk_copy(wl + i * ldq, p.wlv + static_cast<size_t>(i - L) * H + h0, 4u * hs, &bar[1]);
+    else if (i == 2 * L) bulk_copy(bl, p.bmu + sl0, 4u * nsl, &bar[1]);
+    else if (i == 2 * L + 1) bulk_copy(bl + lds_l, p.blv + sl0, 4u * nsl, &bar[1]);
+    else bulk_copy(epk + (i - 2 * L - 2) * lds_l, p.eps + grow(i - 2 * L - 2) * L + sl0,
+                   4u * nsl, &bar[1]);
   }
-  for (int i = tid; i < lcnt; i += kFastThreads) {
-    cp_async4(bl + i, p.bmu + j0 + i);
-    cp_async4(bl + ns_l + i, p.blv + j0 + i);
+  for (int i = tid; i < hs + 1; i += kFastThreads) {
+    if (i < hs) bulk_copy(wd1s + i * L, p.wd1 + static_cast<size_t>(h0 + i) * L, 4u * L, &bar[2]);
+    else bulk_copy(bd1k, p.bd1 + h0, 4u * hs, &bar[2]);
   }
-  for (int i = tid; i < kFastRows * lcnt; i += kFastThreads) {
-    const int r = i / lcnt, j = i - r * lcnt;
-    cp_async4(epk + r * ns_l + j, p.eps + grow(r) * L + j0 + j);
+  for (int i = tid; i < ncd + nd; i += kFastThreads) {
+    if (i < ncd)
+      bulk_copy(wd2s + i * ldd, p.wd2 + static_cast<size_t>(n0d + i) * H, 4u * H, &bar[3]);
+    else if (i == ncd) bulk_copy(bd2k, p.bd2 + sd0, 4u * nsd, &bar[3]);
+    else bulk_copy(xd + (i - ncd - 1) * lds_d, p.x + grow(i - ncd - 1) * D + sd0, 4u * nsd,
+                   &bar[3]);
   }
-  cp_async_commit();
-  const int l4 = L / 4;
-  for (int i = tid; i < hs * l4; i += kFastThreads) {
-    const int c = i / l4, q = i - c * l4;
-    cp_async16(wd1s + c * L + 4 * q, p.wd1 + static_cast<size_t>(h0 + c) * L + 4 * q);
-  }
-  for (int i = tid; i < hs / 4; i += kFastThreads) cp_async16(bd1k + 4 * i, p.bd1 + h0 + 4 * i);
-  cp_async_commit();
-  const int hq = H / 4;
-  for (int i = tid; i < ncd * hq; i += kFastThreads) {
-    const int c = i / hq, q = i - c * hq;
-    cp_async16(wd2s + c * ldd + 4 * q, p.wd2 + static_cast<size_t>(n0d + c) * H + 4 * q);
-  }
-  for (int i = tid; i < ncd; i += kFastThreads) cp_async4(bd2k + i, p.bd2 + n0d + i);
-  for (int i = tid; i < kFastRows * ncd; i += kFastThreads) {
-    const int r = i / ncd, c = i - r * ncd;
-    cp_async4(xd + r * ns_d + c, p.x + grow(r) * D + n0d + c);
-  }
-  cp_async_commit();
   FE_TRACE(1);
-  cp_async_wait<3>();
-  __syncthreads();
+  mbar_wait(&bar[0], 0);
   FE_TRACE(2);
 
   // L1: partial h over this block's x columns, 5 x 4 register tiles.
   {
     const int rt = tid % kRowLanes, ct = tid / kRowLanes;
     for (int n0 = 0; n0 < H; n0 += kL1Pass) {
-      float acc[kRowsPerThread][kL1Cols];
+      float acc[kRowsPerThread][kL1Cols] = {};
       const float* a[kRowsPerThread];
       const float* w[kL1Cols];
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        a[i] = xk + (rt + kRowLanes * i) * ldk;
-#pragma unroll
-        for (int j = 0; j < kL1Cols; ++j) acc[i][j] = 0.0f;
-      }
+      for (int i = 0; i < kRowsPerThread; ++i) a[i] = xk + (rt + kRowLanes * i) * ldk;
 #pragma unroll
       for (int j = 0; j < kL1Cols; ++j) w[j] = w1k + min(n0 + ct + kL1ColLanes * j, H - 1) * ldk;
-#pragma unroll 2
-      for (int q = 0; q < nqk; ++q) {
-        float4 av[kRowsPerThread], wv[kL1Cols];
-#pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) av[i] = ld4(a[i] + 4 * q);
-#pragma unroll
-        for (int j = 0; j < kL1Cols; ++j) wv[j] = ld4(w[j] + 4 * q);
-#pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i)
-#pragma unroll
-          for (int j = 0; j < kL1Cols; ++j) acc[i][j] = dot4(av[i], wv[j], acc[i][j]);
-      }
+      tile_dot(a, w, 0, nqk, acc);
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i)
 #pragma unroll
@@ -193,32 +224,41 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     }
   }
   FE_TRACE(3);
-  cp_async_wait<2>();  // G1 (latent weights, biases, eps) too: L2 reads wl before S2
-  cluster.sync();      // S1
+  cluster.sync();  // S1
   FE_TRACE(4);
 
   // RS1: pull this block's hidden columns of every block's partials, then sum in rank order.
-  for (int i = tid; i < C * kFastRows * g4; i += kFastThreads) {
-    const int q = i / (kFastRows * g4), e = i - q * (kFastRows * g4);
-    const int r = e / g4, c = 4 * (e - r * g4);
-    st4(pull + (q * kFastRows + r) * hs + c, ld4(cluster.map_shared_rank(p1, q) + r * ldp + h0 + c));
-  }
+  gather4<8>(C * kFastRows * g4,
+      [&](int i) {
+        const int q = i / (kFastRows * g4), e = i - q * (kFastRows * g4), r = e / g4;
+        return ld4(cluster.map_shared_rank(p1, q) + r * ldp + h0 + 4 * (e - r * g4));
+      },
+      [&](int i, float4 v) { st4(pull + 4 * i, v); });  // pull: C x 20 x hs
   __syncthreads();
   for (int i = tid; i < kFastRows * hs; i += kFastThreads) {
     const int r = i / hs, c = i - r * hs;
     float s = 0.0f;
     for (int q = 0; q < C; ++q) s += pull[(q * kFastRows + r) * hs + c];
-    hk[r * hs + c] = relu(s + b1k[c]);
+    hk[r * ldq + c] = relu(s + b1k[c]);
   }
+  mbar_wait(&bar[1], 0);
   __syncthreads();
   FE_TRACE(5);
 
-  // L2: partial mu | logvar over this block's hidden columns.
-  for (int o = tid; o < kFastRows * 2 * L; o += kFastThreads) {
-    const int r = o / (2 * L), c = o - r * (2 * L);
-    float acc = 0.0f;
-    for (int kk = 0; kk < hs; kk += 4) acc = dot4(ld4(hk + r * hs + kk), ld4(wl + c * hs + kk), acc);
-    p2[r * 2 * L + c] = acc;
+  // L2: partial mu | logvar over this block's hidden columns, 5 x 1 register tiles.
+  {
+    const int rt = tid % kRowLanes, ct = tid / kRowLanes;
+    for (int c0 = 0; c0 < 2 * L; c0 += kL1ColLanes) {
+      float acc[kRowsPerThread][1] = {};
+      const float* a[kRowsPerThread];
+      const float* w[1] = {wl + min(c0 + ct, 2 * L - 1) * ldq};
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) a[i] = hk + (rt + kRowLanes * i) * ldq;
+      tile_dot(a, w, 0, g4, acc);
+      if (c0 + ct < 2 * L)
+#pragma unroll
+        for (int i = 0; i < kRowsPerThread; ++i) p2[(rt + kRowLanes * i) * 2 * L + c0 + ct] = acc[i][0];
+    }
   }
   FE_TRACE(6);
   cluster.sync();  // S2
@@ -226,11 +266,28 @@ __global__ void __launch_bounds__(kFastThreads, 1)
 
   // RS2: this block's latent indices, summed over blocks; z to every block, KL to rank 0.
   const int m2 = 2 * ns_l;
-  for (int i = tid; i < C * kFastRows * 2 * lcnt; i += kFastThreads) {
-    const int q = i / (kFastRows * 2 * lcnt), e = i - q * (kFastRows * 2 * lcnt);
-    const int r = e / (2 * lcnt), m = e - r * (2 * lcnt);
-    const int col = m < lcnt ? j0 + m : L + j0 + (m - lcnt);
-    pull[(q * kFastRows + r) * m2 + m] = cluster.map_shared_rank(p2, q)[r * 2 * L + col];
+  {
+    const int per = kFastRows * 2 * lcnt;  // pulled values per block
+    for (int base = tid; base < C * per; base += 8 * kFastThreads) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int i = base + u * kFastThreads;
+        if (i < C * per) {
+          const int q = i / per, e = i - q * per, r = e / (2 * lcnt), m = e - r * (2 * lcnt);
+          const int col = m < lcnt ? j0 + m : L + j0 + (m - lcnt);
+          v[u] = cluster.map_shared_rank(p2, q)[r * 2 * L + col];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int i = base + u * kFastThreads;
+        if (i < C * per) {
+          const int q = i / per, e = i - q * per, r = e / (2 * lcnt), m = e - r * (2 * lcnt);
+          pull[(q * kFastRows + r) * m2 + m] = v[u];
+        }
+      }
+    }
   }
   __syncthreads();
   for (int i = tid; i < kFastRows * lcnt; i += kFastThreads) {
@@ -240,11 +297,11 @@ __global__ void __launch_bounds__(kFastThreads, 1)
       mu += pull[(q * kFastRows + r) * m2 + j];
       lv += pull[(q * kFastRows + r) * m2 + lcnt + j];
     }
-    mu += bl[j];
-    lv += bl[ns_l + j];
+    mu += bl[shl + j];
+    lv += bl[lds_l + shl + j];
     ml[r * m2 + j] = mu;
     ml[r * m2 + ns_l + j] = lv;
-    const float z = reparam(mu, lv, epk[r * ns_l + j]);
+    const float z = reparam(mu, lv, epk[r * lds_l + shl + j]);
     for (int q = 0; q < C; ++q) cluster.map_shared_rank(zs, q)[r * L + j0 + j] = z;
   }
   __syncthreads();
@@ -254,11 +311,12 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     cluster.map_shared_rank(kl_part, 0)[k * kFastRows + r] = s;
   }
   FE_TRACE(8);
-  cp_async_wait<1>();
   cluster.sync();  // S3
   FE_TRACE(9);
 
-  // L3: d for this block's hidden columns, four per thread, pushed as float4 to every block.
+  // L3: d for this block's hidden columns (four per thread), then pushed as float4 to every
+  // block's ds (ds aliases p1: its last remote reader finished before S2).
+  mbar_wait(&bar[2], 0);
   for (int i = tid; i < kFastRows * g4; i += kFastThreads) {
     const int r = i / g4, c = 4 * (i - r * g4);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -267,45 +325,38 @@ __global__ void __launch_bounds__(kFastThreads, 1)
 #pragma unroll
       for (int m = 0; m < 4; ++m) acc[m] = dot4(zv, ld4(wd1s + (c + m) * L + kk), acc[m]);
     }
-    const float4 d = make_float4(relu(acc[0] + bd1k[c]), relu(acc[1] + bd1k[c + 1]),
-                                 relu(acc[2] + bd1k[c + 2]), relu(acc[3] + bd1k[c + 3]));
-    for (int q = 0; q < C; ++q) st4(cluster.map_shared_rank(ds, q) + r * ldd + h0 + c, d);
+    st4(dk + r * hs + c, make_float4(relu(acc[0] + bd1k[c]), relu(acc[1] + bd1k[c + 1]),
+                                     relu(acc[2] + bd1k[c + 2]), relu(acc[3] + bd1k[c + 3])));
+  }
+  __syncthreads();
+  for (int i = tid; i < C * kFastRows * g4; i += kFastThreads) {
+    const int q = i / (kFastRows * g4), e = i - q * (kFastRows * g4), r = e / g4;
+    const int c = 4 * (e - r * g4);
+    st4(cluster.map_shared_rank(ds, q) + r * ldd + h0 + c, ld4(dk + r * hs + c));
   }
   FE_TRACE(10);
-  cp_async_wait<0>();
   cluster.sync();  // S4
   FE_TRACE(11);
 
-  // L4: logits for this block's output columns; warps split H, sums reduced through smem in
-  // warp order; then BCE against x.
+  // L4: logits for this block's output columns (warps split H; partial sums reduced through
+  // smem in warp order), then BCE against x and the per-row sums: warp w owns rows w + 8m.
+  mbar_wait(&bar[3], 0);
+  constexpr int kRowsPerWarp = (kFastRows + kFastWarps - 1) / kFastWarps;
+  float rsum[kRowsPerWarp] = {};
+  bool rbad[kRowsPerWarp] = {};
   {
     const int rt = lane % kRowLanes, ct = lane / kRowLanes;
     const int qw0 = warp * hq / kFastWarps, qw1 = (warp + 1) * hq / kFastWarps;
     float* red = pull + warp * kFastRows * kL4Pass;
     for (int n0 = 0; n0 < ncd; n0 += kL4Pass) {  // uniform over the block
-      float acc[kRowsPerThread][kL4Cols];
+      float acc[kRowsPerThread][kL4Cols] = {};
       const float* a[kRowsPerThread];
       const float* w[kL4Cols];
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        a[i] = ds + (rt + kRowLanes * i) * ldd;
-#pragma unroll
-        for (int j = 0; j < kL4Cols; ++j) acc[i][j] = 0.0f;
-      }
+      for (int i = 0; i < kRowsPerThread; ++i) a[i] = ds + (rt + kRowLanes * i) * ldd;
 #pragma unroll
       for (int j = 0; j < kL4Cols; ++j) w[j] = wd2s + min(n0 + ct + kL4ColLanes * j, ncd - 1) * ldd;
-#pragma unroll 2
-      for (int q = qw0; q < qw1; ++q) {
-        float4 av[kRowsPerThread], wv[kL4Cols];
-#pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) av[i] = ld4(a[i] + 4 * q);
-#pragma unroll
-        for (int j = 0; j < kL4Cols; ++j) wv[j] = ld4(w[j] + 4 * q);
-#pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i)
-#pragma unroll
-          for (int j = 0; j < kL4Cols; ++j) acc[i][j] = dot4(av[i], wv[j], acc[i][j]);
-      }
+      tile_dot(a, w, qw0, qw1, acc);
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i)
 #pragma unroll
@@ -313,38 +364,37 @@ __global__ void __launch_bounds__(kFastThreads, 1)
           red[(rt + kRowLanes * i) * kL4Pass + ct + kL4ColLanes * j] = acc[i][j];
       __syncthreads();
       const int ncp = min(kL4Pass, ncd - n0);
-      for (int o = tid; o < kFastRows * ncp; o += kFastThreads) {
-        const int r = o / ncp, c = o - r * ncp;
-        float s = 0.0f;
 #pragma unroll
-        for (int w8 = 0; w8 < kFastWarps; ++w8) s += pull[(w8 * kFastRows + r) * kL4Pass + c];
-        bool bad = false;  // the row flag is taken from xd below
-        bce[r * ns_d + n0 + c] = bce_term(s + bd2k[n0 + c], xd[r * ns_d + n0 + c], &bad);
+      for (int m = 0; m < kRowsPerWarp; ++m) {
+        const int r = warp + kFastWarps * m;
+        if (r >= kFastRows) break;
+        for (int c = lane; c < ncp; c += 32) {
+          float s = 0.0f;
+#pragma unroll
+          for (int w8 = 0; w8 < kFastWarps; ++w8) s += pull[(w8 * kFastRows + r) * kL4Pass + c];
+          const float xv = xd[r * lds_d + shd + n0 + c];
+          rsum[m] += bce_term(s + bd2k[shd + n0 + c], xv, &rbad[m]);
+        }
       }
       __syncthreads();
     }
   }
-  FE_TRACE(12);
-  // Per-row BCE sums (one warp per row, fixed order: deterministic) and bad-x flags -> rank 0.
-  for (int r = warp; r < kFastRows; r += kFastWarps) {
-    float s = 0.0f;
-    bool bad = false;
-    for (int c = lane; c < ncd; c += 32) {
-      s += bce[r * ns_d + c];
-      const float xv = xd[r * ns_d + c];
-      bad |= !(xv >= 0.0f && xv <= 1.0f);
-    }
+#pragma unroll
+  for (int m = 0; m < kRowsPerWarp; ++m) {
+    const int r = warp + kFastWarps * m;
+    if (r >= kFastRows) break;
+    float s = rsum[m];
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    bad = __any_sync(0xffffffffu, bad);
+    const bool bad = __any_sync(0xffffffffu, rbad[m]);
     if (lane == 0) {
       cluster.map_shared_rank(rec_part, 0)[k * kFastRows + r] = s;
       cluster.map_shared_rank(bad_part, 0)[k * kFastRows + r] = bad ? 1.0f : 0.0f;
     }
   }
-  FE_TRACE(13);
+  FE_TRACE(12);
   cluster.sync();  // S5
-  FE_TRACE(14);
+  FE_TRACE(13);
 
   if (k == 0) {
     for (int r = tid; r < R; r += kFastThreads) {
@@ -364,7 +414,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
       p.elbo[gr] = bad ? nan : -(rs + kl);
     }
   }
-  FE_TRACE(15);
+  FE_TRACE(14);
 }
 
 // Rows of `q` float4 with an odd count of float4 per row: 4 or 8 consecutive rows then start in
@@ -381,6 +431,9 @@ bool fast_layout(FastParams& p, int C) {
   p.ldk = odd_quads(p.qmax);
   p.ldp = (H + 31) / 32 * 32 + 8;  // tile stores rt * ldp + ct: rows 8 banks apart
   p.ldd = odd_quads(H / 4);
+  p.ldq = odd_quads(p.hs / 4);
+  p.lds_l = round4(p.ns_l + 6);    // a 16-byte aligned window around ns_l columns
+  p.lds_d = round4(p.ns_d + 6);
   long long off = 0;
   auto take = [&](long long n) {
     const long long at = off;
@@ -395,19 +448,19 @@ bool fast_layout(FastParams& p, int C) {
   p.off_pull = p.off_w1k;
   p.off_b1 = take(p.hs);
   p.off_p1 = take(static_cast<long long>(F) * std::max(p.ldp, p.ldd));
-  p.off_hk = take(static_cast<long long>(F) * p.hs);
-  p.off_wl = take(2LL * L * p.hs);
+  p.off_hk = take(static_cast<long long>(F) * p.ldq);
+  p.off_wl = take(2LL * L * p.ldq);
   p.off_p2 = take(2LL * F * L);
-  p.off_bl = take(2LL * p.ns_l);
-  p.off_eps = take(static_cast<long long>(F) * p.ns_l);
+  p.off_bl = take(2LL * p.lds_l);
+  p.off_eps = take(static_cast<long long>(F) * p.lds_l);
   p.off_ml = take(2LL * F * p.ns_l);
   p.off_zs = take(static_cast<long long>(F) * L);
   p.off_wd1 = take(static_cast<long long>(p.hs) * L);
   p.off_bd1 = take(p.hs);
+  p.off_dk = take(static_cast<long long>(F) * p.hs);
   p.off_wd2 = take(static_cast<long long>(p.ns_d) * p.ldd);
-  p.off_bd2 = take(p.ns_d);
-  p.off_xd = take(static_cast<long long>(F) * p.ns_d);
-  p.off_bce = take(static_cast<long long>(F) * p.ns_d);
+  p.off_bd2 = take(p.lds_d);
+  p.off_xd = take(static_cast<long long>(F) * p.lds_d);
   p.off_rec = take(static_cast<long long>(C) * F);
   p.off_kl = take(static_cast<long long>(C) * F);
   p.off_bad = take(static_cast<long long>(C) * F);
