@@ -170,7 +170,7 @@ def test_rows_path_misaligned_x(cuda):
     buf = torch.empty(600 * 784 + 1, device="cuda")
     xm = buf[1:].view(600, 784)
     xm.copy_(x)
-    for path in PATHS:
+    for path in ("cluster", "rows"):  # path='fast' refuses it: test_fast_path_refuses_...
         check_against_reference(cuda, xm, params, eps, path=path)
 
 

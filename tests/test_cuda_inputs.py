@@ -198,7 +198,7 @@ def test_forced_plan_must_be_int(fake, option, bad):
         cuda.check_inputs(*make(fake), **{option: bad})
 
 
-@pytest.mark.parametrize("path", ["fast", "", None, 1, "Rows"])
+@pytest.mark.parametrize("path", ["turbo", "", None, 1, "Rows"])
 def test_bad_path(fake, path):
     with pytest.raises(ValueError, match="path must be one of"):
         cuda.check_inputs(*make(fake), path=path)
@@ -219,11 +219,13 @@ def test_forward_checks_before_touching_the_extension(fake, monkeypatch):
     with pytest.raises(ValueError, match="rows must be"):
         cuda.forward(x, params, eps, rows=99)
     with pytest.raises(ValueError, match="path must be"):
-        cuda.forward(x, params, eps, path="fast")
+        cuda.forward(x, params, eps, path="turbo")
     with pytest.raises(ValueError, match="eps must be a CUDA tensor"):
         cuda.forward(x, params, torch.empty(B, L))
     with pytest.raises(ValueError, match="staged must be"):
         cuda.plan(x, params, staged=5)
+    with pytest.raises(ValueError, match="conflict with path='fast'"):
+        cuda.forward(x, params, eps, cluster=8, path="fast")
 
 
 def _recording_extension(monkeypatch):

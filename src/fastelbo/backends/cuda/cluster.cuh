@@ -61,6 +61,18 @@ __device__ __forceinline__ void bulk_copy(float* dst, const float* src, unsigned
       ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
+// A 2-D box of a tensor map (cuTensorMapEncodeTiled) at element coordinates (c0 inner, c1 row):
+// one instruction for a whole tile, elements outside the tensor read as zero. dst: 128-byte
+// aligned; the box is stored densely (row stride = the box's inner size).
+__device__ __forceinline__ void tma_load_2d(float* dst, const void* map, int c0, int c1,
+                                            unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+      : "memory");
+}
+
 }  // namespace fastelbo
 
 // Phase timestamps for benchmarks/cuda_trace.cu (built with -DFASTELBO_TRACE only): thread 0

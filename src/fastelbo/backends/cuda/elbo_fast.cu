@@ -38,6 +38,7 @@
 #include "elbo_math.cuh"
 
 #include <cooperative_groups.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <algorithm>
 #include <climits>
@@ -98,12 +99,12 @@ __device__ __forceinline__ void tile_dot(const float* const (&a)[TR], const floa
   }
 }
 
-// dst(i) = src(i) for i < n, float4 each, kBatch loads in flight per thread before any store
-// (the loads are DSMEM reads of other blocks, ~hundreds of cycles each).
-template <int kBatch, class Src, class Dst>
-__device__ __forceinline__ void gather4(int n, Src src, Dst dst) {
+// dst(i, src(i)) for i < n, kBatch loads in flight per thread before any store (the loads are
+// DSMEM reads of other blocks, hundreds of cycles each).
+template <int kBatch, class T, class Src, class Dst>
+__device__ __forceinline__ void gather(int n, Src src, Dst dst) {
   for (int base = static_cast<int>(threadIdx.x); base < n; base += kBatch * kFastThreads) {
-    float4 v[kBatch];
+    T v[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u)
       if (base + u * kFastThreads < n) v[u] = src(base + u * kFastThreads);
@@ -115,7 +116,7 @@ __device__ __forceinline__ void gather4(int n, Src src, Dst dst) {
 
 __global__ void __launch_bounds__(kFastThreads, 1)
     elbo_fast_kernel(const __grid_constant__ FastParams p) {
-  extern __shared__ float4 smem4[];
+  extern __shared__ __align__(128) float4 smem4[];
   __shared__ alignas(8) unsigned long long bar[4];  // one mbarrier per staging group
   float* sm = reinterpret_cast<float*>(smem4);
   float* xk = sm + p.off_xk;     // 20 x ldk: this block's x columns (float4 quads qa..)
@@ -128,10 +129,11 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   float* bl = sm + p.off_bl;     // 2 x lds_l: bmu, blv around this block's latent indices
   float* epk = sm + p.off_eps;   // 20 x lds_l: eps, same columns
   float* ml = sm + p.off_ml;     // 20 x 2 ns_l: mu, logvar of this block's latent indices
-  float* zs = sm + p.off_zs;     // 20 x L: all of z (pushed by every block)
+  float* zs = sm + p.off_zs;     // 20 x L: all of z (pulled from every block)
+  float* zl = sm + p.off_zl;     // 20 x ns_l: z for this block's latent indices
   float* wd1s = sm + p.off_wd1;  // hs x L
   float* bd1k = sm + p.off_bd1;  // hs
-  float* dk = sm + p.off_dk;     // 20 x hs: d for this block's hidden columns
+  float* dk = sm + p.off_dk;     // 20 x hs: d for this block's hidden columns (pulled by all)
   float* wd2s = sm + p.off_wd2;  // ns_d x ldd
   float* bd2k = sm + p.off_bd2;  // lds_d: bd2 around this block's output columns
   float* xd = sm + p.off_xd;     // 20 x lds_d: x, same columns
@@ -158,26 +160,25 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   auto grow = [&](int r) { return static_cast<size_t>(min(row0 + r, B - 1)); };
   FE_TRACE(0);
 
-  // Staging: four groups of bulk copies, one mbarrier each, in the order the layers need them.
-  const int nx = nqk > 0 ? kFastRows : 0, nw = nqk > 0 ? H : 0;
+  // Staging: four groups of copies, one mbarrier each, in the order the layers need them.
+  // Group 0 (x and w1 slices, what L1 waits for) is two tensor-map tiles issued first; the
+  // rest are row copies (the TMA unit takes ~20 cycles per copy, cuda_trace).
+  const int nbox = cdiv(H, p.w1_box);
   const int nl = nsl > 0 ? kFastRows + 2 : 0, nd = nsd > 0 ? kFastRows + 1 : 0;
   if (tid == 0) {
 #pragma unroll
     for (int g = 0; g < 4; ++g) mbar_init(&bar[g], 1);
     mbar_fence_init();
-    mbar_arrive_expect(&bar[0], 16u * nqk * (nx + nw) + 4u * hs);
+    mbar_arrive_expect(&bar[0], 4u * ldk * (kFastRows + nbox * p.w1_box) + 4u * hs);
     mbar_arrive_expect(&bar[1], 4u * (2 * L * hs + nl * nsl));
     mbar_arrive_expect(&bar[2], 4u * (hs * L + hs));
     mbar_arrive_expect(&bar[3], 4u * (ncd * H + nd * nsd));
+    tma_load_2d(xk, &p.tm_x, 4 * qa, row0, &bar[0]);
+    for (int b = 0; b < nbox; ++b)
+      tma_load_2d(w1k + b * p.w1_box * ldk, &p.tm_w1, 4 * qa, b * p.w1_box, &bar[0]);
+    bulk_copy(b1k, p.b1 + h0, 4u * hs, &bar[0]);
   }
-  __syncthreads();  // barriers initialised before any copy names them
-  for (int i = tid; i < nx + nw + 1; i += kFastThreads) {
-    if (i < nx) bulk_copy(xk + i * ldk, p.x + grow(i) * D + 4 * qa, 16u * nqk, &bar[0]);
-    else if (i < nx + nw)
-      bulk_copy(w1k + (i - nx) * ldk, p.w1 + static_cast<size_t>(i - nx) * D + 4 * qa,
-                16u * nqk, &bar[0]);
-    else bulk_copy(b1k, p.b1 + h0, 4u * hs, &bar[0]);
-  }
+  __syncthreads();  // barriers initialised (and group 0 queued) before the other copies
   for (int i = tid; i < 2 * L + nl; i += kFastThreads) {
     if (i < L) bulk_copy(wl + i * ldq, p.wmu + static_cast<size_t>(i) * H + h0, 4u * hs, &bar[1]);
     else if (i < 2 * L)
@@ -228,7 +229,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   FE_TRACE(4);
 
   // RS1: pull this block's hidden columns of every block's partials, then sum in rank order.
-  gather4<8>(C * kFastRows * g4,
+  gather<8, float4>(C * kFastRows * g4,
       [&](int i) {
         const int q = i / (kFastRows * g4), e = i - q * (kFastRows * g4), r = e / g4;
         return ld4(cluster.map_shared_rank(p1, q) + r * ldp + h0 + 4 * (e - r * g4));
@@ -264,7 +265,8 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   cluster.sync();  // S2
   FE_TRACE(7);
 
-  // RS2: this block's latent indices, summed over blocks; z to every block, KL to rank 0.
+  // RS2: this block's latent indices, summed over blocks: z kept for the others to pull, KL
+  // to rank 0.
   const int m2 = 2 * ns_l;
   {
     const int per = kFastRows * 2 * lcnt;  // pulled values per block
@@ -301,8 +303,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     lv += bl[lds_l + shl + j];
     ml[r * m2 + j] = mu;
     ml[r * m2 + ns_l + j] = lv;
-    const float z = reparam(mu, lv, epk[r * lds_l + shl + j]);
-    for (int q = 0; q < C; ++q) cluster.map_shared_rank(zs, q)[r * L + j0 + j] = z;
+    zl[r * ns_l + j] = reparam(mu, lv, epk[r * lds_l + shl + j]);
   }
   __syncthreads();
   for (int r = tid; r < kFastRows; r += kFastThreads) {
@@ -314,9 +315,20 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   cluster.sync();  // S3
   FE_TRACE(9);
 
-  // L3: d for this block's hidden columns (four per thread), then pushed as float4 to every
-  // block's ds (ds aliases p1: its last remote reader finished before S2).
+  // All of z, pulled from its owners; then d for this block's hidden columns (four per
+  // thread), kept for the others to pull.
+  gather<8, float>(C * kFastRows * ns_l,
+      [&](int i) {
+        const int q = i / (kFastRows * ns_l), e = i - q * (kFastRows * ns_l);
+        return q * ns_l + e % ns_l < L ? cluster.map_shared_rank(zl, q)[e] : 0.0f;
+      },
+      [&](int i, float v) {
+        const int q = i / (kFastRows * ns_l), e = i - q * (kFastRows * ns_l);
+        const int r = e / ns_l, j = q * ns_l + (e - r * ns_l);
+        if (j < L) zs[r * L + j] = v;
+      });
   mbar_wait(&bar[2], 0);
+  __syncthreads();
   for (int i = tid; i < kFastRows * g4; i += kFastThreads) {
     const int r = i / g4, c = 4 * (i - r * g4);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -328,19 +340,26 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     st4(dk + r * hs + c, make_float4(relu(acc[0] + bd1k[c]), relu(acc[1] + bd1k[c + 1]),
                                      relu(acc[2] + bd1k[c + 2]), relu(acc[3] + bd1k[c + 3])));
   }
-  __syncthreads();
-  for (int i = tid; i < C * kFastRows * g4; i += kFastThreads) {
-    const int q = i / (kFastRows * g4), e = i - q * (kFastRows * g4), r = e / g4;
-    const int c = 4 * (e - r * g4);
-    st4(cluster.map_shared_rank(ds, q) + r * ldd + h0 + c, ld4(dk + r * hs + c));
-  }
   FE_TRACE(10);
   cluster.sync();  // S4
   FE_TRACE(11);
 
+  // All of d into ds (ds aliases p1, whose last remote reader finished before S2).
+  gather<8, float4>(C * kFastRows * g4,
+      [&](int i) {
+        const int q = i / (kFastRows * g4), e = i - q * (kFastRows * g4);
+        return ld4(cluster.map_shared_rank(dk, q) + 4 * e);
+      },
+      [&](int i, float4 v) {
+        const int q = i / (kFastRows * g4), e = i - q * (kFastRows * g4), r = e / g4;
+        st4(ds + r * ldd + q * hs + 4 * (e - r * g4), v);
+      });
+  mbar_wait(&bar[3], 0);
+  __syncthreads();
+  FE_TRACE(12);
+
   // L4: logits for this block's output columns (warps split H; partial sums reduced through
   // smem in warp order), then BCE against x and the per-row sums: warp w owns rows w + 8m.
-  mbar_wait(&bar[3], 0);
   constexpr int kRowsPerWarp = (kFastRows + kFastWarps - 1) / kFastWarps;
   float rsum[kRowsPerWarp] = {};
   bool rbad[kRowsPerWarp] = {};
@@ -392,9 +411,9 @@ __global__ void __launch_bounds__(kFastThreads, 1)
       cluster.map_shared_rank(bad_part, 0)[k * kFastRows + r] = bad ? 1.0f : 0.0f;
     }
   }
-  FE_TRACE(12);
-  cluster.sync();  // S5
   FE_TRACE(13);
+  cluster.sync();  // S5
+  FE_TRACE(14);
 
   if (k == 0) {
     for (int r = tid; r < R; r += kFastThreads) {
@@ -414,7 +433,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
       p.elbo[gr] = bad ? nan : -(rs + kl);
     }
   }
-  FE_TRACE(14);
+  FE_TRACE(15);
 }
 
 // Rows of `q` float4 with an odd count of float4 per row: 4 or 8 consecutive rows then start in
@@ -428,7 +447,8 @@ bool fast_layout(FastParams& p, int C) {
   p.hs = H / C;
   p.ns_l = cdiv(L, C);
   p.ns_d = cdiv(D, C);
-  p.ldk = odd_quads(p.qmax);
+  p.ldk = odd_quads(p.qmax);  // also the tensor-map box width of the x and w1 slices
+  p.w1_box = std::min(H, 256);
   p.ldp = (H + 31) / 32 * 32 + 8;  // tile stores rt * ldp + ct: rows 8 banks apart
   p.ldd = odd_quads(H / 4);
   p.ldq = odd_quads(p.hs / 4);
@@ -437,11 +457,11 @@ bool fast_layout(FastParams& p, int C) {
   long long off = 0;
   auto take = [&](long long n) {
     const long long at = off;
-    off += (n + 3) & ~3LL;  // every buffer 16-byte aligned
+    off += (n + 31) & ~31LL;  // every buffer 128-byte aligned (tensor-map destinations)
     return static_cast<int>(at);
   };
   const long long scratch = std::max<long long>(
-      {static_cast<long long>(H) * p.ldk, static_cast<long long>(kFastWarps) * F * kL4Pass,
+      {static_cast<long long>(cdiv(H, p.w1_box)) * p.w1_box * p.ldk, static_cast<long long>(kFastWarps) * F * kL4Pass,
        static_cast<long long>(C) * F * p.hs, static_cast<long long>(C) * F * 2 * p.ns_l});
   p.off_xk = take(static_cast<long long>(F) * p.ldk);
   p.off_w1k = take(scratch);
@@ -455,6 +475,7 @@ bool fast_layout(FastParams& p, int C) {
   p.off_eps = take(static_cast<long long>(F) * p.lds_l);
   p.off_ml = take(2LL * F * p.ns_l);
   p.off_zs = take(static_cast<long long>(F) * L);
+  p.off_zl = take(static_cast<long long>(F) * p.ns_l);
   p.off_wd1 = take(static_cast<long long>(p.hs) * L);
   p.off_bd1 = take(p.hs);
   p.off_dk = take(static_cast<long long>(F) * p.hs);
@@ -470,6 +491,37 @@ bool fast_layout(FastParams& p, int C) {
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<size_t>(ptr) % 16 == 0; }
+
+// The driver's tensor-map encoder, through the runtime (no -lcuda at link time).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A row-major float32 (rows x cols) matrix read in boxes of box_rows x box_cols.
+bool encode_2d(CUtensorMap* map, const float* base, int cols, int rows, int box_cols,
+               int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 4};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t step[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(base), dims,
+                strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
+         CUDA_SUCCESS;
+}
 
 }  // namespace
 
@@ -493,7 +545,7 @@ ElboStatus elbo_fast_plan(FastParams& p, int device, int cluster, bool one_wave,
     const int C = cands[ci];
     if (p.H % (4 * C) != 0) continue;
     any_aligned = true;
-    if (!fast_layout(p, C) || p.smem_bytes > dev.smem_optin) continue;
+    if (!fast_layout(p, C) || p.smem_bytes > dev.smem_optin || p.ldk > 256) continue;
     any_smem = true;
     int active = 0;
     e = cluster_fit(reinterpret_cast<const void*>(elbo_fast_kernel), device, C, kFastThreads,
@@ -502,6 +554,10 @@ ElboStatus elbo_fast_plan(FastParams& p, int device, int cluster, bool one_wave,
     if (active == 0 || (one_wave && nclu > active)) continue;
     if (static_cast<long long>(nclu) * C > INT_MAX) continue;
     p.R = cdiv(p.B, nclu);
+    if (p.x != nullptr &&  // pointers given (a launch, not a plan query): the tensor maps
+        !(encode_2d(&p.tm_x, p.x, p.D, p.B, p.ldk, kFastRows) &&
+          encode_2d(&p.tm_w1, p.w1, p.D, p.H, p.ldk, p.w1_box)))
+      return kElboNotAligned;
     return kElboOk;
   }
   return !any_aligned ? kElboNotAligned : !any_smem ? kElboTooLarge : kElboNoCluster;
