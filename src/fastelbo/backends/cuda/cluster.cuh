@@ -73,12 +73,33 @@ __device__ __forceinline__ void tma_load_2d(float* dst, const void* map, int c0,
       : "memory");
 }
 
+// Distributed shared memory reads: the address of `local` in block `rank`'s shared memory, and
+// loads through the cluster window (what cooperative_groups' map_shared_rank + a generic load
+// do, without the generic-address round trip).
+__device__ __forceinline__ unsigned cluster_addr(const void* local, int rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_addr(local)),
+               "r"(rank));
+  return r;
+}
+__device__ __forceinline__ float4 ld_cluster4(unsigned addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ float ld_cluster(unsigned addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+
 }  // namespace fastelbo
 
 // Phase timestamps for benchmarks/cuda_trace.cu (built with -DFASTELBO_TRACE only): thread 0
 // of each block records clock64() at FE_TRACE(i); the package build compiles none of this.
 #ifdef FASTELBO_TRACE
-constexpr int kTracePoints = 16;
+constexpr int kTracePoints = 24;
 constexpr int kTraceBlocks = 1024;
 static __device__ long long g_elbo_trace[kTraceBlocks * kTracePoints];
 #define FE_TRACE(i)                                                \

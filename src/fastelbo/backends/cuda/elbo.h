@@ -81,9 +81,9 @@ long long elbo_smem_bytes(int D, int H, int L, int R, int C, bool staged) noexce
 // split over output columns (block k: its columns of the logits, its columns of x for BCE).
 constexpr int kFastRows = 20;  // rows per cluster: 4 row lanes x 5 rows per thread
 struct FastParams {
-  // Tensor maps (TMA descriptors) of x and w1, encoded by elbo_fast_plan for these pointers.
-  CUtensorMap tm_x;  // 64-byte aligned by its type
-  CUtensorMap tm_w1;
+  // Tensor maps (TMA descriptors, 64-byte aligned by their type), encoded by elbo_fast_plan
+  // for these pointers: x and w1 slices (encoder), x at the output columns, eps, wmu, wlv, wd1.
+  CUtensorMap tm_x, tm_w1, tm_xd, tm_eps, tm_wmu, tm_wlv, tm_wd1;
   const float* x;
   const float* eps;
   const float* w1;
@@ -105,9 +105,9 @@ struct FastParams {
   int qmax;              // most float4 columns of x any block owns (D / 4 split over C)
   int hs, ns_l, ns_d;    // per block: hidden columns (H / C), latent indices, output columns
   int ldk, ldp, ldd;     // smem row strides (floats): x / w1 slices, encoder partials, d / wd2
-  int ldq, lds_l, lds_d; // strides: hk / wl rows, latent-index rows (bl, eps), x / bce rows
+  int ldq, lds_l, lds_d; // strides: hk rows, latent-index rows (bl, eps), x rows at the outputs
   int w1_box;            // rows of w1 per tensor-map box (<= 256)
-  int off_xk, off_w1k, off_b1, off_p1, off_hk, off_wl, off_p2, off_bl, off_eps, off_ml;
+  int off_xk, off_w1k, off_b1, off_p1, off_hk, off_wmu, off_wlv, off_p2, off_bl, off_eps, off_ml;
   int off_zs, off_zl, off_wd1, off_bd1, off_dk, off_wd2, off_bd2, off_xd, off_pull;
   int off_rec, off_kl, off_bad;
   int smem_bytes;

@@ -124,7 +124,8 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   float* b1k = sm + p.off_b1;    // hs
   float* p1 = sm + p.off_p1;     // 20 x ldp: partial h; later ds (20 x ldd): all of d
   float* hk = sm + p.off_hk;     // 20 x ldq: h for this block's hidden columns
-  float* wl = sm + p.off_wl;     // 2L x ldq: wmu | wlv, this block's hidden columns
+  float* wmus = sm + p.off_wmu;  // L x hs: wmu at this block's hidden columns
+  float* wlvs = sm + p.off_wlv;  // L x hs: wlv, same columns
   float* p2 = sm + p.off_p2;     // 20 x 2L: partial mu | logvar
   float* bl = sm + p.off_bl;     // 2 x lds_l: bmu, blv around this block's latent indices
   float* epk = sm + p.off_eps;   // 20 x lds_l: eps, same columns
@@ -157,48 +158,40 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   // 16-byte aligned windows around this block's latent indices and output columns.
   const int sl0 = floor4(j0), nsl = lcnt > 0 ? round4(j0 + lcnt) - sl0 : 0, shl = j0 - sl0;
   const int sd0 = floor4(n0d), nsd = ncd > 0 ? round4(n0d + ncd) - sd0 : 0, shd = n0d - sd0;
-  auto grow = [&](int r) { return static_cast<size_t>(min(row0 + r, B - 1)); };
   FE_TRACE(0);
 
-  // Staging: four groups of copies, one mbarrier each, in the order the layers need them.
-  // Group 0 (x and w1 slices, what L1 waits for) is two tensor-map tiles issued first; the
-  // rest are row copies (the TMA unit takes ~20 cycles per copy, cuda_trace).
+  // Staging: four groups of TMA copies, one mbarrier each, in the order the layers need them.
+  // Thread 0 issues the tensor-map tiles (x and w1 slices first: L1 waits for them); the rows
+  // of wd2 (padded rows, conflict-free for L4) are row copies from all threads, issued last:
+  // the TMA unit takes ~20 cycles per copy (cuda_trace).
   const int nbox = cdiv(H, p.w1_box);
-  const int nl = nsl > 0 ? kFastRows + 2 : 0, nd = nsd > 0 ? kFastRows + 1 : 0;
   if (tid == 0) {
 #pragma unroll
     for (int g = 0; g < 4; ++g) mbar_init(&bar[g], 1);
     mbar_fence_init();
     mbar_arrive_expect(&bar[0], 4u * ldk * (kFastRows + nbox * p.w1_box) + 4u * hs);
-    mbar_arrive_expect(&bar[1], 4u * (2 * L * hs + nl * nsl));
+    mbar_arrive_expect(&bar[1], 4u * (2 * L * hs + 2 * nsl + kFastRows * lds_l));
     mbar_arrive_expect(&bar[2], 4u * (hs * L + hs));
-    mbar_arrive_expect(&bar[3], 4u * (ncd * H + nd * nsd));
+    mbar_arrive_expect(&bar[3], 4u * (ncd * H + nsd + kFastRows * lds_d));
     tma_load_2d(xk, &p.tm_x, 4 * qa, row0, &bar[0]);
     for (int b = 0; b < nbox; ++b)
       tma_load_2d(w1k + b * p.w1_box * ldk, &p.tm_w1, 4 * qa, b * p.w1_box, &bar[0]);
     bulk_copy(b1k, p.b1 + h0, 4u * hs, &bar[0]);
+    tma_load_2d(wmus, &p.tm_wmu, h0, 0, &bar[1]);
+    tma_load_2d(wlvs, &p.tm_wlv, h0, 0, &bar[1]);
+    tma_load_2d(epk, &p.tm_eps, sl0, row0, &bar[1]);
+    if (nsl > 0) {
+      bulk_copy(bl, p.bmu + sl0, 4u * nsl, &bar[1]);
+      bulk_copy(bl + lds_l, p.blv + sl0, 4u * nsl, &bar[1]);
+    }
+    tma_load_2d(wd1s, &p.tm_wd1, 0, h0, &bar[2]);
+    bulk_copy(bd1k, p.bd1 + h0, 4u * hs, &bar[2]);
+    tma_load_2d(xd, &p.tm_xd, sd0, row0, &bar[3]);
+    if (nsd > 0) bulk_copy(bd2k, p.bd2 + sd0, 4u * nsd, &bar[3]);
   }
-  __syncthreads();  // barriers initialised (and group 0 queued) before the other copies
-  for (int i = tid; i < 2 * L + nl; i += kFastThreads) {
-    if (i < L) bulk_copy(wl + i * ldq, p.wmu + static_cast<size_t>(i) * H + h0, 4u * hs, &bar[1]);
-    else if (i < 2 * L)
-      bulk_copy(wl + i * ldq, p.wlv + static_cast<size_t>(i - L) * H + h0, 4u * hs, &bar[1]);
-    else if (i == 2 * L) bulk_copy(bl, p.bmu + sl0, 4u * nsl, &bar[1]);
-    else if (i == 2 * L + 1) bulk_copy(bl + lds_l, p.blv + sl0, 4u * nsl, &bar[1]);
-    else bulk_copy(epk + (i - 2 * L - 2) * lds_l, p.eps + grow(i - 2 * L - 2) * L + sl0,
-                   4u * nsl, &bar[1]);
-  }
-  for (int i = tid; i < hs + 1; i += kFastThreads) {
-    if (i < hs) bulk_copy(wd1s + i * L, p.wd1 + static_cast<size_t>(h0 + i) * L, 4u * L, &bar[2]);
-    else bulk_copy(bd1k, p.bd1 + h0, 4u * hs, &bar[2]);
-  }
-  for (int i = tid; i < ncd + nd; i += kFastThreads) {
-    if (i < ncd)
-      bulk_copy(wd2s + i * ldd, p.wd2 + static_cast<size_t>(n0d + i) * H, 4u * H, &bar[3]);
-    else if (i == ncd) bulk_copy(bd2k, p.bd2 + sd0, 4u * nsd, &bar[3]);
-    else bulk_copy(xd + (i - ncd - 1) * lds_d, p.x + grow(i - ncd - 1) * D + sd0, 4u * nsd,
-                   &bar[3]);
-  }
+  __syncthreads();  // barriers initialised (and the tiles queued) before the row copies
+  for (int i = tid; i < ncd; i += kFastThreads)
+    bulk_copy(wd2s + i * ldd, p.wd2 + static_cast<size_t>(n0d + i) * H, 4u * H, &bar[3]);
   FE_TRACE(1);
   mbar_wait(&bar[0], 0);
   FE_TRACE(2);
@@ -232,13 +225,14 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   gather<8, float4>(C * kFastRows * g4,
       [&](int i) {
         const int q = i / (kFastRows * g4), e = i - q * (kFastRows * g4), r = e / g4;
-        return ld4(cluster.map_shared_rank(p1, q) + r * ldp + h0 + 4 * (e - r * g4));
+        return ld_cluster4(cluster_addr(p1 + r * ldp + h0 + 4 * (e - r * g4), q));
       },
       [&](int i, float4 v) { st4(pull + 4 * i, v); });  // pull: C x 20 x hs
   __syncthreads();
   for (int i = tid; i < kFastRows * hs; i += kFastThreads) {
     const int r = i / hs, c = i - r * hs;
     float s = 0.0f;
+#pragma unroll 16
     for (int q = 0; q < C; ++q) s += pull[(q * kFastRows + r) * hs + c];
     hk[r * ldq + c] = relu(s + b1k[c]);
   }
@@ -252,7 +246,8 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     for (int c0 = 0; c0 < 2 * L; c0 += kL1ColLanes) {
       float acc[kRowsPerThread][1] = {};
       const float* a[kRowsPerThread];
-      const float* w[1] = {wl + min(c0 + ct, 2 * L - 1) * ldq};
+      const int c = min(c0 + ct, 2 * L - 1);
+      const float* w[1] = {c < L ? wmus + c * hs : wlvs + (c - L) * hs};
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) a[i] = hk + (rt + kRowLanes * i) * ldq;
       tile_dot(a, w, 0, g4, acc);
@@ -278,7 +273,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
         if (i < C * per) {
           const int q = i / per, e = i - q * per, r = e / (2 * lcnt), m = e - r * (2 * lcnt);
           const int col = m < lcnt ? j0 + m : L + j0 + (m - lcnt);
-          v[u] = cluster.map_shared_rank(p2, q)[r * 2 * L + col];
+          v[u] = ld_cluster(cluster_addr(p2 + r * 2 * L + col, q));
         }
       }
 #pragma unroll
@@ -292,9 +287,11 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     }
   }
   __syncthreads();
+  FE_TRACE(8);
   for (int i = tid; i < kFastRows * lcnt; i += kFastThreads) {
     const int r = i / lcnt, j = i - r * lcnt;
     float mu = 0.0f, lv = 0.0f;
+#pragma unroll 16
     for (int q = 0; q < C; ++q) {
       mu += pull[(q * kFastRows + r) * m2 + j];
       lv += pull[(q * kFastRows + r) * m2 + lcnt + j];
@@ -311,16 +308,16 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     for (int j = 0; j < lcnt; ++j) s += kl_term(ml[r * m2 + j], ml[r * m2 + ns_l + j]);
     cluster.map_shared_rank(kl_part, 0)[k * kFastRows + r] = s;
   }
-  FE_TRACE(8);
-  cluster.sync();  // S3
   FE_TRACE(9);
+  cluster.sync();  // S3
+  FE_TRACE(10);
 
   // All of z, pulled from its owners; then d for this block's hidden columns (four per
   // thread), kept for the others to pull.
   gather<8, float>(C * kFastRows * ns_l,
       [&](int i) {
         const int q = i / (kFastRows * ns_l), e = i - q * (kFastRows * ns_l);
-        return q * ns_l + e % ns_l < L ? cluster.map_shared_rank(zl, q)[e] : 0.0f;
+        return q * ns_l + e % ns_l < L ? ld_cluster(cluster_addr(zl + e, q)) : 0.0f;
       },
       [&](int i, float v) {
         const int q = i / (kFastRows * ns_l), e = i - q * (kFastRows * ns_l);
@@ -340,15 +337,15 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     st4(dk + r * hs + c, make_float4(relu(acc[0] + bd1k[c]), relu(acc[1] + bd1k[c + 1]),
                                      relu(acc[2] + bd1k[c + 2]), relu(acc[3] + bd1k[c + 3])));
   }
-  FE_TRACE(10);
-  cluster.sync();  // S4
   FE_TRACE(11);
+  cluster.sync();  // S4
+  FE_TRACE(12);
 
   // All of d into ds (ds aliases p1, whose last remote reader finished before S2).
   gather<8, float4>(C * kFastRows * g4,
       [&](int i) {
         const int q = i / (kFastRows * g4), e = i - q * (kFastRows * g4);
-        return ld4(cluster.map_shared_rank(dk, q) + 4 * e);
+        return ld_cluster4(cluster_addr(dk + 4 * e, q));
       },
       [&](int i, float4 v) {
         const int q = i / (kFastRows * g4), e = i - q * (kFastRows * g4), r = e / g4;
@@ -356,7 +353,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
       });
   mbar_wait(&bar[3], 0);
   __syncthreads();
-  FE_TRACE(12);
+  FE_TRACE(13);
 
   // L4: logits for this block's output columns (warps split H; partial sums reduced through
   // smem in warp order), then BCE against x and the per-row sums: warp w owns rows w + 8m.
@@ -381,20 +378,26 @@ __global__ void __launch_bounds__(kFastThreads, 1)
 #pragma unroll
         for (int j = 0; j < kL4Cols; ++j)
           red[(rt + kRowLanes * i) * kL4Pass + ct + kL4ColLanes * j] = acc[i][j];
+      FE_TRACE(14);
       __syncthreads();
       const int ncp = min(kL4Pass, ncd - n0);
+      // Every (row, column) term of this warp at once (independent exp/log chains).
+      float term[kRowsPerWarp][2];
 #pragma unroll
-      for (int m = 0; m < kRowsPerWarp; ++m) {
-        const int r = warp + kFastWarps * m;
-        if (r >= kFastRows) break;
-        for (int c = lane; c < ncp; c += 32) {
-          float s = 0.0f;
+      for (int m = 0; m < kRowsPerWarp; ++m)
 #pragma unroll
-          for (int w8 = 0; w8 < kFastWarps; ++w8) s += pull[(w8 * kFastRows + r) * kL4Pass + c];
-          const float xv = xd[r * lds_d + shd + n0 + c];
-          rsum[m] += bce_term(s + bd2k[shd + n0 + c], xv, &rbad[m]);
+        for (int u = 0; u < 2; ++u) {  // kL4Pass <= 64: two columns per lane
+          const int r = warp + kFastWarps * m, c = lane + 32 * u;
+          term[m][u] = 0.0f;
+          if (r < kFastRows && c < ncp) {
+            float s = 0.0f;
+#pragma unroll
+            for (int w8 = 0; w8 < kFastWarps; ++w8) s += pull[(w8 * kFastRows + r) * kL4Pass + c];
+            term[m][u] = bce_term(s + bd2k[shd + n0 + c], xd[r * lds_d + shd + n0 + c], &rbad[m]);
+          }
         }
-      }
+#pragma unroll
+      for (int m = 0; m < kRowsPerWarp; ++m) rsum[m] += term[m][0] + term[m][1];
       __syncthreads();
     }
   }
@@ -411,9 +414,9 @@ __global__ void __launch_bounds__(kFastThreads, 1)
       cluster.map_shared_rank(bad_part, 0)[k * kFastRows + r] = bad ? 1.0f : 0.0f;
     }
   }
-  FE_TRACE(13);
+  FE_TRACE(15);
   cluster.sync();  // S5
-  FE_TRACE(14);
+  FE_TRACE(16);
 
   if (k == 0) {
     for (int r = tid; r < R; r += kFastThreads) {
@@ -433,7 +436,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
       p.elbo[gr] = bad ? nan : -(rs + kl);
     }
   }
-  FE_TRACE(15);
+  FE_TRACE(17);
 }
 
 // Rows of `q` float4 with an odd count of float4 per row: 4 or 8 consecutive rows then start in
@@ -469,7 +472,8 @@ bool fast_layout(FastParams& p, int C) {
   p.off_b1 = take(p.hs);
   p.off_p1 = take(static_cast<long long>(F) * std::max(p.ldp, p.ldd));
   p.off_hk = take(static_cast<long long>(F) * p.ldq);
-  p.off_wl = take(2LL * L * p.ldq);
+  p.off_wmu = take(static_cast<long long>(L) * p.hs);
+  p.off_wlv = take(static_cast<long long>(L) * p.hs);
   p.off_p2 = take(2LL * F * L);
   p.off_bl = take(2LL * p.lds_l);
   p.off_eps = take(static_cast<long long>(F) * p.lds_l);
@@ -532,7 +536,7 @@ ElboStatus elbo_fast_plan(FastParams& p, int device, int cluster, bool one_wave,
   cudaError_t e = cluster_device(device, &dev);
   if (e != cudaSuccess) { *cuda_err = e; return kElboCudaError; }
   if (dev.major < 9) return kElboBadArch;
-  const bool ptrs = aligned16(p.x) && aligned16(p.w1) && aligned16(p.b1) && aligned16(p.wmu) &&
+  const bool ptrs = aligned16(p.x) && aligned16(p.eps) && aligned16(p.w1) && aligned16(p.b1) && aligned16(p.wmu) &&
                     aligned16(p.wlv) && aligned16(p.wd1) && aligned16(p.bd1) && aligned16(p.wd2);
   if (p.D % 4 != 0 || p.H % 4 != 0 || p.L % 4 != 0 || !ptrs) return kElboNotAligned;
   const int nclu = cdiv(p.B, kFastRows);
@@ -545,7 +549,10 @@ ElboStatus elbo_fast_plan(FastParams& p, int device, int cluster, bool one_wave,
     const int C = cands[ci];
     if (p.H % (4 * C) != 0) continue;
     any_aligned = true;
-    if (!fast_layout(p, C) || p.smem_bytes > dev.smem_optin || p.ldk > 256) continue;
+    // Tensor-map boxes hold at most 256 elements per dimension.
+    if (!fast_layout(p, C) || p.smem_bytes > dev.smem_optin || p.ldk > 256 || p.L > 256 ||
+        p.hs > 256 || p.lds_d > 256)
+      continue;
     any_smem = true;
     int active = 0;
     e = cluster_fit(reinterpret_cast<const void*>(elbo_fast_kernel), device, C, kFastThreads,
@@ -556,7 +563,12 @@ ElboStatus elbo_fast_plan(FastParams& p, int device, int cluster, bool one_wave,
     p.R = cdiv(p.B, nclu);
     if (p.x != nullptr &&  // pointers given (a launch, not a plan query): the tensor maps
         !(encode_2d(&p.tm_x, p.x, p.D, p.B, p.ldk, kFastRows) &&
-          encode_2d(&p.tm_w1, p.w1, p.D, p.H, p.ldk, p.w1_box)))
+          encode_2d(&p.tm_w1, p.w1, p.D, p.H, p.ldk, p.w1_box) &&
+          encode_2d(&p.tm_xd, p.x, p.D, p.B, p.lds_d, kFastRows) &&
+          encode_2d(&p.tm_eps, p.eps, p.L, p.B, p.lds_l, kFastRows) &&
+          encode_2d(&p.tm_wmu, p.wmu, p.H, p.L, p.hs, p.L) &&
+          encode_2d(&p.tm_wlv, p.wlv, p.H, p.L, p.hs, p.L) &&
+          encode_2d(&p.tm_wd1, p.wd1, p.L, p.H, p.L, p.hs)))
       return kElboNotAligned;
     return kElboOk;
   }
