@@ -5,7 +5,7 @@
     compute-sanitizer --tool synccheck python3 benchmarks/cuda_sanitize.py
     compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize.py --quick
 
---quick runs 4 small forward cases (both paths, staged and unstaged cluster plans), the
+--quick runs 7 small forward cases (every path, staged and unstaged cluster plans), the
 backward at two odd sizes (every branch: all outputs used, and kl alone) and one Adam step,
 so racecheck, which is the slowest tool, finishes in a minute or two.
 
@@ -31,7 +31,9 @@ PLANS = [(0, 0, -1), (64, 8, 0), (5, 2, 1), (5, 16, 0), (1, 1, 1), (1, 1, 0)]
 
 # --quick: (dims, batch, rows, cluster, staged, path).
 QUICK = [((33, 7, 5), 7, 5, 2, 1, "cluster"), ((784, 256, 32), 7, 0, 0, -1, "cluster"),
-         ((781, 250, 31), 5, 1, 16, 0, "cluster"), ((781, 250, 31), 9, 0, 0, -1, "rows")]
+         ((781, 250, 31), 5, 1, 16, 0, "cluster"), ((781, 250, 31), 9, 0, 0, -1, "rows"),
+         ((784, 256, 32), 128, 0, 0, -1, "fast"), ((100, 96, 12), 45, 0, 0, -1, "fast"),
+         ((1000, 256, 32), 21, 0, 0, -1, "fast")]
 
 
 def check(params, x, eps, want, **kw) -> bool:

@@ -153,7 +153,7 @@ def test_fast_plan_fills_the_gpu_at_batch_128(cuda):
     assert -(-128 // r) * c >= sms * 3 // 4, (r, c, sms)
 
 
-@pytest.mark.parametrize("batch", [1, 128, 140, 141, 192, 193, 256, 257, 512, 8193])
+@pytest.mark.parametrize("batch", [1, 80, 81, 128, 140, 141, 192, 193, 384, 385, 512, 8193])
 def test_auto_path_matches_reference(cuda, batch):
     """Either side of the crossover and of a chunk boundary."""
     dims = (784, 256, 32)

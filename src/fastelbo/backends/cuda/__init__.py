@@ -1,9 +1,9 @@
 """CUDA C++ backend: the lowest-latency path (sm_90+), and never slower than eager PyTorch.
 
 Three forward paths (binding.cpp picks by batch size; `path=` forces one): small batches run ONE
-launch of a fused cluster kernel (thread-block clusters + distributed shared memory):
-elbo_fast.cu where the dims are multiples of 4 and its clusters fit in one wave (B <= 140 on an
-H200), else elbo.cu, the general one; large batches run every GEMM with cuBLAS (as eager does)
+launch of a fused cluster kernel (thread-block clusters + distributed shared memory): elbo.cu,
+the general one, up to B=80; elbo_fast.cu for 80 < B <= 384 where the dims are multiples of 4
+(else elbo.cu up to 192); large batches run every GEMM with cuBLAS (as eager does)
 and two small fused kernels (rows.cu) for everything else. `backward` (any batch) recomputes the activations the same way
 and runs the gradient's GEMMs with cuBLAS around four fused kernels (backward.cu). The .cu
 files hold the kernels (no torch types), elbo.h their plain params structs, elbo_math.cuh the

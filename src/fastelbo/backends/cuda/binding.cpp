@@ -4,9 +4,10 @@
 // are noexcept and return codes; no exception crosses from .cu code). elbo.cu never sees torch.
 //
 // Which path (elbo.h, elbo_fast.cu, elbo.cu):
-//   fast (B <= kClusterMaxBatch, dims multiples of 4, clusters in one wave: B <= 140 on an
-//     H200): one launch of the fast cluster kernel. Lowest latency.
-//   cluster (other B <= kClusterMaxBatch and any dims): one launch of the general cluster kernel.
+//   cluster (B <= kClusterMaxBatch, any dims): one launch of the general cluster kernel.
+//   fast (kClusterMaxBatch < B <= kFastMaxBatch, dims multiples of 4): one launch of the fast
+//     cluster kernel (elbo_fast.cu); where it does not apply, the general one up to
+//     kClusterFallbackMax.
 //   rows (larger B, or dims the cluster kernel cannot hold in shared memory): cuBLAS for every
 //     GEMM (at::linear, the call eager F.linear makes, so TF32 only where
 //     torch.backends.cuda.matmul.allow_tf32 says so; in-place ReLU after the two hidden
@@ -43,11 +44,18 @@
 
 namespace {
 
-// Crossover between the paths, from `cuda_bench.py --paths` on an H200 (2026-11-29, graph
-// replays, us per forward): B=192 cluster 69 / rows 92 / eager 106; B=256 cluster 79 / rows 77
-// / eager 91. The cluster kernel's time grows with the rows per cluster; the rows path's with
-// cuBLAS-rate GEMMs.
-constexpr int64_t kClusterMaxBatch = 192;
+// Crossovers between the paths, from `cuda_bench.py --paths` on an H200 (2026-11-29, graph
+// replays of 100 forwards, us per forward, fixed eps; fast kernel @ 7045aa4):
+//   B       1     16     64    128    192    256    384    512
+//   cluster 13.3  15.6   21.9   30.1   69.1   80.4  135    172
+//   fast    23.1  23.1   23.5   23.7   45.0   45.1   67.2   90.3
+//   rows    24.0  32.1   77.0   79.7   91.6   76.6   78.1   69.5
+// The general cluster kernel's time grows with its rows per cluster (~13 us + 0.13 us/row);
+// the fast one is flat up to 140 rows (one wave of 7 clusters of 16 blocks on an H200), then
+// grows a wave at a time; the rows path runs cuBLAS-rate GEMMs.
+constexpr int64_t kClusterMaxBatch = 80;   // general cluster kernel up to here
+constexpr int64_t kFastMaxBatch = 384;     // then the fast kernel (where it applies) up to here
+constexpr int64_t kClusterFallbackMax = 192;  // where it does not: the general one up to here
 // Rows per chunk of the rows path: intermediates h, d (chunk x H) and logits (chunk x D) are
 // 65536 * (256 + 256 + 784) * 4 B = 340 MB at the reference dims, vs ~490 MB eager allocates at
 // B=65536. Chunks of 8192 rows (42 MB) made cuBLAS pick smaller tiles: +37% GEMM time at
@@ -124,7 +132,7 @@ void rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& 
 }  // namespace
 
 // Returns {elbo, recon, kl}, each (B,) float32. path: 0 auto, 1 cluster, 2 rows, 3 fast
-// (elbo_fast.cu; auto takes it for B <= kClusterMaxBatch where it applies and fits one wave). rows / cluster
+// (elbo_fast.cu; see the crossovers above for what auto takes). rows / cluster
 // > 0 and staged >= 0 force the cluster plan (tuning; -1 / 0 = automatic) and imply path 1;
 // poison = true fills the outputs with NaN before the launch (tests: every element is written).
 std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
@@ -187,13 +195,8 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   std::vector<at::Tensor> out;
   for (int i = 0; i < 3; ++i)
     out.push_back(poison ? at::full({B}, std::nanf(""), opts) : at::empty({B}, opts));
-  if (path == kPathRows || (path == kPathAuto && B > kClusterMaxBatch)) {
-    rows_forward(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
-                 out, stream);
-    return out;
-  }
-  if (path == kPathFast || path == kPathAuto) {
-    // The fast cluster kernel where the dims allow it and (auto) its clusters fit in one wave.
+  const bool auto_fast = path == kPathAuto && B > kClusterMaxBatch && B <= kFastMaxBatch;
+  if (auto_fast || path == kPathFast) {
     fastelbo::FastParams f{};
     f.x = x.data_ptr<float>();
     f.eps = eps.data_ptr<float>();
@@ -215,7 +218,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
     f.H = static_cast<int>(H);
     f.L = static_cast<int>(L);
     cudaError_t ferr = cudaSuccess;
-    const auto fst = fastelbo::elbo_fast_plan(f, dev.index(), 0, path == kPathAuto, &ferr);
+    const auto fst = fastelbo::elbo_fast_plan(f, dev.index(), 0, false, &ferr);
     FE_CHECK(fst != fastelbo::kElboCudaError, "planning the fast launch failed: ",
              cudaGetErrorString(ferr));
     if (fst == fastelbo::kElboOk) {
@@ -224,6 +227,12 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
     }
     FE_CHECK(path == kPathAuto, "path=fast does not apply here (status ", static_cast<int>(fst),
              "); fastelbo.backends.cuda checks this before the call");
+  }
+  const int64_t cluster_max = auto_fast ? kClusterFallbackMax : kClusterMaxBatch;
+  if (path == kPathRows || (path == kPathAuto && B > cluster_max)) {
+    rows_forward(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
+                 out, stream);
+    return out;
   }
 
   fastelbo::ElboParams p{};
@@ -453,7 +462,7 @@ std::vector<int64_t> elbo_plan_info(int64_t device, int64_t B, int64_t D, int64_
 }
 
 // The fast path's plan: {R, C, smem_bytes, 0} or {0, 0, 0, status} when it does not apply
-// (one_wave: only if every cluster is co-resident, as path='auto' asks); for tests, benchmarks
+// (one_wave: only if every cluster is co-resident at once); for tests, benchmarks
 // and fastelbo.backends.cuda's checks of path='fast'.
 std::vector<int64_t> elbo_fast_plan_info(int64_t device, int64_t B, int64_t D, int64_t H,
                                          int64_t L, bool one_wave) {

@@ -2,7 +2,8 @@
 // kernel launch, no intermediate tensor in global memory. Role: the lowest-latency backend.
 //
 // Which path runs (binding.cpp decides; `path` forces one for tests and tuning):
-//   B <= kClusterMaxBatch (binding.cpp): the cluster path below, ONE launch per forward. At
+//   B <= kClusterMaxBatch (binding.cpp; elbo_fast.cu's kernel takes over above it where the
+//     dims allow): the cluster path below, ONE launch per forward. At
 //     small B the forward is latency-bound (launches, barriers, L2 round trips), and one launch
 //     beats eager's ~20.
 //   larger B, or dims whose activations do not fit a block's shared memory: the rows path at
