@@ -45,11 +45,12 @@
 namespace {
 
 // Crossovers between the paths, from `cuda_bench.py --paths` on an H200 (2026-11-29, graph
-// replays of 100 forwards, us per forward, fixed eps; fast kernel @ 7045aa4):
+// replays of 100 forwards, us per forward, fixed eps; benchmarks/results/logs/
+// 2026-11-29_run18-20_cuda_paths_h200.txt, fast kernel @ 9769330, B=512 @ 4ad7606):
 //   B       1     16     64    128    192    256    384    512
-//   cluster 13.3  15.6   21.9   30.1   69.1   80.4  135    172
-//   fast    23.1  23.1   23.5   23.7   45.0   45.1   67.2   90.3
-//   rows    24.0  32.1   77.0   79.7   91.6   76.6   78.1   69.5
+//   cluster 13.5  15.7   22.0   30.1   69.2   80.4  135    172
+//   fast    23.0  23.0   23.0   23.1   45.0   45.1   67.2   90.3
+//   rows    24.6  32.4   77.6   79.7   91.8   76.6   78.2   69.5
 // The general cluster kernel's time grows with its rows per cluster (~13 us + 0.13 us/row);
 // the fast one is flat up to 140 rows (one wave of 7 clusters of 16 blocks on an H200), then
 // grows a wave at a time; the rows path runs cuBLAS-rate GEMMs.
