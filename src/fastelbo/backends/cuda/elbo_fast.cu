@@ -118,12 +118,12 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   float* zs = sm + p.off_zs;     // F x L: all of z
   float* wd1s = sm + p.off_wd1;  // hs x L
   float* bd1k = sm + p.off_bd1;  // hs
-  float* ds = sm + p.off_ds;     // F x ldd: all of d
+  float* ds = sm + p.off_ds;     // F x ldd: all of d (over p1s, sent and read by then)
   float* wd2s = sm + p.off_wd2;  // ns_d x ldd
   float* bd2k = sm + p.off_bd2;  // lds_d: bd2 around this block's output columns
   float* xd = sm + p.off_xd;     // F x lds_d: x, same columns
   float* red = sm + p.off_red;   // over w1k once L1 is done: L4's per-warp partial sums
-  float* bce = sm + p.off_bce;   // F x ns_d: BCE terms
+  float* bce = sm + p.off_bce;   // F x ns_d: BCE terms (over w1k, after red)
   // Exchanges: sent chunks are destination-major, received ones source-major (C chunks).
   float* p1s = sm + p.off_p1s;   // C x F x hs: partial h, by destination block's columns
   float* r1 = sm + p.off_r1;     // C x F x hs: partial h of this block's columns, by source
@@ -447,10 +447,13 @@ bool fast_layout(FastParams& p, int C) {
   const long long ch1 = static_cast<long long>(F) * p.hs, ch2 = 2LL * F * p.ns_l;
   const long long ch3 = static_cast<long long>(F) * p.ns_l;
   p.off_xk = take(static_cast<long long>(F) * p.ldk);
+  // After L1, w1k's space holds L4's per-warp sums and the BCE terms.
+  const long long red = static_cast<long long>(kFastWarps) * F * kL4Pass;
   p.off_w1k = take(std::max<long long>(static_cast<long long>(cdiv(H, p.w1_box)) * p.w1_box *
                                            p.ldk,
-                                       static_cast<long long>(kFastWarps) * F * kL4Pass));
+                                       red + static_cast<long long>(F) * p.ns_d));
   p.off_red = p.off_w1k;
+  p.off_bce = p.off_w1k + static_cast<int>(red);
   p.off_b1 = take(p.hs);
   p.off_hk = take(static_cast<long long>(F) * p.ldq);
   p.off_wmu = take(static_cast<long long>(L) * p.hs);
@@ -461,12 +464,12 @@ bool fast_layout(FastParams& p, int C) {
   p.off_zs = take(static_cast<long long>(F) * L);
   p.off_wd1 = take(static_cast<long long>(p.hs) * L);
   p.off_bd1 = take(p.hs);
-  p.off_ds = take(static_cast<long long>(F) * p.ldd);
   p.off_wd2 = take(static_cast<long long>(p.ns_d) * p.ldd);
   p.off_bd2 = take(p.lds_d);
   p.off_xd = take(static_cast<long long>(F) * p.lds_d);
-  p.off_bce = take(static_cast<long long>(F) * p.ns_d);
-  p.off_p1s = take(C * ch1);
+  // ds over p1s: d arrives only after every block has received (so read) this block's p1s.
+  p.off_p1s = take(std::max<long long>(C * ch1, static_cast<long long>(F) * p.ldd));
+  p.off_ds = p.off_p1s;
   p.off_r1 = take(C * ch1);
   p.off_p2s = take(C * ch2);
   p.off_r2 = take(C * ch2);
