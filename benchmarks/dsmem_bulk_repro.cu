@@ -1,0 +1,75 @@
+// Does compute-sanitizer memcheck accept block-to-block bulk copies? A minimal repro for the
+// finding of benchmarks/NOTES.md runs 24-25: a cluster of 2 blocks, each sends a 1280-byte
+// chunk of its shared memory into the other's, completing on the receiver's mbarrier, by
+//   mode 0: cp.async.bulk.shared::cluster.shared::cta (one instruction per chunk)
+//   mode 1: st.async.shared::cluster.mbarrier::complete_tx (one 16-byte store per thread)
+// then checks the values.  nvcc -O3 -gencode=arch=compute_90,code=sm_90 -o /tmp/repro
+// benchmarks/dsmem_bulk_repro.cu && compute-sanitizer --tool memcheck /tmp/repro 0 (or 1)
+#include <cooperative_groups.h>
+#include <cstdio>
+#include <cstdlib>
+
+namespace cg = cooperative_groups;
+constexpr int kFloats = 320;  // 1280 bytes
+
+__device__ unsigned saddr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ unsigned remote(const void* p, int rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(saddr(p)), "r"(rank));
+  return r;
+}
+
+__global__ void __cluster_dims__(2, 1, 1) kernel(int mode, int* bad) {
+  __shared__ alignas(128) float src[kFloats];
+  __shared__ alignas(128) float dst[kFloats];
+  __shared__ alignas(8) unsigned long long bar;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int k = static_cast<int>(cluster.block_rank()), peer = 1 - k, t = threadIdx.x;
+  for (int i = t; i < kFloats; i += blockDim.x) src[i] = 1000.0f * k + i;
+  if (t == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&bar)));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(&bar)),
+                 "r"(kFloats * 4) : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  cluster.sync();  // barriers exist, chunks written
+  if (mode == 0) {
+    if (t == 0) {
+      asm volatile(
+          "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+          ::"r"(remote(dst, peer)), "r"(saddr(src)), "r"(kFloats * 4), "r"(remote(&bar, peer))
+          : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    }
+  } else {
+    for (int i = t; i < kFloats / 4; i += blockDim.x) {
+      const float4 v = reinterpret_cast<const float4*>(src)[i];
+      asm volatile(
+          "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+          ::"r"(remote(dst + 4 * i, peer)), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w),
+          "r"(remote(&bar, peer)) : "memory");
+    }
+  }
+  asm volatile(
+      "{\n .reg .pred done;\nW:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+      " @!done bra W;\n}" ::"r"(saddr(&bar)) : "memory");
+  for (int i = t; i < kFloats; i += blockDim.x)
+    if (dst[i] != 1000.0f * peer + i) atomicAdd(bad, 1);
+  cluster.sync();  // no block exits while its peer may still touch its shared memory
+}
+
+int main(int argc, char** argv) {
+  const int mode = argc > 1 ? std::atoi(argv[1]) : 0;
+  int* bad = nullptr;
+  cudaMalloc(&bad, sizeof(int));
+  cudaMemset(bad, 0, sizeof(int));
+  kernel<<<2, 64>>>(mode, bad);
+  cudaError_t e = cudaDeviceSynchronize();
+  int h = -1;
+  cudaMemcpy(&h, bad, sizeof(int), cudaMemcpyDeviceToHost);
+  std::printf("mode %d (%s): %s, %d wrong values\n", mode,
+              mode == 0 ? "cp.async.bulk smem->dsmem" : "st.async", cudaGetErrorString(e), h);
+  return e == cudaSuccess && h == 0 ? 0 : 1;
+}
