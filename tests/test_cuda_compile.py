@@ -99,6 +99,19 @@ def test_every_kernel_source_is_listed():
     assert on_disk == set(cuda_backend.KERNEL_SOURCES), on_disk
 
 
+# Standalone GPU tools in benchmarks/: the per-phase trace driver (includes both cluster kernels
+# with -DFASTELBO_TRACE) and the DSMEM bulk-copy repro. They build without torch.
+BENCH_CU = ("cuda_trace.cu", "dsmem_bulk_repro.cu")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("source", BENCH_CU)
+def test_benchmark_tools_build(source, tmp_path):
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    _run([NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90",
+          f"-I{cuda_backend.HERE}", "-o", str(tmp_path / "tool"), str(bench / source)])
+
+
 @needs_nvcc
 @pytest.mark.parametrize("source", cuda_backend.KERNEL_SOURCES)
 def test_kernel_compiles_sm90_without_spills(source, tmp_path):
