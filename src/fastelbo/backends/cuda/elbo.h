@@ -1,8 +1,9 @@
 // Plain parameter structs and host entry points of the cuda backend's kernels (no torch types).
 //
-// Role of the cuda backend: lowest latency, and never slower than eager PyTorch. Two paths:
-//   cluster path (small batches): the whole forward after the noise draw is ONE launch of
-//     elbo_kernel (thread-block clusters + DSMEM); see elbo.cu.
+// Role of the cuda backend: lowest latency, and never slower than eager PyTorch. Three paths:
+//   cluster paths (small batches): the whole forward after the noise draw is ONE launch of
+//     elbo_kernel (any dims; elbo.cu) or elbo_fast_kernel (dims multiples of 4, 80 < B <= 384;
+//     elbo_fast.cu), thread-block clusters + DSMEM.
 //   rows path (large batches): binding.cpp runs every GEMM with cuBLAS (ATen, as F.linear does)
 //     and the two ReLUs in place, and two small kernels of rows.cu do
 //     the rest: reparam_kl_kernel (reparameterisation, KL) and bce_kernel (sigmoid, clamped BCE,

@@ -1,35 +1,35 @@
 // The fast cluster path: the whole forward after the noise draw in ONE launch, for dims that
-// are multiples of 4 (float4 rows) and H a multiple of 4 * C. Role: the lowest latency at small
-// batches (B <= kFastRows * co-resident clusters: 140 on an H200); elbo.cu's cluster kernel is
-// the general path for every other shape.
+// are multiples of 4 (float4 rows) and H a multiple of 4 * C. Role: the lowest latency for
+// 80 < B <= 384 (binding.cpp; one wave of 7 clusters of 16 blocks holds 140 rows on an H200);
+// elbo.cu's cluster kernel is the general path for small B and every other shape.
 //
-// Why a second kernel (benchmarks/cuda_trace.cu, H200, B=128): elbo.cu's kernel spends 56K
-// cycles, of which 26K in two 2x2-tile FFMA loops that are shared-memory-bound (4 LDS.128 per
-// 16 FMA), 7K issuing the staging copies of 165 KB per block (x tile + weight slices: 18.6 MB
-// of L2 -> SM traffic per forward, ~5.4 TB/s), ~10K in small phases waiting on global loads
-// (biases, eps, x) and 4-byte DSMEM stores. Here:
+// Why a second kernel (benchmarks/cuda_trace.cu, H200, B=128; benchmarks/NOTES.md runs 17-21):
+// elbo.cu's kernel spends 56K cycles, of which 26K in two 2x2-tile FFMA loops that are
+// shared-memory-bound (4 LDS.128 per 16 FMA), 7K issuing the cp.async staging of 165 KB per
+// block (x tile + weight slices), ~10K in small phases waiting on global loads (biases, eps, x)
+// and 4-byte DSMEM stores. Here (~43K cycles, 23.7 us per launch at B=128):
 //   * the encoder is split over the input dimension: block k owns ~D/4C float4 columns of x and
 //     of w1 and computes PARTIAL sums for all H hidden units of its <= 20 rows; the cluster then
-//     reduces them through DSMEM (each block pulls its H/C columns from every block). x is read
-//     once per cluster (not once per block): ~12 MB of L2 traffic per forward instead of 18.6.
+//     reduces them through DSMEM. x is read once per cluster, not once per block.
 //   * every GEMM uses 5-row x 4/7-column register tiles laid out so each LDS.128 is one
 //     conflict-free wavefront (rows rt + 4i, columns ct + 64j / ct + 8j; row strides with an odd
-//     number of float4): ~10 FFMA per shared-memory wavefront instead of ~2.
-//   * everything a phase reads (biases, eps, x for BCE) is staged with cp.async up front, in
-//     four commit groups in the order the layers need them; DSMEM traffic moves in float4.
+//     number of float4), with the next column's operands loaded while the FMAs issue.
+//   * everything a phase reads is staged up front by the TMA unit, on four mbarriers in the
+//     order the layers need it: seven tensor-map tiles (x and w1 slices first) and the padded
+//     rows of wd2. The trace shows what is left: staging runs at ~20 B/cycle per SM whatever
+//     issues it, and each DSMEM exchange costs ~4K cycles (the cost is per request).
 //
-// Phases (S = cluster barrier; every buffer written remotely is not read or rewritten by its
-// owner until the barrier after the last remote access):
-//   G0 x/w1 slices landed (own copies), __syncthreads
+// Phases (S = cluster barrier; a buffer another block reads is not rewritten by its owner, and
+// the owner does not exit, before the barrier after the last remote read):
 //   L1  partial h (20 x H) over this block's x columns -> p1                      S1
-//   RS1 h for this block's H/C columns = relu(b1 + sum_q p1_q) (pulled, float4) -> hk
+//   RS1 h for this block's H/C columns = relu(b1 + sum_q p1_q), pulled in float4 -> hk
 //   L2  partial (mu | logvar) (20 x 2L) over those H/C columns -> p2              S2
 //   RS2 mu, logvar for this block's latent indices = bias + sum_q p2_q (pulled);
-//       z = reparameterised -> pushed into every block's zs; KL partial -> rank 0  S3
-//   L3  d for this block's H/C columns = relu(z wd1^T + bd1) -> pushed (float4) into every
-//       block's ds (ds aliases p1, whose last remote reader finished before S2)     S4
-//   L4  logits for this block's D/C columns (warps split H, reduced in smem), BCE against x,
-//       per-row sums and the bad-x flag -> rank 0                                    S5
+//       z -> zl (own), KL partial -> rank 0                                        S3
+//   L3  all of z pulled from its owners; d for this block's H/C columns -> dk      S4
+//   L4  all of d pulled into ds (over p1, last read remotely before S2); logits for this
+//       block's D/C columns (warps split H, reduced in smem), BCE against x, per-row sums and
+//       the bad-x flag -> rank 0                                                   S5
 //   rank 0 writes elbo, recon, kl.
 // Numerics as elbo.cu and PyTorch op by op (fp32 FMA dot products, no TF32, no fast math);
 // only the order of the dot products' additions differs from cuBLAS, as it does there.
