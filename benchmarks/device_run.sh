@@ -2,7 +2,7 @@
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
 # Stages: env tests cuda-tests memcheck racecheck check check-auto bench cuda-plans cuda-paths
-#         trace profile threads512 triton-sweep iwae iwae-sweep train train-epochs multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
+#         trace repro profile threads512 triton-sweep iwae iwae-sweep train train-epochs multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +55,11 @@ for stage in "$@"; do case $stage in
       -o /tmp/cuda_trace benchmarks/cuda_trace.cu > "$LOGS/trace_build.log" 2>&1
     run trace 120 bash -c 'for a in "cluster 128" "fast 128" "fast 64" "fast 16" "fast 140" \
       "fast 1000" "fast 128 0 8"; do /tmp/cuda_trace $a; echo; done' ;;
+  repro)  # does memcheck accept block-to-block bulk copies? (NOTES runs 24-25)
+    nvcc -O3 -gencode=arch=compute_90,code=sm_90 -o /tmp/repro benchmarks/dsmem_bulk_repro.cu \
+      > "$LOGS/repro_build.log" 2>&1
+    run repro 90 bash -c 'for m in 0 1; do /tmp/repro $m; compute-sanitizer --tool memcheck \
+      --print-limit 2 /tmp/repro $m 2>&1 | grep -v "Host Frame"; done' ;;
   profile) run profile "${T_PROFILE:-150}" python3 benchmarks/profile_kernels.py ;;
   threads512)  # A/B of the cluster kernel at 512 threads per block, on a copy of the tree
     rm -rf /tmp/t512 && cp -r "$PWD" /tmp/t512 && sed -i \
