@@ -6,7 +6,8 @@
     compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize.py --quick
 
 --quick runs 7 small forward cases (every path, staged and unstaged cluster plans), the
-backward at two odd sizes (every branch: all outputs used, and kl alone) and one Adam step,
+backward at two odd sizes (every branch: all outputs used, and kl alone), one Adam step and
+three IWAE calls (both tiles, 16- and 4-byte staging, injected and Philox noise, a NaN image),
 so racecheck, which is the slowest tool, finishes in a minute or two.
 
 Exits 1 on any mismatch (atol = rtol = 1e-4) and 2 when the backend is unavailable. Kept small:
@@ -57,6 +58,7 @@ def quick() -> int:
         print(f"{'ok  ' if ok else 'FAIL'} dims={dims} B={batch} rows={rows} cluster={cluster} "
               f"staged={staged} path={path}", flush=True)
     failures += quick_backward_and_adam()
+    failures += quick_iwae()
     print(f"{failures} failure(s)")
     return 1 if failures else 0
 
@@ -98,6 +100,40 @@ def quick_backward_and_adam() -> int:
     ok = all(torch.allclose(p, q, rtol=1e-6, atol=1e-7) for p, q in zip(ps, ref))
     failures += not ok
     print(f"{'ok  ' if ok else 'FAIL'} adam step (3 tensors)", flush=True)
+    return failures
+
+
+def quick_iwae() -> int:
+    """iwae.cu against the float64 estimator (same eps); seeded calls must be finite where x is
+    valid and NaN exactly where it is not."""
+    import math
+
+    from fastelbo.backends.cuda import iwae
+
+    failures = 0
+    for dims, batch, samples in (((784, 256, 32), 2, 130), ((33, 20, 5), 3, 70),
+                                 ((200, 500, 12), 2, 70)):
+        torch.manual_seed(2)
+        params = VAEParams(*(t.detach().cuda() for t in Model(*dims).state_dict().values()))
+        x = torch.rand(batch, dims[0], device="cuda")
+        x[-1, 1] = 1.5
+        eps = torch.randn(samples, batch, dims[2], device="cuda")
+        got = iwae.iwae_log_likelihood(x, params, samples, eps=eps)
+        seeded = iwae.iwae_log_likelihood(x, params, samples, seed=3)
+        p, xd, ed = VAEParams(*(t.double() for t in params)), x.double(), eps.double()
+        h = torch.relu(xd @ p.enc_w.T + p.enc_b)
+        mu, lv = h @ p.mu_w.T + p.mu_b, h @ p.lv_w.T + p.lv_b
+        z = mu + torch.exp(0.5 * lv) * ed
+        pr = torch.sigmoid(torch.relu(z @ p.dec_w1.T + p.dec_b1) @ p.dec_w2.T + p.dec_b2)
+        lpx = (xd * pr.log().clamp(min=-100) + (1 - xd) * torch.log1p(-pr).clamp(min=-100))
+        w = lpx.sum(-1) + (0.5 * (ed.square() - z.square() + lv)).sum(-1)
+        want = torch.logsumexp(w, 0) - math.log(samples)
+        want[-1] = float("nan")
+        torch.cuda.synchronize()
+        ok = (bool(torch.isclose(got.double(), want, atol=1e-4, rtol=1e-4, equal_nan=True).all())
+              and torch.equal(torch.isnan(seeded), torch.isnan(want)))
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} iwae dims={dims} B={batch} K={samples}", flush=True)
     return failures
 
 

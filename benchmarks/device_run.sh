@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
-# Stages: env tests cuda-tests memcheck racecheck check check-auto bench cuda-plans cuda-paths
-#         trace repro profile threads512 triton-sweep iwae iwae-sweep train train-epochs multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
+# Stages: build env tests cuda-tests memcheck racecheck check check-auto bench cuda-plans cuda-paths
+#         trace repro profile threads512 triton-sweep cuda-iwae iwae iwae-sweep train train-epochs
+#         multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +26,7 @@ run() {  # run NAME TIMEOUT CMD...: log to $LOGS/NAME.log, one summary line, nev
 pytest_gpu() { run "$1" "$2" python3 -m pytest -q -m gpu -p no:cacheprovider -rf "${@:3}"; }
 
 for stage in "$@"; do case $stage in
+  build) run build "${T_BUILD:-300}" python3 -c "from fastelbo.backends.cuda import extension; extension()" ;;
   env) run env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__,
         triton.__version__, torch.cuda.get_device_name(), torch.cuda.device_count())"' ;;
   cuda-tests) pytest_gpu test_cuda_backend "${T_CUDA:-150}" tests/test_cuda_backend.py
@@ -34,9 +36,11 @@ for stage in "$@"; do case $stage in
     pytest_gpu test_cuda_backward "${T_CUDA_BWD:-90}" tests/test_cuda_backward.py
     pytest_gpu test_triton_gpu "${T_TRITON:-110}" tests/test_triton_gpu.py
     pytest_gpu test_triton_iwae "${T_IWAE:-90}" tests/test_triton_iwae.py
+    pytest_gpu test_cuda_iwae "${T_CUDA_IWAE:-120}" tests/test_cuda_iwae.py
     pytest_gpu other_gpu "${T_OTHER:-90}" tests --ignore=tests/test_cuda_backend.py \
-      --ignore=tests/test_cuda_backward.py \
+      --ignore=tests/test_cuda_backward.py --ignore=tests/test_cuda_iwae.py \
       --ignore=tests/test_triton_gpu.py --ignore=tests/test_triton_iwae.py ;;
+  cuda-iwae) pytest_gpu test_cuda_iwae "${T_CUDA_IWAE:-120}" tests/test_cuda_iwae.py ;;
   memcheck) run memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
   racecheck) run racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
   check)
@@ -69,7 +73,7 @@ for stage in "$@"; do case $stage in
     run threads512_tests 150 env PYTHONPATH=/tmp/t512/src python3 -m pytest -q -m gpu \
       -p no:cacheprovider -x /tmp/t512/tests/test_cuda_backend.py -k "every_launch_plan or cluster" ;;
   triton-sweep) run triton_sweep 240 python3 benchmarks/triton_forward_sweep.py --batches 4096 65536 ;;
-  iwae) run iwae 70 python3 benchmarks/iwae_bench.py --out "$LOGS/iwae.jsonl" ;;
+  iwae) run iwae "${T_IWAE_BENCH:-120}" python3 benchmarks/iwae_bench.py --out "$LOGS/iwae.jsonl" ;;
   iwae-sweep) run iwae_sweep 200 python3 benchmarks/iwae_bench.py --sweep --reps 2 --eager-images 5 --out "$LOGS/iwae_sweep.jsonl" ;;
   train) run train 100 python3 benchmarks/train_bench.py --skip-compile --out "$LOGS/train.jsonl" ;;
   train-epochs) run train_epochs 120 python3 benchmarks/train_bench.py --epochs 10 --out "$LOGS/train.jsonl" ;;

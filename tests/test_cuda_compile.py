@@ -11,6 +11,7 @@ import importlib.util
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -70,7 +71,8 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
 
 
 # Each source's kernels: the cluster kernel's two register-tile variants (elbo_kernel<2,2>,
-# <4,4>), the rows path's two, the backward's four, the optimizer's one.
+# <4,4>), the rows path's two, the backward's four, the optimizer's one, the IWAE kernel's two
+# tiles (iwae_kernel<4> for 128 samples, <2> for 64).
 EXPECTED_KERNELS = {
     "elbo_fast.cu": {"elbo_fast_kernel": 1},
     "elbo.cu": {"elbo_kernel": 2},
@@ -78,7 +80,10 @@ EXPECTED_KERNELS = {
     "backward.cu": {"prep_kernel": 1, "bce_grad_kernel": 1, "latent_bwd_kernel": 1,
                     "colsum_kernel": 1},
     "adam.cu": {"adam_kernel": 1},
+    "iwae.cu": {"iwae_kernel": 2},
 }
+# One block per SM by their shared memory: these may use all 255 registers.
+ONE_BLOCK_PER_SM = ("elbo_fast_kernel", "iwae_kernel")
 
 
 def _check_kernels(report: dict[str, dict[str, int]], expected: dict[str, int]) -> None:
@@ -87,9 +92,8 @@ def _check_kernels(report: dict[str, dict[str, int]], expected: dict[str, int]) 
     for name, r in report.items():
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
         assert r["stack"] == 0, f"{name}: unexpected stack frame {r}"
-        # __launch_bounds__(256, 2): two blocks per SM need <= 128 registers per thread; the
-        # fast cluster kernel runs one block per SM (its shared memory) and may use 255.
-        limit = 255 if "elbo_fast_kernel" in name else 128
+        # __launch_bounds__(256, 2): two blocks per SM need <= 128 registers per thread.
+        limit = 255 if any(k in name for k in ONE_BLOCK_PER_SM) else 128
         assert r["registers"] <= limit, (name, r)
 
 
@@ -219,3 +223,70 @@ def test_export_inline_source_compiles(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# ---- the IWAE kernel's noise: Triton's Philox stream, checked on the host ----------------------
+PHILOX_SEEDS = (0, 7, 123456789012345)
+# (image << 32) + k * L + j offsets as the kernels form them: small, one tile in, large k, the
+# top of image 0's low word, the last sample of image 9999, large image indices (8 offsets: the
+# Triton side's tl.arange wants a power of 2).
+PHILOX_OFFSETS = (0, 1, 31, 5000 * 32 + 5, 2**32 - 1, (9999 << 32) + 4999 * 32 + 31,
+                  (3 << 32) + 17, ((2**31 - 1) << 32) + 2**32 - 1)
+_PHILOX_MAIN = r"""
+#include <cstdio>
+#include "philox.cuh"
+int main() {
+  const unsigned long long seeds[] = {%s};
+  const unsigned long long offsets[] = {%s};
+  for (unsigned long long s : seeds)
+    for (unsigned long long o : offsets) {
+      uint32_t a, b;
+      fastelbo::philox2(s, o, &a, &b);
+      std::printf("%%u %%u %%.9g\n", a, b, fastelbo::philox_uniform(a));
+    }
+}
+"""
+_TRITON_PHILOX = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, triton, triton.language as tl
+
+@triton.jit
+def draw(seed, off_ptr, out_ptr, uni_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    r0, r1, _, _ = tl.randint4x(seed, tl.load(off_ptr + i))
+    tl.store(out_ptr + 2 * i, r0.to(tl.int32, bitcast=True))
+    tl.store(out_ptr + 2 * i + 1, r1.to(tl.int32, bitcast=True))
+    tl.store(uni_ptr + i, tl.rand(seed, tl.load(off_ptr + i)))
+
+offs = torch.tensor(%s, dtype=torch.int64)
+for seed in %s:
+    out = torch.empty(2 * len(offs), dtype=torch.int32)
+    uni = torch.empty(len(offs), dtype=torch.float32)
+    draw[(1,)](seed, offs, out, uni, N=len(offs))
+    for i in range(len(offs)):
+        a, b = (int(v) & 0xFFFFFFFF for v in out[2 * i:2 * i + 2])
+        print(a, b, repr(float(uni[i])))
+"""
+
+
+@needs_nvcc
+def test_philox_matches_tritons_stream(tmp_path):
+    """philox.cuh draws tl.randint4x's integers and tl.rand's uniforms for the same (seed,
+    offset): the cuda IWAE kernel's noise is the Triton kernel's."""
+    pytest.importorskip("triton")
+    main = tmp_path / "philox_main.cu"
+    main.write_text(_PHILOX_MAIN % (", ".join(f"{s}ULL" for s in PHILOX_SEEDS),
+                                    ", ".join(f"{o}ULL" for o in PHILOX_OFFSETS)))
+    exe = tmp_path / "philox"
+    _run([NVCC, "-std=c++17", f"-I{cuda_backend.HERE}", "-o", str(exe), str(main)])
+    ours = [line.split() for line in _run([str(exe)]).splitlines()]
+    theirs = [line.split() for line in _run(
+        [sys.executable, "-c", _TRITON_PHILOX % (list(PHILOX_OFFSETS), list(PHILOX_SEEDS))]
+    ).splitlines()]
+    assert len(ours) == len(theirs) == len(PHILOX_SEEDS) * len(PHILOX_OFFSETS)
+    for o, t in zip(ours, theirs):
+        assert o[:2] == t[:2], (o, t)
+        # 9 significant digits name a float32 exactly: compare as float32.
+        assert struct.pack("f", float(o[2])) == struct.pack("f", float(t[2])), (o, t)
+    assert len({tuple(o[:2]) for o in ours}) == len(ours)  # distinct draws

@@ -63,9 +63,14 @@ def test_matches_the_estimator_and_ignores_batch_size(run_dir, tmp_path):
 
 def test_unknown_backend_is_refused(run_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        evaluate(run_dir, tmp_path / "x.json", "--backend", "cuda")
+        evaluate(run_dir, tmp_path / "x.json", "--backend", "mojo")
     err = capsys.readouterr().err
-    assert "--backend: invalid choice: 'cuda'" in err and "triton" in err, err
+    assert "--backend: invalid choice: 'mojo'" in err and "triton" in err and "cuda" in err, err
+
+
+def test_cuda_off_gpu_says_why(run_dir, tmp_path):
+    with pytest.raises(RuntimeError, match="backend='cuda' cannot run on cpu.*CUDA devices only"):
+        evaluate(run_dir, tmp_path / "x.json", "--backend", "cuda")
 
 
 @pytest.mark.skipif(IN_CHILD, reason="in the interpreter triton does run on CPU")

@@ -120,8 +120,8 @@ def test_per_image_noise_ignores_batching_and_chunking(monkeypatch):
 
 def test_errors():
     _, params, x, eps = setup(k=4)
-    for bad in ("cuda", "Triton", ""):
-        with pytest.raises(ValueError, match=r"one of \('auto', 'torch', 'triton'\)"):
+    for bad in ("CUDA", "Triton", ""):
+        with pytest.raises(ValueError, match=r"one of \('auto', 'torch', 'triton', 'cuda'\)"):
             iwae_log_likelihood(params, x, 4, backend=bad)
     with pytest.raises(ValueError, match=r"eps must have shape \(5, 6, 3\)"):
         iwae_log_likelihood(params, x, 5, eps=eps)
@@ -148,9 +148,17 @@ def test_auto_is_torch_off_cuda(triton_available):
     assert resolve_backend("torch", CUDA) == "torch"
 
 
-def test_auto_is_triton_on_cuda_when_available(triton_available):
-    assert resolve_backend("auto", CUDA) == "triton"
+def test_auto_is_cuda_on_cuda_when_available(triton_available):
+    assert resolve_backend("auto", CUDA) == "cuda"
     assert resolve_backend("triton", CUDA) == "triton"
+    assert resolve_backend("cuda", CUDA) == "cuda"
+
+
+def test_auto_is_triton_where_the_cuda_kernel_does_not_apply(triton_available, monkeypatch):
+    monkeypatch.setattr(iwae, "_cuda_iwae_reason", lambda device, dims: "too wide")
+    assert resolve_backend("auto", CUDA, dims=(784, 4096, 32)) == "triton"
+    with pytest.raises(RuntimeError, match="backend='cuda' cannot run.*too wide"):
+        resolve_backend("cuda", CUDA, dims=(784, 4096, 32))
 
 
 def test_auto_is_torch_when_the_call_needs_torch(triton_available):
@@ -163,6 +171,8 @@ def test_auto_is_torch_when_the_call_needs_torch(triton_available):
         resolve_backend("triton", CUDA, generator=torch.Generator(), chunk=8)
     with pytest.raises(ValueError, match="autograd"):
         resolve_backend("triton", CUDA, needs_grad=True)
+    with pytest.raises(ValueError, match="backend='cuda' does not take dtype"):
+        resolve_backend("cuda", CUDA, torch.float64)
 
 
 def test_auto_is_torch_on_cuda_without_triton(monkeypatch):
@@ -171,11 +181,20 @@ def test_auto_is_torch_on_cuda_without_triton(monkeypatch):
     assert resolve_backend("auto", CUDA) == "torch"
     with pytest.raises(RuntimeError, match="no triton here.*backend='torch' runs everywhere"):
         resolve_backend("triton", CUDA)
+    with pytest.raises(RuntimeError, match="backend='cuda' cannot run.*no triton here"):
+        resolve_backend("cuda", CUDA)
 
 
 def test_unknown_backend_is_refused():
-    with pytest.raises(ValueError, match=r"one of \('auto', 'torch', 'triton'\), got 'cuda'"):
-        resolve_backend("cuda", "cpu")
+    with pytest.raises(ValueError,
+                       match=r"one of \('auto', 'torch', 'triton', 'cuda'\), got 'mojo'"):
+        resolve_backend("mojo", "cpu")
+
+
+def test_explicit_cuda_on_cpu_says_why():
+    _, params, x, _ = setup(k=4)
+    with pytest.raises(RuntimeError, match="backend='cuda' cannot run on cpu.*CUDA devices only"):
+        iwae_log_likelihood(params, x, 4, seed=0, backend="cuda")
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreter: triton runs")

@@ -13,12 +13,15 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from fastelbo import ModelNew
 from fastelbo import iwae as torch_iwae
 from fastelbo.params import VAEParams
 from interpret import IN_CHILD, child_only, parent_only, run_children
+from reference import assert_iwae_close_to_truth as assert_close_to_truth
+from reference import f64 as _f64
+from reference import iwae_params as _params
+from reference import iwae_probe_params as _probe_params
+from reference import reference_iwae
 
 
 @parent_only
@@ -31,45 +34,6 @@ def _tb():
     pytest.importorskip("triton")
     from fastelbo.backends.triton import iwae as mod
     return mod
-
-
-def _params(dims, seed=0, scale=1.0, device="cpu"):
-    torch.manual_seed(seed)
-    model = ModelNew(*dims, backend="torch")
-    return VAEParams(*(p.detach().to(device) * scale for p in model.vae_params()))
-
-
-def reference_iwae(p: VAEParams, x, eps):
-    """The estimator written out in full (all K at once), in whatever dtype it is given."""
-    h = F.relu(F.linear(x, p.enc_w, p.enc_b))
-    mu, logvar = F.linear(h, p.mu_w, p.mu_b), F.linear(h, p.lv_w, p.lv_b)
-    z = mu + torch.exp(0.5 * logvar) * eps                                   # (K, B, L)
-    probs = torch.sigmoid(F.linear(F.relu(F.linear(z, p.dec_w1, p.dec_b1)), p.dec_w2, p.dec_b2))
-    log_px = (x * probs.log().clamp(min=-100)
-              + (1 - x) * torch.log1p(-probs).clamp(min=-100)).sum(-1)
-    log_pz = (-0.5 * z.square()).sum(-1)
-    log_qz = (-0.5 * eps.square() - 0.5 * logvar).sum(-1)
-    return torch.logsumexp(log_px + log_pz - log_qz, 0) - math.log(eps.shape[0])
-
-
-def _f64(p):
-    return VAEParams(*(t.double() for t in p))
-
-
-def assert_close_to_truth(got, x, p, eps, atol=1e-5, factor=2.0, what=""):
-    """|got - float64| <= factor * |float32 torch - float64| + atol, row by row; NaN rows alike."""
-    truth = reference_iwae(_f64(p), x.double(), eps.double())
-    f32 = reference_iwae(p, x, eps).double()
-    assert got.dtype == torch.float32 and got.shape == truth.shape
-    assert torch.equal(torch.isnan(got), torch.isnan(truth)), (what, got, truth)
-    ok = ~torch.isnan(truth)
-    err = (got.double() - truth)[ok].abs()
-    tol = factor * (f32 - truth)[ok].abs() + atol
-    if (err > tol).any():
-        i = int((err - tol).argmax())
-        pytest.fail(f"{what}: row {ok.nonzero().flatten()[i].item()}: got {got[ok][i].item()}, "
-                    f"float64 {truth[ok][i].item()}, float32 torch {f32[ok][i].item()} "
-                    f"(|diff| {err[i].item():.3g} > {tol[i].item():.3g})")
 
 
 # ---- interpreter (CPU) ------------------------------------------------------------------------
@@ -163,16 +127,6 @@ def test_rng_finite_deterministic_and_batch_independent():
     # Same image twice in a batch but as different image indices: different noise.
     twice = tb.iwae_log_likelihood(x[[0, 0]], p, 40, seed=7, config=cfg)
     assert twice[0] != twice[1]
-
-
-def _probe_params(dims, mu_b, lv_b):
-    """A model whose encoder ignores x (mu = mu_b, logvar = lv_b) and whose decoder outputs
-    p = 1/2, so that with K = 1 the estimate is D log(1/2) + 0.5 sum_j (eps^2 - z^2 + lv_b):
-    an exact, known function of the drawn eps."""
-    d, h, lat = dims
-    z = torch.zeros
-    return VAEParams(z(h, d), z(h), z(lat, h), torch.full((lat,), mu_b), z(lat, h),
-                     torch.full((lat,), lv_b), z(h, lat), z(h), z(d, h), z(d))
 
 
 @child_only

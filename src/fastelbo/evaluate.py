@@ -6,9 +6,10 @@ Noise is seeded per image index, so batching and the number of ranks do not chan
 under `torchrun --nproc-per-node N` each rank evaluates a contiguous slice of the images (and
 passes their global indices) and rank 0 gathers the per-image values and reports.
 
---backend auto (default) runs the fused Triton kernel on CUDA where it is available, else torch.
-The two backends draw different (each deterministic) noise for a seed, so their estimates differ
-by Monte Carlo noise; the JSON records the backend that ran. timings.iwae_s is the IWAE section
+--backend auto (default) runs the fused CUDA kernel on a GPU where it applies, else the Triton one,
+else torch. torch draws different (each deterministic) noise for a seed than the fused kernels
+(which share theirs), so its estimates differ by Monte Carlo noise; the JSON records the backend
+that ran. timings.iwae_s is the IWAE section
 alone (after a compile warm-up, between barriers and device syncs, slowest rank), and
 images_per_s = images / iwae_s: the steady-state throughput, start-up excluded.
 """
@@ -32,7 +33,7 @@ from .training import checkpoint, dist
 # Default images per IWAE call. torch: its chunk is 1M floats / (batch x D), so ~100 images keep
 # a dozen samples per chunk. triton: memory per image is <= 32 partial floats whatever K, and
 # B x splits programs must fill the GPU (10 splits at K = 5000), so one call per shard.
-BATCH = {"torch": 100, "triton": 10_000}
+BATCH = {"torch": 100, "triton": 10_000, "cuda": 10_000}
 
 
 def register(subparsers) -> None:
@@ -48,7 +49,8 @@ def register(subparsers) -> None:
                    help=f"images per IWAE call (default: torch {BATCH['torch']}, "
                         f"triton {BATCH['triton']})")
     p.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
-                   help="IWAE backend; auto: triton on CUDA where available, else torch")
+                   help="IWAE backend; auto: cuda, else triton, on a GPU where they run, "
+                        "else torch")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0, help="noise seed")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
@@ -76,11 +78,11 @@ def load_model(path: str | Path, device) -> tuple[ModelNew, dict]:
 
 def evaluate(args, world: dist.World, device: torch.device) -> dict:
     t0 = time.perf_counter()
-    backend = resolve_backend(args.backend, device)
+    model, meta = load_model(args.checkpoint, device)
+    backend = resolve_backend(args.backend, device, dims=model.vae_params().dims)
     batch = args.batch_size or BATCH[backend]
     if batch < 1:
         raise ValueError(f"--batch-size must be positive, got {batch}")
-    model, meta = load_model(args.checkpoint, device)
     targs = meta["args"]
     spec = args.data or targs["data"]
     ds = data.load(spec, split_seed=targs["seed"])

@@ -28,9 +28,9 @@ DTYPES = (torch.float32,)
 from ...params import VAEParams
 
 HERE = Path(__file__).resolve().parent
-KERNEL_SOURCES = ("elbo_fast.cu", "elbo.cu", "rows.cu", "backward.cu", "adam.cu")
+KERNEL_SOURCES = ("elbo_fast.cu", "elbo.cu", "rows.cu", "backward.cu", "adam.cu", "iwae.cu")
 BINDING_SOURCE = "binding.cpp"
-HEADERS = ("elbo.h", "elbo_math.cuh", "cluster.cuh")
+HEADERS = ("elbo.h", "elbo_math.cuh", "cluster.cuh", "philox.cuh")
 
 # IEEE float32 throughout (no --use_fast_math): sm_90 machine code, plus PTX for newer GPUs.
 NVCC_FLAGS = [

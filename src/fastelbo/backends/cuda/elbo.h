@@ -239,4 +239,37 @@ struct AdamParams {
 
 cudaError_t adam_launch(AdamParams& p, cudaStream_t stream) noexcept;
 
+// ---- IWAE evaluation (iwae.cu): the decoder of K samples per image on tensor cores ----
+// One block per (image b, K-split): samples [split * k_per_split, ...) in tiles of
+// 32 * mt, each folded into a running logsumexp; part[b * splits + split] receives it (NaN when
+// a weight is NaN, e.g. a target outside [0, 1]).
+struct IwaeParams {
+  const float* x;          // (B, D) targets
+  const float* mu;         // (B, L) encoder means (float64-exact, rounded)
+  const float* lv;         // (B, L) encoder log-variances
+  const float* eps;        // (K, B, L) injected noise, or nullptr: Philox in the kernel
+  const long long* image;  // (B,) image index per row (the noise key), or nullptr: the row
+  const float* w1;         // dec_w1 (H, L)
+  const float* b1;         // dec_b1 (H)
+  const float* w2;         // dec_w2 (D, H)
+  const float* b2;         // dec_b2 (D)
+  float* part;             // (B, splits) partial logsumexps
+  unsigned long long seed;
+  long long K;             // samples per image
+  long long k_per_split;   // a multiple of the tile (32 * mt)
+  int splits;
+  int B, D, H, L;
+  int vec;                 // 1: w1 and w2 rows are 16-byte copyable (L, H % 4 == 0, aligned)
+  // Filled by iwae_plan():
+  int mt;                  // m16 tiles per warp: 4 (tiles of 128 samples) or 2 (64)
+  int lp, hp;              // L, H rounded up to 8 (the MMA's k step)
+  int ldz, ldd;            // shared-memory row strides of z and d (floats)
+  int smem_bytes;
+};
+// Picks the tile (mt) from the dims and the device only, never from B or K, so that an
+// image's estimate does not depend on the batch; kElboTooLarge: the dims do not fit (the
+// Triton kernel takes any dims). Host-only, no stream work.
+ElboStatus iwae_plan(IwaeParams& p, int device, cudaError_t* cuda_err) noexcept;
+cudaError_t iwae_launch(const IwaeParams& p, cudaStream_t stream) noexcept;
+
 }  // namespace fastelbo

@@ -34,7 +34,6 @@ default BK = 128 (2 warpgroups of 64 rows, 8 warps). Unmeasured: benchmarks/iwae
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,9 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...iwae import encode
+from ...iwae import check_fused_call, fused_finish, fused_inputs, fused_splits
 from ...params import VAEParams
-from ...validation import check_params
 from .common import (
     _bce_rowsum,
     _decoder_hidden,
@@ -164,7 +162,7 @@ class IwaeConfig:
     block_h: int      # hidden units per d chunk
     num_warps: int
     num_stages: int
-    splits: int | None = None   # K-splits per image; None: the K-only rule of _splits
+    splits: int | None = None   # K-splits per image; None: fastelbo.iwae.fused_splits
 
 
 # Timed on an H200 (benchmarks/iwae_bench.py --sweep, 2026-11-29, 10,000 images x K = 5000):
@@ -174,59 +172,6 @@ class IwaeConfig:
 GPU_CONFIG = IwaeConfig(block_k=128, block_n=64, block_h=64, num_warps=8, num_stages=2)
 # The interpreter's cost is per op, not per FLOP: small tiles keep CPU tests quick.
 INTERPRET_CONFIG = IwaeConfig(block_k=16, block_n=32, block_h=32, num_warps=4, num_stages=1)
-# K is cut into pieces of at least SPLIT_TILES tiles, at most MAX_SPLITS of them per image. The
-# rule reads K only, never B or the device, so an image's estimate is the same to the bit alone
-# or in any batch; the partials cost <= MAX_SPLITS floats per image whatever K is. At B = 64,
-# K = 5000 that is 10 splits, 640 programs: 4.8 waves of one program per SM on 132 SMs (255
-# regs x 256 threads fill an SM's register file); at B = 10,000 it is 100,000 programs.
-SPLIT_TILES = 4
-MAX_SPLITS = 32
-
-
-def _splits(samples: int, cfg: IwaeConfig) -> tuple[int, int]:
-    """(samples per split, a multiple of BLOCK_K; number of splits)."""
-    tiles = triton.cdiv(samples, cfg.block_k)
-    want = cfg.splits if cfg.splits is not None else min(MAX_SPLITS,
-                                                         triton.cdiv(tiles, SPLIT_TILES))
-    k_per = triton.cdiv(tiles, max(1, min(tiles, want))) * cfg.block_k
-    return k_per, triton.cdiv(samples, k_per)
-
-
-def _check(x, params: VAEParams, samples, seed, eps, indices) -> None:
-    """Type, dtype, device and shape checks, before anything is launched. Values of x are not
-    read (no host sync): an image with a target outside [0, 1] comes out NaN."""
-    check_params(params)
-    d, _, lat = params.dims
-    w = params.enc_w
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    for name, t in [("x", x), *zip(VAEParams._fields, params)]:
-        if t.dtype != torch.float32:
-            raise TypeError(f"the triton iwae takes float32 only; {name} is {t.dtype}. "
-                            f"fastelbo.iwae (torch) runs any floating dtype.")
-    if x.device != w.device:
-        raise ValueError(f"x is on {x.device} but the parameters are on {w.device}")
-    if x.dim() != 2 or x.shape[1] != d or x.shape[0] < 1:
-        raise ValueError(f"x must have shape (batch >= 1, {d}), got {tuple(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError("x must be contiguous")
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"samples must be a positive int, got {samples!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
-    if eps is not None:
-        if not isinstance(eps, torch.Tensor):
-            raise TypeError(f"eps must be a torch.Tensor or None, got {type(eps).__name__}")
-        if eps.dtype != torch.float32 or eps.device != w.device:
-            raise TypeError(f"eps must be float32 on {w.device}, got {eps.dtype} on {eps.device}")
-        want = (samples, x.shape[0], lat)
-        if tuple(eps.shape) != want:
-            raise ValueError(f"eps must have shape {want}, got {tuple(eps.shape)}")
-    if indices is not None and len(indices) != x.shape[0]:
-        raise ValueError(f"indices must have one entry per row of x ({x.shape[0]}), "
-                         f"got {len(indices)}")
-
-
 def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *, seed: int = 0,
                         eps: torch.Tensor | None = None,
                         indices: Sequence[int] | torch.Tensor | None = None,
@@ -241,23 +186,17 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *, see
     B * splits <= 32 B floats, independent of `samples`.
     """
     params = VAEParams(*params)
-    _check(x, params, samples, seed, eps, indices)
+    check_fused_call("triton", x, params, samples, seed, eps, indices)
     params = params.contiguous()
     batch = x.shape[0]
     d, h, lat = params.dims
     interpret = bool(triton.knobs.runtime.interpret)
     if config is None:
         config = INTERPRET_CONFIG if interpret else GPU_CONFIG
-    k_per, n_splits = _splits(samples, config)
-
-    p64 = VAEParams(*(t.double() for t in params))
-    mu, logvar = (t.float().contiguous() for t in encode(p64, x.double()))
+    k_per, n_splits = fused_splits(samples, config.block_k, config.splits)
+    mu, logvar, idx = fused_inputs(x, params, indices)
     _, _, _, _, _, _, w1_hi, w1_lo, w2_hi, w2_lo = split_weights(params)
-    if indices is not None:
-        idx = torch.as_tensor(indices, dtype=torch.int64, device=x.device)
-        if idx.numel() and not bool(((idx >= 0) & (idx < 2**31)).all()):
-            raise ValueError("indices must lie in [0, 2^31)")
-    else:
+    if idx is None:
         idx = mu  # unread (HAS_INDICES=False); any tensor will do as the pointer
     part = torch.empty(batch, n_splits, dtype=torch.float32, device=x.device)
     _iwae_kernel[(batch, n_splits)](
@@ -269,6 +208,4 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *, see
         BLOCK_L=_pow2(lat), INJECTED=eps is not None, HAS_INDICES=indices is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    # NaN in a partial (bad image) stays NaN through logsumexp.
-    out = torch.logsumexp(part, dim=1) if n_splits > 1 else part[:, 0]
-    return out - math.log(samples)
+    return fused_finish(part, samples)

@@ -1,0 +1,76 @@
+"""The importance-weighted bound (IWAE) on the cuda backend: iwae.cu's tensor-core kernel.
+
+Same estimator, contract and call as backends/triton/iwae.py (fastelbo.iwae is the spec):
+
+    log p(x) ~= logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K
+
+What differs is where the decoder's hidden layer lives: here d = relu(z w1^T + b1) is built once
+per tile of 128 samples and kept whole in shared memory, where the Triton kernel rebuilds it
+for every column chunk of D. Both GEMMs run tf32x3 on mma.sync (float32 accuracy).
+
+Noise: in-kernel Philox with Triton's tl.randn counters (offset = (image << 32) + k * L + j,
+key = seed), so for one seed this kernel and the Triton one draw the same integers, and their
+normals agree to a few ulp (IEEE logf / cosf here); `eps` (K, B, L) injects noise instead.
+The K-split rule is fastelbo.iwae.fused_splits with this kernel's tile, chosen from the dims and
+the device only: an image's estimate is bitwise the same alone or in any batch. Memory: the
+(B, splits <= 32) partials, independent of K.
+
+Applies where shared memory holds d for a 64-sample tile (hidden_dim up to ~600 at latent 32 on
+an H200); `plan` says, and fastelbo.iwae's `auto` falls back to Triton elsewhere.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ...iwae import check_fused_call, fused_finish, fused_inputs, fused_splits
+from ...params import VAEParams
+from . import extension, unavailable_reason
+
+# Why the kernel cannot take some dims (elbo.h ElboStatus, as iwae_plan returns it).
+_STATUS = {1: "its shared memory cannot hold the hidden layer of a 64-sample tile",
+           3: "it needs compute capability 9.0+"}
+
+
+def plan(device: torch.device, dims: tuple[int, int, int]) -> tuple[int, str | None]:
+    """(samples per tile, None) where the kernel applies to these dims on `device`,
+    else (0, why)."""
+    why = unavailable_reason(device)
+    if why is not None:
+        return 0, why
+    d, h, lat = dims
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    tile, _, status = extension().iwae_plan(index, d, h, lat)
+    if status:
+        return 0, (f"the cuda iwae kernel does not take input_dim={d} hidden_dim={h} "
+                   f"latent_dim={lat}: {_STATUS.get(status, f'status {status}')}")
+    return tile, None
+
+
+def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *, seed: int = 0,
+                        eps: torch.Tensor | None = None,
+                        indices: Sequence[int] | torch.Tensor | None = None,
+                        splits: int | None = None) -> torch.Tensor:
+    """log p(x) estimate in nats per row of x (B, D) float32 on a CUDA device; (B,) float32.
+
+    As backends.triton.iwae.iwae_log_likelihood (noise from `seed` and the image `indices`, or
+    injected `eps` (samples, B, L)); `splits` forces the number of K-splits (tests)."""
+    params = VAEParams(*params)
+    check_fused_call("cuda", x, params, samples, seed, eps, indices)
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
+                               or splits < 1):
+        raise ValueError(f"splits must be a positive int or None, got {splits!r}")
+    tile, why = plan(x.device, params.dims)
+    if why is not None:
+        raise ValueError(f"{why}; use the triton or torch iwae backend")
+    k_per, n_splits = fused_splits(samples, tile, splits)
+    if x.shape[0] * n_splits > 2**31 - 1:
+        raise ValueError(f"{x.shape[0]} images x {n_splits} K-splits exceed one launch's grid; "
+                         f"evaluate fewer images per call")
+    params = params.contiguous()
+    mu, logvar, idx = fused_inputs(x, params, indices)
+    part = extension().iwae_partials(
+        x, mu, logvar, None if eps is None else eps.contiguous(), idx, params.dec_w1,
+        params.dec_b1, params.dec_w2, params.dec_b2, samples, k_per, n_splits, seed)
+    return fused_finish(part, samples)
