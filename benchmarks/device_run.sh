@@ -2,7 +2,7 @@
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
 # Stages: build env tests cuda-tests memcheck racecheck check check-auto bench cuda-plans cuda-paths
-#         trace repro profile threads512 triton-sweep cuda-iwae iwae iwae-sweep train train-epochs
+#         trace repro profile threads512 triton-sweep cuda-iwae iwae iwae-variants iwae-sweep train train-epochs
 #         multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
 set -uo pipefail
@@ -64,6 +64,16 @@ for stage in "$@"; do case $stage in
       > "$LOGS/repro_build.log" 2>&1
     run repro 90 bash -c 'for m in 0 1; do /tmp/repro $m; compute-sanitizer --tool memcheck \
       --print-limit 2 /tmp/repro $m 2>&1 | grep -v "Host Frame"; done' ;;
+  iwae-variants)  # A/B timing of iwae.cu's FE_IWAE_* switches + an ncu look at the base build
+    for v in base UNROLL 1XTF32 SKIP_BCE "UNROLL SKIP_BCE" ${IWAE_VARIANTS:-}; do
+      f=""; for w in $v; do [ "$w" != base ] && f="$f -DFE_IWAE_$w"; done
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -I src/fastelbo/backends/cuda $f \
+        -o "/tmp/iv_${v// /_}" benchmarks/iwae_variants.cu > "$LOGS/iv_build_${v// /_}.log" 2>&1 &
+    done; wait
+    run iwae_variants 120 bash -c 'for e in /tmp/iv_*; do echo "$e"; $e 1320 5000; done'
+    run iwae_ncu 150 ncu --kernel-name regex:iwae_kernel --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --section InstructionStats /tmp/iv_base 264 5000 ;;
   profile) run profile "${T_PROFILE:-150}" python3 benchmarks/profile_kernels.py ;;
   threads512)  # A/B of the cluster kernel at 512 threads per block, on a copy of the tree
     rm -rf /tmp/t512 && cp -r "$PWD" /tmp/t512 && sed -i \

@@ -128,7 +128,13 @@ __device__ __forceinline__ void tile_gemm(const float* A, int lda, int kp, const
     bool live[kNT];  // n8 tiles wholly past N do no MMAs (warp-uniform)
 #pragma unroll
     for (int n = 0; n < kNT; ++n) live[n] = n0 + (n * kWarpsN + wn) * 8 < N;
+#ifdef FE_IWAE_UNROLL
+#pragma unroll
+    for (int kk = 0; kk < kKC; kk += 8) {
+      if (kk >= klen) break;
+#else
     for (int kk = 0; kk < klen; kk += 8) {
+#endif
       uint32_t ah[MT][4], al[MT][4], bh[kNT][2], bl[kNT][2];
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
@@ -149,8 +155,10 @@ __device__ __forceinline__ void tile_gemm(const float* A, int lda, int kp, const
         if (!live[n]) continue;
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
+#ifndef FE_IWAE_1XTF32
           mma(corr[m][n], al[m], bh[n]);
           mma(corr[m][n], ah[m], bl[n]);
+#endif
           mma(acc[m][n], ah[m], bh[n]);
         }
       }
@@ -259,8 +267,12 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
                    for (int m = 0; m < MT; ++m)
 #pragma unroll
                      for (int r = 0; r < 2; ++r)
+#ifdef FE_IWAE_SKIP_BCE
+                       rs[m][r] += combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) * xv;
+#else
                        rs[m][r] += bce_term(
                            combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, xv, &bad);
+#endif
                  }
                }
              });
