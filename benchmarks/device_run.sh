@@ -64,16 +64,25 @@ for stage in "$@"; do case $stage in
       > "$LOGS/repro_build.log" 2>&1
     run repro 90 bash -c 'for m in 0 1; do /tmp/repro $m; compute-sanitizer --tool memcheck \
       --print-limit 2 /tmp/repro $m 2>&1 | grep -v "Host Frame"; done' ;;
-  iwae-variants)  # A/B timing of iwae.cu's FE_IWAE_* switches + an ncu look at the base build
-    for v in base UNROLL 1XTF32 SKIP_BCE "UNROLL SKIP_BCE" ${IWAE_VARIANTS:-}; do
-      f=""; for w in $v; do [ "$w" != base ] && f="$f -DFE_IWAE_$w"; done
+  iwae-variants)  # A/B timing of iwae.cu's FE_IWAE_* switches (IWAE_VARIANTS: "A_B C", base = none)
+    for v in ${IWAE_VARIANTS:-base}; do
+      f=""; for w in ${v//+/ }; do [ "$w" != base ] && f="$f -DFE_IWAE_$w"; done
       nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -I src/fastelbo/backends/cuda $f \
-        -o "/tmp/iv_${v// /_}" benchmarks/iwae_variants.cu > "$LOGS/iv_build_${v// /_}.log" 2>&1 &
+        -o "/tmp/iv_$v" benchmarks/iwae_variants.cu > "$LOGS/iv_build_$v.log" 2>&1 &
     done; wait
-    run iwae_variants 120 bash -c 'for e in /tmp/iv_*; do echo "$e"; $e 1320 5000; done'
-    run iwae_ncu 150 ncu --kernel-name regex:iwae_kernel --launch-skip 1 --launch-count 1 \
-      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
-      --section SchedulerStats --section InstructionStats /tmp/iv_base 264 5000 ;;
+    run iwae_variants 200 bash -c 'for e in /tmp/iv_*; do echo "$e"; $e 1320 5000 "$e.bin"; done
+      python3 -c "
+import glob, numpy as np
+base = np.fromfile(\"/tmp/iv_base.bin\", np.float32).astype(np.float64)
+for f in sorted(glob.glob(\"/tmp/iv_*.bin\")):
+    d = np.abs(np.fromfile(f, np.float32) - base)
+    print(f, \"max |diff| vs base\", d.max(), \"mean\", d.mean())"'
+    [ -n "${IWAE_NCU:-}" ] && run iwae_ncu 150 ncu --kernel-name regex:iwae_kernel --launch-skip 1 \
+      --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section InstructionStats \
+      "/tmp/iv_$IWAE_NCU" 264 5000
+    cuobjdump -sass /tmp/iv_base | awk '/iwae_kernelILi4/{f=1} f' | grep -oE "^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_]+" \
+      | awk '{print $2}' | sort | uniq -c | sort -rn | head -30 > "$LOGS/iv_sass_ops.txt" 2>&1 ;;
   profile) run profile "${T_PROFILE:-150}" python3 benchmarks/profile_kernels.py ;;
   threads512)  # A/B of the cluster kernel at 512 threads per block, on a copy of the tree
     rm -rf /tmp/t512 && cp -r "$PWD" /tmp/t512 && sed -i \

@@ -2,7 +2,7 @@
 // A/B builds of the kernel's FE_IWAE_* switches (timing-only variants; the package builds none):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -I src/fastelbo/backends/cuda \
 //        [-DFE_IWAE_UNROLL] [-DFE_IWAE_1XTF32] [-DFE_IWAE_SKIP_BCE] -o /tmp/iv benchmarks/iwae_variants.cu
-//   /tmp/iv [B=1320] [K=5000]
+//   /tmp/iv [B=1320] [K=5000] [partials.bin]
 // Prints ms per call and the extrapolation to 10,000 images, and a checksum of the partials.
 #include "elbo.cu"
 #include "iwae.cu"
@@ -65,6 +65,11 @@ int main(int argc, char** argv) {
   cudaMemcpy(part.data(), p.part, part.size() * sizeof(float), cudaMemcpyDeviceToHost);
   double sum = 0;
   for (float v : part) sum += v;
+  if (argc > 3) {  // dump the partials for a comparison across builds
+    FILE* f = std::fopen(argv[3], "wb");
+    std::fwrite(part.data(), sizeof(float), part.size(), f);
+    std::fclose(f);
+  }
   std::printf("B=%d K=%lld tile=%lld splits=%d smem=%d: %.3f ms, %.4f s per 10,000 images; "
               "checksum %.6f (%s)\n", B, K, tile, p.splits, p.smem_bytes, best,
               best * 1e-3 * 10000.0 / B, sum, cudaGetErrorString(cudaGetLastError()));

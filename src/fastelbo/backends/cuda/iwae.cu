@@ -45,9 +45,25 @@ __device__ __forceinline__ uint32_t tf32(float v) {
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
   return r;
 }
+#ifndef FE_IWAE_SPLIT
+#define FE_IWAE_SPLIT 0
+#endif
 __device__ __forceinline__ void split(float v, uint32_t* hi, uint32_t* lo) {
+#if FE_IWAE_SPLIT == 0
   *hi = tf32(v);
   *lo = tf32(v - __uint_as_float(*hi));
+#elif FE_IWAE_SPLIT == 1
+  // Round to nearest on the bits (as triton/common.py's _split), NaN kept; lo as is (the MMA
+  // reads its top 19 bits).
+  const uint32_t u = __float_as_uint(v);
+  const uint32_t r = (u + 0x1000u) & 0xFFFFE000u;
+  *hi = v != v ? u : r;
+  *lo = __float_as_uint(v - __uint_as_float(*hi));
+#else
+  // Truncation: one LOP, NaN-safe; lo as is.
+  *hi = __float_as_uint(v) & 0xFFFFE000u;
+  *lo = __float_as_uint(v - __uint_as_float(*hi));
+#endif
 }
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -57,6 +73,26 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const
 }
 __device__ __forceinline__ float combine(float acc, float corr) {
   return acc + (corr == corr ? corr : 0.0f);  // NaN in the small terms: dropped (see top)
+}
+
+// The clamped BCE term with PyTorch's float32 p = 1 / (1 + expf(-a)) bit for bit (IEEE expf
+// and reciprocal), so the -100 clamps fall on the same elements as the reference's; only the two
+// logs come from the hardware log2 (MUFU, ~2^-22 absolute error for arguments in [0.5, 2],
+// relative elsewhere, subnormals kept): at most ~1e-7 nats per element, continuous in a (no clamp
+// can flip), vs ~60 instructions for IEEE logf + log1pf. log1p(-p) is log(1 - p): 1 - p is exact
+// for p >= 1/2, and below that its rounding costs < 6e-8 nats.
+__device__ __forceinline__ float mufu_ln(float v) {
+  float r;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(r) : "f"(v));
+  return r * 0.693147180559945309f;
+}
+__device__ __forceinline__ float bce_term_mufu(float a, float xv, bool* bad) {
+  const float pr = __frcp_rn(1.0f + expf(-a));
+  const float lp = nan_max(mufu_ln(pr), -100.0f), l1p = nan_max(mufu_ln(1.0f - pr), -100.0f);
+  const bool ok = xv >= 0.0f && xv <= 1.0f;
+  *bad |= !ok;
+  return ok ? __fsub_rn(__fmul_rn(xv - 1.0f, l1p), __fmul_rn(xv, lp))
+            : __int_as_float(0x7fc00000);
 }
 
 __device__ __forceinline__ void cp_async16_zfill(float* dst, const float* src, bool ok) {
@@ -269,6 +305,9 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
                      for (int r = 0; r < 2; ++r)
 #ifdef FE_IWAE_SKIP_BCE
                        rs[m][r] += combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) * xv;
+#elif defined(FE_IWAE_FAST_BCE)
+                       rs[m][r] += bce_term_mufu(
+                           combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, xv, &bad);
 #else
                        rs[m][r] += bce_term(
                            combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, xv, &bad);
