@@ -40,30 +40,13 @@ constexpr int kNT = 4;          // n8 tiles per warp per chunk
 constexpr int kStageFloats = kNC * kLdw;
 
 // ---- tf32x3 tensor-core tiles ----
-__device__ __forceinline__ uint32_t tf32(float v) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-  return r;
-}
-#ifndef FE_IWAE_SPLIT
-#define FE_IWAE_SPLIT 0
-#endif
+// v = hi + lo with hi = v's top 11 significant bits (truncated: one LOP, NaN stays NaN, inf
+// stays inf) and lo = v - hi exactly (|lo| < 2^-10 |v|); the MMA reads lo's top 11 bits. Per
+// product hi*hi + hi*lo + lo*hi is within ~3 * 2^-20 of a*b (the lo*lo term and lo's dropped bits):
+// measured against the cvt.rna split, estimates move by ~1e-5 nats at K = 5000 (NOTES, run 28).
 __device__ __forceinline__ void split(float v, uint32_t* hi, uint32_t* lo) {
-#if FE_IWAE_SPLIT == 0
-  *hi = tf32(v);
-  *lo = tf32(v - __uint_as_float(*hi));
-#elif FE_IWAE_SPLIT == 1
-  // Round to nearest on the bits (as triton/common.py's _split), NaN kept; lo as is (the MMA
-  // reads its top 19 bits).
-  const uint32_t u = __float_as_uint(v);
-  const uint32_t r = (u + 0x1000u) & 0xFFFFE000u;
-  *hi = v != v ? u : r;
-  *lo = __float_as_uint(v - __uint_as_float(*hi));
-#else
-  // Truncation: one LOP, NaN-safe; lo as is.
   *hi = __float_as_uint(v) & 0xFFFFE000u;
   *lo = __float_as_uint(v - __uint_as_float(*hi));
-#endif
 }
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -127,19 +110,38 @@ __device__ __forceinline__ void load_stage(float* st, const float* B, int N, int
   }
 }
 
-// C = A (M x kp, smem, stride lda) x B^T (B: N x K in global, kp = K rounded up to 8), chunk by
-// chunk of kNC columns; epi(n0, acc, corr) gets each chunk's tiles. Block-wide (every thread).
+// The kernel's dynamic shared memory, at namespace scope so that the GEMM addresses it with
+// 32-bit offsets (LDS [reg + imm]) instead of 64-bit generic pointers.
+extern __shared__ __align__(16) float iwae_smem[];
+
+// C = A (M x kp at float offset a_off of iwae_smem, row stride lda) x B^T (B: N x K in global,
+// kp = K rounded up to 8), chunk by chunk of kNC columns through the kStages stages at float
+// offset ws_off; epi(n0, acc, corr) gets each chunk's tiles. Block-wide (every thread).
 template <int MT, class Epi>
-__device__ __forceinline__ void tile_gemm(const float* A, int lda, int kp, const float* B, int N,
-                                     int K, bool vec, float* ws, Epi&& epi) {
+__device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const float* B, int N, int K,
+                                          bool vec, int ws_off, Epi&& epi) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3, wn = warp % kWarpsN, row0 = (warp / kWarpsN) * MT * 16;
   const int kchunks = cdiv(kp, kKC), steps = cdiv(N, kNC) * kchunks;
+  // Fragment offsets, fixed per thread: A rows g and g + 8 of each m16 tile, B row g of each n8.
+  int a_lo[MT], a_hi[MT], b_row[kNT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    a_lo[m] = a_off + (row0 + m * 16 + g) * lda + t;
+    a_hi[m] = a_lo[m] + 8 * lda;
+  }
+#pragma unroll
+  for (int n = 0; n < kNT; ++n) b_row[n] = ((n * kWarpsN + wn) * 8 + g) * kLdw + t;
+
   __syncthreads();  // the stages and A may still be in use by the previous phase
+  int fn = 0, fk = 0;  // (chunk, k-chunk) of the next stage to fetch
+  auto fetch = [&](int stage) {
+    load_stage(iwae_smem + ws_off + stage * kStageFloats, B, N, K, fn * kNC, fk * kKC, vec);
+    if (++fk == kchunks) { fk = 0; ++fn; }
+  };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < steps) load_stage(ws + s * kStageFloats, B, N, K, (s / kchunks) * kNC,
-                              (s % kchunks) * kKC, vec);
+    if (s < steps) fetch(s);
     cp_async_commit();
   }
   float acc[MT][kNT][4], corr[MT][kNT][4];
@@ -150,56 +152,47 @@ __device__ __forceinline__ void tile_gemm(const float* A, int lda, int kp, const
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[m][n][i] = corr[m][n][i] = 0.0f;
 
+  int nc = 0, kc = 0, stage = 0;
   for (int s = 0; s < steps; ++s) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // stage s landed for every thread; stage s - 1 is free to refill
-    const int sn = s + kStages - 1;
-    if (sn < steps) load_stage(ws + (sn % kStages) * kStageFloats, B, N, K,
-                               (sn / kchunks) * kNC, (sn % kchunks) * kKC, vec);
+    if (s + kStages - 1 < steps) fetch((stage + kStages - 1) % kStages);
     cp_async_commit();
 
-    const int n0 = (s / kchunks) * kNC, k0 = (s % kchunks) * kKC;
-    const int klen = min(kKC, kp - k0);
-    const float* st = ws + (s % kStages) * kStageFloats;
+    const int n0 = nc * kNC, k0 = kc * kKC, klen = min(kKC, kp - k0);
+    const int st = ws_off + stage * kStageFloats;
     bool live[kNT];  // n8 tiles wholly past N do no MMAs (warp-uniform)
 #pragma unroll
     for (int n = 0; n < kNT; ++n) live[n] = n0 + (n * kWarpsN + wn) * 8 < N;
-#ifdef FE_IWAE_UNROLL
 #pragma unroll
     for (int kk = 0; kk < kKC; kk += 8) {
       if (kk >= klen) break;
-#else
-    for (int kk = 0; kk < klen; kk += 8) {
-#endif
       uint32_t ah[MT][4], al[MT][4], bh[kNT][2], bl[kNT][2];
+      const int ka = k0 + kk;
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        const float* a = A + (row0 + m * 16 + g) * lda + k0 + kk + t;
-        split(a[0], &ah[m][0], &al[m][0]);
-        split(a[8 * lda], &ah[m][1], &al[m][1]);
-        split(a[4], &ah[m][2], &al[m][2]);
-        split(a[8 * lda + 4], &ah[m][3], &al[m][3]);
+        split(iwae_smem[a_lo[m] + ka], &ah[m][0], &al[m][0]);
+        split(iwae_smem[a_hi[m] + ka], &ah[m][1], &al[m][1]);
+        split(iwae_smem[a_lo[m] + ka + 4], &ah[m][2], &al[m][2]);
+        split(iwae_smem[a_hi[m] + ka + 4], &ah[m][3], &al[m][3]);
       }
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
-        const float* b = st + ((n * kWarpsN + wn) * 8 + g) * kLdw + kk + t;
-        split(b[0], &bh[n][0], &bl[n][0]);
-        split(b[4], &bh[n][1], &bl[n][1]);
+        split(iwae_smem[st + b_row[n] + kk], &bh[n][0], &bl[n][0]);
+        split(iwae_smem[st + b_row[n] + kk + 4], &bh[n][1], &bl[n][1]);
       }
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
         if (!live[n]) continue;
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
-#ifndef FE_IWAE_1XTF32
           mma(corr[m][n], al[m], bh[n]);
           mma(corr[m][n], ah[m], bl[n]);
-#endif
           mma(acc[m][n], ah[m], bh[n]);
         }
       }
     }
-    if (k0 + kKC >= kp) {  // last stage of this chunk
+    if (++kc == kchunks) {  // last stage of this chunk
       epi(n0, acc, corr);
 #pragma unroll
       for (int m = 0; m < MT; ++m)
@@ -207,7 +200,10 @@ __device__ __forceinline__ void tile_gemm(const float* A, int lda, int kp, const
         for (int n = 0; n < kNT; ++n)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[m][n][i] = corr[m][n][i] = 0.0f;
+      kc = 0;
+      ++nc;
     }
+    stage = stage + 1 == kStages ? 0 : stage + 1;
   }
   cp_async_wait<0>();
 }
@@ -215,10 +211,10 @@ __device__ __forceinline__ void tile_gemm(const float* A, int lda, int kp, const
 template <int MT>
 __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
   constexpr int M = 2 * MT * 16;
-  extern __shared__ __align__(16) float smem[];
-  float* zs = smem;                         // M x ldz: z of the tile (pad columns 0)
-  float* ds = zs + M * p.ldz;               // M x ldd: relu(z w1^T + b1) (pad columns 0)
-  float* ws = ds + M * p.ldd;               // kStages B stages; also the z-fill scratch
+  const int zs_off = 0, ds_off = M * p.ldz, ws_off = ds_off + M * p.ldd;
+  float* zs = iwae_smem + zs_off;           // M x ldz: z of the tile (pad columns 0)
+  float* ds = iwae_smem + ds_off;           // M x ldd: relu(z w1^T + b1) (pad columns 0)
+  float* ws = iwae_smem + ws_off;           // kStages B stages; also the z-fill scratch
   float* red = ws + kStages * kStageFloats; // kWarpsN x M: BCE row partials per warp column
   float* lpq = red + kWarpsN * M;           // M: log p(z) - log q(z|x) per sample
   float* lat = lpq + M;                     // mu, sigma, logvar of this image (3 x lp)
@@ -239,6 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
     lat[lp + j] = expf(0.5f * lv);
     lat[2 * lp + j] = lv;
   }
+  const int fill_dm = kThreads / lp, fill_dj = kThreads % lp;
   // Running logsumexp of this thread's sample lane (thread m < M owns tile row m of every tile).
   float m_run = -INFINITY, s_run = 0.0f;
   bool nan_seen = false;
@@ -246,8 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
   for (int64_t k0 = k_begin; k0 < k_end; k0 += M) {
     __syncthreads();  // lat written; the previous tile's lpq / red / ws reads are done
     // z and the per-element log-density terms (into ws, summed per row in order below).
-    for (int i = tid; i < M * lp; i += kThreads) {
-      const int m = i / lp, j = i % lp;
+    for (int i = tid, m = tid / lp, j = tid % lp; i < M * lp; i += kThreads) {
       const int64_t k = k0 + m;
       float z = 0.0f, term = 0.0f;
       if (j < L && k < k_end) {
@@ -258,6 +254,9 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
       }
       zs[m * p.ldz + j] = z;
       ws[i] = term;
+      m += fill_dm;  // (m, j) of i + kThreads without a division
+      j += fill_dj;
+      if (j >= lp) { j -= lp; ++m; }
     }
     __syncthreads();
     if (tid < M) {
@@ -267,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
     }
 
     // GEMM 1: d = relu(z w1^T + b1), written whole into ds.
-    tile_gemm<MT>(zs, p.ldz, lp, p.w1, p.H, L, p.vec, ws,
+    tile_gemm<MT>(zs_off, p.ldz, lp, p.w1, p.H, L, p.vec, ws_off,
              [&](int n0, float (&acc)[MT][kNT][4], float (&corr)[MT][kNT][4]) {
 #pragma unroll
                for (int n = 0; n < kNT; ++n)
@@ -289,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
 #pragma unroll
     for (int m = 0; m < MT; ++m) rs[m][0] = rs[m][1] = 0.0f;
     bool bad = false;
-    tile_gemm<MT>(ds, p.ldd, p.hp, p.w2, p.D, p.H, p.vec, ws,
+    tile_gemm<MT>(ds_off, p.ldd, p.hp, p.w2, p.D, p.H, p.vec, ws_off,
              [&](int n0, float (&acc)[MT][kNT][4], float (&corr)[MT][kNT][4]) {
 #pragma unroll
                for (int n = 0; n < kNT; ++n) {
@@ -303,15 +302,8 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
                    for (int m = 0; m < MT; ++m)
 #pragma unroll
                      for (int r = 0; r < 2; ++r)
-#ifdef FE_IWAE_SKIP_BCE
-                       rs[m][r] += combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) * xv;
-#elif defined(FE_IWAE_FAST_BCE)
                        rs[m][r] += bce_term_mufu(
                            combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, xv, &bad);
-#else
-                       rs[m][r] += bce_term(
-                           combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, xv, &bad);
-#endif
                  }
                }
              });
