@@ -32,9 +32,14 @@ namespace fastelbo {
 namespace {
 
 constexpr int kNC = 128;        // GEMM columns per chunk: 4 warps x 4 n8 tiles x 8
+#ifdef FE_IWAE_KC64
+constexpr int kKC = 64;         // GEMM reduction per pipeline stage
+constexpr int kStages = 2;
+#else
 constexpr int kKC = 32;         // GEMM reduction per pipeline stage
-constexpr int kLdw = kKC + 4;   // staged B row stride (36 = 4 mod 8: conflict-free fragments)
 constexpr int kStages = 3;
+#endif
+constexpr int kLdw = kKC + 4;   // staged B row stride (4 mod 8 floats: conflict-free fragments)
 constexpr int kWarpsN = 4;      // warps along N; kWarps / kWarpsN = 2 along M
 constexpr int kNT = 4;          // n8 tiles per warp per chunk
 constexpr int kStageFloats = kNC * kLdw;
@@ -164,30 +169,54 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
     bool live[kNT];  // n8 tiles wholly past N do no MMAs (warp-uniform)
 #pragma unroll
     for (int n = 0; n < kNT; ++n) live[n] = n0 + (n * kWarpsN + wn) * 8 < N;
-#pragma unroll
-    for (int kk = 0; kk < kKC; kk += 8) {
-      if (kk >= klen) break;
-      uint32_t ah[MT][4], al[MT][4], bh[kNT][2], bl[kNT][2];
+    // Fragments of k step kk (raw floats), loaded one step ahead of their MMAs.
+    float fa[2][MT][4], fb[2][kNT][2];
+    auto load_frags = [&](int kk, float (&a)[MT][4], float (&b)[kNT][2]) {
       const int ka = k0 + kk;
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        split(iwae_smem[a_lo[m] + ka], &ah[m][0], &al[m][0]);
-        split(iwae_smem[a_hi[m] + ka], &ah[m][1], &al[m][1]);
-        split(iwae_smem[a_lo[m] + ka + 4], &ah[m][2], &al[m][2]);
-        split(iwae_smem[a_hi[m] + ka + 4], &ah[m][3], &al[m][3]);
+        a[m][0] = iwae_smem[a_lo[m] + ka];
+        a[m][1] = iwae_smem[a_hi[m] + ka];
+        a[m][2] = iwae_smem[a_lo[m] + ka + 4];
+        a[m][3] = iwae_smem[a_hi[m] + ka + 4];
       }
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
-        split(iwae_smem[st + b_row[n] + kk], &bh[n][0], &bl[n][0]);
-        split(iwae_smem[st + b_row[n] + kk + 4], &bh[n][1], &bl[n][1]);
+        b[n][0] = iwae_smem[st + b_row[n] + kk];
+        b[n][1] = iwae_smem[st + b_row[n] + kk + 4];
       }
+    };
+    load_frags(0, fa[0], fb[0]);
+#pragma unroll
+    for (int kk = 0; kk < kKC; kk += 8) {
+      if (kk >= klen) break;
+      const int cur = (kk / 8) & 1;
+#ifdef FE_IWAE_PREFETCH
+      if (kk + 8 < klen) load_frags(kk + 8, fa[cur ^ 1], fb[cur ^ 1]);
+#else
+      if (kk > 0) load_frags(kk, fa[cur], fb[cur]);
+#endif
+      uint32_t ah[MT][4], al[MT][4], bh[kNT][2], bl[kNT][2];
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) split(fa[cur][m][i], &ah[m][i], &al[m][i]);
+#pragma unroll
+      for (int n = 0; n < kNT; ++n)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) split(fb[cur][n][i], &bh[n][i], &bl[n][i]);
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
         if (!live[n]) continue;
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
+#ifdef FE_IWAE_ONE_ACC
+          mma(acc[m][n], al[m], bh[n]);
+          mma(acc[m][n], ah[m], bl[n]);
+#else
           mma(corr[m][n], al[m], bh[n]);
           mma(corr[m][n], ah[m], bl[n]);
+#endif
           mma(acc[m][n], ah[m], bh[n]);
         }
       }
@@ -302,8 +331,13 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
                    for (int m = 0; m < MT; ++m)
 #pragma unroll
                      for (int r = 0; r < 2; ++r)
+#ifdef FE_IWAE_EXACT_BCE
+                       rs[m][r] += bce_term(
+                           combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, xv, &bad);
+#else
                        rs[m][r] += bce_term_mufu(
                            combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, xv, &bad);
+#endif
                  }
                }
              });
