@@ -35,6 +35,9 @@ constexpr int kNC = 128;        // GEMM columns per chunk: 4 warps x 4 n8 tiles 
 #ifdef FE_IWAE_KC64
 constexpr int kKC = 64;         // GEMM reduction per pipeline stage
 constexpr int kStages = 2;
+#elif defined(FE_IWAE_TWO_CTAS)
+constexpr int kKC = 16;
+constexpr int kStages = 3;
 #else
 constexpr int kKC = 32;         // GEMM reduction per pipeline stage
 constexpr int kStages = 3;
@@ -237,8 +240,13 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
   cp_async_wait<0>();
 }
 
+#ifdef FE_IWAE_TWO_CTAS
+constexpr int kMinBlocks = 2;
+#else
+constexpr int kMinBlocks = 1;
+#endif
 template <int MT>
-__global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) iwae_kernel(const IwaeParams p) {
   constexpr int M = 2 * MT * 16;
   const int zs_off = 0, ds_off = M * p.ldz, ws_off = ds_off + M * p.ldd;
   float* zs = iwae_smem + zs_off;           // M x ldz: z of the tile (pad columns 0)
@@ -406,7 +414,11 @@ ElboStatus iwae_plan(IwaeParams& p, int device, cudaError_t* cuda_err) noexcept 
   p.hp = (p.H + 7) & ~7;
   p.ldz = p.lp + 4;
   p.ldd = p.hp + 4;
+#ifdef FE_IWAE_TWO_CTAS
+  for (int mt : {2}) {
+#else
   for (int mt : {4, 2}) {
+#endif
     const int M = 2 * mt * 16;
     const long long bytes = 4 * smem_floats(M, p.ldz, p.ldd, p.lp);
     // The z fill uses the B stages as M x lp scratch.
