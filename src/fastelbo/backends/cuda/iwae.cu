@@ -31,8 +31,11 @@
 namespace fastelbo {
 namespace {
 
-constexpr int kNC = 128;        // GEMM columns per chunk: 4 warps x 4 n8 tiles x 8
-#ifdef FE_IWAE_KC64
+#ifdef FE_IWAE_NT8
+constexpr int kNT = 8;          // n8 tiles per warp per chunk
+constexpr int kKC = 32;
+constexpr int kStages = 2;
+#elif defined(FE_IWAE_KC64)
 constexpr int kKC = 64;         // GEMM reduction per pipeline stage
 constexpr int kStages = 2;
 #elif defined(FE_IWAE_TWO_CTAS)
@@ -42,9 +45,12 @@ constexpr int kStages = 3;
 constexpr int kKC = 32;         // GEMM reduction per pipeline stage
 constexpr int kStages = 3;
 #endif
+#ifndef FE_IWAE_NT8
+constexpr int kNT = 4;          // n8 tiles per warp per chunk
+#endif
 constexpr int kLdw = kKC + 4;   // staged B row stride (4 mod 8 floats: conflict-free fragments)
 constexpr int kWarpsN = 4;      // warps along N; kWarps / kWarpsN = 2 along M
-constexpr int kNT = 4;          // n8 tiles per warp per chunk
+constexpr int kNC = kWarpsN * kNT * 8;  // GEMM columns per chunk
 constexpr int kStageFloats = kNC * kLdw;
 
 // ---- tf32x3 tensor-core tiles ----
@@ -61,6 +67,15 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// Infinite GEMM operands become +-FLT_MAX (NaN stays NaN) where one accumulator holds all three
+// products: inf's lo part would be inf - inf = NaN.
+__device__ __forceinline__ float finite_or_nan(float v) {
+#ifdef FE_IWAE_ONE_ACC
+  return v > 3.402823466e38f ? 3.402823466e38f : (v < -3.402823466e38f ? -3.402823466e38f : v);
+#else
+  return v;
+#endif
 }
 __device__ __forceinline__ float combine(float acc, float corr) {
   return acc + (corr == corr ? corr : 0.0f);  // NaN in the small terms: dropped (see top)
@@ -172,6 +187,7 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
     bool live[kNT];  // n8 tiles wholly past N do no MMAs (warp-uniform)
 #pragma unroll
     for (int n = 0; n < kNT; ++n) live[n] = n0 + (n * kWarpsN + wn) * 8 < N;
+    const bool any_live = live[0];  // tiles are interleaved: the first is live if any is
     // Fragments of k step kk (raw floats), loaded one step ahead of their MMAs.
     float fa[2][MT][4], fb[2][kNT][2];
     auto load_frags = [&](int kk, float (&a)[MT][4], float (&b)[kNT][2]) {
@@ -189,10 +205,10 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
         b[n][1] = iwae_smem[st + b_row[n] + kk + 4];
       }
     };
-    load_frags(0, fa[0], fb[0]);
+    if (any_live) load_frags(0, fa[0], fb[0]);
 #pragma unroll
     for (int kk = 0; kk < kKC; kk += 8) {
-      if (kk >= klen) break;
+      if (kk >= klen || !any_live) break;
       const int cur = (kk / 8) & 1;
 #ifdef FE_IWAE_PREFETCH
       if (kk + 8 < klen) load_frags(kk + 8, fa[cur ^ 1], fb[cur ^ 1]);
@@ -289,7 +305,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) iwae_kernel(const IwaePa
         z = lat[j] + lat[lp + j] * e;
         term = e * e - z * z + lat[2 * lp + j];
       }
-      zs[m * p.ldz + j] = z;
+      zs[m * p.ldz + j] = finite_or_nan(z);
       ws[i] = term;
       m += fill_dm;  // (m, j) of i + kThreads without a division
       j += fill_dj;
@@ -315,7 +331,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) iwae_kernel(const IwaePa
                      const int row = row0 + m * 16 + g + (i >> 1) * 8;
                      if (col < p.hp)
                        ds[row * p.ldd + col] =
-                           col < p.H ? relu(combine(acc[m][n][i], corr[m][n][i]) + p.b1[col])
+                           col < p.H ? finite_or_nan(relu(
+                                           combine(acc[m][n][i], corr[m][n][i]) + p.b1[col]))
                                      : 0.0f;
                    }
              });
