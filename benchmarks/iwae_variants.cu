@@ -1,7 +1,9 @@
 // Standalone timing of iwae.cu (no torch): B images x K samples at 784/256/32, Philox noise, for
-// A/B builds of the kernel's FE_IWAE_* switches (timing-only variants; the package builds none):
+// A/B builds: put an experiment behind a -D switch in iwae.cu, build each variant and compare
+// time and partials (benchmarks/device_run.sh iwae-variants, IWAE_VARIANTS="base X Y+Z"; the
+// switches tried and their results are in benchmarks/NOTES.md, runs 27-33):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -I src/fastelbo/backends/cuda \
-//        [-DFE_IWAE_UNROLL] [-DFE_IWAE_1XTF32] [-DFE_IWAE_SKIP_BCE] -o /tmp/iv benchmarks/iwae_variants.cu
+//        [-DFE_IWAE_...] -o /tmp/iv benchmarks/iwae_variants.cu
 //   /tmp/iv [B=1320] [K=5000] [partials.bin]
 // Prints ms per call and the extrapolation to 10,000 images, and a checksum of the partials.
 #include "elbo.cu"

@@ -104,8 +104,9 @@ def test_every_kernel_source_is_listed():
 
 
 # Standalone GPU tools in benchmarks/: the per-phase trace driver (includes both cluster kernels
-# with -DFASTELBO_TRACE) and the DSMEM bulk-copy repro. They build without torch.
-BENCH_CU = ("cuda_trace.cu", "dsmem_bulk_repro.cu")
+# with -DFASTELBO_TRACE), the DSMEM bulk-copy repro and the IWAE A/B driver. They build without
+# torch.
+BENCH_CU = ("cuda_trace.cu", "dsmem_bulk_repro.cu", "iwae_variants.cu")
 
 
 @needs_nvcc

@@ -40,6 +40,13 @@ def ci():
     return mod
 
 
+def log2_allowance(dims, truth) -> float:
+    """What the kernel's hardware-log2 BCE (iwae.cu, bce_term_mufu: ~2^-22 per log term, not
+    unbiased) may add to the error of an estimate: 2^-21 (D + |log p(x)|), twice the bound the
+    kernel documents. The rest of the tolerance is float32's (factor x torch's own error)."""
+    return 2.0**-21 * (dims[0] + float(truth.abs().max()))
+
+
 def _inputs(dims, batch, samples, seed=0, binary=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.rand(batch, dims[0], generator=g, device="cuda")
@@ -65,7 +72,8 @@ def test_injected_eps_matches_float64(ci, dims, samples):
     got = ci.iwae_log_likelihood(x, p, samples, eps=eps)
     want = reference_iwae(f64(p), x.double(), eps.double())
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
-    assert_iwae_close_to_truth(got, x, p, eps, atol=1e-4, factor=4.0, what=f"{dims} K={samples}")
+    assert_iwae_close_to_truth(got, x, p, eps, atol=1e-4 + log2_allowance(dims, want),
+                               factor=4.0, what=f"{dims} K={samples}")
 
 
 @pytest.mark.parametrize("binary", [False, True])
@@ -114,7 +122,9 @@ def test_invalid_rows_are_nan_and_only_them(ci):
         assert torch.isnan(out).nonzero().flatten().tolist() == sorted(bad), mode
     good = [1, 4]
     got = ci.iwae_log_likelihood(x, p, 150, eps=eps)
-    assert_iwae_close_to_truth(got[good], x[good], p, eps[:, good], atol=1e-4, factor=4.0)
+    want = reference_iwae(f64(p), x[good].double(), eps[:, good].double())
+    assert_iwae_close_to_truth(got[good], x[good], p, eps[:, good],
+                               atol=1e-4 + log2_allowance(dims, want), factor=4.0)
 
 
 def test_noise_is_tritons_stream(ci):

@@ -5,7 +5,7 @@
 //   eps (Triton's Philox counters, or injected) -> z [M, L] and log p(z) - log q(z|x), in smem
 //   z  --GEMM 1 (tf32x3), + b1, relu-->  d [M, H] kept whole in shared memory (fp32)
 //   d  --GEMM 2 (tf32x3), per chunk of 128 output columns--> logits in registers
-//   logits --+ b2, sigmoid, clamped BCE vs x--> per-sample row sums -> log weights
+//   logits --+ b2, sigmoid, clamped BCE vs x (hardware-log2 logs)--> row sums -> log weights
 //   log weights --> per-sample-lane running logsumexp (memory flat in K)
 // The Triton kernel (backends/triton/iwae.py) rebuilds d for every column chunk of D (+50%
 // MMA work at its tiles) because it has no shared memory to keep it in; here d is built once.
@@ -14,10 +14,22 @@
 // mma.sync m16n8k8 TF32: 8 warps as 2 (M) x 4 (N); a warp owns MT m16 tiles and 4 n8 tiles of
 // each 128-column chunk, interleaved across warps (n8 tile nt * 4 + warp_n) so a ragged last
 // chunk (D = 784: 16 columns) is shared out instead of idling three warps. B streams through
-// shared memory in [128 x 32] stages (3-stage cp.async pipeline). Both operands are split into
-// TF32 hi + lo in registers: acc = hi*hi, corr = hi*lo + lo*hi, summed apart so that NaN from
-// an infinite operand (lo = inf - inf) is dropped as Triton's tf32x3 does (see triton/common.py).
-// Shared-memory strides are 4 mod 8 floats: every fragment load (row g, column t) hits 32 banks.
+// shared memory in [128 x 64] stages (double-buffered cp.async). Both operands are split into
+// TF32 hi + lo in registers (split() below): acc = hi*hi, corr = hi*lo + lo*hi, summed apart so
+// that NaN from an infinite operand (lo = inf - inf) is dropped as Triton's tf32x3 does (see
+// triton/common.py). Shared-memory strides are 4 mod 8 floats: every fragment load (row g,
+// column t) hits 32 distinct banks; fragments are addressed by 32-bit offsets into iwae_smem.
+//
+// BCE: p = 1 / (1 + expf(-a)) exactly as PyTorch rounds it, so the -100 clamps fall on the same
+// elements; the two logs come from the hardware log2 (bce_term_mufu), ~2^-22 per term.
+//
+// Where the time goes (H200, 10,000 images x K = 5000 = 400K tiles; NOTES runs 27-33, A/B with
+// benchmarks/iwae_variants.cu): the kernel is issue-bound with 2 warps per scheduler (ncu: IPC
+// 1.9, "fixed latency" stalls), not tensor-bound. IEEE logf + log1pf in the epilogue cost 0.15 s
+// of 0.71; cvt.rna.tf32 splits 0.13 s more than the one-LOP truncation; 64-bit generic
+// addressing and runtime divisions ~0.05 s. Tried and slower: fragment prefetch one k step
+// ahead (+10%), two blocks per SM at 64-sample tiles (+10%, registers capped at 128), 64x64
+// warp tiles (no gain); one accumulator instead of acc + corr saves ~2% but loses the NaN rule.
 //
 // Arithmetic (784/256/32, M = 128): 77M tf32 MACs x 3 per tile, ~40 tiles per image at K = 5000.
 // No torch types; plan/launch are noexcept and return codes (elbo.h).
@@ -31,23 +43,9 @@
 namespace fastelbo {
 namespace {
 
-#ifdef FE_IWAE_NT8
-constexpr int kNT = 8;          // n8 tiles per warp per chunk
-constexpr int kKC = 32;
-constexpr int kStages = 2;
-#elif defined(FE_IWAE_KC64)
-constexpr int kKC = 64;         // GEMM reduction per pipeline stage
-constexpr int kStages = 2;
-#elif defined(FE_IWAE_TWO_CTAS)
-constexpr int kKC = 16;
-constexpr int kStages = 3;
-#else
-constexpr int kKC = 32;         // GEMM reduction per pipeline stage
-constexpr int kStages = 3;
-#endif
-#ifndef FE_IWAE_NT8
 constexpr int kNT = 4;          // n8 tiles per warp per chunk
-#endif
+constexpr int kKC = 64;         // GEMM reduction per pipeline stage (8 k steps between barriers)
+constexpr int kStages = 2;      // double-buffered: a stage lands while the other is consumed
 constexpr int kLdw = kKC + 4;   // staged B row stride (4 mod 8 floats: conflict-free fragments)
 constexpr int kWarpsN = 4;      // warps along N; kWarps / kWarpsN = 2 along M
 constexpr int kNC = kWarpsN * kNT * 8;  // GEMM columns per chunk
@@ -68,37 +66,28 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-// Infinite GEMM operands become +-FLT_MAX (NaN stays NaN) where one accumulator holds all three
-// products: inf's lo part would be inf - inf = NaN.
-__device__ __forceinline__ float finite_or_nan(float v) {
-#ifdef FE_IWAE_ONE_ACC
-  return v > 3.402823466e38f ? 3.402823466e38f : (v < -3.402823466e38f ? -3.402823466e38f : v);
-#else
-  return v;
-#endif
-}
 __device__ __forceinline__ float combine(float acc, float corr) {
   return acc + (corr == corr ? corr : 0.0f);  // NaN in the small terms: dropped (see top)
 }
 
 // The clamped BCE term with PyTorch's float32 p = 1 / (1 + expf(-a)) bit for bit (IEEE expf
 // and reciprocal), so the -100 clamps fall on the same elements as the reference's; only the two
-// logs come from the hardware log2 (MUFU, ~2^-22 absolute error for arguments in [0.5, 2],
-// relative elsewhere, subnormals kept): at most ~1e-7 nats per element, continuous in a (no clamp
-// can flip), vs ~60 instructions for IEEE logf + log1pf. log1p(-p) is log(1 - p): 1 - p is exact
-// for p >= 1/2, and below that its rounding costs < 6e-8 nats.
+// logs come from the hardware log2 (MUFU: ~2^-22 absolute error for arguments in [0.5, 2],
+// relative elsewhere, subnormals kept), a few float32 ulps per term and continuous in a (no
+// clamp can flip), vs ~60 instructions for IEEE logf + log1pf (0.15 s of 0.71 at the target).
+// Not unbiased: summed over D the estimate moves by up to ~2^-22 (D + |log p(x|z)|) nats, e.g.
+// 1.2e-4 at D = 781 where log p(x) = -544 (2 ulps of the float32 result; the bound is what
+// tests/test_cuda_iwae.py allows). log1p(-p) is log(1 - p): 1 - p is exact for p >= 1/2, and
+// below that its rounding costs < 6e-8 nats.
 __device__ __forceinline__ float mufu_ln(float v) {
   float r;
   asm("lg2.approx.f32 %0, %1;" : "=f"(r) : "f"(v));
   return r * 0.693147180559945309f;
 }
-__device__ __forceinline__ float bce_term_mufu(float a, float xv, bool* bad) {
+__device__ __forceinline__ float bce_term_mufu(float a, float xv) {
   const float pr = __frcp_rn(1.0f + expf(-a));
   const float lp = nan_max(mufu_ln(pr), -100.0f), l1p = nan_max(mufu_ln(1.0f - pr), -100.0f);
-  const bool ok = xv >= 0.0f && xv <= 1.0f;
-  *bad |= !ok;
-  return ok ? __fsub_rn(__fmul_rn(xv - 1.0f, l1p), __fmul_rn(xv, lp))
-            : __int_as_float(0x7fc00000);
+  return xv >= 0.0f && xv <= 1.0f ? (xv - 1.0f) * l1p - xv * lp : __int_as_float(0x7fc00000);
 }
 
 __device__ __forceinline__ void cp_async16_zfill(float* dst, const float* src, bool ok) {
@@ -187,55 +176,30 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
     bool live[kNT];  // n8 tiles wholly past N do no MMAs (warp-uniform)
 #pragma unroll
     for (int n = 0; n < kNT; ++n) live[n] = n0 + (n * kWarpsN + wn) * 8 < N;
-    const bool any_live = live[0];  // tiles are interleaved: the first is live if any is
-    // Fragments of k step kk (raw floats), loaded one step ahead of their MMAs.
-    float fa[2][MT][4], fb[2][kNT][2];
-    auto load_frags = [&](int kk, float (&a)[MT][4], float (&b)[kNT][2]) {
+#pragma unroll
+    for (int kk = 0; kk < kKC; kk += 8) {
+      if (kk >= klen) break;
       const int ka = k0 + kk;
+      uint32_t ah[MT][4], al[MT][4], bh[kNT][2], bl[kNT][2];
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        a[m][0] = iwae_smem[a_lo[m] + ka];
-        a[m][1] = iwae_smem[a_hi[m] + ka];
-        a[m][2] = iwae_smem[a_lo[m] + ka + 4];
-        a[m][3] = iwae_smem[a_hi[m] + ka + 4];
+        split(iwae_smem[a_lo[m] + ka], &ah[m][0], &al[m][0]);
+        split(iwae_smem[a_hi[m] + ka], &ah[m][1], &al[m][1]);
+        split(iwae_smem[a_lo[m] + ka + 4], &ah[m][2], &al[m][2]);
+        split(iwae_smem[a_hi[m] + ka + 4], &ah[m][3], &al[m][3]);
       }
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
-        b[n][0] = iwae_smem[st + b_row[n] + kk];
-        b[n][1] = iwae_smem[st + b_row[n] + kk + 4];
+        split(iwae_smem[st + b_row[n] + kk], &bh[n][0], &bl[n][0]);
+        split(iwae_smem[st + b_row[n] + kk + 4], &bh[n][1], &bl[n][1]);
       }
-    };
-    if (any_live) load_frags(0, fa[0], fb[0]);
-#pragma unroll
-    for (int kk = 0; kk < kKC; kk += 8) {
-      if (kk >= klen || !any_live) break;
-      const int cur = (kk / 8) & 1;
-#ifdef FE_IWAE_PREFETCH
-      if (kk + 8 < klen) load_frags(kk + 8, fa[cur ^ 1], fb[cur ^ 1]);
-#else
-      if (kk > 0) load_frags(kk, fa[cur], fb[cur]);
-#endif
-      uint32_t ah[MT][4], al[MT][4], bh[kNT][2], bl[kNT][2];
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) split(fa[cur][m][i], &ah[m][i], &al[m][i]);
-#pragma unroll
-      for (int n = 0; n < kNT; ++n)
-#pragma unroll
-        for (int i = 0; i < 2; ++i) split(fb[cur][n][i], &bh[n][i], &bl[n][i]);
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
         if (!live[n]) continue;
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
-#ifdef FE_IWAE_ONE_ACC
-          mma(acc[m][n], al[m], bh[n]);
-          mma(acc[m][n], ah[m], bl[n]);
-#else
           mma(corr[m][n], al[m], bh[n]);
           mma(corr[m][n], ah[m], bl[n]);
-#endif
           mma(acc[m][n], ah[m], bh[n]);
         }
       }
@@ -256,13 +220,8 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
   cp_async_wait<0>();
 }
 
-#ifdef FE_IWAE_TWO_CTAS
-constexpr int kMinBlocks = 2;
-#else
-constexpr int kMinBlocks = 1;
-#endif
 template <int MT>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) iwae_kernel(const IwaeParams p) {
+__global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
   constexpr int M = 2 * MT * 16;
   const int zs_off = 0, ds_off = M * p.ldz, ws_off = ds_off + M * p.ldd;
   float* zs = iwae_smem + zs_off;           // M x ldz: z of the tile (pad columns 0)
@@ -305,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) iwae_kernel(const IwaePa
         z = lat[j] + lat[lp + j] * e;
         term = e * e - z * z + lat[2 * lp + j];
       }
-      zs[m * p.ldz + j] = finite_or_nan(z);
+      zs[m * p.ldz + j] = z;
       ws[i] = term;
       m += fill_dm;  // (m, j) of i + kThreads without a division
       j += fill_dj;
@@ -331,8 +290,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) iwae_kernel(const IwaePa
                      const int row = row0 + m * 16 + g + (i >> 1) * 8;
                      if (col < p.hp)
                        ds[row * p.ldd + col] =
-                           col < p.H ? finite_or_nan(relu(
-                                           combine(acc[m][n][i], corr[m][n][i]) + p.b1[col]))
+                           col < p.H ? relu(combine(acc[m][n][i], corr[m][n][i]) + p.b1[col])
                                      : 0.0f;
                    }
              });
@@ -341,7 +299,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) iwae_kernel(const IwaePa
     float rs[MT][2];
 #pragma unroll
     for (int m = 0; m < MT; ++m) rs[m][0] = rs[m][1] = 0.0f;
-    bool bad = false;
     tile_gemm<MT>(ds_off, p.ldd, p.hp, p.w2, p.D, p.H, p.vec, ws_off,
              [&](int n0, float (&acc)[MT][kNT][4], float (&corr)[MT][kNT][4]) {
 #pragma unroll
@@ -356,13 +313,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) iwae_kernel(const IwaePa
                    for (int m = 0; m < MT; ++m)
 #pragma unroll
                      for (int r = 0; r < 2; ++r)
-#ifdef FE_IWAE_EXACT_BCE
-                       rs[m][r] += bce_term(
-                           combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, xv, &bad);
-#else
                        rs[m][r] += bce_term_mufu(
-                           combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, xv, &bad);
-#endif
+                           combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, xv);
                  }
                }
              });
@@ -431,11 +383,7 @@ ElboStatus iwae_plan(IwaeParams& p, int device, cudaError_t* cuda_err) noexcept 
   p.hp = (p.H + 7) & ~7;
   p.ldz = p.lp + 4;
   p.ldd = p.hp + 4;
-#ifdef FE_IWAE_TWO_CTAS
-  for (int mt : {2}) {
-#else
   for (int mt : {4, 2}) {
-#endif
     const int M = 2 * mt * 16;
     const long long bytes = 4 * smem_floats(M, p.ldz, p.ldd, p.lp);
     // The z fill uses the B stages as M x lp scratch.
