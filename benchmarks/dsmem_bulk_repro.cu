@@ -3,7 +3,9 @@
 // chunk of its shared memory into the other's, completing on the receiver's mbarrier, by
 //   mode 0: cp.async.bulk.shared::cluster.shared::cta (one instruction per chunk)
 //   mode 1: st.async.shared::cluster.mbarrier::complete_tx (one 16-byte store per thread)
-// then checks the values.  nvcc -O3 -gencode=arch=compute_90,code=sm_90 -o /tmp/repro
+//   mode 2: as mode 0, but the chunks live in ~160 KB of DYNAMIC shared memory (destination at
+//           150 KB) and the cluster comes from cudaLaunchKernelEx, as in elbo_fast.cu's v5
+// then checks the values. Run 26: modes 0 and 1 are exact and memcheck-clean.  nvcc -O3 -gencode=arch=compute_90,code=sm_90 -o /tmp/repro
 // benchmarks/dsmem_bulk_repro.cu && compute-sanitizer --tool memcheck /tmp/repro 0 (or 1)
 #include <cooperative_groups.h>
 #include <cstdio>
@@ -60,16 +62,76 @@ __global__ void __cluster_dims__(2, 1, 1) kernel(int mode, int* bad) {
   cluster.sync();  // no block exits while its peer may still touch its shared memory
 }
 
+// Mode 2: the layout of the fast kernel's v5 (branch fast-bulk-exchange): dynamic shared memory,
+// destination far from the start, cluster dimension given at launch.
+constexpr int kDynBytes = 160 * 1024, kDstOffset = 150 * 1024;
+__global__ void dyn_kernel(int* bad) {
+  extern __shared__ __align__(128) unsigned char dyn[];
+  __shared__ alignas(8) unsigned long long bar;
+  float* src = reinterpret_cast<float*>(dyn);
+  float* dst = reinterpret_cast<float*>(dyn + kDstOffset);
+  cg::cluster_group cluster = cg::this_cluster();
+  const int k = static_cast<int>(cluster.block_rank()), peer = 1 - k, t = threadIdx.x;
+  for (int i = t; i < kFloats; i += blockDim.x) src[i] = 1000.0f * k + i;
+  if (t == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&bar)));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(&bar)),
+                 "r"(kFloats * 4) : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  cluster.sync();
+  if (t == 0) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(remote(dst, peer)), "r"(saddr(src)), "r"(kFloats * 4), "r"(remote(&bar, peer))
+        : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+  asm volatile(
+      "{\n .reg .pred done;\nW:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+      " @!done bra W;\n}" ::"r"(saddr(&bar)) : "memory");
+  for (int i = t; i < kFloats; i += blockDim.x)
+    if (dst[i] != 1000.0f * peer + i) atomicAdd(bad, 1);
+  cluster.sync();
+}
+
+cudaError_t launch_dyn(int* bad) {
+  cudaError_t e = cudaFuncSetAttribute(dyn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       kDynBytes);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(2);
+  cfg.blockDim = dim3(64);
+  cfg.dynamicSmemBytes = kDynBytes;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, dyn_kernel, bad);
+}
+
 int main(int argc, char** argv) {
   const int mode = argc > 1 ? std::atoi(argv[1]) : 0;
   int* bad = nullptr;
   cudaMalloc(&bad, sizeof(int));
   cudaMemset(bad, 0, sizeof(int));
-  kernel<<<2, 64>>>(mode, bad);
-  cudaError_t e = cudaDeviceSynchronize();
+  cudaError_t e = cudaSuccess;
+  if (mode == 2) {
+    e = launch_dyn(bad);
+  } else {
+    kernel<<<2, 64>>>(mode, bad);
+  }
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
   int h = -1;
   cudaMemcpy(&h, bad, sizeof(int), cudaMemcpyDeviceToHost);
   std::printf("mode %d (%s): %s, %d wrong values\n", mode,
-              mode == 0 ? "cp.async.bulk smem->dsmem" : "st.async", cudaGetErrorString(e), h);
+              mode == 0 ? "cp.async.bulk smem->dsmem"
+                        : (mode == 1 ? "st.async" : "cp.async.bulk, 160 KB dynamic smem"),
+              cudaGetErrorString(e), h);
   return e == cudaSuccess && h == 0 ? 0 : 1;
 }

@@ -91,3 +91,19 @@ def iwae_probe_params(dims, mu_b, lv_b):
     z = torch.zeros
     return VAEParams(z(h, d), z(h), z(lat, h), torch.full((lat,), mu_b), z(lat, h),
                      torch.full((lat,), lv_b), z(h, lat), z(h), z(d, h), z(d))
+
+
+def assert_peak_memory_flat_in_k(call, small=50, large=5000):
+    """call(k) runs an IWAE estimate with k samples on CUDA; its peak allocation beyond what was
+    allocated before must not grow with k (within 1 MiB). The first small-k call warms up
+    (compile, allocator) and is not compared."""
+    peaks = {}
+    for k in (small, large, small):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        call(k)
+        torch.cuda.synchronize()
+        peaks[k] = torch.cuda.max_memory_allocated() - base
+    assert abs(peaks[large] - peaks[small]) <= 2**20, peaks
+

@@ -157,12 +157,15 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
     cp_async_commit();
   }
   float acc[MT][kNT][4], corr[MT][kNT][4];
+  auto zero = [&]() {
 #pragma unroll
-  for (int m = 0; m < MT; ++m)
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-    for (int n = 0; n < kNT; ++n)
+      for (int n = 0; n < kNT; ++n)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[m][n][i] = corr[m][n][i] = 0.0f;
+        for (int i = 0; i < 4; ++i) acc[m][n][i] = corr[m][n][i] = 0.0f;
+  };
+  zero();
 
   int nc = 0, kc = 0, stage = 0;
   for (int s = 0; s < steps; ++s) {
@@ -206,12 +209,7 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
     }
     if (++kc == kchunks) {  // last stage of this chunk
       epi(n0, acc, corr);
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int n = 0; n < kNT; ++n)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[m][n][i] = corr[m][n][i] = 0.0f;
+      zero();
       kc = 0;
       ++nc;
     }
