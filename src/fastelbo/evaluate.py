@@ -9,8 +9,8 @@ passes their global indices) and rank 0 gathers the per-image values and reports
 --backend auto (default) runs the fused CUDA kernel on a GPU where it applies, else the Triton one,
 else torch. torch draws different (each deterministic) noise for a seed than the fused kernels
 (which share theirs), so its estimates differ by Monte Carlo noise; the JSON records the backend
-that ran. timings.iwae_s is the IWAE section
-alone (after a compile warm-up, between barriers and device syncs, slowest rank), and
+that ran. timings.iwae_s is the IWAE section alone (after a compile warm-up, between barriers
+and device syncs, slowest rank), and
 images_per_s = images / iwae_s: the steady-state throughput, start-up excluded.
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ from .ops import elbo
 from .training import checkpoint, dist
 
 # Default images per IWAE call. torch: its chunk is 1M floats / (batch x D), so ~100 images keep
-# a dozen samples per chunk. triton: memory per image is <= 32 partial floats whatever K, and
-# B x splits programs must fill the GPU (10 splits at K = 5000), so one call per shard.
+# a dozen samples per chunk. triton / cuda: memory per image is <= 32 partial floats whatever K,
+# and B x splits programs must fill the GPU (10 splits at K = 5000), so one call per shard.
 BATCH = {"torch": 100, "triton": 10_000, "cuda": 10_000}
 
 
