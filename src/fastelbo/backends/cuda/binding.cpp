@@ -81,6 +81,33 @@ at::Tensor relu_linear(const at::Tensor& a, const at::Tensor& w, const at::Tenso
   return at::linear(a, w, b).relu_();
 }
 
+// The tensors and dims of one forward into either cluster kernel's params (checked by the caller).
+void fill_forward(fastelbo::ForwardArgs& a, const at::Tensor& x, const at::Tensor& eps,
+                  const at::Tensor& enc_w, const at::Tensor& enc_b, const at::Tensor& mu_w,
+                  const at::Tensor& mu_b, const at::Tensor& lv_w, const at::Tensor& lv_b,
+                  const at::Tensor& dec_w1, const at::Tensor& dec_b1, const at::Tensor& dec_w2,
+                  const at::Tensor& dec_b2, std::vector<at::Tensor>& out) {
+  a.x = x.data_ptr<float>();
+  a.eps = eps.data_ptr<float>();
+  a.w1 = enc_w.data_ptr<float>();
+  a.b1 = enc_b.data_ptr<float>();
+  a.wmu = mu_w.data_ptr<float>();
+  a.bmu = mu_b.data_ptr<float>();
+  a.wlv = lv_w.data_ptr<float>();
+  a.blv = lv_b.data_ptr<float>();
+  a.wd1 = dec_w1.data_ptr<float>();
+  a.bd1 = dec_b1.data_ptr<float>();
+  a.wd2 = dec_w2.data_ptr<float>();
+  a.bd2 = dec_b2.data_ptr<float>();
+  a.elbo = out[0].data_ptr<float>();
+  a.recon = out[1].data_ptr<float>();
+  a.kl = out[2].data_ptr<float>();
+  a.B = static_cast<int>(x.size(0));
+  a.D = static_cast<int>(x.size(1));
+  a.H = static_cast<int>(enc_w.size(0));
+  a.L = static_cast<int>(mu_w.size(0));
+}
+
 void check_launch(cudaError_t err, const char* what) {
   FE_CHECK(err == cudaSuccess, what, " launch failed: ", cudaGetErrorString(err));
 }
@@ -199,25 +226,8 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   const bool auto_fast = path == kPathAuto && B > kClusterMaxBatch && B <= kFastMaxBatch;
   if (auto_fast || path == kPathFast) {
     fastelbo::FastParams f{};
-    f.x = x.data_ptr<float>();
-    f.eps = eps.data_ptr<float>();
-    f.w1 = enc_w.data_ptr<float>();
-    f.b1 = enc_b.data_ptr<float>();
-    f.wmu = mu_w.data_ptr<float>();
-    f.bmu = mu_b.data_ptr<float>();
-    f.wlv = lv_w.data_ptr<float>();
-    f.blv = lv_b.data_ptr<float>();
-    f.wd1 = dec_w1.data_ptr<float>();
-    f.bd1 = dec_b1.data_ptr<float>();
-    f.wd2 = dec_w2.data_ptr<float>();
-    f.bd2 = dec_b2.data_ptr<float>();
-    f.elbo = out[0].data_ptr<float>();
-    f.recon = out[1].data_ptr<float>();
-    f.kl = out[2].data_ptr<float>();
-    f.B = static_cast<int>(B);
-    f.D = static_cast<int>(D);
-    f.H = static_cast<int>(H);
-    f.L = static_cast<int>(L);
+    fill_forward(f, x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
+                 out);
     cudaError_t ferr = cudaSuccess;
     const auto fst = fastelbo::elbo_fast_plan(f, dev.index(), 0, false, &ferr);
     FE_CHECK(fst != fastelbo::kElboCudaError, "planning the fast launch failed: ",
@@ -237,22 +247,8 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   }
 
   fastelbo::ElboParams p{};
-  p.x = x.data_ptr<float>();
-  p.eps = eps.data_ptr<float>();
-  p.w1 = enc_w.data_ptr<float>();
-  p.b1 = enc_b.data_ptr<float>();
-  p.wmu = mu_w.data_ptr<float>();
-  p.bmu = mu_b.data_ptr<float>();
-  p.wlv = lv_w.data_ptr<float>();
-  p.blv = lv_b.data_ptr<float>();
-  p.wd1 = dec_w1.data_ptr<float>();
-  p.bd1 = dec_b1.data_ptr<float>();
-  p.wd2 = dec_w2.data_ptr<float>();
-  p.bd2 = dec_b2.data_ptr<float>();
-  p.B = static_cast<int>(B);
-  p.D = static_cast<int>(D);
-  p.H = static_cast<int>(H);
-  p.L = static_cast<int>(L);
+  fill_forward(p, x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
+               out);
   p.vec = ((D % 4 == 0 && aligned16(p.x) && aligned16(p.w1)) ? 1u : 0u) |
           ((H % 4 == 0 && aligned16(p.wmu) && aligned16(p.wlv)) ? 2u : 0u) |
           ((L % 4 == 0 && aligned16(p.wd1)) ? 4u : 0u) |
@@ -279,10 +275,6 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
            "no thread-block cluster size fits on this GPU for these dims (rows=", rows,
            ", cluster=", cluster, "); use backend='torch' or backend='triton'");
   FE_CHECK(st == fastelbo::kElboOk, "planning the launch failed: ", cudaGetErrorString(err));
-
-  p.elbo = out[0].data_ptr<float>();
-  p.recon = out[1].data_ptr<float>();
-  p.kl = out[2].data_ptr<float>();
 
   err = fastelbo::elbo_launch(p, stream);
   FE_CHECK(err == cudaSuccess, "kernel launch failed (R=", p.R, ", C=", p.C, ", smem=",

@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include "elbo.h"
+
 namespace fastelbo {
 
 // cp.async: a block's slices are all in flight at once, so the layers read shared memory
@@ -92,6 +94,30 @@ __device__ __forceinline__ float ld_cluster(unsigned addr) {
   float v;
   asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
   return v;
+}
+
+// Block 0's last step in both cluster kernels: block q of the cluster left row r's partial BCE
+// and KL sums and a bad-row flag at [q * stride + r] of these arrays (block 0's shared memory);
+// rows row0 + r < B of the tile get their recon, kl and elbo (NaN for a bad row).
+__device__ __forceinline__ void write_rows(const ForwardArgs& p, int row0, int R, int C,
+                                           int stride, const float* rec_part,
+                                           const float* kl_part, const float* bad_part) {
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    const int gr = row0 + r;
+    if (gr >= p.B) break;
+    float rs = 0.0f, ks = 0.0f;
+    bool bad = false;
+    for (int q = 0; q < C; ++q) {
+      rs += rec_part[q * stride + r];
+      ks += kl_part[q * stride + r];
+      bad |= bad_part[q * stride + r] != 0.0f;
+    }
+    const float kl = -0.5f * ks;
+    const float nan = __int_as_float(0x7fc00000);
+    p.recon[gr] = bad ? nan : rs;
+    p.kl[gr] = bad ? nan : kl;
+    p.elbo[gr] = bad ? nan : -(rs + kl);
+  }
 }
 
 }  // namespace fastelbo

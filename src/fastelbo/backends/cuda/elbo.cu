@@ -366,24 +366,7 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
   cluster.sync();  // S4
   FE_TRACE(11);
 
-  if (rank == 0) {
-    for (int r = tid; r < R; r += kClusterThreads) {
-      const int gr = row0 + r;
-      if (gr >= B) break;
-      float rs = 0.0f, ks = 0.0f;
-      bool bad = false;
-      for (int q = 0; q < C; ++q) {
-        rs += rec_part[q * R + r];
-        ks += kl_part[q * R + r];
-        bad |= bad_part[q * R + r] != 0.0f;
-      }
-      const float kl = -0.5f * ks;
-      const float nan = __int_as_float(0x7fc00000);
-      p.recon[gr] = bad ? nan : rs;
-      p.kl[gr] = bad ? nan : kl;
-      p.elbo[gr] = bad ? nan : -(rs + kl);
-    }
-  }
+  if (rank == 0) write_rows(p, row0, R, C, R, rec_part, kl_part, bad_part);
   FE_TRACE(12);
 }
 

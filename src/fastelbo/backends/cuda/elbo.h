@@ -19,9 +19,10 @@
 
 namespace fastelbo {
 
-// Shapes (nn.Linear layout, out x in), all row-major contiguous float32:
+// One forward's tensors and dims, the common part of both cluster kernels' params (binding.cpp
+// fills it once). Shapes (nn.Linear layout, out x in), all row-major contiguous float32:
 //   x (B, D), eps (B, L), w1 (H, D), wmu/wlv (L, H), wd1 (H, L), wd2 (D, H); biases (out).
-struct ElboParams {
+struct ForwardArgs {
   const float* x;
   const float* eps;
   const float* w1;
@@ -38,6 +39,9 @@ struct ElboParams {
   float* recon;
   float* kl;
   int B, D, H, L;
+};
+
+struct ElboParams : ForwardArgs {
   // Filled by elbo_plan():
   int R;                  // batch rows per cluster (one row tile)
   int C;                  // blocks per cluster (the launch's cluster dimension)
@@ -81,26 +85,10 @@ long long elbo_smem_bytes(int D, int H, int L, int R, int C, bool staged) noexce
 // once per cluster) and reduced through distributed shared memory; the decoder's last layer is
 // split over output columns (block k: its columns of the logits, its columns of x for BCE).
 constexpr int kFastRows = 20;  // rows per cluster: 4 row lanes x 5 rows per thread
-struct FastParams {
+struct FastParams : ForwardArgs {
   // Tensor maps (TMA descriptors, 64-byte aligned by their type), encoded by elbo_fast_plan
   // for these pointers: x and w1 slices (encoder), x at the output columns, eps, wmu, wlv, wd1.
   CUtensorMap tm_x, tm_w1, tm_xd, tm_eps, tm_wmu, tm_wlv, tm_wd1;
-  const float* x;
-  const float* eps;
-  const float* w1;
-  const float* b1;
-  const float* wmu;
-  const float* bmu;
-  const float* wlv;
-  const float* blv;
-  const float* wd1;
-  const float* bd1;
-  const float* wd2;
-  const float* bd2;
-  float* elbo;
-  float* recon;
-  float* kl;
-  int B, D, H, L;
   // Filled by elbo_fast_plan():
   int R, C;              // batch rows per cluster (<= kFastRows), blocks per cluster
   int qmax;              // most float4 columns of x any block owns (D / 4 split over C)

@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   float* ds = p1;
 
   cg::cluster_group cluster = cg::this_cluster();
-  const int C = p.C, R = p.R, B = p.B, D = p.D, H = p.H, L = p.L;
+  const int C = p.C, R = p.R, D = p.D, H = p.H, L = p.L;
   const int k = static_cast<int>(cluster.block_rank());
   const int row0 = static_cast<int>(blockIdx.x / C) * R;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
@@ -418,24 +418,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   cluster.sync();  // S5
   FE_TRACE(16);
 
-  if (k == 0) {
-    for (int r = tid; r < R; r += kFastThreads) {
-      const int gr = row0 + r;
-      if (gr >= B) break;
-      float rs = 0.0f, ks = 0.0f;
-      bool bad = false;
-      for (int q = 0; q < C; ++q) {
-        rs += rec_part[q * kFastRows + r];
-        ks += kl_part[q * kFastRows + r];
-        bad |= bad_part[q * kFastRows + r] != 0.0f;
-      }
-      const float kl = -0.5f * ks;
-      const float nan = __int_as_float(0x7fc00000);
-      p.recon[gr] = bad ? nan : rs;
-      p.kl[gr] = bad ? nan : kl;
-      p.elbo[gr] = bad ? nan : -(rs + kl);
-    }
-  }
+  if (k == 0) write_rows(p, row0, R, C, kFastRows, rec_part, kl_part, bad_part);
   FE_TRACE(17);
 }
 
