@@ -81,8 +81,9 @@ for f in sorted(glob.glob(\"/tmp/iv_*.bin\")):
       --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section WarpStateStats --section SchedulerStats --section InstructionStats \
       "/tmp/iv_$IWAE_NCU" 264 5000
-    cuobjdump -sass /tmp/iv_base | awk '/iwae_kernelILi4/{f=1} f' | grep -oE "^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_]+" \
-      | awk '{print $2}' | sort | uniq -c | sort -rn | head -30 > "$LOGS/iv_sass_ops.txt" 2>&1 ;;
+    for e in /tmp/iv_*; do [ -x "$e" ] || continue  # each variant's M = 128 kernel, for reading
+      cuobjdump -sass "$e" | awk '/Function : .*iwae_kernelILi4/{f=1} /Function : .*iwae_kernelILi2/{f=0} f' \
+        > "$LOGS/iv_sass_$(basename "$e").txt" 2>&1; done ;;
   profile) run profile "${T_PROFILE:-150}" python3 benchmarks/profile_kernels.py ;;
   threads512)  # A/B of the cluster kernel at 512 threads per block, on a copy of the tree
     rm -rf /tmp/t512 && cp -r "$PWD" /tmp/t512 && sed -i \

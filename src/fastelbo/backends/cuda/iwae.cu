@@ -89,6 +89,25 @@ __device__ __forceinline__ float bce_term_mufu(float a, float xv) {
   const float lp = nan_max(mufu_ln(pr), -100.0f), l1p = nan_max(mufu_ln(1.0f - pr), -100.0f);
   return xv >= 0.0f && xv <= 1.0f ? (xv - 1.0f) * l1p - xv * lp : __int_as_float(0x7fc00000);
 }
+#ifdef FE_IWAE_BCE2
+__device__ __forceinline__ float lg2_ftz(float v) {
+  float r;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+  return r;
+}
+constexpr float kLn2 = 0.693147180559945309f;
+constexpr float kClampLog2 = -144.269504088896341f;  // -100 nats in bits
+// The clamped BCE term in bits (the caller scales a row sum by ln 2 once): log p = -log(den)
+// with den = 1 + expf(-a) (>= 1: never subnormal), log(1 - p) from PyTorch's float32 p (1 - p is
+// 0 or >= 2^-24: never subnormal), so the flush-to-zero log2 is exact enough everywhere.
+// w0 = x - 1 and w1 = x, both NaN where x lies outside [0, 1].
+__device__ __forceinline__ float bce_bits(float a, float w0, float w1) {
+  const float den = 1.0f + expf(-a);
+  const float pr = __frcp_rn(den);
+  const float lp = nan_max(-lg2_ftz(den), kClampLog2), l1p = nan_max(lg2_ftz(1.0f - pr), kClampLog2);
+  return w0 * l1p - w1 * lp;
+}
+#endif
 
 __device__ __forceinline__ void cp_async16_zfill(float* dst, const float* src, bool ok) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
@@ -126,16 +145,38 @@ __device__ __forceinline__ void load_stage(float* st, const float* B, int N, int
 // 32-bit offsets (LDS [reg + imm]) instead of 64-bit generic pointers.
 extern __shared__ __align__(16) float iwae_smem[];
 
+#ifdef FE_IWAE_LDSM
+// Four 8x8 b16 matrices = four 8x4 fp32 blocks: lane l gives the row address of block l / 8 and
+// receives (row l / 4, column l % 4) of every block, i.e. an m16k8 A or two k8n8 B fragments.
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], int off) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(iwae_smem)) + 4u * off;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void split_u(uint32_t v, uint32_t* hi, uint32_t* lo) {
+  split(__uint_as_float(v), hi, lo);
+}
+#endif
+
 // C = A (M x kp at float offset a_off of iwae_smem, row stride lda) x B^T (B: N x K in global,
 // kp = K rounded up to 8), chunk by chunk of kNC columns through the kStages stages at float
 // offset ws_off; epi(n0, acc, corr) gets each chunk's tiles. Block-wide (every thread).
 template <int MT, class Epi>
 __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const float* B, int N, int K,
-                                          bool vec, int ws_off, Epi&& epi) {
+                                          bool vec, int ws_off, int rows_live, Epi&& epi) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3, wn = warp % kWarpsN, row0 = (warp / kWarpsN) * MT * 16;
   const int kchunks = cdiv(kp, kKC), steps = cdiv(N, kNC) * kchunks;
   // Fragment offsets, fixed per thread: A rows g and g + 8 of each m16 tile, B row g of each n8.
+#ifdef FE_IWAE_LDSM
+  int a_ld[MT], b_ld[kNT / 2];
+  const int lr = lane & 7, lh = (lane >> 3) & 1, lq = lane >> 4;
+#pragma unroll
+  for (int m = 0; m < MT; ++m) a_ld[m] = a_off + (row0 + m * 16 + lh * 8 + lr) * lda + lq * 4;
+#pragma unroll
+  for (int j = 0; j < kNT / 2; ++j)
+    b_ld[j] = (((2 * j + lq) * kWarpsN + wn) * 8 + lr) * kLdw + lh * 4;
+#else
   int a_lo[MT], a_hi[MT], b_row[kNT];
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
@@ -144,6 +185,7 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
   }
 #pragma unroll
   for (int n = 0; n < kNT; ++n) b_row[n] = ((n * kWarpsN + wn) * 8 + g) * kLdw + t;
+#endif
 
   __syncthreads();  // the stages and A may still be in use by the previous phase
   int fn = 0, fk = 0;  // (chunk, k-chunk) of the next stage to fetch
@@ -179,11 +221,32 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
     bool live[kNT];  // n8 tiles wholly past N do no MMAs (warp-uniform)
 #pragma unroll
     for (int n = 0; n < kNT; ++n) live[n] = n0 + (n * kWarpsN + wn) * 8 < N;
+#ifdef FE_IWAE_SKIPDEAD
+    const bool idle = !live[0] || row0 >= rows_live;  // warp-uniform: nothing to compute
+#else
+    const bool idle = false;
+#endif
 #pragma unroll
     for (int kk = 0; kk < kKC; kk += 8) {
-      if (kk >= klen) break;
+      if (kk >= klen || idle) break;
       const int ka = k0 + kk;
       uint32_t ah[MT][4], al[MT][4], bh[kNT][2], bl[kNT][2];
+#ifdef FE_IWAE_LDSM
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        uint32_t r[4];
+        ldsm4(r, a_ld[m] + ka);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) split_u(r[i], &ah[m][i], &al[m][i]);
+      }
+#pragma unroll
+      for (int j = 0; j < kNT / 2; ++j) {
+        uint32_t r[4];
+        ldsm4(r, st + b_ld[j] + kk);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) split_u(r[i], &bh[2 * j + i / 2][i % 2], &bl[2 * j + i / 2][i % 2]);
+      }
+#else
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         split(iwae_smem[a_lo[m] + ka], &ah[m][0], &al[m][0]);
@@ -196,6 +259,7 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
         split(iwae_smem[st + b_row[n] + kk], &bh[n][0], &bl[n][0]);
         split(iwae_smem[st + b_row[n] + kk + 4], &bh[n][1], &bl[n][1]);
       }
+#endif
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
         if (!live[n]) continue;
@@ -276,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
     }
 
     // GEMM 1: d = relu(z w1^T + b1), written whole into ds.
-    tile_gemm<MT>(zs_off, p.ldz, lp, p.w1, p.H, L, p.vec, ws_off,
+    tile_gemm<MT>(zs_off, p.ldz, lp, p.w1, p.H, L, p.vec, ws_off, M,
              [&](int n0, float (&acc)[MT][kNT][4], float (&corr)[MT][kNT][4]) {
 #pragma unroll
                for (int n = 0; n < kNT; ++n)
@@ -298,6 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
 #pragma unroll
     for (int m = 0; m < MT; ++m) rs[m][0] = rs[m][1] = 0.0f;
     tile_gemm<MT>(ds_off, p.ldd, p.hp, p.w2, p.D, p.H, p.vec, ws_off,
+             static_cast<int>(k_end - k0 < M ? k_end - k0 : M),
              [&](int n0, float (&acc)[MT][kNT][4], float (&corr)[MT][kNT][4]) {
 #pragma unroll
                for (int n = 0; n < kNT; ++n) {
@@ -307,12 +372,23 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
                    const int col = c0 + h;
                    if (col >= p.D) continue;
                    const float bias = p.b2[col], xv = xr[col];
+#ifdef FE_IWAE_BCE2
+                   const bool ok = xv >= 0.0f && xv <= 1.0f;
+                   const float w1 = ok ? xv : __int_as_float(0x7fc00000), w0 = w1 - 1.0f;
+#pragma unroll
+                   for (int m = 0; m < MT; ++m)
+#pragma unroll
+                     for (int r = 0; r < 2; ++r)
+                       rs[m][r] += bce_bits(
+                           combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, w0, w1);
+#else
 #pragma unroll
                    for (int m = 0; m < MT; ++m)
 #pragma unroll
                      for (int r = 0; r < 2; ++r)
                        rs[m][r] += bce_term_mufu(
                            combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, xv);
+#endif
                  }
                }
              });
@@ -331,6 +407,9 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
       float bce = red[tid];
 #pragma unroll
       for (int w = 1; w < kWarpsN; ++w) bce += red[w * M + tid];
+#ifdef FE_IWAE_BCE2
+      bce *= kLn2;
+#endif
       const float wgt = lpq[tid] - bce;  // log p(x|z) + log p(z) - log q(z|x)
       if (wgt != wgt) {
         nan_seen = true;  // counted, not folded: the image's estimate becomes NaN below
