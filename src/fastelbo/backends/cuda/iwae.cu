@@ -89,7 +89,7 @@ __device__ __forceinline__ float bce_term_mufu(float a, float xv) {
   const float lp = nan_max(mufu_ln(pr), -100.0f), l1p = nan_max(mufu_ln(1.0f - pr), -100.0f);
   return xv >= 0.0f && xv <= 1.0f ? (xv - 1.0f) * l1p - xv * lp : __int_as_float(0x7fc00000);
 }
-#ifdef FE_IWAE_BCE2
+#if defined(FE_IWAE_BCE2) || defined(FE_IWAE_EPI3)
 __device__ __forceinline__ float lg2_ftz(float v) {
   float r;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
@@ -106,6 +106,30 @@ __device__ __forceinline__ float bce_bits(float a, float w0, float w1) {
   const float pr = __frcp_rn(den);
   const float lp = nan_max(-lg2_ftz(den), kClampLog2), l1p = nan_max(lg2_ftz(1.0f - pr), kClampLog2);
   return w0 * l1p - w1 * lp;
+}
+#endif
+#ifdef FE_IWAE_EPI3
+// max(v, c) that keeps a NaN v (PyTorch's std::max), one instruction.
+__device__ __forceinline__ float max_nan(float v, float c) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(v), "f"(c));
+  return r;
+}
+// PyTorch's float32 p = 1 / den for den = 1 + expf(-a) in [1, inf] or NaN, without __frcp_rn's
+// out-of-line slow path: below 2^100 the reciprocal approximation plus one FMA Newton step, which
+// is __frcp_rn's own fast path (benchmarks/rcp_check.cu compares every float in [1, 2^126) on
+// the GPU); above it p < 2^-100 and the caller uses only 1 - p = 1, which any such p gives. A NaN
+// den becomes 2^100 here: the caller's log of den keeps the NaN.
+__device__ __forceinline__ float rcp_den(float den) {
+  const float d = fminf(den, 0x1p100f);
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return fmaf(r, fmaf(-d, r, 1.0f), r);
+}
+__device__ __forceinline__ float bce_bits3(float a, float w0, float w1) {
+  const float den = 1.0f + expf(-a);
+  const float pr = rcp_den(den);
+  return w0 * max_nan(lg2_ftz(1.0f - pr), kClampLog2) - w1 * max_nan(-lg2_ftz(den), kClampLog2);
 }
 #endif
 
@@ -218,9 +242,16 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
 
     const int n0 = nc * kNC, k0 = kc * kKC, klen = min(kKC, kp - k0);
     const int st = ws_off + stage * kStageFloats;
+#ifdef FE_IWAE_NOLIVE
+    // n8 tiles past N multiply the stage's zero rows; a warp with none inside N (or with every
+    // row past the tile's samples) skips the k loop: one warp-uniform branch per stage.
+    const bool live[1] = {n0 + wn * 8 < N};
+#define FE_IWAE_SKIPDEAD
+#else
     bool live[kNT];  // n8 tiles wholly past N do no MMAs (warp-uniform)
 #pragma unroll
     for (int n = 0; n < kNT; ++n) live[n] = n0 + (n * kWarpsN + wn) * 8 < N;
+#endif
 #ifdef FE_IWAE_SKIPDEAD
     const bool idle = !live[0] || row0 >= rows_live;  // warp-uniform: nothing to compute
 #else
@@ -262,7 +293,9 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
 #endif
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
+#ifndef FE_IWAE_NOLIVE
         if (!live[n]) continue;
+#endif
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           mma(corr[m][n], al[m], bh[n]);
@@ -364,6 +397,26 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
     tile_gemm<MT>(ds_off, p.ldd, p.hp, p.w2, p.D, p.H, p.vec, ws_off,
              static_cast<int>(k_end - k0 < M ? k_end - k0 : M),
              [&](int n0, float (&acc)[MT][kNT][4], float (&corr)[MT][kNT][4]) {
+#ifdef FE_IWAE_EPI3
+               // The NaN rule of combine(), for the whole chunk at once: corr * 0 is NaN only
+               // where corr is NaN or inf (an infinite operand), and then each NaN is dropped.
+               float probe[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+               for (int n = 0; n < kNT; ++n)
+#pragma unroll
+                 for (int m = 0; m < MT; ++m)
+#pragma unroll
+                   for (int i = 0; i < 4; ++i) probe[i] = fmaf(corr[m][n][i], 0.0f, probe[i]);
+               if (probe[0] + probe[1] + probe[2] + probe[3] != 0.0f) {
+#pragma unroll
+                 for (int n = 0; n < kNT; ++n)
+#pragma unroll
+                   for (int m = 0; m < MT; ++m)
+#pragma unroll
+                     for (int i = 0; i < 4; ++i)
+                       corr[m][n][i] = combine(0.0f, corr[m][n][i]);
+               }
+#endif
 #pragma unroll
                for (int n = 0; n < kNT; ++n) {
                  const int c0 = n0 + (n * kWarpsN + wn) * 8 + 2 * t;
@@ -372,7 +425,16 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
                    const int col = c0 + h;
                    if (col >= p.D) continue;
                    const float bias = p.b2[col], xv = xr[col];
-#ifdef FE_IWAE_BCE2
+#ifdef FE_IWAE_EPI3
+                   const bool ok = xv >= 0.0f && xv <= 1.0f;
+                   const float w1 = ok ? xv : __int_as_float(0x7fc00000), w0 = w1 - 1.0f;
+#pragma unroll
+                   for (int m = 0; m < MT; ++m)
+#pragma unroll
+                     for (int r = 0; r < 2; ++r)
+                       rs[m][r] += bce_bits3(
+                           acc[m][n][2 * r + h] + corr[m][n][2 * r + h] + bias, w0, w1);
+#elif defined(FE_IWAE_BCE2)
                    const bool ok = xv >= 0.0f && xv <= 1.0f;
                    const float w1 = ok ? xv : __int_as_float(0x7fc00000), w0 = w1 - 1.0f;
 #pragma unroll
@@ -407,7 +469,7 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
       float bce = red[tid];
 #pragma unroll
       for (int w = 1; w < kWarpsN; ++w) bce += red[w * M + tid];
-#ifdef FE_IWAE_BCE2
+#if defined(FE_IWAE_BCE2) || defined(FE_IWAE_EPI3)
       bce *= kLn2;
 #endif
       const float wgt = lpq[tid] - bce;  // log p(x|z) + log p(z) - log q(z|x)
