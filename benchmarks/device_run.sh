@@ -78,7 +78,7 @@ for f in sorted(glob.glob(\"/tmp/iv_*.bin\")):
     d = np.abs(np.fromfile(f, np.float32) - base)
     print(f, \"max |diff| vs base\", d.max(), \"mean\", d.mean())"'
     run rcp_check 60 bash -c "nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 \
-      -I src/fastelbo/backends/cuda -DFE_IWAE_EPI3 -o /tmp/rcp_check benchmarks/rcp_check.cu && /tmp/rcp_check"
+      -I src/fastelbo/backends/cuda -o /tmp/rcp_check benchmarks/rcp_check.cu && /tmp/rcp_check"
     [ -n "${IWAE_NCU:-}" ] && run iwae_ncu 150 ncu --kernel-name regex:iwae_kernel --launch-skip 1 \
       --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section WarpStateStats --section SchedulerStats --section InstructionStats \

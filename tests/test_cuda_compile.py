@@ -106,7 +106,7 @@ def test_every_kernel_source_is_listed():
 # Standalone GPU tools in benchmarks/: the per-phase trace driver (includes both cluster kernels
 # with -DFASTELBO_TRACE), the DSMEM bulk-copy repro and the IWAE A/B driver. They build without
 # torch.
-BENCH_CU = ("cuda_trace.cu", "dsmem_bulk_repro.cu", "iwae_variants.cu")
+BENCH_CU = ("cuda_trace.cu", "dsmem_bulk_repro.cu", "iwae_variants.cu", "rcp_check.cu")
 
 
 @needs_nvcc

@@ -1,6 +1,6 @@
 """The cuda backend's IWAE kernel (iwae.cu) on a GPU: against the float64 estimator with the same
 noise (tf32x3 at the 1e-4 contract), both tiles (128 and 64 samples), odd dims (4-byte copies),
-ragged tiles and K-splits, NaN images, Triton's noise stream, batch independence, memory flat in
+ragged tiles and K-splits, logits on PyTorch's clamp boundaries, NaN images, Triton's noise stream, batch independence, memory flat in
 K, validation and the `auto` choice. The Philox counters themselves are checked on the host
 (tests/test_cuda_compile.py)."""
 from __future__ import annotations
@@ -40,7 +40,7 @@ def ci(cuda):
 
 
 def log2_allowance(dims, truth) -> float:
-    """What the kernel's hardware-log2 BCE (iwae.cu, bce_term_mufu: ~2^-22 per log term, not
+    """What the kernel's hardware-log2 BCE (iwae.cu, bce_bits: ~2^-22 per log term, not
     unbiased) may add to the error of an estimate: 2^-21 (D + |log p(x)|), twice the bound the
     kernel documents. The rest of the tolerance is float32's (factor x torch's own error)."""
     return 2.0**-21 * (dims[0] + float(truth.abs().max()))
@@ -105,6 +105,31 @@ def test_saturated_params_binary_x(ci):
     eps = torch.randn(40, 3, dims[2], generator=g, device="cuda")
     want = public.iwae_log_likelihood(p, x, 40, eps=eps, backend="torch")
     torch.testing.assert_close(ci.iwae_log_likelihood(x, p, 40, eps=eps), want,
+                               atol=1e-4, rtol=1e-5)
+
+
+# Logits where PyTorch's float32 numerics decide the BCE: p subnormal (den in (2^126, inf)),
+# den = inf (log p clamps), 1 - p falling from 2^-24 to 0 between logits 16.6 and 17.6 (log(1 - p)
+# jumps from -16.6 to the -100 clamp), and the middle of the range.
+EXTREME_LOGITS = [-1e4, -200.0, -103.9, -100.0, -89.0, -88.6, -88.0, -87.5, -87.0, -50.0, -17.0,
+                  -16.5, -1e-3, 0.0, 1e-3, 10.0, 16.0, 16.5, 16.7, 17.0, 17.1, 17.3, 17.5, 17.7,
+                  20.0, 88.0, 1e4]
+
+
+def test_extreme_logits_take_pytorchs_clamps(ci):
+    """dec_w2 = 0, so every sample's logits are exactly dec_b2: the kernel's BCE (bce_bits: p
+    from its own reciprocal, logs in bits) must give the float32 torch estimator's value on
+    every element class above, for x = 0, 1 and 0.3 (a wrong 1 - p or a flipped clamp moves a
+    row by >= 16 nats)."""
+    dims = (len(EXTREME_LOGITS), 8, 4)
+    p = iwae_params(dims, seed=4, device="cuda")
+    p = p._replace(dec_w2=torch.zeros_like(p.dec_w2),
+                   dec_b2=torch.tensor(EXTREME_LOGITS, device="cuda"))
+    x = torch.tensor([0.0, 1.0, 0.3], device="cuda")[:, None].expand(3, dims[0]).contiguous()
+    eps = torch.randn(5, 3, dims[2], generator=torch.Generator(device="cuda").manual_seed(5),
+                      device="cuda")
+    want = public.iwae_log_likelihood(p, x, 5, eps=eps, backend="torch")
+    torch.testing.assert_close(ci.iwae_log_likelihood(x, p, 5, eps=eps), want,
                                atol=1e-4, rtol=1e-5)
 
 

@@ -17,19 +17,21 @@
 // shared memory in [128 x 64] stages (double-buffered cp.async). Both operands are split into
 // TF32 hi + lo in registers (split() below): acc = hi*hi, corr = hi*lo + lo*hi, summed apart so
 // that NaN from an infinite operand (lo = inf - inf) is dropped as Triton's tf32x3 does (see
-// triton/common.py). Shared-memory strides are 4 mod 8 floats: every fragment load (row g,
-// column t) hits 32 distinct banks; fragments are addressed by 32-bit offsets into iwae_smem.
+// triton/common.py). Shared-memory strides are 4 mod 8 floats: the 8 rows of 16 bytes of every
+// ldmatrix block hit distinct banks; fragments are addressed by 32-bit offsets into iwae_smem.
 //
-// BCE: p = 1 / (1 + expf(-a)) exactly as PyTorch rounds it, so the -100 clamps fall on the same
-// elements; the two logs come from the hardware log2 (bce_term_mufu), ~2^-22 per term.
+// BCE (bce_bits): PyTorch's float32 p = 1 / (1 + expf(-a)) where it decides anything (1 - p and
+// which elements the -100 clamps hit); the two logs from the hardware log2, ~2^-22 per term.
 //
-// Where the time goes (H200, 10,000 images x K = 5000 = 400K tiles; NOTES runs 27-33, A/B with
-// benchmarks/iwae_variants.cu): the kernel is issue-bound with 2 warps per scheduler (ncu: IPC
-// 1.9, "fixed latency" stalls), not tensor-bound. IEEE logf + log1pf in the epilogue cost 0.15 s
-// of 0.71; cvt.rna.tf32 splits 0.13 s more than the one-LOP truncation; 64-bit generic
-// addressing and runtime divisions ~0.05 s. Tried and slower: fragment prefetch one k step
-// ahead (+10%), two blocks per SM at 64-sample tiles (+10%, registers capped at 128), 64x64
-// warp tiles (no gain); one accumulator instead of acc + corr saves ~2% but loses the NaN rule.
+// Where the time goes (H200, 10,000 images x K = 5000 = 400K tiles; NOTES runs 27-33 and the
+// fifth session's runs, A/B with benchmarks/iwae_variants.cu): issue-bound with 2 warps per
+// scheduler, not tensor-bound. What paid, in order: hardware-log2 logs instead of IEEE logf +
+// log1pf (0.71 -> 0.61 s with the one-LOP split below), 32-bit smem offsets (0.55), 64-wide
+// double-buffered stages (0.53), ldmatrix fragments (-3%), no per-n8-tile liveness branches
+// (-1%), and an epilogue of ~25 instructions per element instead of ~45: no out-of-line
+// reciprocal slow path, one-instruction NaN-keeping clamps, logs in bits with one ln 2 per row,
+// the NaN rule once per chunk (0.51 -> 0.45 s). Tried and slower: fragment prefetch one k step
+// ahead, two blocks per SM at 64-sample tiles (registers capped at 128), 64x64 warp tiles.
 //
 // Arithmetic (784/256/32, M = 128): 77M tf32 MACs x 3 per tile, ~40 tiles per image at K = 5000.
 // No torch types; plan/launch are noexcept and return codes (elbo.h).
@@ -70,68 +72,47 @@ __device__ __forceinline__ float combine(float acc, float corr) {
   return acc + (corr == corr ? corr : 0.0f);  // NaN in the small terms: dropped (see top)
 }
 
-// The clamped BCE term with PyTorch's float32 p = 1 / (1 + expf(-a)) bit for bit (IEEE expf
-// and reciprocal), so the -100 clamps fall on the same elements as the reference's; only the two
-// logs come from the hardware log2 (MUFU: ~2^-22 absolute error for arguments in [0.5, 2],
-// relative elsewhere, subnormals kept), a few float32 ulps per term and continuous in a (no
-// clamp can flip), vs ~60 instructions for IEEE logf + log1pf (0.15 s of 0.71 at the target).
-// Not unbiased: summed over D the estimate moves by up to ~2^-22 (D + |log p(x|z)|) nats, e.g.
-// 1.2e-4 at D = 781 where log p(x) = -544 (2 ulps of the float32 result; the bound is what
-// tests/test_cuda_iwae.py allows). log1p(-p) is log(1 - p): 1 - p is exact for p >= 1/2, and
-// below that its rounding costs < 6e-8 nats.
-__device__ __forceinline__ float mufu_ln(float v) {
-  float r;
-  asm("lg2.approx.f32 %0, %1;" : "=f"(r) : "f"(v));
-  return r * 0.693147180559945309f;
-}
-__device__ __forceinline__ float bce_term_mufu(float a, float xv) {
-  const float pr = __frcp_rn(1.0f + expf(-a));
-  const float lp = nan_max(mufu_ln(pr), -100.0f), l1p = nan_max(mufu_ln(1.0f - pr), -100.0f);
-  return xv >= 0.0f && xv <= 1.0f ? (xv - 1.0f) * l1p - xv * lp : __int_as_float(0x7fc00000);
-}
-#if defined(FE_IWAE_BCE2) || defined(FE_IWAE_EPI3)
+// The clamped BCE term, in bits (log2 units: the caller scales each row sum by ln 2 once), with
+// PyTorch's float32 numerics where they decide anything: den = 1 + expf(-a) and p = 1 / den as
+// PyTorch rounds them (IEEE expf; rcp_den is bit-exact to __frcp_rn where it matters), so
+// 1 - p is PyTorch's exactly. Both logs come from the hardware log2 (MUFU, ~2^-22 per term):
+//   log p     = -log2(den) ln 2: den >= 1, never subnormal (differs from log of the rounded p by
+//               <= 2^-24 nats); den = inf gives -inf, clamped to -100 as PyTorch's log(p = 0);
+//   log(1-p)  = log2(1 - p) ln 2: 1 - p is 0 or >= 2^-24, never subnormal; 0 clamps to -100.
+// Those are the only elements either clamp can reach (log p >= -88.8 for any finite den), so the
+// clamps fall on exactly PyTorch's elements, and flush-to-zero logs lose nothing. Not unbiased:
+// summed over D the estimate moves by up to ~2^-22 (D + |log p(x|z)|) nats, e.g. 1.2e-4 at
+// D = 781 where log p(x) = -544 (2 ulps of the float32 result; the bound tests/test_cuda_iwae.py
+// allows). IEEE logf + log1pf would cost ~60 instructions per element (0.15 s at the target).
+// w0 = x - 1 and w1 = x, both NaN where x lies outside [0, 1] (then the term is NaN).
+constexpr float kLn2 = 0.693147180559945309f;
+constexpr float kClampBits = -144.269504088896341f;  // -100 nats in bits
 __device__ __forceinline__ float lg2_ftz(float v) {
   float r;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
   return r;
 }
-constexpr float kLn2 = 0.693147180559945309f;
-constexpr float kClampLog2 = -144.269504088896341f;  // -100 nats in bits
-// The clamped BCE term in bits (the caller scales a row sum by ln 2 once): log p = -log(den)
-// with den = 1 + expf(-a) (>= 1: never subnormal), log(1 - p) from PyTorch's float32 p (1 - p is
-// 0 or >= 2^-24: never subnormal), so the flush-to-zero log2 is exact enough everywhere.
-// w0 = x - 1 and w1 = x, both NaN where x lies outside [0, 1].
-__device__ __forceinline__ float bce_bits(float a, float w0, float w1) {
-  const float den = 1.0f + expf(-a);
-  const float pr = __frcp_rn(den);
-  const float lp = nan_max(-lg2_ftz(den), kClampLog2), l1p = nan_max(lg2_ftz(1.0f - pr), kClampLog2);
-  return w0 * l1p - w1 * lp;
-}
-#endif
-#ifdef FE_IWAE_EPI3
-// max(v, c) that keeps a NaN v (PyTorch's std::max), one instruction.
+// max(v, c) keeping a NaN v as PyTorch's std::max does, in one instruction.
 __device__ __forceinline__ float max_nan(float v, float c) {
   float r;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(v), "f"(c));
   return r;
 }
-// PyTorch's float32 p = 1 / den for den = 1 + expf(-a) in [1, inf] or NaN, without __frcp_rn's
-// out-of-line slow path: below 2^100 the reciprocal approximation plus one FMA Newton step, which
-// is __frcp_rn's own fast path (benchmarks/rcp_check.cu compares every float in [1, 2^126) on
-// the GPU); above it p < 2^-100 and the caller uses only 1 - p = 1, which any such p gives. A NaN
-// den becomes 2^100 here: the caller's log of den keeps the NaN.
+// p = 1 / den for den in [1, inf] or NaN without __frcp_rn's out-of-line slow path: below 2^100
+// the reciprocal approximation plus one FMA Newton step is bit-exact to __frcp_rn; above, p is
+// below 2^-100 and 1 - p = 1 either way (benchmarks/rcp_check.cu checks both claims for every
+// float den on the GPU). A NaN den becomes 2^100 here; the term stays NaN through log2(den).
 __device__ __forceinline__ float rcp_den(float den) {
   const float d = fminf(den, 0x1p100f);
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
   return fmaf(r, fmaf(-d, r, 1.0f), r);
 }
-__device__ __forceinline__ float bce_bits3(float a, float w0, float w1) {
+__device__ __forceinline__ float bce_bits(float a, float w0, float w1) {
   const float den = 1.0f + expf(-a);
-  const float pr = rcp_den(den);
-  return w0 * max_nan(lg2_ftz(1.0f - pr), kClampLog2) - w1 * max_nan(-lg2_ftz(den), kClampLog2);
+  const float l1p = max_nan(lg2_ftz(1.0f - rcp_den(den)), kClampBits);
+  return w0 * l1p - w1 * max_nan(-lg2_ftz(den), kClampBits);
 }
-#endif
 
 __device__ __forceinline__ void cp_async16_zfill(float* dst, const float* src, bool ok) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
@@ -169,7 +150,6 @@ __device__ __forceinline__ void load_stage(float* st, const float* B, int N, int
 // 32-bit offsets (LDS [reg + imm]) instead of 64-bit generic pointers.
 extern __shared__ __align__(16) float iwae_smem[];
 
-#ifdef FE_IWAE_LDSM
 // Four 8x8 b16 matrices = four 8x4 fp32 blocks: lane l gives the row address of block l / 8 and
 // receives (row l / 4, column l % 4) of every block, i.e. an m16k8 A or two k8n8 B fragments.
 __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], int off) {
@@ -180,19 +160,20 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], int off) {
 __device__ __forceinline__ void split_u(uint32_t v, uint32_t* hi, uint32_t* lo) {
   split(__uint_as_float(v), hi, lo);
 }
-#endif
 
 // C = A (M x kp at float offset a_off of iwae_smem, row stride lda) x B^T (B: N x K in global,
 // kp = K rounded up to 8), chunk by chunk of kNC columns through the kStages stages at float
-// offset ws_off; epi(n0, acc, corr) gets each chunk's tiles. Block-wide (every thread).
+// offset ws_off; epi(n0, acc, corr) gets each chunk's tiles. Rows from rows_live on are not
+// needed (a ragged last tile): warps holding only such rows skip the MMAs. Block-wide.
 template <int MT, class Epi>
 __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const float* B, int N, int K,
                                           bool vec, int ws_off, int rows_live, Epi&& epi) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3, wn = warp % kWarpsN, row0 = (warp / kWarpsN) * MT * 16;
+  const int wn = warp % kWarpsN, row0 = (warp / kWarpsN) * MT * 16;
   const int kchunks = cdiv(kp, kKC), steps = cdiv(N, kNC) * kchunks;
-  // Fragment offsets, fixed per thread: A rows g and g + 8 of each m16 tile, B row g of each n8.
-#ifdef FE_IWAE_LDSM
+  // Fragments by ldmatrix (one instruction per m16 A tile or pair of n8 B tiles); row addresses: lane l points at row l % 8 of block l / 8; A's blocks are (rows 0-7,
+  // k 0-3), (rows 8-15, k 0-3), (rows 0-7, k 4-7), (rows 8-15, k 4-7) of an m16 tile; B's are
+  // (k 0-3), (k 4-7) of n8 tile 2j, then of tile 2j + 1.
   int a_ld[MT], b_ld[kNT / 2];
   const int lr = lane & 7, lh = (lane >> 3) & 1, lq = lane >> 4;
 #pragma unroll
@@ -200,16 +181,6 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
 #pragma unroll
   for (int j = 0; j < kNT / 2; ++j)
     b_ld[j] = (((2 * j + lq) * kWarpsN + wn) * 8 + lr) * kLdw + lh * 4;
-#else
-  int a_lo[MT], a_hi[MT], b_row[kNT];
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {
-    a_lo[m] = a_off + (row0 + m * 16 + g) * lda + t;
-    a_hi[m] = a_lo[m] + 8 * lda;
-  }
-#pragma unroll
-  for (int n = 0; n < kNT; ++n) b_row[n] = ((n * kWarpsN + wn) * 8 + g) * kLdw + t;
-#endif
 
   __syncthreads();  // the stages and A may still be in use by the previous phase
   int fn = 0, fk = 0;  // (chunk, k-chunk) of the next stage to fetch
@@ -242,27 +213,15 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
 
     const int n0 = nc * kNC, k0 = kc * kKC, klen = min(kKC, kp - k0);
     const int st = ws_off + stage * kStageFloats;
-#ifdef FE_IWAE_NOLIVE
-    // n8 tiles past N multiply the stage's zero rows; a warp with none inside N (or with every
-    // row past the tile's samples) skips the k loop: one warp-uniform branch per stage.
-    const bool live[1] = {n0 + wn * 8 < N};
-#define FE_IWAE_SKIPDEAD
-#else
-    bool live[kNT];  // n8 tiles wholly past N do no MMAs (warp-uniform)
-#pragma unroll
-    for (int n = 0; n < kNT; ++n) live[n] = n0 + (n * kWarpsN + wn) * 8 < N;
-#endif
-#ifdef FE_IWAE_SKIPDEAD
-    const bool idle = !live[0] || row0 >= rows_live;  // warp-uniform: nothing to compute
-#else
-    const bool idle = false;
-#endif
+    // n8 tiles past N multiply the stage's zero rows (no per-tile branch: each one cost a BRA,
+    // WARPSYNC and NOP per k step); a warp with no tile inside N, or with every row past the
+    // tile's samples, skips the k loop (warp-uniform).
+    const bool idle = n0 + wn * 8 >= N || row0 >= rows_live;
 #pragma unroll
     for (int kk = 0; kk < kKC; kk += 8) {
       if (kk >= klen || idle) break;
       const int ka = k0 + kk;
       uint32_t ah[MT][4], al[MT][4], bh[kNT][2], bl[kNT][2];
-#ifdef FE_IWAE_LDSM
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         uint32_t r[4];
@@ -275,34 +234,17 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
         uint32_t r[4];
         ldsm4(r, st + b_ld[j] + kk);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) split_u(r[i], &bh[2 * j + i / 2][i % 2], &bl[2 * j + i / 2][i % 2]);
-      }
-#else
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        split(iwae_smem[a_lo[m] + ka], &ah[m][0], &al[m][0]);
-        split(iwae_smem[a_hi[m] + ka], &ah[m][1], &al[m][1]);
-        split(iwae_smem[a_lo[m] + ka + 4], &ah[m][2], &al[m][2]);
-        split(iwae_smem[a_hi[m] + ka + 4], &ah[m][3], &al[m][3]);
+        for (int i = 0; i < 4; ++i)
+          split_u(r[i], &bh[2 * j + i / 2][i % 2], &bl[2 * j + i / 2][i % 2]);
       }
 #pragma unroll
-      for (int n = 0; n < kNT; ++n) {
-        split(iwae_smem[st + b_row[n] + kk], &bh[n][0], &bl[n][0]);
-        split(iwae_smem[st + b_row[n] + kk + 4], &bh[n][1], &bl[n][1]);
-      }
-#endif
-#pragma unroll
-      for (int n = 0; n < kNT; ++n) {
-#ifndef FE_IWAE_NOLIVE
-        if (!live[n]) continue;
-#endif
+      for (int n = 0; n < kNT; ++n)
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           mma(corr[m][n], al[m], bh[n]);
           mma(corr[m][n], ah[m], bl[n]);
           mma(acc[m][n], ah[m], bh[n]);
         }
-      }
     }
     if (++kc == kchunks) {  // last stage of this chunk
       epi(n0, acc, corr);
@@ -397,7 +339,6 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
     tile_gemm<MT>(ds_off, p.ldd, p.hp, p.w2, p.D, p.H, p.vec, ws_off,
              static_cast<int>(k_end - k0 < M ? k_end - k0 : M),
              [&](int n0, float (&acc)[MT][kNT][4], float (&corr)[MT][kNT][4]) {
-#ifdef FE_IWAE_EPI3
                // The NaN rule of combine(), for the whole chunk at once: corr * 0 is NaN only
                // where corr is NaN or inf (an infinite operand), and then each NaN is dropped.
                float probe[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -416,7 +357,6 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
                      for (int i = 0; i < 4; ++i)
                        corr[m][n][i] = combine(0.0f, corr[m][n][i]);
                }
-#endif
 #pragma unroll
                for (int n = 0; n < kNT; ++n) {
                  const int c0 = n0 + (n * kWarpsN + wn) * 8 + 2 * t;
@@ -425,16 +365,6 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
                    const int col = c0 + h;
                    if (col >= p.D) continue;
                    const float bias = p.b2[col], xv = xr[col];
-#ifdef FE_IWAE_EPI3
-                   const bool ok = xv >= 0.0f && xv <= 1.0f;
-                   const float w1 = ok ? xv : __int_as_float(0x7fc00000), w0 = w1 - 1.0f;
-#pragma unroll
-                   for (int m = 0; m < MT; ++m)
-#pragma unroll
-                     for (int r = 0; r < 2; ++r)
-                       rs[m][r] += bce_bits3(
-                           acc[m][n][2 * r + h] + corr[m][n][2 * r + h] + bias, w0, w1);
-#elif defined(FE_IWAE_BCE2)
                    const bool ok = xv >= 0.0f && xv <= 1.0f;
                    const float w1 = ok ? xv : __int_as_float(0x7fc00000), w0 = w1 - 1.0f;
 #pragma unroll
@@ -442,15 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
 #pragma unroll
                      for (int r = 0; r < 2; ++r)
                        rs[m][r] += bce_bits(
-                           combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, w0, w1);
-#else
-#pragma unroll
-                   for (int m = 0; m < MT; ++m)
-#pragma unroll
-                     for (int r = 0; r < 2; ++r)
-                       rs[m][r] += bce_term_mufu(
-                           combine(acc[m][n][2 * r + h], corr[m][n][2 * r + h]) + bias, xv);
-#endif
+                           acc[m][n][2 * r + h] + corr[m][n][2 * r + h] + bias, w0, w1);
                  }
                }
              });
@@ -469,9 +391,7 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
       float bce = red[tid];
 #pragma unroll
       for (int w = 1; w < kWarpsN; ++w) bce += red[w * M + tid];
-#if defined(FE_IWAE_BCE2) || defined(FE_IWAE_EPI3)
-      bce *= kLn2;
-#endif
+      bce *= kLn2;  // the row's BCE in nats
       const float wgt = lpq[tid] - bce;  // log p(x|z) + log p(z) - log q(z|x)
       if (wgt != wgt) {
         nan_seen = true;  // counted, not folded: the image's estimate becomes NaN below
