@@ -7,8 +7,9 @@ Same estimator, contract and call as backends/triton/iwae.py (fastelbo.iwae is t
 What differs is where the decoder's hidden layer lives: here d = relu(z w1^T + b1) is built once
 per tile of 128 samples and kept whole in shared memory, where the Triton kernel rebuilds it
 for every column chunk of D. Both GEMMs run tf32x3 on mma.sync (float32 accuracy); the BCE takes
-PyTorch's float32 p exactly (so the -100 clamps agree) and its two logs from the hardware log2
-(a few float32 ulps per term; an estimate moves by up to ~2^-22 (D + |log p(x)|) nats).
+PyTorch's float32 1 - p exactly (so the -100 clamps fall on the same elements) and its two logs
+from the hardware log2 (a few float32 ulps per term; an estimate moves by up to ~2^-22 (D +
+|log p(x)|) nats). H200: 10,000 images at K = 5000 in 0.45 s (benchmarks/results/iwae.jsonl).
 
 Noise: in-kernel Philox with Triton's tl.randn counters (offset = (image << 32) + k * L + j,
 key = seed), so for one seed this kernel and the Triton one draw the same integers, and their
