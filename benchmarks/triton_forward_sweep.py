@@ -35,6 +35,13 @@ ALTERNATIVES = [
     fwd.SlabConfig(fwd.LARGE.encode, fwd.LARGE.decode, 8192),
     fwd.SlabConfig(fwd.LARGE.encode, fwd.LARGE.decode, 4096),
     fwd.SlabConfig(E(32, 32, 64, 32, 4, 3), D(64, 32, 32, 4, 3), 16384),
+    # The whole hidden layer per program (x loaded and split once, not H / BH times).
+    fwd.SlabConfig(E(64, 32, 256, 32, 8, 3), fwd.LARGE.decode, 16384),
+    fwd.SlabConfig(E(64, 32, 256, 64, 8, 3), fwd.LARGE.decode, 16384),
+    fwd.SlabConfig(E(64, 16, 256, 32, 8, 4), fwd.LARGE.decode, 16384),
+    fwd.SlabConfig(E(64, 32, 128, 32, 8, 3), fwd.LARGE.decode, 16384),
+    fwd.SlabConfig(E(128, 32, 128, 32, 8, 3), fwd.LARGE.decode, 16384),
+    fwd.SlabConfig(E(128, 32, 256, 32, 8, 2), fwd.LARGE.decode, 16384),
 ]
 
 
