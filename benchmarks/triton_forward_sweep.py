@@ -26,22 +26,22 @@ from fastelbo.model import ModelNew
 from fastelbo.problems import load_problem
 
 E, D = fwd.EncodeTiles, fwd.DecodeTiles
+# Around the table's picks (run 41 swept the first table's neighbourhood; its log keeps those).
 ALTERNATIVES = [
-    fwd.SlabConfig(E(64, 16, 64, 32, 4, 4), fwd.LARGE.decode, 16384),
-    fwd.SlabConfig(E(128, 32, 64, 32, 8, 3), fwd.LARGE.decode, 16384),
-    fwd.SlabConfig(fwd.LARGE.encode, D(128, 64, 32, 8, 4), 16384),
-    fwd.SlabConfig(fwd.LARGE.encode, D(64, 32, 32, 4, 3), 16384),
-    fwd.SlabConfig(fwd.LARGE.encode, D(128, 128, 32, 8, 3), 16384),
-    fwd.SlabConfig(fwd.LARGE.encode, fwd.LARGE.decode, 8192),
-    fwd.SlabConfig(fwd.LARGE.encode, fwd.LARGE.decode, 4096),
-    fwd.SlabConfig(E(32, 32, 64, 32, 4, 3), D(64, 32, 32, 4, 3), 16384),
-    # The whole hidden layer per program (x loaded and split once, not H / BH times).
-    fwd.SlabConfig(E(64, 32, 256, 32, 8, 3), fwd.LARGE.decode, 16384),
-    fwd.SlabConfig(E(64, 32, 256, 64, 8, 3), fwd.LARGE.decode, 16384),
-    fwd.SlabConfig(E(64, 16, 256, 32, 8, 4), fwd.LARGE.decode, 16384),
-    fwd.SlabConfig(E(64, 32, 128, 32, 8, 3), fwd.LARGE.decode, 16384),
-    fwd.SlabConfig(E(128, 32, 128, 32, 8, 3), fwd.LARGE.decode, 16384),
-    fwd.SlabConfig(E(128, 32, 256, 32, 8, 2), fwd.LARGE.decode, 16384),
+    fwd.SlabConfig(E(128, 32, 128, 64, 8, 3), D(128, 64, 32, 8, 3), 16384),
+    fwd.SlabConfig(E(128, 16, 128, 32, 8, 4), D(128, 64, 32, 8, 3), 16384),
+    fwd.SlabConfig(E(128, 32, 128, 32, 8, 4), D(128, 64, 32, 8, 3), 16384),
+    fwd.SlabConfig(E(128, 64, 128, 32, 8, 2), D(128, 64, 32, 8, 3), 16384),
+    fwd.SlabConfig(E(128, 32, 64, 32, 8, 4), D(128, 64, 32, 8, 3), 16384),
+    fwd.SlabConfig(E(128, 32, 128, 32, 8, 3), D(128, 64, 32, 8, 4), 16384),
+    fwd.SlabConfig(E(128, 32, 128, 32, 8, 3), D(128, 128, 32, 8, 3), 16384),
+    fwd.SlabConfig(E(128, 32, 128, 32, 8, 3), D(128, 64, 64, 8, 3), 16384),
+    fwd.SlabConfig(E(128, 32, 128, 32, 8, 3), D(64, 64, 32, 4, 3), 16384),
+    fwd.SlabConfig(E(128, 32, 128, 32, 8, 3), D(256, 64, 32, 8, 3), 16384),
+    fwd.SlabConfig(E(128, 32, 128, 32, 8, 3), D(128, 64, 32, 8, 3), 8192),
+    fwd.SlabConfig(E(64, 16, 64, 32, 4, 4), D(128, 64, 32, 8, 3), 16384),
+    fwd.SlabConfig(E(64, 16, 128, 32, 4, 4), D(128, 64, 32, 8, 3), 16384),
+    fwd.SlabConfig(E(64, 16, 64, 32, 4, 3), D(64, 64, 32, 4, 3), 16384),
 ]
 
 

@@ -226,27 +226,25 @@ class SlabConfig:
 SLAB_ELEMS = 16384 * 256
 FINISH_BLOCK = 256
 
-# Deterministic table (no autotuning, so nothing is timed during graph capture). Checked offline
-# with ptxas for sm_90a at 784/256/32 (benchmarks/triton_ptxas.py), zero spills:
-#   encode BM=64, BK=32, BH=64, BHD=32, 8 warps, 3 stages: 255 regs, 68 KB smem, wgmma
-#   encode BM=64, BK=16, BH=64, BHD=32, 4 warps, 4 stages: 246 regs, 44 KB smem, wgmma
-#   decode BM=128, BN=64, BK=32, 8 warps, 3 stages:        250 regs, 144 KB smem, wgmma
-#   decode BM=64, BN=32, BK=32, 4 warps, 3 stages:         198 regs, 72 KB smem, wgmma
-# (encode with 4 warps at BK=32, BH=128 or BHD=64, and decode with BN=128, BM=256 or BM=64/BN=64
-# at 4 warps all spill; BM < 64 falls back from wgmma to mma.sync.) Not yet timed on the H200:
-# benchmarks/triton_forward_sweep.py times these and alternatives.
-LARGE = SlabConfig(EncodeTiles(block_m=64, block_k=32, block_h=64, block_hd=32, num_warps=8,
+# Deterministic table (no autotuning, so nothing is timed during graph capture), from
+# benchmarks/triton_forward_sweep.py on the H200 (NOTES, fifth session, run 41: graph replay of
+# one forward). B = 65536: encode BM=128, BH=128 (x read twice instead of four times) 1.27 ms vs
+# 2.50 for the first table's BM=64, BH=64 at 8 warps; B = 4096: encode BM=64, BK=16 at 4 warps
+# with the BM=128 decode 0.161 ms vs 0.278. Offline ptxas for sm_90a (benchmarks/triton_ptxas.py)
+# found BH >= 128 or BHD = 64 spilling at 4 warps; at 8 warps they compile and run.
+LARGE = SlabConfig(EncodeTiles(block_m=128, block_k=32, block_h=128, block_hd=32, num_warps=8,
                                num_stages=3),
                    DecodeTiles(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=3),
                    slab_rows=16384)
-# Small batches: kernel B's narrower tiles make 25 x B/64 programs (1600 at B = 4096).
-SMALL = SlabConfig(LARGE.encode,
-                   DecodeTiles(block_m=64, block_n=32, block_k=32, num_warps=4, num_stages=3),
+# Smaller batches: the encoder's BM=64 programs (64 at B = 4096) keep more SMs busy.
+SMALL = SlabConfig(EncodeTiles(block_m=64, block_k=16, block_h=64, block_hd=32, num_warps=4,
+                               num_stages=4),
+                   LARGE.decode,
                    slab_rows=16384)
 
 
 def pick_config(batch: int, dims: tuple[int, int, int], sm_count: int) -> SlabConfig:
-    """LARGE once kernel B has two BM=128 row tiles per SM, else SMALL."""
+    """LARGE once kernel B has two BM=128 row tiles per SM (B >= 33792 on the H200), else SMALL."""
     return LARGE if triton.cdiv(batch, LARGE.decode.block_m) >= 2 * sm_count else SMALL
 
 
