@@ -227,20 +227,17 @@ SLAB_ELEMS = 16384 * 256
 FINISH_BLOCK = 256
 
 # Deterministic table (no autotuning, so nothing is timed during graph capture), from
-# benchmarks/triton_forward_sweep.py on the H200 (NOTES, fifth session, run 41: graph replay of
-# one forward). B = 65536: encode BM=128, BH=128 (x read twice instead of four times) 1.27 ms vs
-# 2.50 for the first table's BM=64, BH=64 at 8 warps; B = 4096: encode BM=64, BK=16 at 4 warps
-# with the BM=128 decode 0.161 ms vs 0.278. Offline ptxas for sm_90a (benchmarks/triton_ptxas.py)
-# found BH >= 128 or BHD = 64 spilling at 4 warps; at 8 warps they compile and run.
-LARGE = SlabConfig(EncodeTiles(block_m=128, block_k=32, block_h=128, block_hd=32, num_warps=8,
-                               num_stages=3),
+# benchmarks/triton_forward_sweep.py on the H200 (NOTES, fifth session, runs 41-42; graph replay
+# of one forward). Encode BM=64, BK=16, BH=128 at 4 warps (x read twice per row block instead of
+# four times) with the BM=128 decode: 1.17 ms at B = 65536 (the first table, BM=64/BH=64 at 8
+# warps: 2.50) and 0.136 ms at B = 4096 (0.278). One entry is best at both batches measured, so
+# SMALL is LARGE until a sweep finds otherwise. (Offline ptxas for sm_90a,
+# benchmarks/triton_ptxas.py, reported spills for BH=128 at 4 warps; on the H200 it is fastest.)
+LARGE = SlabConfig(EncodeTiles(block_m=64, block_k=16, block_h=128, block_hd=32, num_warps=4,
+                               num_stages=4),
                    DecodeTiles(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=3),
                    slab_rows=16384)
-# Smaller batches: the encoder's BM=64 programs (64 at B = 4096) keep more SMs busy.
-SMALL = SlabConfig(EncodeTiles(block_m=64, block_k=16, block_h=64, block_hd=32, num_warps=4,
-                               num_stages=4),
-                   LARGE.decode,
-                   slab_rows=16384)
+SMALL = LARGE
 
 
 def pick_config(batch: int, dims: tuple[int, int, int], sm_count: int) -> SlabConfig:
