@@ -57,7 +57,15 @@ def time_graph(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+# Backends timed but kept out of the rules until they pass every conformance test: `auto` must
+# never trade the contract for speed. (Fifth session: triton is fastest above B = 2048 on the
+# H200, 1.18 vs 1.57 ms at 65536, but fails saturated-weight regimes.)
+HELD_OUT = {"triton": "fails tests/test_triton_gpu.py::test_saturated_params (issue #4)"}
+
+
 def rules_from(times: dict[str, dict[int, float]]) -> list[dict]:
+    """Fastest eligible backend per batch, runs of equal winners merged, the last open-ended."""
+    times = {n: ts for n, ts in times.items() if n not in HELD_OUT}
     batches = sorted({b for ts in times.values() for b in ts})
     winners = [(b, min(times, key=lambda n: times[n].get(b, float("inf")))) for b in batches]
     rules: list[dict] = []
@@ -86,7 +94,7 @@ def table_from_bench(path: Path, commit: str) -> dict:
         meta = row
     if not times:
         raise SystemExit(f"no ok rows of commit {commit} in {path}")
-    return {"rules": rules_from(times), "measured_on": meta.get("device_name"),
+    return {"rules": rules_from(times), "held_out": HELD_OUT, "measured_on": meta.get("device_name"),
             "torch": meta.get("torch"), "source": f"{path.name} @ {commit} (graph_ms)",
             "date": meta.get("date"),
             "times_ms": {n: {str(b): t for b, t in sorted(ts.items())} for n, ts in times.items()}}
@@ -121,12 +129,13 @@ def main() -> None:
             fwd = module(name).forward
             with validation(False):
                 times[name][batch] = time_graph(lambda f=fwd, x=x, e=eps: f(x, params, e), args.reps)
-        best = min(names, key=lambda n: times[n][batch])
+        best = min(names, key=lambda n: times[n][batch])  # fastest, held out or not
         print(f"{batch:>7} " + " ".join(f"{times[n][batch]:>12.4f}" for n in names)
               + f"   {best}", flush=True)
     import triton
     table = {
         "rules": rules_from(times),
+        "held_out": HELD_OUT,
         "measured_on": torch.cuda.get_device_name(dev),
         "torch": torch.__version__,
         "triton": triton.__version__,

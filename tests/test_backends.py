@@ -1,8 +1,20 @@
 """backend='auto': the shipped crossover table is well formed and `choose` follows it."""
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from fastelbo import backends
+
+
+def _crossover_script():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "crossover.py"
+    spec = importlib.util.spec_from_file_location("crossover_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_shipped_crossover_table_is_well_formed():
@@ -11,6 +23,19 @@ def test_shipped_crossover_table_is_well_formed():
     assert all(r["backend"] in backends.NAMES for r in rules)
     limits = [r["max_batch"] for r in rules]
     assert limits == sorted(limits) and limits[-1] >= 2**40
+
+
+def test_held_out_backends_never_get_a_rule():
+    """A backend that fails a conformance test is timed but never chosen by `auto`, even where
+    it is the fastest (benchmarks/crossover.py HELD_OUT); the shipped table says which and why."""
+    script = _crossover_script()
+    held = next(iter(script.HELD_OUT))
+    times = {held: {128: 0.01, 65536: 0.5}, "cuda": {128: 0.02, 65536: 1.5},
+             "torch": {128: 0.1, 65536: 1.0}}
+    assert script.rules_from(times) == [{"backend": "cuda", "max_batch": 128},
+                                        {"backend": "torch", "max_batch": script.OPEN_ENDED}]
+    shipped = json.loads(backends._CROSSOVER.read_text())
+    assert {r["backend"] for r in shipped["rules"]}.isdisjoint(shipped.get("held_out", {}))
 
 
 @pytest.mark.parametrize("batch, want", [(1, "cuda"), (128, "cuda"), (129, "torch"),
