@@ -62,7 +62,7 @@ for stage in "$@"; do case $stage in
   repro)  # does memcheck accept block-to-block bulk copies? (NOTES runs 24-25)
     nvcc -O3 -gencode=arch=compute_90,code=sm_90 -o /tmp/repro benchmarks/dsmem_bulk_repro.cu \
       > "$LOGS/repro_build.log" 2>&1
-    run repro 90 bash -c 'for m in 0 1 2; do /tmp/repro $m; compute-sanitizer --tool memcheck \
+    run repro 120 bash -c 'for m in 0 1 2 3 4 5 6; do /tmp/repro $m; compute-sanitizer --tool memcheck \
       --print-limit 2 /tmp/repro $m 2>&1 | grep -v "Host Frame"; done' ;;
   iwae-variants)  # A/B timing of iwae.cu's FE_IWAE_* switches (IWAE_VARIANTS: "A_B C", base = none)
     for v in ${IWAE_VARIANTS:-base}; do

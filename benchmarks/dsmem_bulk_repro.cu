@@ -5,8 +5,15 @@
 //   mode 1: st.async.shared::cluster.mbarrier::complete_tx (one 16-byte store per thread)
 //   mode 2: as mode 0, but the chunks live in ~160 KB of DYNAMIC shared memory (destination at
 //           150 KB) and the cluster comes from cudaLaunchKernelEx, as in elbo_fast.cu's v5
-// then checks the values. Run 26: modes 0 and 1 are exact and memcheck-clean.  nvcc -O3 -gencode=arch=compute_90,code=sm_90 -o /tmp/repro
-// benchmarks/dsmem_bulk_repro.cu && compute-sanitizer --tool memcheck /tmp/repro 0 (or 1)
+//   modes 3-6: v5's all-to-all exchange (every block sends one chunk to every block of the
+//           cluster, thread q to rank q, into slot k of the receiver; 160 KB dynamic smem, cluster
+//           from cudaLaunchKernelEx): 3 = 16 blocks (non-portable size) with the send to itself,
+//           as v5 does; 4 = 16 blocks without it; 5 = 2 blocks with it; 6 = 8 blocks with it.
+//           Which of these memcheck rejects separates "self-send" from "cluster of 16" as the
+//           cause of v5's report (modes 0-2 are clean: run 26, run 35).
+// then checks the values. Run 26: modes 0 and 1 are exact and memcheck-clean; run 35: mode 2.
+//   nvcc -O3 -gencode=arch=compute_90,code=sm_90 -o /tmp/repro benchmarks/dsmem_bulk_repro.cu
+//   && compute-sanitizer --tool memcheck /tmp/repro MODE
 #include <cooperative_groups.h>
 #include <cstdio>
 #include <cstdlib>
@@ -115,23 +122,87 @@ cudaError_t launch_dyn(int* bad) {
   return cudaLaunchKernelEx(&cfg, dyn_kernel, bad);
 }
 
+// Modes 3-6: C blocks per cluster, all to all; chunk q of block k holds k * 10000 + q * 1000 + i.
+constexpr int kMaxRanks = 16, kAllDst = 128 * 1024;
+__global__ void all_kernel(int self, int* bad) {
+  extern __shared__ __align__(128) unsigned char dyn[];
+  __shared__ alignas(8) unsigned long long bar;
+  float* src = reinterpret_cast<float*>(dyn);                // C chunks, by destination
+  float* dst = reinterpret_cast<float*>(dyn + kAllDst);      // C slots, by sender
+  cg::cluster_group cluster = cg::this_cluster();
+  const int C = static_cast<int>(cluster.num_blocks()), k = static_cast<int>(cluster.block_rank());
+  const int t = threadIdx.x;
+  for (int i = t; i < C * kFloats; i += blockDim.x)
+    src[i] = 10000.0f * k + 1000.0f * (i / kFloats) + i % kFloats;
+  if (t == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&bar)));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(&bar)),
+                 "r"((self ? C : C - 1) * kFloats * 4) : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  cluster.sync();
+  if (t < C && (self || t != k)) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(remote(dst + k * kFloats, t)), "r"(saddr(src + t * kFloats)), "r"(kFloats * 4),
+        "r"(remote(&bar, t)) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+  asm volatile(
+      "{\n .reg .pred done;\nW:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+      " @!done bra W;\n}" ::"r"(saddr(&bar)) : "memory");
+  for (int i = t; i < C * kFloats; i += blockDim.x) {
+    const int j = i / kFloats;
+    if ((self || j != k) && dst[i] != 10000.0f * j + 1000.0f * k + i % kFloats) atomicAdd(bad, 1);
+  }
+  cluster.sync();
+}
+
+cudaError_t launch_all(int ranks, int self, int* bad) {
+  cudaError_t e = cudaFuncSetAttribute(all_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       kDynBytes);
+  if (e == cudaSuccess && ranks > 8)
+    e = cudaFuncSetAttribute(all_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(2 * ranks);  // two clusters
+  cfg.blockDim = dim3(64);
+  cfg.dynamicSmemBytes = kDynBytes;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = ranks;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, all_kernel, self, bad);
+}
+
 int main(int argc, char** argv) {
   const int mode = argc > 1 ? std::atoi(argv[1]) : 0;
   int* bad = nullptr;
   cudaMalloc(&bad, sizeof(int));
   cudaMemset(bad, 0, sizeof(int));
   cudaError_t e = cudaSuccess;
+  static_assert(kAllDst + kMaxRanks * kFloats * 4 <= kDynBytes, "slots past the allocation");
+  static_assert(kMaxRanks * kFloats * 4 <= kAllDst, "chunks overlap the slots");
+  const int ranks[] = {16, 16, 2, 8}, self[] = {1, 0, 1, 1};
   if (mode == 2) {
     e = launch_dyn(bad);
+  } else if (mode >= 3 && mode <= 6) {
+    e = launch_all(ranks[mode - 3], self[mode - 3], bad);
   } else {
     kernel<<<2, 64>>>(mode, bad);
   }
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
   int h = -1;
   cudaMemcpy(&h, bad, sizeof(int), cudaMemcpyDeviceToHost);
-  std::printf("mode %d (%s): %s, %d wrong values\n", mode,
-              mode == 0 ? "cp.async.bulk smem->dsmem"
-                        : (mode == 1 ? "st.async" : "cp.async.bulk, 160 KB dynamic smem"),
+  const char* what[] = {"cp.async.bulk smem->dsmem", "st.async", "cp.async.bulk, 160 KB dynamic smem",
+                        "all to all, 16 blocks, self-send", "all to all, 16 blocks, no self-send",
+                        "all to all, 2 blocks, self-send", "all to all, 8 blocks, self-send"};
+  std::printf("mode %d (%s): %s, %d wrong values\n", mode, mode >= 0 && mode <= 6 ? what[mode] : "?",
               cudaGetErrorString(e), h);
   return e == cudaSuccess && h == 0 ? 0 : 1;
 }
