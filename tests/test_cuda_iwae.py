@@ -108,9 +108,9 @@ def test_saturated_params_binary_x(ci):
                                atol=1e-4, rtol=1e-5)
 
 
-# Logits where PyTorch's float32 numerics decide the BCE: p subnormal (den in (2^126, inf)),
-# den = inf (log p clamps), 1 - p falling from 2^-24 to 0 between logits 16.6 and 17.6 (log(1 - p)
-# jumps from -16.6 to the -100 clamp), and the middle of the range.
+# Logits where PyTorch's float32 numerics decide the BCE: p subnormal (logits -88.7 to -87.3),
+# den = inf below that (log p clamps), 1 - p falling from 2^-23 to 0 at logit 24 ln 2 = 16.64
+# (log(1 - p) jumps from -15.9 to the -100 clamp), and the middle of the range.
 EXTREME_LOGITS = [-1e4, -200.0, -103.9, -100.0, -89.0, -88.6, -88.0, -87.5, -87.0, -50.0, -17.0,
                   -16.5, -1e-3, 0.0, 1e-3, 10.0, 16.0, 16.5, 16.7, 17.0, 17.1, 17.3, 17.5, 17.7,
                   20.0, 88.0, 1e4]
