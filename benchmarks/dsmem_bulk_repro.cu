@@ -28,6 +28,32 @@ __device__ unsigned remote(const void* p, int rank) {
   return r;
 }
 
+// One arrival (this block's thread 0) expecting `bytes` of copies; then the proxy fence every
+// writer of a chunk runs before the cluster barrier that precedes its send.
+__device__ void bar_init(unsigned long long* bar, int bytes) {
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(bar)));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(bar)),
+                 "r"(bytes) : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ void bar_wait(unsigned long long* bar) {
+  asm volatile(
+      "{\n .reg .pred done;\nW:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+      " @!done bra W;\n}" ::"r"(saddr(bar)) : "memory");
+}
+// src (this block) -> dst in block `rank`, completing on that block's `bar`.
+__device__ void bulk_send(float* dst, const float* src, int bytes, unsigned long long* bar,
+                          int rank) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(remote(dst, rank)), "r"(saddr(src)), "r"(bytes), "r"(remote(bar, rank)) : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
 __global__ void __cluster_dims__(2, 1, 1) kernel(int mode, int* bad) {
   __shared__ alignas(128) float src[kFloats];
   __shared__ alignas(128) float dst[kFloats];
@@ -35,23 +61,10 @@ __global__ void __cluster_dims__(2, 1, 1) kernel(int mode, int* bad) {
   cg::cluster_group cluster = cg::this_cluster();
   const int k = static_cast<int>(cluster.block_rank()), peer = 1 - k, t = threadIdx.x;
   for (int i = t; i < kFloats; i += blockDim.x) src[i] = 1000.0f * k + i;
-  if (t == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&bar)));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(&bar)),
-                 "r"(kFloats * 4) : "memory");
-  }
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  bar_init(&bar, kFloats * 4);
   cluster.sync();  // barriers exist, chunks written
   if (mode == 0) {
-    if (t == 0) {
-      asm volatile(
-          "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-          ::"r"(remote(dst, peer)), "r"(saddr(src)), "r"(kFloats * 4), "r"(remote(&bar, peer))
-          : "memory");
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-    }
+    if (t == 0) bulk_send(dst, src, kFloats * 4, &bar, peer);
   } else {
     for (int i = t; i < kFloats / 4; i += blockDim.x) {
       const float4 v = reinterpret_cast<const float4*>(src)[i];
@@ -61,9 +74,7 @@ __global__ void __cluster_dims__(2, 1, 1) kernel(int mode, int* bad) {
           "r"(remote(&bar, peer)) : "memory");
     }
   }
-  asm volatile(
-      "{\n .reg .pred done;\nW:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
-      " @!done bra W;\n}" ::"r"(saddr(&bar)) : "memory");
+  bar_wait(&bar);
   for (int i = t; i < kFloats; i += blockDim.x)
     if (dst[i] != 1000.0f * peer + i) atomicAdd(bad, 1);
   cluster.sync();  // no block exits while its peer may still touch its shared memory
@@ -80,25 +91,10 @@ __global__ void dyn_kernel(int* bad) {
   cg::cluster_group cluster = cg::this_cluster();
   const int k = static_cast<int>(cluster.block_rank()), peer = 1 - k, t = threadIdx.x;
   for (int i = t; i < kFloats; i += blockDim.x) src[i] = 1000.0f * k + i;
-  if (t == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&bar)));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(&bar)),
-                 "r"(kFloats * 4) : "memory");
-  }
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  bar_init(&bar, kFloats * 4);
   cluster.sync();
-  if (t == 0) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        ::"r"(remote(dst, peer)), "r"(saddr(src)), "r"(kFloats * 4), "r"(remote(&bar, peer))
-        : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-  }
-  asm volatile(
-      "{\n .reg .pred done;\nW:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
-      " @!done bra W;\n}" ::"r"(saddr(&bar)) : "memory");
+  if (t == 0) bulk_send(dst, src, kFloats * 4, &bar, peer);
+  bar_wait(&bar);
   for (int i = t; i < kFloats; i += blockDim.x)
     if (dst[i] != 1000.0f * peer + i) atomicAdd(bad, 1);
   cluster.sync();
@@ -134,25 +130,11 @@ __global__ void all_kernel(int self, int* bad) {
   const int t = threadIdx.x;
   for (int i = t; i < C * kFloats; i += blockDim.x)
     src[i] = 10000.0f * k + 1000.0f * (i / kFloats) + i % kFloats;
-  if (t == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&bar)));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(&bar)),
-                 "r"((self ? C : C - 1) * kFloats * 4) : "memory");
-  }
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  bar_init(&bar, (self ? C : C - 1) * kFloats * 4);
   cluster.sync();
-  if (t < C && (self || t != k)) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        ::"r"(remote(dst + k * kFloats, t)), "r"(saddr(src + t * kFloats)), "r"(kFloats * 4),
-        "r"(remote(&bar, t)) : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-  }
-  asm volatile(
-      "{\n .reg .pred done;\nW:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
-      " @!done bra W;\n}" ::"r"(saddr(&bar)) : "memory");
+  if (t < C && (self || t != k))
+    bulk_send(dst + k * kFloats, src + t * kFloats, kFloats * 4, &bar, t);
+  bar_wait(&bar);
   for (int i = t; i < C * kFloats; i += blockDim.x) {
     const int j = i / kFloats;
     if ((self || j != k) && dst[i] != 10000.0f * j + 1000.0f * k + i % kFloats) atomicAdd(bad, 1);
