@@ -34,6 +34,7 @@ int main() {
               h[0], h[1]);
   std::printf("[2^100, inf]: %u floats, %llu 1-p mismatches (bits differ: %llu)\n",
               inf + 1 - two100, h[3], h[2]);
-  std::printf("%s: %s\n", cudaGetErrorString(e), e == cudaSuccess && h[0] == 0 && h[1] == 0 && h[3] == 0 ? "PASS" : "FAIL");
-  return e == cudaSuccess && h[0] == 0 && h[1] == 0 && h[3] == 0 ? 0 : 1;
+  const bool pass = e == cudaSuccess && h[0] == 0 && h[1] == 0 && h[3] == 0;
+  std::printf("%s: %s\n", cudaGetErrorString(e), pass ? "PASS" : "FAIL");
+  return pass ? 0 : 1;
 }

@@ -171,9 +171,10 @@ __device__ __forceinline__ void tile_gemm(int a_off, int lda, int kp, const floa
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wn = warp % kWarpsN, row0 = (warp / kWarpsN) * MT * 16;
   const int kchunks = cdiv(kp, kKC), steps = cdiv(N, kNC) * kchunks;
-  // Fragments by ldmatrix (one instruction per m16 A tile or pair of n8 B tiles); row addresses: lane l points at row l % 8 of block l / 8; A's blocks are (rows 0-7,
-  // k 0-3), (rows 8-15, k 0-3), (rows 0-7, k 4-7), (rows 8-15, k 4-7) of an m16 tile; B's are
-  // (k 0-3), (k 4-7) of n8 tile 2j, then of tile 2j + 1.
+  // Fragments by ldmatrix (one instruction per m16 A tile or pair of n8 B tiles). Lane l points
+  // at row l % 8 of block l / 8; A's blocks are (rows 0-7, k 0-3), (rows 8-15, k 0-3), (rows
+  // 0-7, k 4-7), (rows 8-15, k 4-7) of an m16 tile; B's (k 0-3), (k 4-7) of n8 tile 2j, then of
+  // tile 2j + 1.
   int a_ld[MT], b_ld[kNT / 2];
   const int lr = lane & 7, lh = (lane >> 3) & 1, lq = lane >> 4;
 #pragma unroll
