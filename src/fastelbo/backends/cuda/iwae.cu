@@ -25,7 +25,8 @@
 //
 // Where the time goes (H200, 10,000 images x K = 5000 = 400K tiles; NOTES runs 27-33 and the
 // fifth session's runs, A/B with benchmarks/iwae_variants.cu): issue-bound with 2 warps per
-// scheduler, not tensor-bound. What paid, in order: hardware-log2 logs instead of IEEE logf +
+// scheduler, not tensor-bound, until the changes below; now more latency-bound (ncu: IPC 1.5,
+// 0.54 eligible warps per scheduler, tensor pipe 46%). What paid, in order: hardware-log2 logs instead of IEEE logf +
 // log1pf (0.71 -> 0.61 s with the one-LOP split below), 32-bit smem offsets (0.55), 64-wide
 // double-buffered stages (0.53), ldmatrix fragments (-3%), no per-n8-tile liveness branches
 // (-1%), and an epilogue of ~25 instructions per element instead of ~45: no out-of-line
