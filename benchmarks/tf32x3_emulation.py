@@ -60,41 +60,40 @@ def halves(v: torch.Tensor):
     return hi, tf32_trunc(v - hi)
 
 
+def mma_layer(a_hi, a_lo, w_hi, w_lo, mode: str):
+    """(hi * hi sum, small-terms sum) on the MMA model, k tile by k tile (BK = 16) as the
+    kernels loop: "mma1" one accumulator for all three products (the Triton encoder; the
+    small-terms sum stays 0), "mma2" two (the decoder), "mma2z" as mma2 but each k tile's
+    hi * hi starts from zero and joins the running sum by a float32 add (round to nearest)."""
+    zero = torch.zeros(a_hi.shape[0], w_hi.shape[0], dtype=torch.float32)
+    acc, corr = zero, zero
+    for k in range(0, a_hi.shape[1], 16):
+        ks = slice(k, k + 16)
+        if mode == "mma1":
+            for x, y in ((a_lo, w_hi), (a_hi, w_lo), (a_hi, w_hi)):
+                acc = mma(acc, x[:, ks], y[:, ks])
+            continue
+        corr = mma(mma(corr, a_hi[:, ks], w_lo[:, ks]), a_lo[:, ks], w_hi[:, ks])
+        tile = mma(zero if mode == "mma2z" else acc, a_hi[:, ks], w_hi[:, ks])
+        acc = acc + tile if mode == "mma2z" else tile
+    return acc, corr
+
+
 def linear(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
     """One Linear layer: "fp32"; "tf32x3" / "tf32x4" (+ lo * lo) with exact products summed in
-    float32; "mma1" / "mma2": tf32x3 on the MMA model above with one accumulator for all three
-    products (the Triton encoder's x @ enc_w^T) or two (hi * hi apart from the small terms, the
-    decoder's), k tile by k tile as the kernels loop (BK = 16)."""
+    float32; "mma1" / "mma2" / "mma2z": tf32x3 on the MMA model (mma_layer). The small terms'
+    NaN (lo = inf - inf) is dropped as the kernels do."""
     if mode == "fp32":
         return F.linear(a, w, b)
     (a_hi, a_lo), (w_hi, w_lo) = halves(a), halves(w)
-    if mode == "mma2z":
-        acc, corr = (torch.zeros(a.shape[0], w.shape[0], dtype=torch.float32) for _ in range(2))
-        zero = torch.zeros_like(acc)
-        for k in range(0, a.shape[1], 16):
-            ks = slice(k, k + 16)
-            corr = mma(mma(corr, a_hi[:, ks], w_lo[:, ks]), a_lo[:, ks], w_hi[:, ks])
-            acc = acc + mma(zero, a_hi[:, ks], w_hi[:, ks])  # RN add of a fresh k tile
-        corr = torch.where(torch.isnan(corr), torch.zeros_like(corr), corr)
-        return acc + corr + b
-    if mode in ("mma1", "mma2"):
-        zero = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float32)
-        acc, corr = zero, zero.clone()
-        for k in range(0, a.shape[1], 16):
-            ks = slice(k, k + 16)
-            if mode == "mma1":
-                for x, y in ((a_lo, w_hi), (a_hi, w_lo), (a_hi, w_hi)):
-                    acc = mma(acc, x[:, ks], y[:, ks])
-            else:
-                corr = mma(mma(corr, a_hi[:, ks], w_lo[:, ks]), a_lo[:, ks], w_hi[:, ks])
-                acc = mma(acc, a_hi[:, ks], w_hi[:, ks])
-        corr = torch.where(torch.isnan(corr), torch.zeros_like(corr), corr)
-        return acc + corr + b
-    corr = a_lo @ w_hi.T + a_hi @ w_lo.T
-    if mode == "tf32x4":  # with the lo * lo term too
-        corr = corr + a_lo @ w_lo.T
+    if mode in ("tf32x3", "tf32x4"):
+        acc, corr = a_hi @ w_hi.T, a_lo @ w_hi.T + a_hi @ w_lo.T
+        if mode == "tf32x4":  # with the lo * lo term too
+            corr = corr + a_lo @ w_lo.T
+    else:
+        acc, corr = mma_layer(a_hi, a_lo, w_hi, w_lo, mode)
     corr = torch.where(torch.isnan(corr), torch.zeros_like(corr), corr)
-    return a_hi @ w_hi.T + corr + b
+    return acc + corr + b
 
 
 def forward(x, p: VAEParams, eps, modes: dict[str, str]):
