@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
-# Stages: build env tests cuda-tests memcheck racecheck check check-auto bench cuda-plans cuda-paths
+# Stages: build env tests cuda-tests triton-tests profile-triton memcheck racecheck check check-auto bench cuda-plans cuda-paths
 #         trace repro profile threads512 triton-sweep cuda-iwae iwae iwae-variants iwae-sweep train train-epochs
 #         multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
@@ -40,6 +40,7 @@ for stage in "$@"; do case $stage in
     pytest_gpu other_gpu "${T_OTHER:-90}" tests --ignore=tests/test_cuda_backend.py \
       --ignore=tests/test_cuda_backward.py --ignore=tests/test_cuda_iwae.py \
       --ignore=tests/test_triton_gpu.py --ignore=tests/test_triton_iwae.py ;;
+  triton-tests) pytest_gpu test_triton_gpu "${T_TRITON:-110}" tests/test_triton_gpu.py ;;
   cuda-iwae) pytest_gpu test_cuda_iwae "${T_CUDA_IWAE:-120}" tests/test_cuda_iwae.py ;;
   memcheck) run memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
   racecheck) run racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
@@ -87,6 +88,8 @@ for f in sorted(glob.glob(\"/tmp/iv_*.bin\")):
       cuobjdump -sass "$e" | awk '/Function : .*iwae_kernelILi4/{f=1} /Function : .*iwae_kernelILi2/{f=0} f' \
         > "$LOGS/iv_sass_$(basename "$e").txt" 2>&1; done ;;
   profile) run profile "${T_PROFILE:-150}" python3 benchmarks/profile_kernels.py ;;
+  profile-triton) run profile_triton 90 python3 benchmarks/profile_kernels.py --only triton_4096 \
+                    triton_65536 ;;
   threads512)  # A/B of the cluster kernel at 512 threads per block, on a copy of the tree
     rm -rf /tmp/t512 && cp -r "$PWD" /tmp/t512 && sed -i \
       's/constexpr int kClusterThreads = 256;/constexpr int kClusterThreads = 512;/' \

@@ -25,6 +25,7 @@ from fastelbo.backends import torch_ref
 from fastelbo.harness.compare import PERTURB_RUNS, assert_outputs_match, perturbed
 
 LAYERS = ("enc", "mu", "lv", "dec1", "dec2")
+K_TILE = 16  # the kernels' k step (BLOCK_K); --k-tile changes it
 
 
 def tf32_round(v: torch.Tensor) -> torch.Tensor:
@@ -61,17 +62,20 @@ def halves(v: torch.Tensor):
 
 
 def mma_layer(a_hi, a_lo, w_hi, w_lo, mode: str):
-    """(hi * hi sum, small-terms sum) on the MMA model, k tile by k tile (BK = 16) as the
+    """(hi * hi sum, small-terms sum) on the MMA model, k tile by k tile (K_TILE) as the
     kernels loop: "mma1" one accumulator for all three products (the Triton encoder; the
     small-terms sum stays 0), "mma2" two (the decoder), "mma2z" as mma2 but each k tile's
-    hi * hi starts from zero and joins the running sum by a float32 add (round to nearest)."""
+    hi * hi starts from zero and joins the running sum by a float32 add (round to nearest),
+    "mma1z" as mma1 but each k tile's three products start from zero and join likewise."""
     zero = torch.zeros(a_hi.shape[0], w_hi.shape[0], dtype=torch.float32)
     acc, corr = zero, zero
-    for k in range(0, a_hi.shape[1], 16):
-        ks = slice(k, k + 16)
-        if mode == "mma1":
+    for k in range(0, a_hi.shape[1], K_TILE):
+        ks = slice(k, k + K_TILE)
+        if mode in ("mma1", "mma1z"):
+            tile = zero if mode == "mma1z" else acc
             for x, y in ((a_lo, w_hi), (a_hi, w_lo), (a_hi, w_hi)):
-                acc = mma(acc, x[:, ks], y[:, ks])
+                tile = mma(tile, x[:, ks], y[:, ks])
+            acc = acc + tile if mode == "mma1z" else tile
             continue
         corr = mma(mma(corr, a_hi[:, ks], w_lo[:, ks]), a_lo[:, ks], w_hi[:, ks])
         tile = mma(zero if mode == "mma2z" else acc, a_hi[:, ks], w_hi[:, ks])
@@ -121,6 +125,7 @@ VARIANTS = {
     "MMA model, encoder fp32": dict(dict.fromkeys(LAYERS, "mma2"), enc="fp32"),
     "MMA model, encoder fresh k tiles": dict(dict.fromkeys(LAYERS, "mma2"), enc="mma2z"),
     "MMA model, every layer fresh k tiles": dict.fromkeys(LAYERS, "mma2z"),
+    "MMA model, encoder 1 acc, fresh k tiles": dict(dict.fromkeys(LAYERS, "mma2"), enc="mma1z"),
     "encoder fp32": {"enc": "fp32"},
     "mu, logvar fp32": {"mu": "fp32", "lv": "fp32"},
     "encoder, mu, logvar fp32": {"enc": "fp32", "mu": "fp32", "lv": "fp32"},
@@ -143,7 +148,9 @@ def main() -> None:
     ap.add_argument("--dims", type=int, nargs=3, default=[784, 256, 32])
     ap.add_argument("--only", default="", help="run the variants whose name contains this")
     ap.add_argument("--scales", type=float, nargs="+", default=[4.0, 16.0])
+    ap.add_argument("--k-tile", type=int, default=K_TILE, help="k step of the MMA-model loops")
     args = ap.parse_args()
+    globals()["K_TILE"] = args.k_tile
     dims = tuple(args.dims)
     for scale in args.scales:
         for binary in (False, True):

@@ -33,6 +33,10 @@ if INTERPRET:
     def _log1p(v):
         u = 1.0 + v
         return tl.where(u == 1.0, v, tl.log(u) * (v / (u - 1.0)))
+
+    @triton.jit
+    def _add_rn(a, b):
+        return a + b  # the interpreter's dots are numpy float32 products: nothing to fold
 else:
     from triton.language.extra import libdevice
 
@@ -50,6 +54,14 @@ else:
     @triton.jit
     def _log1p(v):
         return libdevice.log1p(v)
+
+    @triton.jit
+    def _add_rn(a, b):
+        """a + b as one float32 round-to-nearest add that no compiler pass moves into an MMA:
+        Triton's combine pass rewrites `c + tl.dot(a, b)` as dot(a, b, c), whose additions
+        truncate (see _encode_hidden)."""
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -76,6 +88,46 @@ def _dot3(a_hi, a_lo, b_hi_ptrs, b_lo_ptrs, b_mask, acc):
     corr = tl.dot(a_lo, b_hi, corr, input_precision="tf32")
     corr = tl.where(corr != corr, 0.0, corr)  # noqa: PLR0124 (NaN test)
     return tl.dot(a_hi, b_hi, acc + corr, input_precision="tf32")
+
+
+@triton.jit
+def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_b, hh, h_ok,
+                   D: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(relu(x @ enc_w[hh, :]^T + enc_b[hh]) as a [BM, BH] tile, invalid-x count per row).
+
+    x_rows: [BM, 1] pointers to the rows' starts. The encoder is the one layer whose K is long
+    (D = 784) and whose operands are unscaled data. A tensor core adds each MMA's exact products
+    to its accumulator and truncates the sum, so one accumulator carried over all of K drifts
+    toward zero by up to ~1 ulp per k8 step, and the small hi * lo terms added into it drown:
+    that failed test_saturated_params (benchmarks/tf32x3_emulation.py reproduces it on a CPU,
+    and passes with this scheme at k tiles of 16 to 112). Here each k tile's three products
+    start from zero (small terms first) and join the running sum through a float32
+    round-to-nearest add. x is finite in every valid row (invalid rows end NaN anyway), so no
+    NaN guard on the small terms: an infinite weight gives NaN here where float32 gives +-inf
+    (as before this scheme; not a case the contract covers)."""
+    k_idx = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([x_rows.shape[0], hh.shape[0]], dtype=tl.float32)
+    bad = tl.zeros([x_rows.shape[0], BLOCK_K], dtype=tl.int32)
+    for k0 in range(0, D, BLOCK_K):
+        kk = k0 + k_idx
+        k_ok = kk < D
+        m = row_ok[:, None] & k_ok[None, :]
+        xt = tl.load(x_rows + kk[None, :], mask=m, other=0.0)
+        # Targets outside [0, 1] (or NaN) make the row NaN; counted here, where x is in
+        # registers anyway, per element (the row sums once after the loop, no shuffles here).
+        bad += tl.where(m & ~((xt >= 0.0) & (xt <= 1.0)), 1, 0)
+        x_hi, x_lo = _split(xt)
+        w_off = hh[None, :] * D + kk[:, None]
+        w_mask = k_ok[:, None] & h_ok[None, :]
+        w_hi = tl.load(enc_hi + w_off, mask=w_mask, other=0.0)
+        w_lo = tl.load(enc_lo + w_off, mask=w_mask, other=0.0)
+        tile = tl.dot(x_lo, w_hi, input_precision="tf32")
+        tile = tl.dot(x_hi, w_lo, tile, input_precision="tf32")
+        tile = tl.dot(x_hi, w_hi, tile, input_precision="tf32")
+        acc = _add_rn(acc, tile)
+    hb = tl.load(enc_b + hh, mask=h_ok, other=0.0)
+    h = tl.maximum(acc + hb[None, :], 0.0, propagate_nan=tl.PropagateNan.ALL)
+    return h, tl.sum(bad, axis=1)
 
 
 @triton.jit

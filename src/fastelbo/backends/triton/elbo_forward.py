@@ -43,6 +43,7 @@ from .common import (
     _check,
     _decoder_hidden,
     _dot3,
+    _encode_hidden,
     _exp,
     _pow2,
     _split,
@@ -71,7 +72,6 @@ def _encode_kernel(
     eps_ptr += tl.cast(row0, tl.int64) * L
     recon_ptr += row0
     kl_ptr += row0
-    k_idx = tl.arange(0, BLOCK_K)
     h_idx = tl.arange(0, BLOCK_H)
     l_idx = tl.arange(0, BLOCK_L)
     l_ok = l_idx < L
@@ -84,27 +84,10 @@ def _encode_kernel(
     for h0 in range(0, H, BLOCK_H):
         hh = h0 + h_idx
         h_ok = hh < H
-        acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            kk = k0 + k_idx
-            k_ok = kk < D
-            m = row_ok[:, None] & k_ok[None, :]
-            xt = tl.load(x_ptr + rows[:, None] * D + kk[None, :], mask=m, other=0.0)
-            # Targets outside [0, 1] (or NaN): the row comes out NaN. Counted in every chunk's
-            # pass (only > 0 matters), which keeps the loop body free of branches.
-            n_bad += tl.sum(tl.where(m & ~((xt >= 0.0) & (xt <= 1.0)), 1, 0), axis=1)
-            x_hi, x_lo = _split(xt)
-            w_off = hh[None, :] * D + kk[:, None]
-            w_mask = k_ok[:, None] & h_ok[None, :]
-            w_hi = tl.load(enc_hi + w_off, mask=w_mask, other=0.0)
-            w_lo = tl.load(enc_lo + w_off, mask=w_mask, other=0.0)
-            # One accumulator for all three products: x is finite in every valid row (invalid
-            # rows end as NaN anyway), so _dot3's NaN guard is not needed here.
-            acc = tl.dot(x_lo, w_hi, acc, input_precision="tf32")
-            acc = tl.dot(x_hi, w_lo, acc, input_precision="tf32")
-            acc = tl.dot(x_hi, w_hi, acc, input_precision="tf32")
-        hb = tl.load(enc_b + hh, mask=h_ok, other=0.0)
-        h_hi, h_lo = _split(tl.maximum(acc + hb[None, :], 0.0, propagate_nan=tl.PropagateNan.ALL))
+        h, bad = _encode_hidden(x_ptr + rows[:, None] * D, row_ok, enc_hi, enc_lo, enc_b, hh,
+                                h_ok, D, BLOCK_K)
+        n_bad += bad  # the same count in every chunk's pass: only > 0 matters
+        h_hi, h_lo = _split(h)
         w_off = l_idx[None, :] * H + hh[:, None]
         w_mask = h_ok[:, None] & l_ok[None, :]
         mu = _dot3(h_hi, h_lo, mu_hi + w_off, mu_lo + w_off, w_mask, mu)

@@ -25,7 +25,16 @@ import triton
 import triton.language as tl
 
 from ...params import VAEParams
-from .common import _bce_rowsum, _decoder_hidden, _dot3, _exp, _pow2, _split, split_weights
+from .common import (
+    _bce_rowsum,
+    _decoder_hidden,
+    _dot3,
+    _encode_hidden,
+    _exp,
+    _pow2,
+    _split,
+    split_weights,
+)
 
 
 @triton.jit
@@ -43,7 +52,6 @@ def _elbo_fwd_kernel(
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < B
     row_off = rows.to(tl.int64)
-    k_idx = tl.arange(0, BLOCK_K)
     h_idx = tl.arange(0, BLOCK_H)
     l_idx = tl.arange(0, BLOCK_L)
     n_idx = tl.arange(0, BLOCK_N)
@@ -56,24 +64,9 @@ def _elbo_fwd_kernel(
     for h0 in range(0, H, BLOCK_H):
         hh = h0 + h_idx
         h_ok = hh < H
-        acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            kk = k0 + k_idx
-            k_ok = kk < D
-            xt = tl.load(x_ptr + row_off[:, None] * D + kk[None, :],
-                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            x_hi, x_lo = _split(xt)
-            w_off = hh[None, :] * D + kk[:, None]
-            w_mask = k_ok[:, None] & h_ok[None, :]
-            w_hi = tl.load(enc_hi + w_off, mask=w_mask, other=0.0)
-            w_lo = tl.load(enc_lo + w_off, mask=w_mask, other=0.0)
-            # One accumulator for all three products: x is finite in every valid row (invalid
-            # rows end as NaN anyway), so the NaN guard of _dot3 is not needed here.
-            acc = tl.dot(x_lo, w_hi, acc, input_precision="tf32")
-            acc = tl.dot(x_hi, w_lo, acc, input_precision="tf32")
-            acc = tl.dot(x_hi, w_hi, acc, input_precision="tf32")
-        hb = tl.load(enc_b + hh, mask=h_ok, other=0.0)
-        h_hi, h_lo = _split(tl.maximum(acc + hb[None, :], 0.0, propagate_nan=tl.PropagateNan.ALL))
+        h, _ = _encode_hidden(x_ptr + row_off[:, None] * D, row_ok, enc_hi, enc_lo, enc_b, hh,
+                              h_ok, D, BLOCK_K)
+        h_hi, h_lo = _split(h)
         w_off = l_idx[None, :] * H + hh[:, None]
         w_mask = h_ok[:, None] & l_ok[None, :]
         mu = _dot3(h_hi, h_lo, mu_hi + w_off, mu_lo + w_off, w_mask, mu)
