@@ -26,17 +26,16 @@ from fastelbo.model import ModelNew
 from fastelbo.problems import load_problem
 
 E, D = fwd.EncodeTiles, fwd.DecodeTiles
-# Around the table's pick, for the encoder whose k tiles start from zero (common._encode_hidden:
-# one more [BM, BH] accumulator than runs 41-42's encoder had; offline ptxas, benchmarks/
-# triton_ptxas.py, spills at BH = 128 now). Runs 41-42's logs keep the earlier neighbourhood.
-_DEC = D(128, 64, 32, 8, 3)
-ALTERNATIVES = [fwd.SlabConfig(e, _DEC, 16384) for e in (
-    E(64, 16, 64, 32, 4, 4), E(64, 16, 64, 32, 4, 3), E(64, 32, 64, 32, 8, 3),
-    E(64, 16, 128, 32, 8, 4), E(128, 16, 64, 32, 8, 4), E(128, 32, 64, 32, 8, 3),
-    E(128, 16, 128, 32, 8, 4), E(64, 32, 128, 32, 8, 3))] + [
-    fwd.SlabConfig(E(64, 16, 128, 32, 4, 4), D(128, 128, 32, 8, 3), 16384),
-    fwd.SlabConfig(E(64, 16, 128, 32, 4, 4), D(64, 64, 32, 4, 3), 16384),
-]
+# Around the table's pick, after the TMA-descriptor decoder and the new BCE epilogue
+# (triton_decode_variants.py: BM=64/BN=64 at 4 warps best for the decoder alone); runs 41-42's
+# logs keep the earlier neighbourhoods.
+_ENC = E(64, 16, 128, 32, 4, 4)
+ALTERNATIVES = [fwd.SlabConfig(_ENC, dec, 16384) for dec in (
+    D(64, 64, 32, 4, 2), D(128, 64, 32, 8, 3), D(64, 128, 32, 4, 3), D(128, 128, 32, 8, 3),
+    D(64, 32, 32, 4, 3), D(128, 64, 64, 8, 2), D(64, 64, 64, 4, 2))] + [
+    fwd.SlabConfig(enc, D(64, 64, 32, 4, 3), 16384) for enc in (
+        E(64, 16, 64, 32, 4, 4), E(128, 16, 64, 32, 8, 4), E(128, 16, 128, 32, 8, 4),
+        E(64, 16, 64, 32, 4, 3), E(64, 32, 64, 32, 4, 3))]
 
 
 def peak_beyond(fn) -> float:

@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fastelbo.backends.triton import elbo_forward as fwd
-from fastelbo.backends.triton.common import _pow2
+from fastelbo.backends.triton.common import _pad4, _pow2
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 TARGET = GPUTarget("cuda", 90, 32)
@@ -67,18 +67,20 @@ def main() -> None:
                               "d_hi_ptr", "d_lo_ptr", "recon_ptr", "kl_ptr")}
     enc_sig.update(row0="i32", n_rows="i32")
     for bm, bk, bh, bhd, w, s in ENCODE:
+        desc = f"tensordesc<fp32[{bh}, {bk}]>"  # the weight halves come as TMA descriptors
         try:
-            res = compile_one(fwd._encode_kernel, enc_sig,
-                              {"D": d, "H": h, "L": lat, "BLOCK_M": bm, "BLOCK_K": bk,
+            res = compile_one(fwd._encode_kernel, dict(enc_sig, enc_hi=desc, enc_lo=desc),
+                              {"D": d, "H": h, "L": lat, "HP": _pad4(h), "BLOCK_M": bm,
+                               "BLOCK_K": bk,
                                "BLOCK_H": bh, "BLOCK_L": _pow2(lat), "BLOCK_HD": bhd}, w, s)
         except Exception as exc:  # noqa: BLE001 (a sweep reports and moves on)
             res = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
         print(f"encode BM={bm:<3} BK={bk:<2} BH={bh:<3} BHD={bhd:<3} warps={w} stages={s}: "
               f"{res}", flush=True)
-    dec_sig = {n: p for n in ("x_ptr", "d_hi_ptr", "d_lo_ptr", "w2_hi", "w2_lo", "dec_b2",
-                              "part_ptr")}
-    dec_sig.update(row0="i32", n_rows="i32")
     for bm, bn, bk, w, s in DECODE:
+        a, b = f"tensordesc<fp32[{bm}, {bk}]>", f"tensordesc<fp32[{bn}, {bk}]>"
+        dec_sig = {"x_ptr": p, "d_hi": a, "d_lo": a, "w2_hi": b, "w2_lo": b, "dec_b2": p,
+                   "part_ptr": p, "row0": "i32", "n_rows": "i32"}
         try:
             res = compile_one(fwd._decode_bce_kernel, dec_sig,
                               {"D": d, "H": h, "N_TILES": triton.cdiv(d, bn), "BLOCK_M": bm,

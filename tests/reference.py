@@ -15,6 +15,36 @@ from fastelbo.problems import load_problem
 PROBLEM = load_problem("vae_elbo")
 # (input_dim, hidden_dim, latent_dim): the problem's, odd ones, and a tiny latent.
 DIMS = [(784, 256, 32), (781, 250, 31), (64, 48, 2)]
+# Logits where PyTorch's float32 numerics decide the BCE: p subnormal (logits -88.7 to -87.3),
+# den = inf below that (log p clamps), 1 - p falling from 2^-23 to 0 at logit 24 ln 2 = 16.64
+# (log(1 - p) jumps from -15.9 to the -100 clamp), and the middle of the range.
+EXTREME_LOGITS = [-1e4, -200.0, -103.9, -100.0, -89.0, -88.6, -88.0, -87.5, -87.0, -50.0, -17.0,
+                  -16.5, -1e-3, 0.0, 1e-3, 10.0, 16.0, 16.5, 16.7, 17.0, 17.1, 17.3, 17.5, 17.7,
+                  20.0, 88.0, 1e4]
+
+
+def bce_epilogue_cases() -> dict[str, tuple[list[float], float]]:
+    """(logits, x value) cases for a kernel's BCE epilogue: the classes above; the edges of the
+    Triton epilogue's series ranges (p = 1 - 2^-7 and 2^-7 at logits +-ln 127) and a dense
+    sweep, for x = 0, 1, 0.3; and near-perfect reconstructions (x = 0 under logits -20..-5, x = 1
+    under 5..20), where every term is small and an absolute error per term would show."""
+    edge = math.log(127.0)
+    edges = [edge + d for d in (-1e-3, -1e-6, 0.0, 1e-6, 1e-3)]
+    grid = EXTREME_LOGITS + edges + [-e for e in edges] + torch.linspace(-30, 30, 601).tolist()
+    cases = {f"grid-x{v:g}": (grid, v) for v in (0.0, 1.0, 0.3)}
+    cases["near-perfect-x0"] = (torch.linspace(-20, -5, 600).tolist(), 0.0)
+    cases["near-perfect-x1"] = (torch.linspace(5, 20, 600).tolist(), 1.0)
+    return cases
+
+
+def bce_probe_params(logits: list[float], *, hidden=16, latent=4, seed=0, device="cpu"):
+    """VAEParams whose decoder logits are exactly `logits` for any z (dec_w2 = 0, dec_b2 =
+    logits), so a forward's recon is the BCE epilogue's row sum alone."""
+    torch.manual_seed(seed)
+    model = ModelNew(len(logits), hidden, latent, backend="torch")
+    p = VAEParams(*(t.detach().to(device) for t in model.vae_params()))
+    return p._replace(dec_w2=torch.zeros_like(p.dec_w2),
+                      dec_b2=torch.tensor(logits, dtype=torch.float32, device=device))
 
 
 def twins(dims, *, backend="torch", seed=0, dtype=torch.float32, device="cpu", scale=1.0):

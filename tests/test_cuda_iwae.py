@@ -13,6 +13,7 @@ import torch
 from fastelbo import iwae as public
 from fastelbo.params import VAEParams
 from reference import (
+    EXTREME_LOGITS,
     assert_iwae_close_to_truth,
     assert_peak_memory_flat_in_k,
     f64,
@@ -106,14 +107,6 @@ def test_saturated_params_binary_x(ci):
     want = public.iwae_log_likelihood(p, x, 40, eps=eps, backend="torch")
     torch.testing.assert_close(ci.iwae_log_likelihood(x, p, 40, eps=eps), want,
                                atol=1e-4, rtol=1e-5)
-
-
-# Logits where PyTorch's float32 numerics decide the BCE: p subnormal (logits -88.7 to -87.3),
-# den = inf below that (log p clamps), 1 - p falling from 2^-23 to 0 at logit 24 ln 2 = 16.64
-# (log(1 - p) jumps from -15.9 to the -100 clamp), and the middle of the range.
-EXTREME_LOGITS = [-1e4, -200.0, -103.9, -100.0, -89.0, -88.6, -88.0, -87.5, -87.0, -50.0, -17.0,
-                  -16.5, -1e-3, 0.0, 1e-3, 10.0, 16.0, 16.5, 16.7, 17.0, 17.1, 17.3, 17.5, 17.7,
-                  20.0, 88.0, 1e4]
 
 
 def test_extreme_logits_take_pytorchs_clamps(ci):

@@ -18,6 +18,7 @@ from fastelbo import ModelNew, VAEParams
 from fastelbo.backends import torch_ref
 from fastelbo.harness.compare import PERTURB_RUNS, assert_outputs_match, perturbed
 from fastelbo.problems import load_problem
+from reference import bce_epilogue_cases, bce_probe_params
 
 pytestmark = pytest.mark.gpu
 
@@ -94,6 +95,22 @@ def test_saturated_params(tb, dims, scale, binary):
     runs = [torch_ref.forward(x, p, eps)] + [
         torch_ref.forward(x, VAEParams(*perturbed(p, g)), eps) for _ in range(PERTURB_RUNS)]
     assert_outputs_match(tuple(got), runs, 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize("case", bce_epilogue_cases().items(), ids=lambda c: c[0])
+def test_bce_epilogue_takes_pytorchs_clamps_and_rounding(tb, case):
+    """Logits exactly dec_b2 (reference.bce_probe_params): the epilogue (common._bce_rowsum:
+    PyTorch's p, hardware log2 outside two series ranges) against the float32 spec at the
+    contract's tolerance, and recon within 1e-5 relative, where the per-term errors of a log2
+    near 1 without the series would show on the near-perfect rows."""
+    _, (logits, xval) = case
+    p = bce_probe_params(logits, device=DEV)
+    x = torch.full((3, len(logits)), xval, device=DEV)
+    eps = torch.randn(3, p.dims[2], generator=torch.Generator(device=DEV).manual_seed(1),
+                      device=DEV)
+    got, want = tb.forward(x, p, eps), torch_ref.forward(x, p, eps)
+    _assert_close(got, want)
+    torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dims", [(784, 256, 32), (781, 250, 31)], ids=str)

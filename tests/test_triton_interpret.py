@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from interpret import IN_CHILD, child_only, parent_only, run_children
+from reference import bce_epilogue_cases, bce_probe_params
 
 
 @parent_only
@@ -108,6 +109,20 @@ def test_saturated_params_and_binary_x(dims, scale):
         want = torch_ref.forward(x, p, eps)
         for config in CONFIGS.values():
             _assert_close(_run(x, p, eps, config), want, what=f"{dims} x{scale}")
+
+
+@child_only
+@pytest.mark.parametrize("case", bce_epilogue_cases().items(), ids=lambda c: c[0])
+def test_bce_epilogue_takes_pytorchs_clamps_and_rounding(case):
+    """The epilogue's logic (series ranges, clamps, NaN) on CPU; its hardware log2 and
+    reciprocal are the GPU test's (test_triton_gpu.py, same cases)."""
+    _, (logits, xval) = case
+    p = bce_probe_params(logits)
+    x = torch.full((3, len(logits)), xval)
+    eps = torch.randn(3, p.dims[2], generator=torch.Generator().manual_seed(1))
+    got, want = _run(x, p, eps, None), torch_ref.forward(x, p, eps)
+    _assert_close(got, want)
+    torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
 
 
 @child_only

@@ -11,6 +11,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...params import VAEParams
 
@@ -37,6 +38,18 @@ if INTERPRET:
     @triton.jit
     def _add_rn(a, b):
         return a + b  # the interpreter's dots are numpy float32 products: nothing to fold
+
+    @triton.jit
+    def _lg2(v):
+        return tl.log2(v)
+
+    @triton.jit
+    def _rcp_den(den):
+        return 1.0 / den
+
+    @triton.jit
+    def _clamp100(v):
+        return tl.maximum(v, -100.0, propagate_nan=tl.PropagateNan.ALL)
 else:
     from triton.language.extra import libdevice
 
@@ -62,6 +75,30 @@ else:
         truncate (see _encode_hidden)."""
         return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
                                          dtype=tl.float32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _asm1(v, op: tl.constexpr):
+        return tl.inline_asm_elementwise(op, "=r,r", [v], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+    @triton.jit
+    def _lg2(v):
+        """The hardware log2 (MUFU; 2^-22 relative, 2^-22.6 absolute on [0.5, 2])."""
+        return _asm1(v, "lg2.approx.ftz.f32 $0, $1;")
+
+    @triton.jit
+    def _rcp_den(den):
+        """1 / den for den in [1, inf] or NaN, bit-exact to IEEE division below 2^100
+        (rcp.approx + one Newton FMA, as cuda/iwae.cu's rcp_den; benchmarks/rcp_check.cu checks
+        every float); above, 1 / den < 2^-100 and only 1 - p = 1 matters, which holds."""
+        d = tl.minimum(den, 1.2676506002282294e30)  # 2^100; NaN stays NaN through the logs
+        r = _asm1(d, "rcp.approx.ftz.f32 $0, $1;")
+        return tl.fma(r, tl.fma(-d, r, 1.0), r)
+
+    @triton.jit
+    def _clamp100(v):
+        """max(v, -100) keeping NaN (PyTorch's std::max), one instruction."""
+        return _asm1(v, "max.NaN.f32 $0, $1, 0fC2C80000;")
 
 
 @triton.jit
@@ -91,11 +128,12 @@ def _dot3(a_hi, a_lo, b_hi_ptrs, b_lo_ptrs, b_mask, acc):
 
 
 @triton.jit
-def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_b, hh, h_ok,
+def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_b, h0, hh, h_ok,
                    D: tl.constexpr, BLOCK_K: tl.constexpr):
     """(relu(x @ enc_w[hh, :]^T + enc_b[hh]) as a [BM, BH] tile, invalid-x count per row).
 
-    x_rows: [BM, 1] pointers to the rows' starts. The encoder is the one layer whose K is long
+    x_rows: [BM, 1] pointers to the rows' starts; enc_hi / enc_lo: TMA descriptors of the weight
+    halves with [BH, BLOCK_K] blocks (weight_descriptor), hh = h0 + arange(BH). The encoder is the one layer whose K is long
     (D = 784) and whose operands are unscaled data. A tensor core adds each MMA's exact products
     to its accumulator and truncates the sum, so one accumulator carried over all of K drifts
     toward zero by up to ~1 ulp per k8 step, and the small hi * lo terms added into it drown:
@@ -117,10 +155,8 @@ def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_b, hh, h_ok,
         # registers anyway, per element (the row sums once after the loop, no shuffles here).
         bad += tl.where(m & ~((xt >= 0.0) & (xt <= 1.0)), 1, 0)
         x_hi, x_lo = _split(xt)
-        w_off = hh[None, :] * D + kk[:, None]
-        w_mask = k_ok[:, None] & h_ok[None, :]
-        w_hi = tl.load(enc_hi + w_off, mask=w_mask, other=0.0)
-        w_lo = tl.load(enc_lo + w_off, mask=w_mask, other=0.0)
+        w_hi = enc_hi.load([h0, k0]).T  # [BK, BH]; zeros beyond H and D
+        w_lo = enc_lo.load([h0, k0]).T
         tile = tl.dot(x_lo, w_hi, input_precision="tf32")
         tile = tl.dot(x_hi, w_lo, tile, input_precision="tf32")
         tile = tl.dot(x_hi, w_hi, tile, input_precision="tf32")
@@ -131,14 +167,32 @@ def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_b, hh, h_ok,
 
 
 @triton.jit
+def _log1p_small(u):
+    """log1p(u) for |u| < 2^-7 by its series to u^4: relative error < 2^-23 there."""
+    return u * (1.0 + u * (-0.5 + u * (0.3333333432674408 - 0.25 * u)))
+
+
+@triton.jit
 def _bce_rowsum(logits, xv, mask):
-    """Row sums of F.binary_cross_entropy(sigmoid(logits), x), elementwise as PyTorch does it:
-    p = 1 / (1 + exp(-a)); (x - 1) * max(log1p(-p), -100) - x * max(log(p), -100), the max
-    propagating NaN like std::max(v, -100) does."""
-    p = tl.math.div_rn(1.0, 1.0 + _exp(-logits))
-    log_p = tl.maximum(_log(p), -100.0, propagate_nan=tl.PropagateNan.ALL)
-    log_q = tl.maximum(_log1p(-p), -100.0, propagate_nan=tl.PropagateNan.ALL)
-    e = (xv - 1.0) * log_q - xv * log_p
+    """Row sums of F.binary_cross_entropy(sigmoid(logits), x) with PyTorch's float32 numerics
+    where they decide anything, in ~35 instructions per element instead of IEEE logf + log1pf
+    + division (~60, and 250 registers at a [128, 64] tile; benchmarks/triton_decode_variants.py).
+
+    den = 1 + expf(-a) and p = 1 / den exactly as PyTorch rounds them (libdevice expf, _rcp_den),
+    so 1 - p, and which elements the -100 clamps hit, are PyTorch's. Then
+        log p      = log1p(p - 1) by its series where p > 1 - 2^-7 (p - 1 exact), else
+                     -log2(den) ln 2 (differs from log of the rounded p by <= 2^-24 absolute);
+        log(1 - p) = log1p(-p) by its series where p < 2^-7, else log2(1 - p) ln 2 (1 - p
+                     rounded by <= 2^-25; exact for p >= 1/2; 0 when p = 1: -inf, clamped).
+    Outside the series' ranges every |log| is >= 2^-7, so the hardware log2's 2^-22.6 absolute
+    error is <= 2^-16 of the term: a row sum moves by < 2^-16 relative (the contract is 1e-4).
+    A NaN logit gives NaN through -log2(den)."""
+    den = 1.0 + _exp(-logits)
+    p = _rcp_den(den)
+    ln2 = 0.6931471805599453
+    log_p = tl.where(p > 0.9921875, _log1p_small(p - 1.0), -_lg2(den) * ln2)
+    log_q = tl.where(p < 0.0078125, _log1p_small(-p), _lg2(1.0 - p) * ln2)
+    e = (xv - 1.0) * _clamp100(log_q) - xv * _clamp100(log_p)
     return tl.sum(tl.where(mask, e, 0.0), axis=1)
 
 
@@ -156,22 +210,25 @@ def _decoder_hidden(z_hi, z_lo, w1_hi, w1_lo, b1_ptr, hh, h_ok, l_idx, l_ok, L: 
 def _split_weights_kernel(enc_w, mu_w, lv_w, dec_w1, dec_w2,
                           enc_hi, enc_lo, mu_hi, mu_lo, lv_hi, lv_lo, w1_hi, w1_lo, w2_hi, w2_lo,
                           D: tl.constexpr, H: tl.constexpr, L: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """Each weight matrix w -> (hi, lo) once per forward (1.7 MB at 784/256/32, one launch)."""
+                          DP: tl.constexpr, HP: tl.constexpr, BLOCK: tl.constexpr):
+    """Each weight matrix w -> (hi, lo) once per forward (1.7 MB at 784/256/32, one launch).
+    enc_w and dec_w2 land with row strides DP and HP (multiples of 4: TMA descriptors)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    _split_store(enc_w, enc_hi, enc_lo, offs, H * D)
-    _split_store(mu_w, mu_hi, mu_lo, offs, L * H)
-    _split_store(lv_w, lv_hi, lv_lo, offs, L * H)
-    _split_store(dec_w1, w1_hi, w1_lo, offs, H * L)
-    _split_store(dec_w2, w2_hi, w2_lo, offs, D * H)
+    _split_store(enc_w, enc_hi, enc_lo, offs, H, D, DP)
+    _split_store(mu_w, mu_hi, mu_lo, offs, L, H, H)
+    _split_store(lv_w, lv_hi, lv_lo, offs, L, H, H)
+    _split_store(dec_w1, w1_hi, w1_lo, offs, H, L, L)
+    _split_store(dec_w2, w2_hi, w2_lo, offs, D, H, HP)
 
 
 @triton.jit
-def _split_store(src, hi_ptr, lo_ptr, offs, n: tl.constexpr):
-    m = offs < n
+def _split_store(src, hi_ptr, lo_ptr, offs, ROWS: tl.constexpr, COLS: tl.constexpr,
+                 STRIDE: tl.constexpr):
+    m = offs < ROWS * COLS
     hi, lo = _split(tl.load(src + offs, mask=m, other=0.0))
-    tl.store(hi_ptr + offs, hi, mask=m)
-    tl.store(lo_ptr + offs, lo, mask=m)
+    dst = (offs // COLS) * STRIDE + offs % COLS
+    tl.store(hi_ptr + dst, hi, mask=m)
+    tl.store(lo_ptr + dst, lo, mask=m)
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -195,22 +252,38 @@ def _check(x: torch.Tensor, params: VAEParams, eps: torch.Tensor) -> None:
 SPLIT_BLOCK = 1024
 
 
+def _pad4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
 def split_weights(params: VAEParams) -> list[torch.Tensor]:
     """[hi, lo] for enc_w, mu_w, lv_w, dec_w1, dec_w2: one workspace of 2 x 1.7 MB (784/256/32),
-    from the caching allocator, so CUDA-graph capture sees an ordinary in-graph allocation."""
+    from the caching allocator, so CUDA-graph capture sees an ordinary in-graph allocation.
+    Every half starts 16-byte aligned, and enc_w's and dec_w2's halves have row strides padded
+    to a multiple of 4 floats (weight_descriptor's TMA needs both); read them through .stride(0).
+    """
     d, h, lat = params.dims
     weights = (params.enc_w, params.mu_w, params.lv_w, params.dec_w1, params.dec_w2)
-    sizes = [w.numel() for w in weights]
+    shapes = [((h, d), _pad4(d)), ((lat, h), h), ((lat, h), h), ((h, lat), lat),
+              ((d, h), _pad4(h))]
+    sizes = [_pad4(rows * stride) for (rows, _), stride in shapes]
     ws = torch.empty(2 * sum(sizes), dtype=torch.float32, device=params.enc_w.device)
     halves, off = [], 0
-    for w, n in zip(weights, sizes):
-        halves += [ws[off:off + n].view_as(w), ws[off + n:off + 2 * n].view_as(w)]
+    for ((rows, cols), stride), n in zip(shapes, sizes):
+        for part in (0, 1):
+            halves.append(ws[off + part * n:off + part * n + rows * stride]
+                          .view(rows, stride)[:, :cols])
         off += 2 * n
-    grid = (triton.cdiv(max(sizes), SPLIT_BLOCK),)
-    _split_weights_kernel[grid](*weights, *halves, D=d, H=h, L=lat, BLOCK=SPLIT_BLOCK)
+    grid = (triton.cdiv(max(w.numel() for w in weights), SPLIT_BLOCK),)
+    _split_weights_kernel[grid](*weights, *halves, D=d, H=h, L=lat, DP=_pad4(d), HP=_pad4(h),
+                                BLOCK=SPLIT_BLOCK)
     return halves
 
 
+def weight_descriptor(half: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
+    """A TMA descriptor of one weight half (split_weights) read in [rows, cols] blocks; reads
+    beyond the matrix come back as zeros."""
+    return TensorDescriptor(half, list(half.shape), [half.stride(0), 1], list(block))
 
 
 def device_sms(x: torch.Tensor) -> int:

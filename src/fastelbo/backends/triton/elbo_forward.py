@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...params import VAEParams
 from .common import (
@@ -50,6 +51,7 @@ from .common import (
     _split,
     device_sms,
     split_weights,
+    weight_descriptor,
 )
 from .elbo_fused import FusedConfig, launch_fused, pick_fused
 
@@ -60,11 +62,12 @@ def _encode_kernel(
     enc_hi, enc_lo, enc_b, mu_hi, mu_lo, mu_b, lv_hi, lv_lo, lv_b, w1_hi, w1_lo, dec_b1,
     d_hi_ptr, d_lo_ptr, recon_ptr, kl_ptr,
     row0, n_rows,
-    D: tl.constexpr, H: tl.constexpr, L: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, L: tl.constexpr, HP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_HD: tl.constexpr,
 ):
-    """Rows row0 + [0, n_rows) of the batch; d goes to workspace rows [0, n_rows).
+    """Rows row0 + [0, n_rows) of the batch; d goes to workspace rows [0, n_rows) (row stride
+    HP). enc_hi / enc_lo are TMA descriptors with [BLOCK_H, BLOCK_K] blocks.
     Offsets inside a slab are int32 (launch() keeps slab_rows * max(D, H) < 2^31): 64-bit
     pointer arithmetic per element costs registers this kernel does not have."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,8 +88,8 @@ def _encode_kernel(
     for h0 in range(0, H, BLOCK_H):
         hh = h0 + h_idx
         h_ok = hh < H
-        h, bad = _encode_hidden(x_ptr + rows[:, None] * D, row_ok, enc_hi, enc_lo, enc_b, hh,
-                                h_ok, D, BLOCK_K)
+        h, bad = _encode_hidden(x_ptr + rows[:, None] * D, row_ok, enc_hi, enc_lo, enc_b, h0,
+                                hh, h_ok, D, BLOCK_K)
         n_bad += bad  # the same count in every chunk's pass: only > 0 matters
         h_hi, h_lo = _split(h)
         w_off = l_idx[None, :] * H + hh[:, None]
@@ -111,7 +114,7 @@ def _encode_kernel(
         hh = h0 + tl.arange(0, BLOCK_HD)
         h_ok = hh < H
         dc_hi, dc_lo = _decoder_hidden(z_hi, z_lo, w1_hi, w1_lo, dec_b1, hh, h_ok, l_idx, l_ok, L)
-        off = rows[:, None] * H + hh[None, :]
+        off = rows[:, None] * HP + hh[None, :]
         m = row_ok[:, None] & h_ok[None, :]
         tl.store(d_hi_ptr + off, dc_hi, mask=m)
         tl.store(d_lo_ptr + off, dc_lo, mask=m)
@@ -119,12 +122,17 @@ def _encode_kernel(
 
 @triton.jit
 def _decode_bce_kernel(
-    x_ptr, d_hi_ptr, d_lo_ptr, w2_hi, w2_lo, dec_b2, part_ptr,
+    x_ptr, d_hi, d_lo, w2_hi, w2_lo, dec_b2, part_ptr,
     row0, n_rows,
     D: tl.constexpr, H: tl.constexpr, N_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """partial[row, j] = sum over columns of tile j of BCE(sigmoid(d W2^T + b2), x)."""
+    """partial[row, j] = sum over columns of tile j of BCE(sigmoid(d W2^T + b2), x).
+
+    d and W2 halves arrive as TMA descriptors ([BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]
+    blocks; zeros beyond the slab's rows, H and D): no per-element pointers or masks in
+    registers, which freed ~120 of the pointer version's 250 (benchmarks/triton_decode_variants
+    .py, ptxas) and ~8% of its time on the H200."""
     pid = tl.program_id(0)
     pid_m = pid // N_TILES  # column tiles of one row tile are neighbours: its d tile stays in L2
     pid_n = pid % N_TILES
@@ -134,7 +142,6 @@ def _decode_bce_kernel(
     part_ptr += tl.cast(row0, tl.int64) * N_TILES
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = nn < D
-    k_idx = tl.arange(0, BLOCK_K)
 
     # Two accumulators: hi*hi, and the small terms hi*lo + lo*hi summed apart so that their NaN
     # (lo = inf - inf where d is infinite) can be dropped once at the end, as _dot3 does per
@@ -142,16 +149,10 @@ def _decode_bce_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     corr = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        kk = k0 + k_idx
-        k_ok = kk < H
-        a_off = rows[:, None] * H + kk[None, :]
-        a_mask = row_ok[:, None] & k_ok[None, :]
-        a_hi = tl.load(d_hi_ptr + a_off, mask=a_mask, other=0.0)
-        a_lo = tl.load(d_lo_ptr + a_off, mask=a_mask, other=0.0)
-        b_off = nn[None, :] * H + kk[:, None]
-        b_mask = k_ok[:, None] & n_ok[None, :]
-        b_hi = tl.load(w2_hi + b_off, mask=b_mask, other=0.0)
-        b_lo = tl.load(w2_lo + b_off, mask=b_mask, other=0.0)
+        a_hi = d_hi.load([pid_m * BLOCK_M, k0])
+        a_lo = d_lo.load([pid_m * BLOCK_M, k0])
+        b_hi = w2_hi.load([pid_n * BLOCK_N, k0]).T
+        b_lo = w2_lo.load([pid_n * BLOCK_N, k0]).T
         corr = tl.dot(a_hi, b_lo, corr, input_precision="tf32")
         corr = tl.dot(a_lo, b_hi, corr, input_precision="tf32")
         # hi * hi from zero per k tile, joined by a round-to-nearest add: as in the encoder
@@ -221,7 +222,7 @@ FINISH_BLOCK = 256
 # benchmarks/triton_ptxas.py, reported spills for BH=128 at 4 warps; on the H200 it is fastest.)
 LARGE = SlabConfig(EncodeTiles(block_m=64, block_k=16, block_h=128, block_hd=32, num_warps=4,
                                num_stages=4),
-                   DecodeTiles(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=3),
+                   DecodeTiles(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3),
                    slab_rows=16384)
 SMALL = LARGE
 
@@ -263,22 +264,28 @@ def launch(x: torch.Tensor, params: VAEParams, eps: torch.Tensor,
     enc_hi, enc_lo, mu_hi, mu_lo, lv_hi, lv_lo, w1_hi, w1_lo, w2_hi, w2_lo = split_weights(params)
     elbo, recon, kl = (torch.empty(batch, dtype=torch.float32, device=x.device) for _ in range(3))
     part = torch.empty(batch, n_tiles, dtype=torch.float32, device=x.device)
-    d_ws = torch.empty(2, rows, h, dtype=torch.float32, device=x.device)
+    hp = w2_hi.stride(0)  # H padded to a multiple of 4 floats: TMA row strides are 16-byte
+    d_ws = torch.empty(2, rows, hp, dtype=torch.float32, device=x.device)
+    enc_block, w2_block = (enc.block_h, enc.block_k), (dec.block_n, dec.block_k)
+    enc_d = [weight_descriptor(w, enc_block) for w in (enc_hi, enc_lo)]
+    w2_d = [weight_descriptor(w, w2_block) for w in (w2_hi, w2_lo)]
     for row0 in range(0, batch, rows):
         n = min(rows, batch - row0)
+        d_d = [TensorDescriptor(d_ws[i], [n, h], [hp, 1], [dec.block_m, dec.block_k])
+               for i in (0, 1)]
         _encode_kernel[(triton.cdiv(n, enc.block_m),)](
             x, eps,
-            enc_hi, enc_lo, params.enc_b, mu_hi, mu_lo, params.mu_b, lv_hi, lv_lo, params.lv_b,
+            *enc_d, params.enc_b, mu_hi, mu_lo, params.mu_b, lv_hi, lv_lo, params.lv_b,
             w1_hi, w1_lo, params.dec_b1,
             d_ws[0], d_ws[1], recon, kl,
             row0, n,
-            D=d, H=h, L=lat,
+            D=d, H=h, L=lat, HP=hp,
             BLOCK_M=enc.block_m, BLOCK_K=enc.block_k, BLOCK_H=enc.block_h,
             BLOCK_L=_pow2(lat), BLOCK_HD=enc.block_hd,
             num_warps=enc.num_warps, num_stages=enc.num_stages,
         )
         _decode_bce_kernel[(triton.cdiv(n, dec.block_m) * n_tiles,)](
-            x, d_ws[0], d_ws[1], w2_hi, w2_lo, params.dec_b2, part,
+            x, *d_d, *w2_d, params.dec_b2, part,
             row0, n,
             D=d, H=h, N_TILES=n_tiles,
             BLOCK_M=dec.block_m, BLOCK_N=dec.block_n, BLOCK_K=dec.block_k,

@@ -61,7 +61,7 @@ def _iwae_kernel(
     w1_hi, w1_lo, dec_b1, w2_hi, w2_lo, dec_b2,
     part_ptr,
     B, K, k_per_split, n_splits, seed,
-    D: tl.constexpr, H: tl.constexpr, L: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, L: tl.constexpr, W2_STRIDE: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
     INJECTED: tl.constexpr, HAS_INDICES: tl.constexpr,
 ):
@@ -130,7 +130,7 @@ def _iwae_kernel(
                 h_ok = hh < H
                 dc_hi, dc_lo = _decoder_hidden(z_hi, z_lo, w1_hi, w1_lo, dec_b1, hh, h_ok, l_idx,
                                                l_ok, L)
-                w_off = nn[None, :] * H + hh[:, None]
+                w_off = nn[None, :] * W2_STRIDE + hh[:, None]
                 logits = _dot3(dc_hi, dc_lo, w2_hi + w_off, w2_lo + w_off,
                                h_ok[:, None] & n_ok[None, :], logits)
             xv = tl.load(x_ptr + b64 * D + nn, mask=n_ok, other=0.0)
@@ -203,7 +203,7 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *, see
         x, mu, logvar, eps if eps is not None else mu, idx,
         w1_hi, w1_lo, params.dec_b1, w2_hi, w2_lo, params.dec_b2,
         part, batch, samples, k_per, n_splits, seed,
-        D=d, H=h, L=lat,
+        D=d, H=h, L=lat, W2_STRIDE=w2_hi.stride(0),
         BLOCK_K=config.block_k, BLOCK_N=config.block_n, BLOCK_H=config.block_h,
         BLOCK_L=_pow2(lat), INJECTED=eps is not None, HAS_INDICES=indices is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
