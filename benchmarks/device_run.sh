@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
-# Stages: build env tests cuda-tests triton-tests profile-triton memcheck racecheck check check-auto bench cuda-plans cuda-paths
+# Stages: build env tests cuda-tests triton-tests profile-triton ncu-triton probe-saturated memcheck racecheck check check-auto bench cuda-plans cuda-paths
 #         trace repro profile threads512 triton-sweep cuda-iwae iwae iwae-variants iwae-sweep train train-epochs
 #         multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
@@ -88,6 +88,16 @@ for f in sorted(glob.glob(\"/tmp/iv_*.bin\")):
       cuobjdump -sass "$e" | awk '/Function : .*iwae_kernelILi4/{f=1} /Function : .*iwae_kernelILi2/{f=0} f' \
         > "$LOGS/iv_sass_$(basename "$e").txt" 2>&1; done ;;
   profile) run profile "${T_PROFILE:-150}" python3 benchmarks/profile_kernels.py ;;
+  ncu-triton)  # where the slab kernels' time goes: L2 / tensor / issue, one launch of each
+    run ncu_triton 200 ncu --kernel-name regex:"_encode_kernel|_decode_bce_kernel" --launch-skip 2 \
+      --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis python3 -c "
+import torch; from fastelbo import ModelNew, VAEParams; from fastelbo.backends import triton as tb
+m = ModelNew(784, 256, 32, backend='torch').cuda(); p = VAEParams(*(t.detach() for t in m.vae_params()))
+x = torch.rand(65536, 784, device='cuda'); e = torch.randn(65536, 32, device='cuda')
+for _ in range(2): tb.forward(x, p, e)
+torch.cuda.synchronize()" ;;
+  probe-saturated) run probe_saturated 60 python3 benchmarks/saturated_row_probe.py --binary ;;
   profile-triton) run profile_triton 90 python3 benchmarks/profile_kernels.py --only triton_4096 \
                     triton_65536 ;;
   threads512)  # A/B of the cluster kernel at 512 threads per block, on a copy of the tree

@@ -105,9 +105,13 @@ else:
 def _split(v):
     """v = hi + lo, hi holding v's top 11 significant bits (exact in TF32, rounded to nearest),
     so that a TF32 tensor-core product of hi and lo parts loses nothing at fp32 scale.
-    NaN stays NaN in hi (the bit trick alone would turn the GPU's 0x7FFFFFFF into -0)."""
+    Where rounding up would carry past FLT_MAX (|v| within 2^-12 of it) hi is truncated
+    instead: a finite v never gives hi = inf (and lo = -inf), which would turn a huge but
+    finite operand's products into inf - inf = NaN. NaN stays NaN in hi (the bit trick alone
+    would turn the GPU's 0x7FFFFFFF into -0)."""
     u = v.to(tl.uint32, bitcast=True)
     hi = ((u + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    hi = tl.where(tl.abs(hi) == float("inf"), (u & 0xFFFFE000).to(tl.float32, bitcast=True), hi)
     hi = tl.where(v != v, v, hi)  # noqa: PLR0124 (NaN test; works in the interpreter too)
     return hi, v - hi
 
