@@ -97,7 +97,8 @@ m = ModelNew(784, 256, 32, backend='torch').cuda(); p = VAEParams(*(t.detach() f
 x = torch.rand(65536, 784, device='cuda'); e = torch.randn(65536, 32, device='cuda')
 for _ in range(2): tb.forward(x, p, e)
 torch.cuda.synchronize()" ;;
-  probe-saturated) run probe_saturated 60 python3 benchmarks/saturated_row_probe.py --binary ;;
+  probe-saturated) run probe_saturated 60 python3 benchmarks/saturated_row_probe.py --binary \
+                     --rows ${PROBE_ROWS:-} --save "$LOGS/saturated_781_x16_binary.pt" ;;
   profile-triton) run profile_triton 90 python3 benchmarks/profile_kernels.py --only triton_4096 \
                     triton_65536 ;;
   threads512)  # A/B of the cluster kernel at 512 threads per block, on a copy of the tree

@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--dims", type=int, nargs=3, default=[781, 250, 31])
     ap.add_argument("--scale", type=float, default=16.0)
     ap.add_argument("--binary", action="store_true")
+    ap.add_argument("--rows", type=int, nargs="*", default=None, help="rows to describe")
+    ap.add_argument("--save", default=None, help="torch.save x, eps, spec and triton outputs")
     args = ap.parse_args()
     dims, dev = tuple(args.dims), "cuda"
     torch.manual_seed(1)  # as the test's _params(dims, seed=1, scale)
@@ -61,8 +63,11 @@ def main() -> None:
         bad |= ~same_pattern | ~close
     print(f"{dims} x{args.scale:g} {'binary' if args.binary else 'uniform'}: "
           f"{int(bad.sum())} row(s) differ from the float32 spec")
+    if args.save:
+        torch.save({"x": x.cpu(), "eps": eps.cpu(), "spec": [o.cpu() for o in want],
+                    "triton": [o.cpu() for o in got]}, args.save)
     p64 = VAEParams(*(t.double() for t in p))
-    for row in bad.nonzero().flatten().tolist()[:5]:
+    for row in args.rows if args.rows is not None else bad.nonzero().flatten().tolist()[:5]:
         print(f"row {row}: triton (elbo, recon, kl) = {[float(o[row]) for o in got]}, "
               f"spec = {[float(o[row]) for o in want]}")
         xs, es = x[row:row + 1], eps[row:row + 1]
