@@ -189,6 +189,7 @@ class EncodeTiles:
     block_hd: int     # hidden chunk of the decoder layer written to the workspace
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None  # ptxas register cap: more blocks per SM, maybe spills
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,7 @@ class DecodeTiles:
     block_k: int      # step over H
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,11 @@ LARGE = SlabConfig(EncodeTiles(block_m=64, block_k=16, block_h=128, block_hd=32,
                    DecodeTiles(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3),
                    slab_rows=16384)
 SMALL = LARGE
+
+
+def _regcap(maxnreg: int | None) -> dict:
+    """Launch options for a register cap (none: ptxas chooses, up to 255 per thread)."""
+    return {} if maxnreg is None else {"maxnreg": maxnreg}
 
 
 def pick_config(batch: int, dims: tuple[int, int, int], sm_count: int) -> SlabConfig:
@@ -281,14 +288,14 @@ def launch(x: torch.Tensor, params: VAEParams, eps: torch.Tensor,
             D=d, H=h, L=lat, HP=hp,
             BLOCK_M=enc.block_m, BLOCK_K=enc.block_k, BLOCK_H=enc.block_h,
             BLOCK_L=_pow2(lat), BLOCK_HD=enc.block_hd,
-            num_warps=enc.num_warps, num_stages=enc.num_stages,
+            num_warps=enc.num_warps, num_stages=enc.num_stages, **_regcap(enc.maxnreg),
         )
         _decode_bce_kernel[(triton.cdiv(n, dec.block_m) * n_tiles,)](
             x, *d_d, *w2_d, params.dec_b2, part,
             row0, n,
             D=d, H=h, N_TILES=n_tiles,
             BLOCK_M=dec.block_m, BLOCK_N=dec.block_n, BLOCK_K=dec.block_k,
-            num_warps=dec.num_warps, num_stages=dec.num_stages,
+            num_warps=dec.num_warps, num_stages=dec.num_stages, **_regcap(dec.maxnreg),
         )
     _finish_kernel[(triton.cdiv(batch, FINISH_BLOCK),)](
         part, elbo, recon, kl, batch,
