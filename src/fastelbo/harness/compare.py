@@ -273,9 +273,14 @@ def envelope_accepts(runs: list[torch.Tensor], got: torch.Tensor, atol: float,
 
 def assert_outputs_match(got: tuple, runs: list[tuple], atol: float, rtol: float) -> int:
     """For tests: raise AssertionError unless `got` passes `compare_outputs` against runs[0]
-    (the unperturbed reference) with runs[1:] as the envelope. Returns how many elements
-    needed the envelope."""
-    result = compare_outputs(runs[0], got, atol, rtol, runs=list(runs[1:]))
+    (the unperturbed reference) with runs[1:] as the envelope, and with the elements whose
+    finiteness differs between runs[0] and some other run as fragile (not judged), as
+    `fastelbo check` does. Returns how many elements needed the envelope or were fragile."""
+    fragile = [None if not (isinstance(r, torch.Tensor) and r.is_floating_point()) else
+               torch.stack([torch.isfinite(run[i]).cpu() != torch.isfinite(r).cpu()
+                            for run in runs[1:]]).any(0) if len(runs) > 1 else None
+               for i, r in enumerate(runs[0])]
+    result = compare_outputs(runs[0], got, atol, rtol, runs=list(runs[1:]), fragile=fragile)
     if not result.ok:
         raise AssertionError("; ".join(f"[{f.category}] {f.message}" for f in result.findings))
     return sum(d.n_envelope for d in result.diffs)

@@ -215,15 +215,15 @@ SLAB_ELEMS = 16384 * 256
 FINISH_BLOCK = 256
 
 # Deterministic table (no autotuning, so nothing is timed during graph capture), from
-# benchmarks/triton_forward_sweep.py on the H200 (NOTES, fifth session, runs 41-42; graph replay
-# of one forward). Encode BM=64, BK=16, BH=128 at 4 warps (x read twice per row block instead of
-# four times) with the BM=128 decode: 1.17 ms at B = 65536 (the first table, BM=64/BH=64 at 8
-# warps: 2.50) and 0.136 ms at B = 4096 (0.278). One entry is best at both batches measured, so
-# SMALL is LARGE until a sweep finds otherwise. (Offline ptxas for sm_90a,
-# benchmarks/triton_ptxas.py, reported spills for BH=128 at 4 warps; on the H200 it is fastest.)
+# benchmarks/triton_forward_sweep.py on the H200 (graph replay of one forward; NOTES, runs 41-42
+# and 46-50). Encode BM=64, BK=16, BH=128 at 4 warps (x read twice per row block); decode
+# BM=64, BN=64 at 4 warps and 2 stages (64 KB of shared memory: 3 blocks per SM), d and W2
+# through TMA. 1.0 ms at B = 65536 (the fifth session's 1.17), 0.13 ms at B = 4096. One entry
+# is best at both batches measured, so SMALL is LARGE until a sweep finds otherwise. Register
+# caps (maxnreg) measured: within 1% on the decoder, 10-40% slower on the encoder (spills).
 LARGE = SlabConfig(EncodeTiles(block_m=64, block_k=16, block_h=128, block_hd=32, num_warps=4,
                                num_stages=4),
-                   DecodeTiles(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3),
+                   DecodeTiles(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2),
                    slab_rows=16384)
 SMALL = LARGE
 
@@ -234,7 +234,8 @@ def _regcap(maxnreg: int | None) -> dict:
 
 
 def pick_config(batch: int, dims: tuple[int, int, int], sm_count: int) -> SlabConfig:
-    """LARGE once kernel B has two BM=128 row tiles per SM (B >= 33792 on the H200), else SMALL."""
+    """LARGE once kernel B has two row tiles per SM, else SMALL (equal today: kept so that a
+    sweep can split them again; test_triton_gpu runs every distinct entry)."""
     return LARGE if triton.cdiv(batch, LARGE.decode.block_m) >= 2 * sm_count else SMALL
 
 
