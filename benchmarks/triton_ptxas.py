@@ -67,10 +67,10 @@ def main() -> None:
                               "d_hi_ptr", "d_lo_ptr", "recon_ptr", "kl_ptr")}
     enc_sig.update(row0="i32", n_rows="i32")
     for bm, bk, bh, bhd, w, s in ENCODE:
-        desc = f"tensordesc<fp32[{bh}, {bk}]>"  # the weight halves come as TMA descriptors
         try:
-            res = compile_one(fwd._encode_kernel, dict(enc_sig, enc_hi=desc, enc_lo=desc),
-                              {"D": d, "H": h, "L": lat, "HP": _pad4(h), "BLOCK_M": bm,
+            res = compile_one(fwd._encode_kernel, enc_sig,
+                              {"D": d, "H": h, "L": lat, "HP": _pad4(h), "DP": _pad4(d),
+                               "BLOCK_M": bm,
                                "BLOCK_K": bk,
                                "BLOCK_H": bh, "BLOCK_L": _pow2(lat), "BLOCK_HD": bhd}, w, s)
         except Exception as exc:  # noqa: BLE001 (a sweep reports and moves on)
@@ -79,8 +79,8 @@ def main() -> None:
               f"{res}", flush=True)
     for bm, bn, bk, w, s in DECODE:
         a, b = f"tensordesc<fp32[{bm}, {bk}]>", f"tensordesc<fp32[{bn}, {bk}]>"
-        dec_sig = {"x_ptr": p, "d_hi": a, "d_lo": a, "w2_hi": b, "w2_lo": b, "dec_b2": p,
-                   "part_ptr": p, "row0": "i32", "n_rows": "i32"}
+        dec_sig = {"x_ptr": p, "d_desc": a, "w2_desc": b, "dec_b2": p, "part_ptr": p,
+                   "row0": "i32", "n_rows": "i32", "ws_rows": "i32"}
         try:
             res = compile_one(fwd._decode_bce_kernel, dec_sig,
                               {"D": d, "H": h, "N_TILES": triton.cdiv(d, bn), "BLOCK_M": bm,

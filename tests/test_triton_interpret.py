@@ -156,6 +156,25 @@ def test_slab_rows_are_capped():
 
 
 @child_only
+def test_split_weights_layout_and_stacked_descriptors():
+    """enc_w's and dec_w2's halves have 16-byte row strides, every half starts 16-byte aligned,
+    hi + lo is the weight exactly, and a stacked descriptor refuses halves that are not
+    adjacent (it would read the wrong memory, not fail)."""
+    from fastelbo.backends.triton.common import split_weights, stacked_descriptor
+    p = _params((33, 21, 5))
+    halves = split_weights(p)
+    weights = (p.enc_w, p.mu_w, p.lv_w, p.dec_w1, p.dec_w2)
+    for w, hi, lo in zip(weights, halves[0::2], halves[1::2]):
+        assert hi.shape == w.shape and hi.data_ptr() % 16 == 0 and lo.data_ptr() % 16 == 0
+        assert torch.equal(hi.double() + lo.double(), w.double())
+    assert halves[0].stride(0) == 36 and halves[8].stride(0) == 24   # 33 -> 36, 21 -> 24
+    desc = stacked_descriptor(halves[8], halves[9], (16, 16))
+    assert desc.shape == [2 * 33, 21] and desc.strides == [24, 1]
+    with pytest.raises(ValueError, match="right after"):
+        stacked_descriptor(halves[9], halves[8], (16, 16))
+
+
+@child_only
 def test_dtype_checked_before_launch():
     p = _params((40, 32, 1))
     x, eps = torch.rand(3, 40), torch.randn(3, 1)

@@ -132,12 +132,13 @@ def _dot3(a_hi, a_lo, b_hi_ptrs, b_lo_ptrs, b_mask, acc):
 
 
 @triton.jit
-def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_b, h0, hh, h_ok,
-                   D: tl.constexpr, BLOCK_K: tl.constexpr):
+def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_b, hh, h_ok,
+                   D: tl.constexpr, W_STRIDE: tl.constexpr, BLOCK_K: tl.constexpr):
     """(relu(x @ enc_w[hh, :]^T + enc_b[hh]) as a [BM, BH] tile, invalid-x count per row).
 
-    x_rows: [BM, 1] pointers to the rows' starts; enc_hi / enc_lo: TMA descriptors of the weight
-    halves with [BH, BLOCK_K] blocks (weight_descriptor), hh = h0 + arange(BH). The encoder is the one layer whose K is long
+    x_rows: [BM, 1] pointers to the rows' starts; enc_hi / enc_lo: the weight halves (row
+    stride W_STRIDE, split_weights). (TMA descriptors for them measured no faster on the H200
+    and cost host time per launch; the decoder keeps its two.) The encoder is the one layer whose K is long
     (D = 784) and whose operands are unscaled data. A tensor core adds each MMA's exact products
     to its accumulator and truncates the sum, so one accumulator carried over all of K drifts
     toward zero by up to ~1 ulp per k8 step, and the small hi * lo terms added into it drown:
@@ -159,8 +160,10 @@ def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_b, h0, hh, h_ok,
         # registers anyway, per element (the row sums once after the loop, no shuffles here).
         bad += tl.where(m & ~((xt >= 0.0) & (xt <= 1.0)), 1, 0)
         x_hi, x_lo = _split(xt)
-        w_hi = enc_hi.load([h0, k0]).T  # [BK, BH]; zeros beyond H and D
-        w_lo = enc_lo.load([h0, k0]).T
+        w_off = hh[None, :] * W_STRIDE + kk[:, None]
+        w_mask = k_ok[:, None] & h_ok[None, :]
+        w_hi = tl.load(enc_hi + w_off, mask=w_mask, other=0.0)
+        w_lo = tl.load(enc_lo + w_off, mask=w_mask, other=0.0)
         tile = tl.dot(x_lo, w_hi, input_precision="tf32")
         tile = tl.dot(x_hi, w_lo, tile, input_precision="tf32")
         tile = tl.dot(x_hi, w_hi, tile, input_precision="tf32")
@@ -284,10 +287,18 @@ def split_weights(params: VAEParams) -> list[torch.Tensor]:
     return halves
 
 
-def weight_descriptor(half: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
-    """A TMA descriptor of one weight half (split_weights) read in [rows, cols] blocks; reads
-    beyond the matrix come back as zeros."""
-    return TensorDescriptor(half, list(half.shape), [half.stride(0), 1], list(block))
+def stacked_descriptor(hi: torch.Tensor, lo: torch.Tensor, block: tuple[int, int]):
+    """One TMA descriptor over two halves that lie one after the other with the same row stride
+    (a weight's halves from split_weights, or a workspace's): rows [0, R) read hi, rows [R, 2R)
+    read lo. Reads beyond the columns or past the last row come back as zeros; a block that
+    runs past row R reads lo's first rows, so kernels must mask those rows' results (they do:
+    they are outside the matrix). One descriptor instead of two halves the host's per-launch
+    descriptor work (Triton encodes each one on the host at every launch)."""
+    rows, cols = hi.shape
+    stride = hi.stride(0)
+    if lo.data_ptr() != hi.data_ptr() + rows * stride * hi.element_size() or lo.stride(0) != stride:
+        raise ValueError("stacked_descriptor needs lo right after hi, with the same row stride")
+    return TensorDescriptor(hi, [2 * rows, cols], [stride, 1], list(block))
 
 
 def device_sms(x: torch.Tensor) -> int:

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...params import VAEParams
 from .common import (
@@ -50,7 +49,7 @@ from .common import (
     _split,
     device_sms,
     split_weights,
-    weight_descriptor,
+    stacked_descriptor,
 )
 from .elbo_fused import FusedConfig, launch_fused, pick_fused
 
@@ -61,12 +60,12 @@ def _encode_kernel(
     enc_hi, enc_lo, enc_b, mu_hi, mu_lo, mu_b, lv_hi, lv_lo, lv_b, w1_hi, w1_lo, dec_b1,
     d_hi_ptr, d_lo_ptr, recon_ptr, kl_ptr,
     row0, n_rows,
-    D: tl.constexpr, H: tl.constexpr, L: tl.constexpr, HP: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, L: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_HD: tl.constexpr,
 ):
     """Rows row0 + [0, n_rows) of the batch; d goes to workspace rows [0, n_rows) (row stride
-    HP). enc_hi / enc_lo are TMA descriptors with [BLOCK_H, BLOCK_K] blocks.
+    HP)
     Offsets inside a slab are int32 (launch() keeps slab_rows * max(D, H) < 2^31): 64-bit
     pointer arithmetic per element costs registers this kernel does not have."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -87,8 +86,8 @@ def _encode_kernel(
     for h0 in range(0, H, BLOCK_H):
         hh = h0 + h_idx
         h_ok = hh < H
-        h, bad = _encode_hidden(x_ptr + rows[:, None] * D, row_ok, enc_hi, enc_lo, enc_b, h0,
-                                hh, h_ok, D, BLOCK_K)
+        h, bad = _encode_hidden(x_ptr + rows[:, None] * D, row_ok, enc_hi, enc_lo, enc_b, hh,
+                                h_ok, D, DP, BLOCK_K)
         n_bad += bad  # the same count in every chunk's pass: only > 0 matters
         h_hi, h_lo = _split(h)
         w_off = l_idx[None, :] * H + hh[:, None]
@@ -121,17 +120,19 @@ def _encode_kernel(
 
 @triton.jit
 def _decode_bce_kernel(
-    x_ptr, d_hi, d_lo, w2_hi, w2_lo, dec_b2, part_ptr,
-    row0, n_rows,
+    x_ptr, d_desc, w2_desc, dec_b2, part_ptr,
+    row0, n_rows, ws_rows,
     D: tl.constexpr, H: tl.constexpr, N_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """partial[row, j] = sum over columns of tile j of BCE(sigmoid(d W2^T + b2), x).
 
-    d and W2 halves arrive as TMA descriptors ([BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]
-    blocks; zeros beyond the slab's rows, H and D): no per-element pointers or masks in
-    registers, which freed ~120 of the pointer version's 250 (benchmarks/triton_decode_variants
-    .py, ptxas) and ~8% of its time on the H200."""
+    d and W2 arrive as TMA descriptors over their stacked halves (common.stacked_descriptor:
+    d_hi rows [0, ws_rows), d_lo rows [ws_rows, 2 ws_rows); W2's hi rows [0, D), lo [D, 2D)),
+    [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] blocks, zeros beyond H: no per-element pointers
+    or masks in registers (~8% of the pointer version's time on the H200, benchmarks/
+    triton_decode_variants.py). Blocks that run past a half's last row read the next half or
+    zeros; those rows and columns are outside the slab or D, and masked below."""
     pid = tl.program_id(0)
     pid_m = pid // N_TILES  # column tiles of one row tile are neighbours: its d tile stays in L2
     pid_n = pid % N_TILES
@@ -148,10 +149,10 @@ def _decode_bce_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     corr = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        a_hi = d_hi.load([pid_m * BLOCK_M, k0])
-        a_lo = d_lo.load([pid_m * BLOCK_M, k0])
-        b_hi = w2_hi.load([pid_n * BLOCK_N, k0]).T
-        b_lo = w2_lo.load([pid_n * BLOCK_N, k0]).T
+        a_hi = d_desc.load([pid_m * BLOCK_M, k0])
+        a_lo = d_desc.load([ws_rows + pid_m * BLOCK_M, k0])
+        b_hi = w2_desc.load([pid_n * BLOCK_N, k0]).T
+        b_lo = w2_desc.load([D + pid_n * BLOCK_N, k0]).T
         corr = tl.dot(a_hi, b_lo, corr, input_precision="tf32")
         corr = tl.dot(a_lo, b_hi, corr, input_precision="tf32")
         # One hi * hi accumulator over all of H (the encoder's fresh k tiles are not needed
@@ -273,27 +274,24 @@ def launch(x: torch.Tensor, params: VAEParams, eps: torch.Tensor,
     part = torch.empty(batch, n_tiles, dtype=torch.float32, device=x.device)
     hp = w2_hi.stride(0)  # H padded to a multiple of 4 floats: TMA row strides are 16-byte
     d_ws = torch.empty(2, rows, hp, dtype=torch.float32, device=x.device)
-    enc_block, w2_block = (enc.block_h, enc.block_k), (dec.block_n, dec.block_k)
-    enc_d = [weight_descriptor(w, enc_block) for w in (enc_hi, enc_lo)]
-    w2_d = [weight_descriptor(w, w2_block) for w in (w2_hi, w2_lo)]
+    w2_desc = stacked_descriptor(w2_hi, w2_lo, (dec.block_n, dec.block_k))
+    d_desc = stacked_descriptor(d_ws[0, :, :h], d_ws[1, :, :h], (dec.block_m, dec.block_k))
     for row0 in range(0, batch, rows):
         n = min(rows, batch - row0)
-        d_d = [TensorDescriptor(d_ws[i], [n, h], [hp, 1], [dec.block_m, dec.block_k])
-               for i in (0, 1)]
         _encode_kernel[(triton.cdiv(n, enc.block_m),)](
             x, eps,
-            *enc_d, params.enc_b, mu_hi, mu_lo, params.mu_b, lv_hi, lv_lo, params.lv_b,
+            enc_hi, enc_lo, params.enc_b, mu_hi, mu_lo, params.mu_b, lv_hi, lv_lo, params.lv_b,
             w1_hi, w1_lo, params.dec_b1,
             d_ws[0], d_ws[1], recon, kl,
             row0, n,
-            D=d, H=h, L=lat, HP=hp,
+            D=d, H=h, L=lat, HP=hp, DP=enc_hi.stride(0),
             BLOCK_M=enc.block_m, BLOCK_K=enc.block_k, BLOCK_H=enc.block_h,
             BLOCK_L=_pow2(lat), BLOCK_HD=enc.block_hd,
             num_warps=enc.num_warps, num_stages=enc.num_stages, **_regcap(enc.maxnreg),
         )
         _decode_bce_kernel[(triton.cdiv(n, dec.block_m) * n_tiles,)](
-            x, *d_d, *w2_d, params.dec_b2, part,
-            row0, n,
+            x, d_desc, w2_desc, params.dec_b2, part,
+            row0, n, rows,
             D=d, H=h, N_TILES=n_tiles,
             BLOCK_M=dec.block_m, BLOCK_N=dec.block_n, BLOCK_K=dec.block_k,
             num_warps=dec.num_warps, num_stages=dec.num_stages, **_regcap(dec.maxnreg),

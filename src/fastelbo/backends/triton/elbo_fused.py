@@ -34,7 +34,6 @@ from .common import (
     _pow2,
     _split,
     split_weights,
-    weight_descriptor,
 )
 
 
@@ -45,12 +44,12 @@ def _elbo_fwd_kernel(
     w1_hi, w1_lo, dec_b1, w2_hi, w2_lo, dec_b2,
     elbo_ptr, recon_ptr, kl_ptr,
     B,
-    D: tl.constexpr, H: tl.constexpr, L: tl.constexpr, W2_STRIDE: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, L: tl.constexpr, DP: tl.constexpr,
+    W2_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
-    """enc_hi / enc_lo: TMA descriptors ([BLOCK_H, BLOCK_K] blocks); the other weights are
-    split_weights' halves."""
+    """Weights: split_weights' halves (enc_w's and dec_w2's rows strided DP and W2_STRIDE)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < B
@@ -67,8 +66,8 @@ def _elbo_fwd_kernel(
     for h0 in range(0, H, BLOCK_H):
         hh = h0 + h_idx
         h_ok = hh < H
-        h, _ = _encode_hidden(x_ptr + row_off[:, None] * D, row_ok, enc_hi, enc_lo, enc_b, h0,
-                              hh, h_ok, D, BLOCK_K)
+        h, _ = _encode_hidden(x_ptr + row_off[:, None] * D, row_ok, enc_hi, enc_lo, enc_b, hh,
+                              h_ok, D, DP, BLOCK_K)
         h_hi, h_lo = _split(h)
         w_off = l_idx[None, :] * H + hh[:, None]
         w_mask = h_ok[:, None] & l_ok[None, :]
@@ -144,14 +143,13 @@ def launch_fused(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, config: 
     d, h, lat = params.dims
     enc_hi, enc_lo, mu_hi, mu_lo, lv_hi, lv_lo, w1_hi, w1_lo, w2_hi, w2_lo = split_weights(params)
     elbo, recon, kl = (torch.empty(batch, dtype=torch.float32, device=x.device) for _ in range(3))
-    enc_block = (config.block_h, config.block_k)
     grid = (triton.cdiv(batch, config.block_m),)
     _elbo_fwd_kernel[grid](
         x, eps,
-        weight_descriptor(enc_hi, enc_block), weight_descriptor(enc_lo, enc_block), params.enc_b, mu_hi, mu_lo, params.mu_b, lv_hi, lv_lo, params.lv_b,
+        enc_hi, enc_lo, params.enc_b, mu_hi, mu_lo, params.mu_b, lv_hi, lv_lo, params.lv_b,
         w1_hi, w1_lo, params.dec_b1, w2_hi, w2_lo, params.dec_b2,
         elbo, recon, kl, batch,
-        D=d, H=h, L=lat, W2_STRIDE=w2_hi.stride(0),
+        D=d, H=h, L=lat, DP=enc_hi.stride(0), W2_STRIDE=w2_hi.stride(0),
         BLOCK_M=config.block_m, BLOCK_K=config.block_k, BLOCK_N=config.block_n,
         BLOCK_H=config.block_h, BLOCK_L=_pow2(lat),
         num_warps=config.num_warps, num_stages=config.num_stages,
