@@ -17,12 +17,26 @@ def _crossover_script():
     return mod
 
 
-def test_shipped_crossover_table_is_well_formed():
-    rules = backends._crossover()
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_shipped_crossover_table_is_well_formed(graph):
+    rules = backends._crossover(graph)
     assert rules, "crossover.json ships with the package"
     assert all(r["backend"] in backends.NAMES for r in rules)
     limits = [r["max_batch"] for r in rules]
     assert limits == sorted(limits) and limits[-1] >= 2**40
+
+
+def test_choose_uses_the_graph_rules_while_capturing(monkeypatch):
+    """Eager calls follow per-call times; calls being captured follow replay times."""
+    tables = {False: [{"backend": "cuda", "max_batch": 2**62}],
+              True: [{"backend": "cuda", "max_batch": 128},
+                     {"backend": "triton", "max_batch": 2**62}]}
+    monkeypatch.setattr(backends, "_crossover", lambda graph=False: tables[graph])
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
+    for capturing, want in ((False, "cuda"), (True, "triton")):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
+        assert backends.choose(torch.device("cuda"), 4096) == want
+    assert backends.choose(torch.device("cuda"), 128) == "cuda"
 
 
 def test_held_out_backends_never_get_a_rule(monkeypatch):
@@ -42,14 +56,15 @@ def test_held_out_backends_never_get_a_rule(monkeypatch):
 @pytest.mark.parametrize("batch, want", [(1, "cuda"), (128, "cuda"), (129, "torch"),
                                          (65536, "torch")])
 def test_choose_follows_the_table(monkeypatch, batch, want):
-    monkeypatch.setattr(backends, "_crossover", lambda: [
+    monkeypatch.setattr(backends, "_crossover", lambda graph=False: [
         {"backend": "cuda", "max_batch": 128}, {"backend": "torch", "max_batch": 2**62}])
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
     assert backends.choose(torch.device("cuda"), batch) == want
 
 
 def test_choose_skips_unavailable_backends_and_cpu(monkeypatch):
-    monkeypatch.setattr(backends, "_crossover", lambda: [{"backend": "cuda", "max_batch": 2**62}])
+    monkeypatch.setattr(backends, "_crossover",
+                        lambda graph=False: [{"backend": "cuda", "max_batch": 2**62}])
     monkeypatch.setattr(backends, "unavailable_reason",
                         lambda name, device: None if name in ("torch", "triton") else "no nvcc")
     assert backends.choose(torch.device("cuda"), 8) == "triton"

@@ -48,19 +48,26 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
 
 
 @cache
-def _crossover() -> list[dict]:
-    """Rows {"backend", "max_batch"} measured by benchmarks/crossover.py, smallest batch first."""
+def _crossover(graph: bool = False) -> list[dict]:
+    """Rows {"backend", "max_batch"} measured by benchmarks/crossover.py, smallest batch first:
+    for eager calls (per-call time in a loop, host launch work included), or with graph=True
+    for calls being captured into a CUDA graph (replay time: GPU work only)."""
     if not _CROSSOVER.exists():
         return []
-    return json.loads(_CROSSOVER.read_text())["rules"]
+    table = json.loads(_CROSSOVER.read_text())
+    return table.get("rules_graph", table["rules"]) if graph else table["rules"]
 
 
 def choose(device: torch.device, batch: int, dtype: torch.dtype = torch.float32) -> str:
-    """The backend `auto` runs for this call: the fastest measured one that is available.
-    The GPU backends compute in float32 only; any other dtype runs on the torch backend."""
+    """The backend `auto` runs for this call: the fastest measured one that is available, by
+    eager per-call time, or by graph replay time while the current stream is capturing a CUDA
+    graph (the Triton backend's host work per launch makes it the slower eager choice at
+    batches where its GPU time already wins). The GPU backends compute in float32 only; any
+    other dtype runs on the torch backend."""
     if device.type != "cuda" or dtype != torch.float32:
         return "torch"
-    preferred = [r["backend"] for r in _crossover() if batch <= r["max_batch"]]
+    capturing = torch.cuda.is_current_stream_capturing()
+    preferred = [r["backend"] for r in _crossover(capturing) if batch <= r["max_batch"]]
     for name in preferred + ["cuda", "triton"]:
         if unavailable_reason(name, device) is None:
             return name
