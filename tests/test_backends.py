@@ -34,7 +34,7 @@ def test_choose_uses_the_graph_rules_while_capturing(monkeypatch):
     monkeypatch.setattr(backends, "_crossover", lambda graph=False: tables[graph])
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
     for capturing, want in ((False, "cuda"), (True, "triton")):
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
+        monkeypatch.setattr(backends, "_capturing", lambda c=capturing: c)
         assert backends.choose(torch.device("cuda"), 4096) == want
     assert backends.choose(torch.device("cuda"), 128) == "cuda"
 

@@ -58,6 +58,11 @@ def _crossover(graph: bool = False) -> list[dict]:
     return table.get("rules_graph", table["rules"]) if graph else table["rules"]
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def choose(device: torch.device, batch: int, dtype: torch.dtype = torch.float32) -> str:
     """The backend `auto` runs for this call: the fastest measured one that is available, by
     eager per-call time, or by graph replay time while the current stream is capturing a CUDA
@@ -66,8 +71,7 @@ def choose(device: torch.device, batch: int, dtype: torch.dtype = torch.float32)
     other dtype runs on the torch backend."""
     if device.type != "cuda" or dtype != torch.float32:
         return "torch"
-    capturing = torch.cuda.is_current_stream_capturing()
-    preferred = [r["backend"] for r in _crossover(capturing) if batch <= r["max_batch"]]
+    preferred = [r["backend"] for r in _crossover(_capturing()) if batch <= r["max_batch"]]
     for name in preferred + ["cuda", "triton"]:
         if unavailable_reason(name, device) is None:
             return name
