@@ -31,11 +31,6 @@ if INTERPRET:
         return tl.log(v)
 
     @triton.jit
-    def _log1p(v):
-        u = 1.0 + v
-        return tl.where(u == 1.0, v, tl.log(u) * (v / (u - 1.0)))
-
-    @triton.jit
     def _add_rn(a, b):
         return a + b  # the interpreter's dots are numpy float32 products: nothing to fold
 
@@ -63,10 +58,6 @@ else:
     @triton.jit
     def _log(v):
         return libdevice.log(v)
-
-    @triton.jit
-    def _log1p(v):
-        return libdevice.log1p(v)
 
     @triton.jit
     def _add_rn(a, b):
