@@ -76,10 +76,12 @@ def _bce_bits(logits, xv, mask):
 
 
 @triton.jit
-def _decode_variant(x_ptr, d_hi_ptr, d_lo_ptr, w2_hi, w2_lo, dec_b2, part_ptr, n_rows,
+def _decode_variant(x_ptr, d_hi, d_lo, w2_hi, w2_lo, dec_b2, part_ptr, n_rows,
                     D: tl.constexpr, H: tl.constexpr, N_TILES: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    ACC: tl.constexpr, EPI: tl.constexpr):
+                    ACC: tl.constexpr, EPI: tl.constexpr, TMA: tl.constexpr):
+    """The slab decoder with one thing switched (module docstring); d_hi ... w2_lo are pointers,
+    or with TMA descriptors of [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K] blocks."""
     pid = tl.program_id(0)
     pid_m = pid // N_TILES
     pid_n = pid % N_TILES
@@ -91,60 +93,22 @@ def _decode_variant(x_ptr, d_hi_ptr, d_lo_ptr, w2_hi, w2_lo, dec_b2, part_ptr, n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     corr = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        kk = k0 + k_idx
-        k_ok = kk < H
-        a_off = rows[:, None] * H + kk[None, :]
-        a_mask = row_ok[:, None] & k_ok[None, :]
-        a_hi = tl.load(d_hi_ptr + a_off, mask=a_mask, other=0.0)
-        a_lo = tl.load(d_lo_ptr + a_off, mask=a_mask, other=0.0)
-        b_off = nn[None, :] * H + kk[:, None]
-        b_mask = k_ok[:, None] & n_ok[None, :]
-        b_hi = tl.load(w2_hi + b_off, mask=b_mask, other=0.0)
-        b_lo = tl.load(w2_lo + b_off, mask=b_mask, other=0.0)
-        corr = tl.dot(a_hi, b_lo, corr, input_precision="tf32")
-        corr = tl.dot(a_lo, b_hi, corr, input_precision="tf32")
-        if ACC == 0:
-            acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+        if TMA:
+            a_hi = d_hi.load([pid_m * BLOCK_M, k0])
+            a_lo = d_lo.load([pid_m * BLOCK_M, k0])
+            b_hi = w2_hi.load([pid_n * BLOCK_N, k0]).T
+            b_lo = w2_lo.load([pid_n * BLOCK_N, k0]).T
         else:
-            acc = _add_rn(acc, tl.dot(a_hi, b_hi, input_precision="tf32"))
-    corr = tl.where(corr != corr, 0.0, corr)  # noqa: PLR0124
-    logits = acc + corr + tl.load(dec_b2 + nn, mask=n_ok, other=0.0)[None, :]
-    m = row_ok[:, None] & n_ok[None, :]
-    xv = tl.load(x_ptr + rows[:, None] * D + nn[None, :], mask=m, other=0.0)
-    if EPI == 0:
-        s = _bce_ieee(logits, xv, m)
-    elif EPI == 4:
-        s = _bce_rowsum(logits, xv, m)
-    elif EPI == 1:
-        s = _bce_ieee_rcp(logits, xv, m)
-    elif EPI == 2:
-        s = _bce_bits(logits, xv, m)
-    else:
-        s = tl.sum(tl.where(m, logits * xv, 0.0), axis=1)
-    tl.store(part_ptr + rows * N_TILES + pid_n, s, mask=row_ok)
-
-
-@triton.jit
-def _decode_tma(x_ptr, dh_desc, dl_desc, wh_desc, wl_desc, dec_b2, part_ptr, n_rows,
-                D: tl.constexpr, H: tl.constexpr, N_TILES: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                ACC: tl.constexpr, EPI: tl.constexpr):
-    """_decode_variant with d and W2 tiles through TMA descriptors (no per-element pointers or
-    masks in registers; out-of-bounds reads are zeros)."""
-    pid = tl.program_id(0)
-    pid_m = pid // N_TILES
-    pid_n = pid % N_TILES
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = nn < D
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    corr = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        a_hi = dh_desc.load([pid_m * BLOCK_M, k0])
-        a_lo = dl_desc.load([pid_m * BLOCK_M, k0])
-        b_hi = wh_desc.load([pid_n * BLOCK_N, k0]).T
-        b_lo = wl_desc.load([pid_n * BLOCK_N, k0]).T
+            kk = k0 + k_idx
+            k_ok = kk < H
+            a_off = rows[:, None] * H + kk[None, :]
+            a_mask = row_ok[:, None] & k_ok[None, :]
+            a_hi = tl.load(d_hi + a_off, mask=a_mask, other=0.0)
+            a_lo = tl.load(d_lo + a_off, mask=a_mask, other=0.0)
+            b_off = nn[None, :] * H + kk[:, None]
+            b_mask = k_ok[:, None] & n_ok[None, :]
+            b_hi = tl.load(w2_hi + b_off, mask=b_mask, other=0.0)
+            b_lo = tl.load(w2_lo + b_off, mask=b_mask, other=0.0)
         corr = tl.dot(a_hi, b_lo, corr, input_precision="tf32")
         corr = tl.dot(a_lo, b_hi, corr, input_precision="tf32")
         if ACC == 0:
@@ -204,15 +168,14 @@ def main() -> None:
         ref = None
         for tma, acc, epi in variants:
             part = torch.full((args.rows, n_tiles), float("nan"), device=dev)
-            kernel, ops = (_decode_tma, descs) if tma else (_decode_variant,
-                                                             (d_hi, d_lo, w_hi, w_lo))
+            ops = descs if tma else (d_hi, d_lo, w_hi, w_lo)
 
             def run(part=part, acc=acc, epi=epi, bm=bm, bn=bn, bk=bk, n_tiles=n_tiles,
-                    warps=warps, stages=stages, kernel=kernel, ops=ops):
-                kernel[(triton.cdiv(args.rows, bm) * n_tiles,)](
+                    warps=warps, stages=stages, ops=ops, tma=tma):
+                _decode_variant[(triton.cdiv(args.rows, bm) * n_tiles,)](
                     x, *ops, b2, part, args.rows, D=d_in, H=h,
                     N_TILES=n_tiles, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ACC=acc, EPI=epi,
-                    num_warps=warps, num_stages=stages)
+                    TMA=tma, num_warps=warps, num_stages=stages)
             tag = f"BM={bm:<3} BN={bn:<3} BK={bk} warps={warps} stages={stages} " \
                   f"{'TMA ' if tma else 'ptrs'} ACC={acc} EPI={epi}"
             try:
