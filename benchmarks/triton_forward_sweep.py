@@ -26,15 +26,17 @@ from fastelbo.model import ModelNew
 from fastelbo.problems import load_problem
 
 E, D = fwd.EncodeTiles, fwd.DecodeTiles
-# Around the table's pick: the persistent decoder (programs per SM, K loops flattened across
-# tiles so the next tile's loads overlap this tile's BCE; ncu of run 49: the decoder is
-# latency-bound at 8 warps per SM) against the table's one-program-per-tile decoder. Earlier
-# neighbourhoods (tile shapes, register caps, stages) are in the logs of runs 41-42 and 46-50.
-_ENC = E(64, 16, 128, 32, 4, 4)
+# Around the table's pick: 4-warp blocks with register caps (ncu of d2d0244: both kernels run
+# 8 warps per SM at 35-41% tensor-pipe use, latency-bound; a cap lets 3 blocks share an SM),
+# and the decoder at 2 stages (64 KB of shared memory: 3 blocks). Runs 41-42 and 47-48's logs
+# keep the earlier neighbourhoods.
+_ENC, _DEC = E(64, 16, 128, 32, 4, 4), D(64, 64, 32, 4, 3)
 ALTERNATIVES = [fwd.SlabConfig(_ENC, dec, 16384) for dec in (
-    D(64, 64, 32, 4, 2, None, 1), D(64, 64, 32, 4, 2, None, 2), D(64, 64, 32, 4, 3, None, 1),
-    D(64, 64, 32, 4, 2, None, 2, False), D(128, 64, 32, 8, 3, None, 1),
-    D(64, 64, 32, 4, 3))]
+    D(64, 64, 32, 4, 2), D(64, 64, 32, 4, 2, 168), D(64, 64, 32, 4, 2, 128),
+    D(64, 64, 32, 4, 3, 128))] + [
+    fwd.SlabConfig(enc, D(64, 64, 32, 4, 2), 16384) for enc in (
+        E(64, 16, 128, 32, 4, 4, 168), E(64, 16, 64, 32, 4, 3, 168), E(64, 16, 64, 32, 4, 4, 168),
+        E(64, 16, 64, 32, 4, 3, 128), E(64, 16, 128, 32, 4, 3), E(64, 16, 128, 32, 4, 3, 168))]
 
 
 def peak_beyond(fn) -> float:

@@ -35,14 +35,11 @@ DIMS = [(64, 48, 2), (33, 20, 5), (40, 32, 1)]
 BATCHES = [1, 3, 17]
 # The slab path with the tile table's choice; the slab path with small hidden chunks that walk H
 # in several pieces with a ragged last one (48 = 3 x 16, 20 = 16 + 4), D in ragged column tiles,
-# and slabs of 5 rows so that B = 17 crosses three slab boundaries (the last slab partial); the
-# same with the persistent decoder; and the one-kernel fused path with the same small chunks.
+# and slabs of 5 rows so that B = 17 crosses three slab boundaries (the last slab partial); and
+# the one-kernel fused path with the same small chunks.
 CONFIGS = {
     "slab-table": None,
     "slab-tiny": ("slab", (16, 16, 16, 16, 4, 1), (16, 16, 16, 4, 1), 5),
-    # The persistent decoder: 1 program per "SM" (1 on the CPU), so one program walks every
-    # (row tile, column tile) of each slab through the flattened loop.
-    "slab-persistent": ("slab", (16, 16, 16, 16, 4, 1), (16, 16, 16, 4, 1, None, 1), 5),
     "fused-split-h": ("fused", (16, 16, 16, 16, 4, 2)),
 }
 

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ...params import VAEParams
 from .common import (
-    INTERPRET,  # also read from here by backends/triton/__init__.py
+    INTERPRET,  # noqa: F401 (re-exported: backends/triton/__init__.py reads it from here)
     _bce_rowsum,
     _check,
     _decoder_hidden,
@@ -52,8 +52,6 @@ from .common import (
     stacked_descriptor,
 )
 from .elbo_fused import FusedConfig, launch_fused, pick_fused
-
-_INTERPRETED = tl.constexpr(INTERPRET)  # a constexpr: jit code may branch on it
 
 
 @triton.jit
@@ -123,44 +121,11 @@ def _encode_kernel(
 @triton.jit
 def _decode_bce_kernel(
     x_ptr, d_desc, w2_desc, dec_b2, part_ptr,
-    row0, n_rows, ws_rows, num_progs,
+    row0, n_rows, ws_rows,
     D: tl.constexpr, H: tl.constexpr, N_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    """partial[row, j] = sum over columns of tile j of BCE(sigmoid(d W2^T + b2), x), for every
-    (row tile, column tile) of the slab: one per program, or (PERSISTENT) num_progs programs
-    that take tiles num_progs apart, their K loops flattened into one pipelined loop
-    (FLATTEN) so that the next tile's loads overlap this tile's BCE (Triton's persistent-GEMM
-    pattern; for the sweep, benchmarks/triton_forward_sweep.py). Tiles run row tile by row tile,
-    so the column tiles of one row tile are neighbours and its d tile stays in L2."""
-    x_ptr += tl.cast(row0, tl.int64) * D
-    part_ptr += tl.cast(row0, tl.int64) * N_TILES
-    if not PERSISTENT:
-        pid = tl.program_id(0)
-        _decode_tile(x_ptr, d_desc, w2_desc, dec_b2, part_ptr, pid // N_TILES, pid % N_TILES,
-                     n_rows, ws_rows, D, H, N_TILES, BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        n_tiles = tl.cdiv(n_rows, BLOCK_M) * N_TILES
-        if _INTERPRETED:  # the interpreter cannot take runtime range bounds (see iwae.py)
-            tile = tl.program_id(0)
-            while tile < n_tiles:
-                _decode_tile(x_ptr, d_desc, w2_desc, dec_b2, part_ptr, tile // N_TILES,
-                             tile % N_TILES, n_rows, ws_rows, D, H, N_TILES, BLOCK_M, BLOCK_N,
-                             BLOCK_K)
-                tile += num_progs
-        else:
-            for tile in tl.range(tl.program_id(0), n_tiles, num_progs, flatten=FLATTEN):
-                _decode_tile(x_ptr, d_desc, w2_desc, dec_b2, part_ptr, tile // N_TILES,
-                             tile % N_TILES, n_rows, ws_rows, D, H, N_TILES, BLOCK_M, BLOCK_N,
-                             BLOCK_K)
-
-
-@triton.jit
-def _decode_tile(x_ptr, d_desc, w2_desc, dec_b2, part_ptr, pid_m, pid_n, n_rows, ws_rows,
-                 D: tl.constexpr, H: tl.constexpr, N_TILES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] tile of logits, consumed in registers by the BCE row sums.
+    """partial[row, j] = sum over columns of tile j of BCE(sigmoid(d W2^T + b2), x).
 
     d and W2 arrive as TMA descriptors over their stacked halves (common.stacked_descriptor:
     d_hi rows [0, ws_rows), d_lo rows [ws_rows, 2 ws_rows); W2's hi rows [0, D), lo [D, 2D)),
@@ -168,8 +133,13 @@ def _decode_tile(x_ptr, d_desc, w2_desc, dec_b2, part_ptr, pid_m, pid_n, n_rows,
     or masks in registers (~8% of the pointer version's time on the H200, benchmarks/
     triton_decode_variants.py). Blocks that run past a half's last row read the next half or
     zeros; those rows and columns are outside the slab or D, and masked below."""
+    pid = tl.program_id(0)
+    pid_m = pid // N_TILES  # column tiles of one row tile are neighbours: its d tile stays in L2
+    pid_n = pid % N_TILES
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # in the slab; int32 as in _encode_kernel
     row_ok = rows < n_rows
+    x_ptr += tl.cast(row0, tl.int64) * D
+    part_ptr += tl.cast(row0, tl.int64) * N_TILES
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = nn < D
 
@@ -231,8 +201,6 @@ class DecodeTiles:
     num_warps: int
     num_stages: int
     maxnreg: int | None = None
-    persistent: int = 0   # > 0: that many persistent programs per SM (0: one program per tile)
-    flatten: bool = True  # persistent programs: one pipelined loop over all their K steps
 
 
 @dataclass(frozen=True)
@@ -321,14 +289,11 @@ def launch(x: torch.Tensor, params: VAEParams, eps: torch.Tensor,
             BLOCK_L=_pow2(lat), BLOCK_HD=enc.block_hd,
             num_warps=enc.num_warps, num_stages=enc.num_stages, **_regcap(enc.maxnreg),
         )
-        tiles = triton.cdiv(n, dec.block_m) * n_tiles
-        progs = min(tiles, dec.persistent * device_sms(x)) if dec.persistent else 0
-        _decode_bce_kernel[(progs or tiles,)](
+        _decode_bce_kernel[(triton.cdiv(n, dec.block_m) * n_tiles,)](
             x, d_desc, w2_desc, params.dec_b2, part,
-            row0, n, rows, progs,
+            row0, n, rows,
             D=d, H=h, N_TILES=n_tiles,
             BLOCK_M=dec.block_m, BLOCK_N=dec.block_n, BLOCK_K=dec.block_k,
-            PERSISTENT=progs > 0, FLATTEN=dec.flatten,
             num_warps=dec.num_warps, num_stages=dec.num_stages, **_regcap(dec.maxnreg),
         )
     _finish_kernel[(triton.cdiv(batch, FINISH_BLOCK),)](
