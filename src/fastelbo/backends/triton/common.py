@@ -128,9 +128,9 @@ def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_b, hh, h_ok,
     """(relu(x @ enc_w[hh, :]^T + enc_b[hh]) as a [BM, BH] tile, invalid-x count per row).
 
     x_rows: [BM, 1] pointers to the rows' starts; enc_hi / enc_lo: the weight halves (row
-    stride W_STRIDE, split_weights). (TMA descriptors for them measured no faster on the H200
-    and cost host time per launch; the decoder keeps its two.) The encoder is the one layer whose K is long
-    (D = 784) and whose operands are unscaled data. A tensor core adds each MMA's exact products
+    stride W_STRIDE, split_weights; TMA descriptors for them measured no faster on the H200 and
+    cost host time per launch). The encoder is the one layer whose K is long (D = 784) and
+    whose operands are unscaled data. A tensor core adds each MMA's exact products
     to its accumulator and truncates the sum, so one accumulator carried over all of K drifts
     toward zero by up to ~1 ulp per k8 step, and the small hi * lo terms added into it drown:
     that failed test_saturated_params (benchmarks/tf32x3_emulation.py reproduces it on a CPU,
@@ -210,7 +210,7 @@ def _split_weights_kernel(enc_w, mu_w, lv_w, dec_w1, dec_w2,
                           D: tl.constexpr, H: tl.constexpr, L: tl.constexpr,
                           DP: tl.constexpr, HP: tl.constexpr, BLOCK: tl.constexpr):
     """Each weight matrix w -> (hi, lo) once per forward (1.7 MB at 784/256/32, one launch).
-    enc_w and dec_w2 land with row strides DP and HP (multiples of 4: TMA descriptors)."""
+    enc_w and dec_w2 land with row strides DP and HP (multiples of 4; see split_weights)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     _split_store(enc_w, enc_hi, enc_lo, offs, H, D, DP)
     _split_store(mu_w, mu_hi, mu_lo, offs, L, H, H)
@@ -258,8 +258,9 @@ def split_weights(params: VAEParams) -> list[torch.Tensor]:
     """[hi, lo] for enc_w, mu_w, lv_w, dec_w1, dec_w2: one workspace of 2 x 1.7 MB (784/256/32),
     from the caching allocator, so CUDA-graph capture sees an ordinary in-graph allocation.
     Every half starts 16-byte aligned, and enc_w's and dec_w2's halves have row strides padded
-    to a multiple of 4 floats (weight_descriptor's TMA needs both); read them through .stride(0).
-    """
+    to a multiple of 4 floats (dec_w2's for the decoder's stacked_descriptor, hi right before
+    lo; enc_w's padding is no longer needed since the encoder reads by pointers, and was kept
+    as measured); read row strides through .stride(0)."""
     d, h, lat = params.dims
     weights = (params.enc_w, params.mu_w, params.lv_w, params.dec_w1, params.dec_w2)
     shapes = [((h, d), _pad4(d)), ((lat, h), h), ((lat, h), h), ((h, lat), lat),
