@@ -14,8 +14,12 @@ Role: throughput at large batch, and the GPU backend that CI can run on CPU (TRI
         elbo = -(recon + kl)
 
 The (B, D) reconstruction and the logits never reach memory. Kernel A writes d already split
-into TF32 halves, so kernel B's operands stream from memory into shared memory and straight into
-the MMAs, like any Triton GEMM; only x is split in registers (in kernel A).
+into TF32 halves, so kernel B's operands stream through TMA (one descriptor over d's stacked
+halves, one over W2's) into shared memory and straight into the MMAs, like any Triton GEMM;
+only x is split in registers (in kernel A). Accuracy where it is hard: kernel A's hi * hi sums
+start from zero per k tile (common._encode_hidden: the tensor core's accumulation truncates),
+and the BCE takes PyTorch's p exactly, with series near p = 0 and 1 (common._bce_rowsum).
+Host cost: Triton encodes each descriptor at every launch, so there are two per slab.
 
 Memory beyond inputs at B = 65536 (784/256/32), slab of 16384 rows: d halves 2 x 16384 x 256 x
 4 B = 32 MiB, weight halves 3.3 MiB, partials 65536 x 13 x 4 B = 3.3 MiB, outputs 0.75 MiB: 39
