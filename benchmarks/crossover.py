@@ -10,7 +10,8 @@ chunks).
 
 For every batch in BATCHES and every available backend (torch, triton, cuda if built), one
 forward with a fixed eps is timed two ways: called eagerly in a loop (ms per call, host launch
-work included: what a training or evaluation loop sees) and captured into a CUDA graph and
+work included: what a training or evaluation loop sees; fastelbo.harness.timing.wall_per_call,
+the measure `fastelbo bench` reports as wall_ms) and captured into a CUDA graph and
 replayed (the median of `--reps` replays: GPU time only). Each way gives its rules, the fastest
 backend per batch with runs of equal winners merged, and src/fastelbo/backends/crossover.json is
 written as
@@ -33,6 +34,7 @@ import torch
 
 from fastelbo import VAEParams, validation
 from fastelbo.backends import _CROSSOVER, module, unavailable_reason
+from fastelbo.harness.timing import wall_per_call
 from fastelbo.model import ModelNew
 
 BATCHES = [1, 8, 32, 128, 512, 2048, 8192, 32768, 65536]
@@ -61,23 +63,6 @@ def time_graph(fn, reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def time_eager(fn, calls: int) -> float:
-    """ms per call of fn called back to back (host work and GPU work overlap as in a loop)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / calls)
-    return best
 
 
 # Backends timed but kept out of the rules until they pass every conformance test: `auto` must
@@ -160,7 +145,10 @@ def main() -> None:
             fwd = module(name).forward
             with validation(False):
                 call = lambda f=fwd, x=x, e=eps: f(x, params, e)
-                times[name][batch] = time_eager(call, max(10, args.reps // 10))
+                for _ in range(3):
+                    call()  # compile / warm the allocator before timing
+                # The same eager measure as `fastelbo bench`'s wall_ms (--from-bench reads it).
+                times[name][batch] = wall_per_call(call, dev, max(10, args.reps // 10))
                 graph[name][batch] = time_graph(call, args.reps)
         best = min(names, key=lambda n: times[n][batch])  # fastest, held out or not
         best_g = min(names, key=lambda n: graph[n][batch])
