@@ -14,7 +14,14 @@ from pathlib import Path
 import torch
 
 from . import loader
-from .compare import PERTURB_RUNS, compare_outputs, identical, perturbed, unsupported_type
+from .compare import (
+    PERTURB_RUNS,
+    compare_outputs,
+    finiteness_differs,
+    identical,
+    perturbed,
+    unsupported_type,
+)
 from .regimes import Regime, plan
 from .worker import TaskError, progress, traceback_tail
 
@@ -130,7 +137,7 @@ def _envelope(model, inputs, seed, dev, runs: int, where: str = "",
             out = loader.to_host(model(*x))
             for i, (m, a, b) in enumerate(zip(fragile, ref_outputs, out)):
                 if m is not None and _is_float(b) and b.shape == a.shape:
-                    fragile[i] = m | (torch.isfinite(a) != torch.isfinite(b))
+                    fragile[i] = m | finiteness_differs(a, b)
             lo = out if lo is None else tuple(map(_fold(torch.minimum), lo, out))
             hi = out if hi is None else tuple(map(_fold(torch.maximum), hi, out))
     finally:
