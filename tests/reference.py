@@ -40,9 +40,7 @@ def bce_epilogue_cases() -> dict[str, tuple[list[float], float]]:
 def bce_probe_params(logits: list[float], *, hidden=16, latent=4, seed=0, device="cpu"):
     """VAEParams whose decoder logits are exactly `logits` for any z (dec_w2 = 0, dec_b2 =
     logits), so a forward's recon is the BCE epilogue's row sum alone."""
-    torch.manual_seed(seed)
-    model = ModelNew(len(logits), hidden, latent, backend="torch")
-    p = VAEParams(*(t.detach().to(device) for t in model.vae_params()))
+    p = iwae_params((len(logits), hidden, latent), seed=seed, device=device)
     return p._replace(dec_w2=torch.zeros_like(p.dec_w2),
                       dec_b2=torch.tensor(logits, dtype=torch.float32, device=device))
 

@@ -16,6 +16,7 @@ from reference import (
     EXTREME_LOGITS,
     assert_iwae_close_to_truth,
     assert_peak_memory_flat_in_k,
+    bce_probe_params,
     f64,
     iwae_params,
     iwae_probe_params,
@@ -115,9 +116,7 @@ def test_extreme_logits_take_pytorchs_clamps(ci):
     every element class above, for x = 0, 1 and 0.3 (a wrong 1 - p or a flipped clamp moves a
     row by >= 16 nats)."""
     dims = (len(EXTREME_LOGITS), 8, 4)
-    p = iwae_params(dims, seed=4, device="cuda")
-    p = p._replace(dec_w2=torch.zeros_like(p.dec_w2),
-                   dec_b2=torch.tensor(EXTREME_LOGITS, device="cuda"))
+    p = bce_probe_params(EXTREME_LOGITS, hidden=8, latent=4, seed=4, device="cuda")
     x = torch.tensor([0.0, 1.0, 0.3], device="cuda")[:, None].expand(3, dims[0]).contiguous()
     eps = torch.randn(5, 3, dims[2], generator=torch.Generator(device="cuda").manual_seed(5),
                       device="cuda")
