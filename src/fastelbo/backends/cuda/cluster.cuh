@@ -75,25 +75,39 @@ __device__ __forceinline__ void tma_load_2d(float* dst, const void* map, int c0,
       : "memory");
 }
 
-// Distributed shared memory reads: the address of `local` in block `rank`'s shared memory, and
-// loads through the cluster window (what cooperative_groups' map_shared_rank + a generic load
-// do, without the generic-address round trip).
+// The address of `local` in block `rank`'s shared memory (the cluster window).
 __device__ __forceinline__ unsigned cluster_addr(const void* local, int rank) {
   unsigned r;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_addr(local)),
                "r"(rank));
   return r;
 }
-__device__ __forceinline__ float4 ld_cluster4(unsigned addr) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
-  return v;
+
+// Block-to-block bulk copies (TMA, shared::cta -> another block's shared memory), completing
+// on the receiver's mbarrier: one instruction per chunk where ld/st.shared::cluster need one
+// per 16 bytes per thread, and DSMEM costs ~4K cycles per 1280 requests (cuda_trace).
+// Writers of a chunk run fence_proxy_async() before the barrier that precedes the send.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-__device__ __forceinline__ float ld_cluster(unsigned addr) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
-  return v;
+__device__ __forceinline__ void bulk_send(unsigned dst_cluster, const float* src, unsigned bytes,
+                                          unsigned bar_cluster) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+      "[%3];\n" ::"r"(dst_cluster), "r"(smem_addr(src)), "r"(bytes), "r"(bar_cluster)
+      : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until this thread's bulk sends have read their sources (before the block may exit).
+__device__ __forceinline__ void bulk_wait_sent() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// The two halves of a cluster barrier (all threads, converged).
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
 // Block 0's last step in both cluster kernels: block q of the cluster left row r's partial BCE

@@ -93,11 +93,14 @@ struct FastParams : ForwardArgs {
   int R, C;              // batch rows per cluster (<= kFastRows), blocks per cluster
   int qmax;              // most float4 columns of x any block owns (D / 4 split over C)
   int hs, ns_l, ns_d;    // per block: hidden columns (H / C), latent indices, output columns
-  int ldk, ldp, ldd;     // smem row strides (floats): x / w1 slices, encoder partials, d / wd2
+  int ldk, ldd;          // smem row strides (floats): x / w1 slices, d / wd2
   int ldq, lds_l, lds_d; // strides: hk rows, latent-index rows (bl, eps), x rows at the outputs
   int w1_box;            // rows of w1 per tensor-map box (<= 256)
-  int off_xk, off_w1k, off_b1, off_p1, off_hk, off_wmu, off_wlv, off_p2, off_bl, off_eps, off_ml;
-  int off_zs, off_zl, off_wd1, off_bd1, off_dk, off_wd2, off_bd2, off_xd, off_pull;
+  int off_xk, off_w1k, off_b1, off_hk, off_wmu, off_wlv, off_bl, off_eps, off_ml;
+  int off_wd1, off_bd1, off_wd2, off_bd2, off_xd, off_red, off_bce, off_zs, off_ds;
+  // Exchanged between blocks (bulk copies): what this block sends (destination-major) and
+  // receives (source-major): partial h, partial mu | logvar, z, d.
+  int off_p1s, off_r1, off_p2s, off_r2, off_zl, off_rz, off_dk, off_rd;
   int off_rec, off_kl, off_bad;
   int smem_bytes;
 };

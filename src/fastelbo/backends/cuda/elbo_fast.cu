@@ -19,18 +19,24 @@
 //     rows of wd2. The trace shows what is left: staging runs at ~20 B/cycle per SM whatever
 //     issues it, and each DSMEM exchange costs ~4K cycles (the cost is per request).
 //
-// Phases (S = cluster barrier; a buffer another block reads is not rewritten by its owner, and
-// the owner does not exit, before the barrier after the last remote read):
-//   L1  partial h (20 x H) over this block's x columns -> p1                      S1
-//   RS1 h for this block's H/C columns = relu(b1 + sum_q p1_q), pulled in float4 -> hk
-//   L2  partial (mu | logvar) (20 x 2L) over those H/C columns -> p2              S2
-//   RS2 mu, logvar for this block's latent indices = bias + sum_q p2_q (pulled);
-//       z -> zl (own), KL partial -> rank 0                                        S3
-//   L3  all of z pulled from its owners; d for this block's H/C columns -> dk      S4
-//   L4  all of d pulled into ds (over p1, last read remotely before S2); logits for this
-//       block's D/C columns (warps split H, reduced in smem), BCE against x, per-row sums and
-//       the bad-x flag -> rank 0                                                   S5
-//   rank 0 writes elbo, recon, kl.
+// Phases. Each exchange is one bulk copy per destination block (cp.async.bulk from this
+// block's shared memory into the receiver's, completing on the receiver's mbarrier 4-7: one
+// instruction per chunk instead of ~1280 DSMEM requests per block and a cluster barrier per
+// exchange); a block's own chunk is a plain copy (see send()). Cluster barriers: the split one
+// around L1 (every block's mbarriers exist before anyone sends) and S at the end.
+//   L1  partial h (20 x H) over this block's x columns -> p1s, sent by destination   -> r1
+//   RS1 h for this block's H/C columns = relu(b1 + sum_q r1_q) -> hk
+//   L2  partial (mu | logvar) (20 x 2L) over those H/C columns -> p2s, sent           -> r2
+//   RS2 mu, logvar for this block's latent indices = bias + sum_q r2_q; z -> zl, sent to all
+//       -> rz; KL partial -> rank 0 (DSMEM store)
+//   L3  all of z; d for this block's H/C columns -> dk, sent to all                   -> rd
+//   L4  all of d laid out in ds; logits for this block's D/C columns (warps split H, reduced
+//       in smem), BCE against x, per-row sums and the bad-x flag -> rank 0            S
+//   rank 0 writes elbo, recon, kl (cluster.cuh write_rows); every block waits until its bulk
+//   sends have read their sources before it exits.
+// Status (sixth session): v5 of branch fast-bulk-exchange (19.3 us per launch at B=128, exact,
+// racecheck clean; memcheck rejected its bulk copies to the sending block itself) with the own
+// chunk copied by plain loads and stores. Compiled here; NOT yet run on a GPU.
 // Numerics as elbo.cu and PyTorch op by op (fp32 FMA dot products, no TF32, no fast math);
 // only the order of the dot products' additions differs from cuBLAS, as it does there.
 #include "elbo.h"
@@ -99,80 +105,80 @@ __device__ __forceinline__ void tile_dot(const float* const (&a)[TR], const floa
   }
 }
 
-// dst(i, src(i)) for i < n, kBatch loads in flight per thread before any store (the loads are
-// DSMEM reads of other blocks, hundreds of cycles each).
-template <int kBatch, class T, class Src, class Dst>
-__device__ __forceinline__ void gather(int n, Src src, Dst dst) {
-  for (int base = static_cast<int>(threadIdx.x); base < n; base += kBatch * kFastThreads) {
-    T v[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u)
-      if (base + u * kFastThreads < n) v[u] = src(base + u * kFastThreads);
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u)
-      if (base + u * kFastThreads < n) dst(base + u * kFastThreads, v[u]);
-  }
-}
-
 __global__ void __launch_bounds__(kFastThreads, 1)
     elbo_fast_kernel(const __grid_constant__ FastParams p) {
   extern __shared__ __align__(128) float4 smem4[];
-  __shared__ alignas(8) unsigned long long bar[4];  // one mbarrier per staging group
+  // mbarriers: 0-3 the staging groups, 4-7 the exchanges received (h, mu | logvar, z, d).
+  __shared__ alignas(8) unsigned long long bar[8];
   float* sm = reinterpret_cast<float*>(smem4);
-  float* xk = sm + p.off_xk;     // 20 x ldk: this block's x columns (float4 quads qa..)
+  constexpr int F = kFastRows;
+  float* xk = sm + p.off_xk;     // F x ldk: this block's x columns (float4 quads qa..)
   float* w1k = sm + p.off_w1k;   // H x ldk: the same columns of w1
   float* b1k = sm + p.off_b1;    // hs
-  float* p1 = sm + p.off_p1;     // 20 x ldp: partial h; later ds (20 x ldd): all of d
-  float* hk = sm + p.off_hk;     // 20 x ldq: h for this block's hidden columns
+  float* hk = sm + p.off_hk;     // F x ldq: h for this block's hidden columns
   float* wmus = sm + p.off_wmu;  // L x hs: wmu at this block's hidden columns
   float* wlvs = sm + p.off_wlv;  // L x hs: wlv, same columns
-  float* p2 = sm + p.off_p2;     // 20 x 2L: partial mu | logvar
   float* bl = sm + p.off_bl;     // 2 x lds_l: bmu, blv around this block's latent indices
-  float* epk = sm + p.off_eps;   // 20 x lds_l: eps, same columns
-  float* ml = sm + p.off_ml;     // 20 x 2 ns_l: mu, logvar of this block's latent indices
-  float* zs = sm + p.off_zs;     // 20 x L: all of z (pulled from every block)
-  float* zl = sm + p.off_zl;     // 20 x ns_l: z for this block's latent indices
+  float* epk = sm + p.off_eps;   // F x lds_l: eps, same columns
+  float* ml = sm + p.off_ml;     // F x 2 ns_l: mu, logvar of this block's latent indices
+  float* zs = sm + p.off_zs;     // F x L: all of z
   float* wd1s = sm + p.off_wd1;  // hs x L
   float* bd1k = sm + p.off_bd1;  // hs
-  float* dk = sm + p.off_dk;     // 20 x hs: d for this block's hidden columns (pulled by all)
+  float* ds = sm + p.off_ds;     // F x ldd: all of d (over p1s, sent and read by then)
   float* wd2s = sm + p.off_wd2;  // ns_d x ldd
   float* bd2k = sm + p.off_bd2;  // lds_d: bd2 around this block's output columns
-  float* xd = sm + p.off_xd;     // 20 x lds_d: x, same columns
-  float* pull = sm + p.off_pull; // scratch over w1k once L1 is done: pulled partials, L4 sums
-  float* rec_part = sm + p.off_rec;  // C x 20 (rank 0): BCE row sums per block
-  float* kl_part = sm + p.off_kl;    // C x 20 (rank 0): KL row sums per block
-  float* bad_part = sm + p.off_bad;  // C x 20 (rank 0): 1 where a block saw bad x
-  float* ds = p1;
+  float* xd = sm + p.off_xd;     // F x lds_d: x, same columns
+  float* red = sm + p.off_red;   // over w1k once L1 is done: L4's per-warp partial sums
+  float* bce = sm + p.off_bce;   // F x ns_d: BCE terms (over w1k, after red)
+  // Exchanges: sent chunks are destination-major, received ones source-major (C chunks).
+  float* p1s = sm + p.off_p1s;   // C x F x hs: partial h, by destination block's columns
+  float* r1 = sm + p.off_r1;     // C x F x hs: partial h of this block's columns, by source
+  float* p2s = sm + p.off_p2s;   // C x F x 2 ns_l: partial mu | logvar, by destination
+  float* r2 = sm + p.off_r2;     // C x F x 2 ns_l: by source
+  float* zl = sm + p.off_zl;     // F x ns_l: z for this block's latent indices
+  float* rz = sm + p.off_rz;     // C x F x ns_l: every block's z
+  float* dk = sm + p.off_dk;     // F x hs: d for this block's hidden columns
+  float* rd = sm + p.off_rd;     // C x F x hs: every block's d (over r1, read by then)
+  float* rec_part = sm + p.off_rec;  // C x F (rank 0): BCE row sums per block
+  float* kl_part = sm + p.off_kl;    // C x F (rank 0): KL row sums per block
+  float* bad_part = sm + p.off_bad;  // C x F (rank 0): 1 where a block saw bad x
 
   cg::cluster_group cluster = cg::this_cluster();
   const int C = p.C, R = p.R, D = p.D, H = p.H, L = p.L;
   const int k = static_cast<int>(cluster.block_rank());
   const int row0 = static_cast<int>(blockIdx.x / C) * R;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int ldk = p.ldk, ldp = p.ldp, ldd = p.ldd, ldq = p.ldq, hs = p.hs, ns_l = p.ns_l;
-  const int lds_l = p.lds_l, lds_d = p.lds_d;
+  const int ldk = p.ldk, ldd = p.ldd, ldq = p.ldq, hs = p.hs, ns_l = p.ns_l;
+  const int lds_l = p.lds_l, lds_d = p.lds_d, ns_d = p.ns_d;
   const int nq = D / 4, qa = k * nq / C, nqk = (k + 1) * nq / C - qa;
   const int h0 = k * hs, g4 = hs / 4, hq = H / 4;
   const int j0 = k * ns_l, lcnt = max(0, min(ns_l, L - j0));
-  const int n0d = k * p.ns_d, ncd = max(0, min(p.ns_d, D - n0d));
+  const int n0d = k * ns_d, ncd = max(0, min(ns_d, D - n0d));
   // 16-byte aligned windows around this block's latent indices and output columns.
   const int sl0 = floor4(j0), nsl = lcnt > 0 ? round4(j0 + lcnt) - sl0 : 0, shl = j0 - sl0;
   const int sd0 = floor4(n0d), nsd = ncd > 0 ? round4(n0d + ncd) - sd0 : 0, shd = n0d - sd0;
+  // Exchange chunk sizes (floats; all multiples of 4).
+  const int ch1 = F * hs, ch2 = F * 2 * ns_l, ch3 = F * ns_l;
   FE_TRACE(0);
 
   // Staging: four groups of TMA copies, one mbarrier each, in the order the layers need them.
   // Thread 0 issues the tensor-map tiles (x and w1 slices first: L1 waits for them); the rows
   // of wd2 (padded rows, conflict-free for L4) are row copies from all threads, issued last:
-  // the TMA unit takes ~20 cycles per copy (cuda_trace).
+  // the TMA unit takes ~20 cycles per copy (cuda_trace). The exchange barriers expect one
+  // chunk from every block of the cluster.
   const int nbox = cdiv(H, p.w1_box);
   if (tid == 0) {
 #pragma unroll
-    for (int g = 0; g < 4; ++g) mbar_init(&bar[g], 1);
+    for (int g = 0; g < 8; ++g) mbar_init(&bar[g], 1);
     mbar_fence_init();
-    mbar_arrive_expect(&bar[0], 4u * ldk * (kFastRows + nbox * p.w1_box) + 4u * hs);
-    mbar_arrive_expect(&bar[1], 4u * (2 * L * hs + 2 * nsl + kFastRows * lds_l));
+    mbar_arrive_expect(&bar[0], 4u * ldk * (F + nbox * p.w1_box) + 4u * hs);
+    mbar_arrive_expect(&bar[1], 4u * (2 * L * hs + 2 * nsl + F * lds_l));
     mbar_arrive_expect(&bar[2], 4u * (hs * L + hs));
-    mbar_arrive_expect(&bar[3], 4u * (ncd * H + nsd + kFastRows * lds_d));
+    mbar_arrive_expect(&bar[3], 4u * (ncd * H + nsd + F * lds_d));
+    mbar_arrive_expect(&bar[4], 4u * (C - 1) * ch1);  // the own chunk is a plain copy (send)
+    mbar_arrive_expect(&bar[5], 4u * (C - 1) * ch2);
+    mbar_arrive_expect(&bar[6], 4u * (C - 1) * ch3);
+    mbar_arrive_expect(&bar[7], 4u * (C - 1) * ch1);
     tma_load_2d(xk, &p.tm_x, 4 * qa, row0, &bar[0]);
     for (int b = 0; b < nbox; ++b)
       tma_load_2d(w1k + b * p.w1_box * ldk, &p.tm_w1, 4 * qa, b * p.w1_box, &bar[0]);
@@ -192,11 +198,29 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   __syncthreads();  // barriers initialised (and the tiles queued) before the row copies
   for (int i = tid; i < ncd; i += kFastThreads)
     bulk_copy(wd2s + i * ldd, p.wd2 + static_cast<size_t>(n0d + i) * H, 4u * H, &bar[3]);
+  cluster_arrive();  // this block's barriers exist: others may send once everyone arrived
   FE_TRACE(1);
+
+  // Sends this block's chunk(s) to every other block q: src + q * src_step floats (src_step 0:
+  // the same chunk to all) into q's dst + k * chunk, completing on q's barrier `b`; every
+  // writer of the chunk ran fence_proxy_async() before the __syncthreads that precedes this.
+  // The block's own chunk is copied with plain float4 loads and stores instead: a bulk copy to
+  // its own CTA runs correctly, but compute-sanitizer's memcheck rejects it ("not located in
+  // remote CTA"; benchmarks/dsmem_bulk_repro.cu modes 3-6, NOTES run 46), so each exchange
+  // barrier expects C - 1 chunks. Called by all threads (the copy ends in __syncthreads).
+  auto send = [&](const float* src, int src_step, float* dst, int chunk, int b) {
+    if (tid < C && tid != k)
+      bulk_send(cluster_addr(dst + k * chunk, tid), src + tid * src_step, 4u * chunk,
+                cluster_addr(&bar[b], tid));
+    const float4* own = reinterpret_cast<const float4*>(src + k * src_step);
+    float4* to = reinterpret_cast<float4*>(dst + k * chunk);
+    for (int i = tid; i < chunk / 4; i += kFastThreads) to[i] = own[i];
+    __syncthreads();
+  };
+
   mbar_wait(&bar[0], 0);
   FE_TRACE(2);
-
-  // L1: partial h over this block's x columns, 5 x 4 register tiles.
+  // L1: partial h over this block's x columns, 5 x 4 register tiles, stored by destination.
   {
     const int rt = tid % kRowLanes, ct = tid / kRowLanes;
     for (int n0 = 0; n0 < H; n0 += kL1Pass) {
@@ -209,38 +233,38 @@ __global__ void __launch_bounds__(kFastThreads, 1)
       for (int j = 0; j < kL1Cols; ++j) w[j] = w1k + min(n0 + ct + kL1ColLanes * j, H - 1) * ldk;
       tile_dot(a, w, 0, nqk, acc);
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i)
+      for (int j = 0; j < kL1Cols; ++j) {
+        const int n = n0 + ct + kL1ColLanes * j;
+        if (n >= H) continue;
+        const int q = n / hs;
+        float* dst = p1s + q * ch1 + (n - q * hs);
 #pragma unroll
-        for (int j = 0; j < kL1Cols; ++j) {
-          const int n = n0 + ct + kL1ColLanes * j;
-          if (n < H) p1[(rt + kRowLanes * i) * ldp + n] = acc[i][j];
-        }
+        for (int i = 0; i < kRowsPerThread; ++i) dst[(rt + kRowLanes * i) * hs] = acc[i][j];
+      }
     }
   }
+  fence_proxy_async();
+  __syncthreads();
   FE_TRACE(3);
-  cluster.sync();  // S1
+  cluster_wait();  // every block's exchange barriers are initialised
+  send(p1s, ch1, r1, ch1, 4);
   FE_TRACE(4);
 
-  // RS1: pull this block's hidden columns of every block's partials, then sum in rank order.
-  gather<8, float4>(C * kFastRows * g4,
-      [&](int i) {
-        const int q = i / (kFastRows * g4), e = i - q * (kFastRows * g4), r = e / g4;
-        return ld_cluster4(cluster_addr(p1 + r * ldp + h0 + 4 * (e - r * g4), q));
-      },
-      [&](int i, float4 v) { st4(pull + 4 * i, v); });  // pull: C x 20 x hs
-  __syncthreads();
-  for (int i = tid; i < kFastRows * hs; i += kFastThreads) {
+  // RS1: h for this block's hidden columns = relu(b1 + sum over blocks, in rank order).
+  mbar_wait(&bar[4], 0);
+  for (int i = tid; i < F * hs; i += kFastThreads) {
     const int r = i / hs, c = i - r * hs;
     float s = 0.0f;
 #pragma unroll 16
-    for (int q = 0; q < C; ++q) s += pull[(q * kFastRows + r) * hs + c];
+    for (int q = 0; q < C; ++q) s += r1[q * ch1 + r * hs + c];
     hk[r * ldq + c] = relu(s + b1k[c]);
   }
   mbar_wait(&bar[1], 0);
   __syncthreads();
   FE_TRACE(5);
 
-  // L2: partial mu | logvar over this block's hidden columns, 5 x 1 register tiles.
+  // L2: partial mu | logvar over this block's hidden columns, 5 x 1 register tiles, stored by
+  // the destination block that owns each latent index.
   {
     const int rt = tid % kRowLanes, ct = tid / kRowLanes;
     for (int c0 = 0; c0 < 2 * L; c0 += kL1ColLanes) {
@@ -251,50 +275,31 @@ __global__ void __launch_bounds__(kFastThreads, 1)
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) a[i] = hk + (rt + kRowLanes * i) * ldq;
       tile_dot(a, w, 0, g4, acc);
-      if (c0 + ct < 2 * L)
+      if (c0 + ct < 2 * L) {
+        const int j = c < L ? c : c - L, q = j / ns_l;
+        float* dst = p2s + q * ch2 + (c < L ? 0 : ns_l) + (j - q * ns_l);
 #pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) p2[(rt + kRowLanes * i) * 2 * L + c0 + ct] = acc[i][0];
-    }
-  }
-  FE_TRACE(6);
-  cluster.sync();  // S2
-  FE_TRACE(7);
-
-  // RS2: this block's latent indices, summed over blocks: z kept for the others to pull, KL
-  // to rank 0.
-  const int m2 = 2 * ns_l;
-  {
-    const int per = kFastRows * 2 * lcnt;  // pulled values per block
-    for (int base = tid; base < C * per; base += 8 * kFastThreads) {
-      float v[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int i = base + u * kFastThreads;
-        if (i < C * per) {
-          const int q = i / per, e = i - q * per, r = e / (2 * lcnt), m = e - r * (2 * lcnt);
-          const int col = m < lcnt ? j0 + m : L + j0 + (m - lcnt);
-          v[u] = ld_cluster(cluster_addr(p2 + r * 2 * L + col, q));
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int i = base + u * kFastThreads;
-        if (i < C * per) {
-          const int q = i / per, e = i - q * per, r = e / (2 * lcnt), m = e - r * (2 * lcnt);
-          pull[(q * kFastRows + r) * m2 + m] = v[u];
-        }
+        for (int i = 0; i < kRowsPerThread; ++i) dst[(rt + kRowLanes * i) * 2 * ns_l] = acc[i][0];
       }
     }
   }
+  fence_proxy_async();
   __syncthreads();
-  FE_TRACE(8);
-  for (int i = tid; i < kFastRows * lcnt; i += kFastThreads) {
+  send(p2s, ch2, r2, ch2, 5);
+  FE_TRACE(6);
+
+  // RS2: mu, logvar of this block's latent indices (bias + sum over blocks); z for the others,
+  // the KL partial to rank 0.
+  mbar_wait(&bar[5], 0);
+  FE_TRACE(7);
+  const int m2 = 2 * ns_l;
+  for (int i = tid; i < F * lcnt; i += kFastThreads) {
     const int r = i / lcnt, j = i - r * lcnt;
     float mu = 0.0f, lv = 0.0f;
 #pragma unroll 16
     for (int q = 0; q < C; ++q) {
-      mu += pull[(q * kFastRows + r) * m2 + j];
-      lv += pull[(q * kFastRows + r) * m2 + lcnt + j];
+      mu += r2[q * ch2 + r * m2 + j];
+      lv += r2[q * ch2 + r * m2 + ns_l + j];
     }
     mu += bl[shl + j];
     lv += bl[lds_l + shl + j];
@@ -302,31 +307,26 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     ml[r * m2 + ns_l + j] = lv;
     zl[r * ns_l + j] = reparam(mu, lv, epk[r * lds_l + shl + j]);
   }
+  fence_proxy_async();
   __syncthreads();
-  for (int r = tid; r < kFastRows; r += kFastThreads) {
+  send(zl, 0, rz, ch3, 6);
+  for (int r = tid; r < F; r += kFastThreads) {
     float s = 0.0f;
     for (int j = 0; j < lcnt; ++j) s += kl_term(ml[r * m2 + j], ml[r * m2 + ns_l + j]);
-    cluster.map_shared_rank(kl_part, 0)[k * kFastRows + r] = s;
+    cluster.map_shared_rank(kl_part, 0)[k * F + r] = s;
   }
-  FE_TRACE(9);
-  cluster.sync();  // S3
-  FE_TRACE(10);
+  FE_TRACE(8);
 
-  // All of z, pulled from its owners; then d for this block's hidden columns (four per
-  // thread), kept for the others to pull.
-  gather<8, float>(C * kFastRows * ns_l,
-      [&](int i) {
-        const int q = i / (kFastRows * ns_l), e = i - q * (kFastRows * ns_l);
-        return q * ns_l + e % ns_l < L ? ld_cluster(cluster_addr(zl + e, q)) : 0.0f;
-      },
-      [&](int i, float v) {
-        const int q = i / (kFastRows * ns_l), e = i - q * (kFastRows * ns_l);
-        const int r = e / ns_l, j = q * ns_l + (e - r * ns_l);
-        if (j < L) zs[r * L + j] = v;
-      });
+  // All of z; then d for this block's hidden columns (four per thread), sent to every block.
+  mbar_wait(&bar[6], 0);
+  for (int i = tid; i < C * ch3; i += kFastThreads) {
+    const int q = i / ch3, e = i - q * ch3, r = e / ns_l, j = q * ns_l + (e - r * ns_l);
+    if (j < L) zs[r * L + j] = rz[i];
+  }
   mbar_wait(&bar[2], 0);
   __syncthreads();
-  for (int i = tid; i < kFastRows * g4; i += kFastThreads) {
+  FE_TRACE(9);
+  for (int i = tid; i < F * g4; i += kFastThreads) {
     const int r = i / g4, c = 4 * (i - r * g4);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int kk = 0; kk < L; kk += 4) {
@@ -337,33 +337,27 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     st4(dk + r * hs + c, make_float4(relu(acc[0] + bd1k[c]), relu(acc[1] + bd1k[c + 1]),
                                      relu(acc[2] + bd1k[c + 2]), relu(acc[3] + bd1k[c + 3])));
   }
-  FE_TRACE(11);
-  cluster.sync();  // S4
-  FE_TRACE(12);
+  fence_proxy_async();
+  __syncthreads();
+  send(dk, 0, rd, ch1, 7);
+  FE_TRACE(10);
 
-  // All of d into ds (ds aliases p1, whose last remote reader finished before S2).
-  gather<8, float4>(C * kFastRows * g4,
-      [&](int i) {
-        const int q = i / (kFastRows * g4), e = i - q * (kFastRows * g4);
-        return ld_cluster4(cluster_addr(dk + 4 * e, q));
-      },
-      [&](int i, float4 v) {
-        const int q = i / (kFastRows * g4), e = i - q * (kFastRows * g4), r = e / g4;
-        st4(ds + r * ldd + q * hs + 4 * (e - r * g4), v);
-      });
+  // All of d, rows laid out for L4's tiles.
+  mbar_wait(&bar[7], 0);
+  for (int i = tid; i < C * F * g4; i += kFastThreads) {
+    const int q = i / (F * g4), e = i - q * (F * g4), r = e / g4, c = 4 * (e - r * g4);
+    st4(ds + r * ldd + q * hs + c, ld4(rd + q * ch1 + r * hs + c));
+  }
   mbar_wait(&bar[3], 0);
   __syncthreads();
-  FE_TRACE(13);
+  FE_TRACE(11);
 
   // L4: logits for this block's output columns (warps split H; partial sums reduced through
-  // smem in warp order), then BCE against x and the per-row sums: warp w owns rows w + 8m.
-  constexpr int kRowsPerWarp = (kFastRows + kFastWarps - 1) / kFastWarps;
-  float rsum[kRowsPerWarp] = {};
-  bool rbad[kRowsPerWarp] = {};
+  // smem in warp order), then the BCE terms, every (row, column) over all threads.
   {
     const int rt = lane % kRowLanes, ct = lane / kRowLanes;
     const int qw0 = warp * hq / kFastWarps, qw1 = (warp + 1) * hq / kFastWarps;
-    float* red = pull + warp * kFastRows * kL4Pass;
+    float* wred = red + warp * F * kL4Pass;
     for (int n0 = 0; n0 < ncd; n0 += kL4Pass) {  // uniform over the block
       float acc[kRowsPerThread][kL4Cols] = {};
       const float* a[kRowsPerThread];
@@ -377,49 +371,51 @@ __global__ void __launch_bounds__(kFastThreads, 1)
       for (int i = 0; i < kRowsPerThread; ++i)
 #pragma unroll
         for (int j = 0; j < kL4Cols; ++j)
-          red[(rt + kRowLanes * i) * kL4Pass + ct + kL4ColLanes * j] = acc[i][j];
-      FE_TRACE(14);
+          wred[(rt + kRowLanes * i) * kL4Pass + ct + kL4ColLanes * j] = acc[i][j];
       __syncthreads();
       const int ncp = min(kL4Pass, ncd - n0);
-      // Every (row, column) term of this warp at once (independent exp/log chains).
-      float term[kRowsPerWarp][2];
+      constexpr int kTerms = (F * kL4Pass + kFastThreads - 1) / kFastThreads;
 #pragma unroll
-      for (int m = 0; m < kRowsPerWarp; ++m)
+      for (int u = 0; u < kTerms; ++u) {  // independent exp/log chains per thread
+        const int o = tid + u * kFastThreads;
+        if (o < F * ncp) {
+          const int r = o / ncp, c = o - r * ncp;
+          float s = 0.0f;
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {  // kL4Pass <= 64: two columns per lane
-          const int r = warp + kFastWarps * m, c = lane + 32 * u;
-          term[m][u] = 0.0f;
-          if (r < kFastRows && c < ncp) {
-            float s = 0.0f;
-#pragma unroll
-            for (int w8 = 0; w8 < kFastWarps; ++w8) s += pull[(w8 * kFastRows + r) * kL4Pass + c];
-            term[m][u] = bce_term(s + bd2k[shd + n0 + c], xd[r * lds_d + shd + n0 + c], &rbad[m]);
-          }
+          for (int w8 = 0; w8 < kFastWarps; ++w8) s += red[(w8 * F + r) * kL4Pass + c];
+          bool unused = false;  // the row flag is taken from xd below
+          bce[r * ns_d + n0 + c] = bce_term(s + bd2k[shd + n0 + c], xd[r * lds_d + shd + n0 + c],
+                                            &unused);
         }
-#pragma unroll
-      for (int m = 0; m < kRowsPerWarp; ++m) rsum[m] += term[m][0] + term[m][1];
+      }
       __syncthreads();
     }
   }
-#pragma unroll
-  for (int m = 0; m < kRowsPerWarp; ++m) {
-    const int r = warp + kFastWarps * m;
-    if (r >= kFastRows) break;
-    float s = rsum[m];
+  FE_TRACE(12);
+  // Per-row sums (one warp per row, fixed order: deterministic) and bad-x flags -> rank 0.
+  for (int r = warp; r < F; r += kFastWarps) {
+    float s = 0.0f;
+    bool bad = false;
+    for (int c = lane; c < ncd; c += 32) {
+      s += bce[r * ns_d + c];
+      const float xv = xd[r * lds_d + shd + c];
+      bad |= !(xv >= 0.0f && xv <= 1.0f);
+    }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    const bool bad = __any_sync(0xffffffffu, rbad[m]);
+    bad = __any_sync(0xffffffffu, bad);
     if (lane == 0) {
-      cluster.map_shared_rank(rec_part, 0)[k * kFastRows + r] = s;
-      cluster.map_shared_rank(bad_part, 0)[k * kFastRows + r] = bad ? 1.0f : 0.0f;
+      cluster.map_shared_rank(rec_part, 0)[k * F + r] = s;
+      cluster.map_shared_rank(bad_part, 0)[k * F + r] = bad ? 1.0f : 0.0f;
     }
   }
-  FE_TRACE(15);
-  cluster.sync();  // S5
-  FE_TRACE(16);
+  if (tid < C) bulk_wait_sent();  // this block's chunks are read before it may exit
+  FE_TRACE(13);
+  cluster.sync();  // S: the partials reached rank 0
+  FE_TRACE(14);
 
-  if (k == 0) write_rows(p, row0, R, C, kFastRows, rec_part, kl_part, bad_part);
-  FE_TRACE(17);
+  if (k == 0) write_rows(p, row0, R, C, F, rec_part, kl_part, bad_part);
+  FE_TRACE(15);
 }
 
 // Rows of `q` float4 with an odd count of float4 per row: 4 or 8 consecutive rows then start in
@@ -435,7 +431,6 @@ bool fast_layout(FastParams& p, int C) {
   p.ns_d = cdiv(D, C);
   p.ldk = odd_quads(p.qmax);  // also the tensor-map box width of the x and w1 slices
   p.w1_box = std::min(H, 256);
-  p.ldp = (H + 31) / 32 * 32 + 8;  // tile stores rt * ldp + ct: rows 8 banks apart
   p.ldd = odd_quads(H / 4);
   p.ldq = odd_quads(p.hs / 4);
   p.lds_l = round4(p.ns_l + 6);    // a 16-byte aligned window around ns_l columns
@@ -446,29 +441,41 @@ bool fast_layout(FastParams& p, int C) {
     off += (n + 31) & ~31LL;  // every buffer 128-byte aligned (tensor-map destinations)
     return static_cast<int>(at);
   };
-  const long long scratch = std::max<long long>(
-      {static_cast<long long>(cdiv(H, p.w1_box)) * p.w1_box * p.ldk, static_cast<long long>(kFastWarps) * F * kL4Pass,
-       static_cast<long long>(C) * F * p.hs, static_cast<long long>(C) * F * 2 * p.ns_l});
+  const long long ch1 = static_cast<long long>(F) * p.hs, ch2 = 2LL * F * p.ns_l;
+  const long long ch3 = static_cast<long long>(F) * p.ns_l;
   p.off_xk = take(static_cast<long long>(F) * p.ldk);
-  p.off_w1k = take(scratch);
-  p.off_pull = p.off_w1k;
+  // After L1, w1k's space holds L4's per-warp sums and the BCE terms.
+  const long long red = static_cast<long long>(kFastWarps) * F * kL4Pass;
+  p.off_w1k = take(std::max<long long>(static_cast<long long>(cdiv(H, p.w1_box)) * p.w1_box *
+                                           p.ldk,
+                                       red + static_cast<long long>(F) * p.ns_d));
+  p.off_red = p.off_w1k;
+  p.off_bce = p.off_w1k + static_cast<int>(red);
   p.off_b1 = take(p.hs);
-  p.off_p1 = take(static_cast<long long>(F) * std::max(p.ldp, p.ldd));
   p.off_hk = take(static_cast<long long>(F) * p.ldq);
   p.off_wmu = take(static_cast<long long>(L) * p.hs);
   p.off_wlv = take(static_cast<long long>(L) * p.hs);
-  p.off_p2 = take(2LL * F * L);
   p.off_bl = take(2LL * p.lds_l);
   p.off_eps = take(static_cast<long long>(F) * p.lds_l);
   p.off_ml = take(2LL * F * p.ns_l);
   p.off_zs = take(static_cast<long long>(F) * L);
-  p.off_zl = take(static_cast<long long>(F) * p.ns_l);
   p.off_wd1 = take(static_cast<long long>(p.hs) * L);
   p.off_bd1 = take(p.hs);
-  p.off_dk = take(static_cast<long long>(F) * p.hs);
   p.off_wd2 = take(static_cast<long long>(p.ns_d) * p.ldd);
   p.off_bd2 = take(p.lds_d);
   p.off_xd = take(static_cast<long long>(F) * p.lds_d);
+  // ds over p1s: d arrives only after every block has received (so read) this block's p1s.
+  p.off_p1s = take(std::max<long long>(C * ch1, static_cast<long long>(F) * p.ldd));
+  p.off_ds = p.off_p1s;
+  p.off_r1 = take(C * ch1);
+  p.off_p2s = take(C * ch2);
+  p.off_r2 = take(C * ch2);
+  p.off_zl = take(ch3);
+  p.off_rz = take(C * ch3);
+  p.off_dk = take(ch1);
+  // d arrives over r1: a block sends d only after every block sent its z, i.e. after every
+  // block has read its r1 (RS1 precedes RS2 in each block).
+  p.off_rd = p.off_r1;
   p.off_rec = take(static_cast<long long>(C) * F);
   p.off_kl = take(static_cast<long long>(C) * F);
   p.off_bad = take(static_cast<long long>(C) * F);
