@@ -7,7 +7,7 @@
 // elbo.cu's kernel spends 56K cycles, of which 26K in two 2x2-tile FFMA loops that are
 // shared-memory-bound (4 LDS.128 per 16 FMA), 7K issuing the cp.async staging of 165 KB per
 // block (x tile + weight slices), ~10K in small phases waiting on global loads (biases, eps, x)
-// and 4-byte DSMEM stores. Here (v4 was ~43K cycles, 23.7 us per launch at B=128; now 36K, 19.7 us):
+// and 4-byte DSMEM stores. Here (v4: ~43K cycles, 23.7 us per launch at B=128; v6: 36K, 19.7):
 //   * the encoder is split over the input dimension: block k owns ~D/4C float4 columns of x and
 //     of w1 and computes PARTIAL sums for all H hidden units of its <= 20 rows; the cluster then
 //     reduces them through DSMEM. x is read once per cluster, not once per block.
