@@ -527,8 +527,8 @@ ElboStatus elbo_fast_plan(FastParams& p, int device, int cluster, bool one_wave,
   cudaError_t e = cluster_device(device, &dev);
   if (e != cudaSuccess) { *cuda_err = e; return kElboCudaError; }
   if (dev.major < 9) return kElboBadArch;
-  const bool ptrs = aligned16(p.x) && aligned16(p.eps) && aligned16(p.w1) && aligned16(p.b1) && aligned16(p.wmu) &&
-                    aligned16(p.wlv) && aligned16(p.wd1) && aligned16(p.bd1) && aligned16(p.wd2);
+  const bool ptrs = aligned16(p.x) && aligned16(p.eps) && aligned16(p.w1) && aligned16(p.b1) &&
+                    aligned16(p.wmu) && aligned16(p.wlv) && aligned16(p.wd1) && aligned16(p.bd1) && aligned16(p.wd2);
   if (p.D % 4 != 0 || p.H % 4 != 0 || p.L % 4 != 0 || !ptrs) return kElboNotAligned;
   const int nclu = cdiv(p.B, kFastRows);
   static const int kAuto[] = {16, 8};
