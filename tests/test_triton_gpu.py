@@ -11,6 +11,8 @@ to the envelope of the spec rerun with parameters perturbed at rounding level
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -27,16 +29,22 @@ DIMS = [(784, 256, 32), (781, 250, 31), (64, 48, 2), (100, 1024, 1)]
 DEV = "cuda"
 
 
-@pytest.fixture(scope="module")
-def tb():
+@pytest.fixture(scope="module", params=["tf32x3", "fp16x3"])
+def tb(request):
+    """The backend, with the slab table's operands set to each kind of halves in turn (TF32,
+    or scaled float16: fp16x3.py), so every test below holds both to the contract."""
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from fastelbo.backends import triton as mod
+    from fastelbo.backends.triton import elbo_forward as fwd
     reason = mod.unavailable_reason(torch.device(DEV))
     if reason is not None:
         pytest.skip(reason)
-    return mod
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("LARGE", "SMALL"):
+            mp.setattr(fwd, name, replace(getattr(fwd, name), operands=request.param))
+        yield mod
 
 
 def _params(dims, seed=0, scale=1.0, dtype=torch.float32):
@@ -134,7 +142,7 @@ def test_slab_boundaries_and_fused_path(tb, dims):
     x, eps = _inputs(4500, dims, seed=5)
     want = torch_ref.forward(x, p, eps)
     for cfg in dict.fromkeys((fwd.LARGE, fwd.SMALL)):  # the distinct table entries
-        cfg = fwd.SlabConfig(cfg.encode, cfg.decode, slab_rows=1000)
+        cfg = replace(cfg, slab_rows=1000)
         _assert_close(fwd.launch(x, p, eps, cfg), want, what=f"{cfg}")
     _assert_close(fwd.launch(x, p, eps, path="fused"), want, what="fused")
 

@@ -36,10 +36,13 @@ BATCHES = [1, 3, 17]
 # The slab path with the tile table's choice; the slab path with small hidden chunks that walk H
 # in several pieces with a ragged last one (48 = 3 x 16, 20 = 16 + 4), D in ragged column tiles,
 # and slabs of 5 rows so that B = 17 crosses three slab boundaries (the last slab partial); and
-# the one-kernel fused path with the same small chunks.
+# the one-kernel fused path with the same small chunks. "slab-tiny-fp16" runs the tiny slab tiles
+# with scaled float16 halves (fp16x3.py): the interpreter multiplies them exactly, so it checks
+# that split's accuracy (22 bits per operand), scales and exponent bookkeeping on the CPU too.
 CONFIGS = {
     "slab-table": None,
     "slab-tiny": ("slab", (16, 16, 16, 16, 4, 1), (16, 16, 16, 4, 1), 5),
+    "slab-tiny-fp16": ("slab", (16, 16, 16, 16, 4, 1), (16, 16, 16, 4, 1), 5, "fp16x3"),
     "fused-split-h": ("fused", (16, 16, 16, 16, 4, 2)),
 }
 
@@ -73,8 +76,8 @@ def _run(x, p, eps, config):
         return fwd.launch(x, p, eps)
     if config[0] == "fused":
         return fwd.launch(x, p, eps, fwd.FusedConfig(*config[1]))
-    _, enc, dec, rows = config
-    cfg = fwd.SlabConfig(fwd.EncodeTiles(*enc), fwd.DecodeTiles(*dec), slab_rows=rows)
+    _, enc, dec, rows, *operands = config
+    cfg = fwd.SlabConfig(fwd.EncodeTiles(*enc), fwd.DecodeTiles(*dec), rows, *operands)
     return fwd.launch(x, p, eps, cfg, path="slab")
 
 

@@ -14,6 +14,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...params import VAEParams
+from .fp16x3 import _pow2f, _split16
 
 # Read when this module is imported: @triton.jit decides then between compiling for the GPU and
 # running in the numpy interpreter, so the math helpers below are chosen at the same moment.
@@ -123,9 +124,14 @@ def _dot3(a_hi, a_lo, b_hi_ptrs, b_lo_ptrs, b_mask, acc):
 
 
 @triton.jit
-def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_b, hh, h_ok,
-                   D: tl.constexpr, W_STRIDE: tl.constexpr, BLOCK_K: tl.constexpr):
+def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_exp, enc_b, hh, h_ok,
+                   D: tl.constexpr, W_STRIDE: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HALF: tl.constexpr):
     """(relu(x @ enc_w[hh, :]^T + enc_b[hh]) as a [BM, BH] tile, invalid-x count per row).
+
+    HALF: enc_hi / enc_lo are fp16x3.split_weights16's scaled float16 halves with one exponent
+    per hidden unit (enc_exp), and x is split into float16 halves (exact: x is in [0, 1] in
+    every valid row); else TF32 halves (common._split, enc_exp unused).
 
     x_rows: [BM, 1] pointers to the rows' starts; enc_hi / enc_lo: the weight halves (row
     stride W_STRIDE, split_weights; TMA descriptors for them measured no faster on the H200 and
@@ -150,7 +156,10 @@ def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_b, hh, h_ok,
         # Targets outside [0, 1] (or NaN) make the row NaN; counted here, where x is in
         # registers anyway, per element (the row sums once after the loop, no shuffles here).
         bad += tl.where(m & ~((xt >= 0.0) & (xt <= 1.0)), 1, 0)
-        x_hi, x_lo = _split(xt)
+        if HALF:
+            x_hi, x_lo = _split16(xt, 1.0)
+        else:
+            x_hi, x_lo = _split(xt)
         w_off = hh[None, :] * W_STRIDE + kk[:, None]
         w_mask = k_ok[:, None] & h_ok[None, :]
         w_hi = tl.load(enc_hi + w_off, mask=w_mask, other=0.0)
@@ -159,6 +168,8 @@ def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_b, hh, h_ok,
         tile = tl.dot(x_hi, w_lo, tile, input_precision="tf32")
         tile = tl.dot(x_hi, w_hi, tile, input_precision="tf32")
         acc = _add_rn(acc, tile)
+    if HALF:
+        acc = acc * _pow2f(tl.load(enc_exp + hh, mask=h_ok, other=0))[None, :]
     hb = tl.load(enc_b + hh, mask=h_ok, other=0.0)
     h = tl.maximum(acc + hb[None, :], 0.0, propagate_nan=tl.PropagateNan.ALL)
     return h, tl.sum(bad, axis=1)
@@ -197,26 +208,36 @@ def _bce_rowsum(logits, xv, mask):
 @triton.jit
 def _decoder_hidden(z_hi, z_lo, w1_hi, w1_lo, b1_ptr, hh, h_ok, l_idx, l_ok, L: tl.constexpr):
     """d chunk [BM, BH] = relu(z @ dec_w1[hh, :]^T + dec_b1[hh]), split for the next MMA."""
+    return _split(_decoder_hidden_f32(z_hi, z_lo, w1_hi, w1_lo, b1_ptr, hh, h_ok, l_idx, l_ok, L))
+
+
+@triton.jit
+def _decoder_hidden_f32(z_hi, z_lo, w1_hi, w1_lo, b1_ptr, hh, h_ok, l_idx, l_ok,
+                        L: tl.constexpr):
+    """The same d chunk in float32, unsplit."""
     w_off = hh[None, :] * L + l_idx[:, None]
     b1 = tl.load(b1_ptr + hh, mask=h_ok, other=0.0)
     acc = tl.zeros([z_hi.shape[0], hh.shape[0]], dtype=tl.float32) + b1[None, :]
     d = _dot3(z_hi, z_lo, w1_hi + w_off, w1_lo + w_off, l_ok[:, None] & h_ok[None, :], acc)
-    return _split(tl.maximum(d, 0.0, propagate_nan=tl.PropagateNan.ALL))
+    return tl.maximum(d, 0.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def _split_weights_kernel(enc_w, mu_w, lv_w, dec_w1, dec_w2,
                           enc_hi, enc_lo, mu_hi, mu_lo, lv_hi, lv_lo, w1_hi, w1_lo, w2_hi, w2_lo,
                           D: tl.constexpr, H: tl.constexpr, L: tl.constexpr,
-                          DP: tl.constexpr, HP: tl.constexpr, BLOCK: tl.constexpr):
+                          DP: tl.constexpr, HP: tl.constexpr, BLOCK: tl.constexpr,
+                          BIG: tl.constexpr):
     """Each weight matrix w -> (hi, lo) once per forward (1.7 MB at 784/256/32, one launch).
-    enc_w and dec_w2 land with row strides DP and HP (multiples of 4; see split_weights)."""
+    enc_w and dec_w2 land with row strides DP and HP (multiples of 4; see split_weights), and
+    only if BIG."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    _split_store(enc_w, enc_hi, enc_lo, offs, H, D, DP)
+    if BIG:
+        _split_store(enc_w, enc_hi, enc_lo, offs, H, D, DP)
+        _split_store(dec_w2, w2_hi, w2_lo, offs, D, H, HP)
     _split_store(mu_w, mu_hi, mu_lo, offs, L, H, H)
     _split_store(lv_w, lv_hi, lv_lo, offs, L, H, H)
     _split_store(dec_w1, w1_hi, w1_lo, offs, H, L, L)
-    _split_store(dec_w2, w2_hi, w2_lo, offs, D, H, HP)
 
 
 @triton.jit
@@ -254,17 +275,18 @@ def _pad4(n: int) -> int:
     return (n + 3) // 4 * 4
 
 
-def split_weights(params: VAEParams) -> list[torch.Tensor]:
+def split_weights(params: VAEParams, big: bool = True) -> list[torch.Tensor]:
     """[hi, lo] for enc_w, mu_w, lv_w, dec_w1, dec_w2: one workspace of 2 x 1.7 MB (784/256/32),
     from the caching allocator, so CUDA-graph capture sees an ordinary in-graph allocation.
     Every half starts 16-byte aligned, and enc_w's and dec_w2's halves have row strides padded
     to a multiple of 4 floats (dec_w2's for the decoder's stacked_descriptor, hi right before
     lo; enc_w's padding is no longer needed since the encoder reads by pointers, and was kept
-    as measured); read row strides through .stride(0)."""
+    as measured); read row strides through .stride(0). big=False leaves out enc_w and dec_w2
+    (their halves come back empty: the fp16x3 slab forward splits them itself)."""
     d, h, lat = params.dims
     weights = (params.enc_w, params.mu_w, params.lv_w, params.dec_w1, params.dec_w2)
-    shapes = [((h, d), _pad4(d)), ((lat, h), h), ((lat, h), h), ((h, lat), lat),
-              ((d, h), _pad4(h))]
+    shapes = [((h if big else 0, d), _pad4(d)), ((lat, h), h), ((lat, h), h), ((h, lat), lat),
+              ((d if big else 0, h), _pad4(h))]
     sizes = [_pad4(rows * stride) for (rows, _), stride in shapes]
     ws = torch.empty(2 * sum(sizes), dtype=torch.float32, device=params.enc_w.device)
     halves, off = [], 0
@@ -273,9 +295,10 @@ def split_weights(params: VAEParams) -> list[torch.Tensor]:
             halves.append(ws[off + part * n:off + part * n + rows * stride]
                           .view(rows, stride)[:, :cols])
         off += 2 * n
-    grid = (triton.cdiv(max(w.numel() for w in weights), SPLIT_BLOCK),)
+    grid = (triton.cdiv(max(w.numel() for w in (weights if big else weights[1:4])),
+                        SPLIT_BLOCK),)
     _split_weights_kernel[grid](*weights, *halves, D=d, H=h, L=lat, DP=_pad4(d), HP=_pad4(h),
-                                BLOCK=SPLIT_BLOCK)
+                                BLOCK=SPLIT_BLOCK, BIG=big)
     return halves
 
 

@@ -46,6 +46,7 @@ from .common import (
     _bce_rowsum,
     _check,
     _decoder_hidden,
+    _decoder_hidden_f32,
     _dot3,
     _encode_hidden,
     _exp,
@@ -56,20 +57,22 @@ from .common import (
     stacked_descriptor,
 )
 from .elbo_fused import FusedConfig, launch_fused, pick_fused
+from .fp16x3 import _pow2f, _row_max, _scale_exponent, _split16, _unscale, pad8, split_weights16
 
 
 @triton.jit
 def _encode_kernel(
     x_ptr, eps_ptr,
-    enc_hi, enc_lo, enc_b, mu_hi, mu_lo, mu_b, lv_hi, lv_lo, lv_b, w1_hi, w1_lo, dec_b1,
-    d_hi_ptr, d_lo_ptr, recon_ptr, kl_ptr,
+    enc_hi, enc_lo, enc_exp, enc_b, mu_hi, mu_lo, mu_b, lv_hi, lv_lo, lv_b, w1_hi, w1_lo,
+    dec_b1, d_hi_ptr, d_lo_ptr, d_exp_ptr, recon_ptr, kl_ptr,
     row0, n_rows,
     D: tl.constexpr, H: tl.constexpr, L: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_HD: tl.constexpr,
+    BLOCK_HD: tl.constexpr, HALF: tl.constexpr,
 ):
     """Rows row0 + [0, n_rows) of the batch; d goes to workspace rows [0, n_rows) (row stride
-    HP)
+    HP), as TF32 halves, or (HALF) as scaled float16 halves with one exponent per row in
+    d_exp_ptr (fp16x3.py)
     Offsets inside a slab are int32 (launch() keeps slab_rows * max(D, H) < 2^31): 64-bit
     pointer arithmetic per element costs registers this kernel does not have."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -90,8 +93,8 @@ def _encode_kernel(
     for h0 in range(0, H, BLOCK_H):
         hh = h0 + h_idx
         h_ok = hh < H
-        h, bad = _encode_hidden(x_ptr + rows[:, None] * D, row_ok, enc_hi, enc_lo, enc_b, hh,
-                                h_ok, D, DP, BLOCK_K)
+        h, bad = _encode_hidden(x_ptr + rows[:, None] * D, row_ok, enc_hi, enc_lo, enc_exp,
+                                enc_b, hh, h_ok, D, DP, BLOCK_K, HALF)
         n_bad += bad  # the same count in every chunk's pass: only > 0 matters
         h_hi, h_lo = _split(h)
         w_off = l_idx[None, :] * H + hh[:, None]
@@ -111,11 +114,29 @@ def _encode_kernel(
     tl.store(kl_ptr + rows, tl.where(bad, float("nan"), kl), mask=row_ok)
     tl.store(recon_ptr + rows, tl.where(bad, float("nan"), 0.0), mask=row_ok)
 
-    # ---- decoder hidden layer, chunk by chunk, to the workspace as TF32 halves.
+    # ---- decoder hidden layer, chunk by chunk, to the workspace as halves. Float16 halves need
+    # the row's scale first: one pass finds the largest finite d, a second recomputes each chunk
+    # (K = L: ~4% of the encoder's MMA work) and stores it.
+    inv = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+    if HALF:
+        d_max = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_HD):
+            hh = h0 + tl.arange(0, BLOCK_HD)
+            h_ok = hh < H
+            dc = _decoder_hidden_f32(z_hi, z_lo, w1_hi, w1_lo, dec_b1, hh, h_ok, l_idx, l_ok, L)
+            d_max = tl.maximum(d_max, _row_max(dc, h_ok[None, :]))
+        e = _scale_exponent(d_max)
+        tl.store(d_exp_ptr + rows, e, mask=row_ok)
+        inv = _pow2f(-e)[:, None]
     for h0 in range(0, H, BLOCK_HD):
         hh = h0 + tl.arange(0, BLOCK_HD)
         h_ok = hh < H
-        dc_hi, dc_lo = _decoder_hidden(z_hi, z_lo, w1_hi, w1_lo, dec_b1, hh, h_ok, l_idx, l_ok, L)
+        if HALF:
+            dc_hi, dc_lo = _split16(_decoder_hidden_f32(z_hi, z_lo, w1_hi, w1_lo, dec_b1, hh,
+                                                        h_ok, l_idx, l_ok, L), inv)
+        else:
+            dc_hi, dc_lo = _decoder_hidden(z_hi, z_lo, w1_hi, w1_lo, dec_b1, hh, h_ok, l_idx,
+                                           l_ok, L)
         off = rows[:, None] * HP + hh[None, :]
         m = row_ok[:, None] & h_ok[None, :]
         tl.store(d_hi_ptr + off, dc_hi, mask=m)
@@ -124,10 +145,10 @@ def _encode_kernel(
 
 @triton.jit
 def _decode_bce_kernel(
-    x_ptr, d_desc, w2_desc, dec_b2, part_ptr,
+    x_ptr, d_desc, w2_desc, d_exp, w2_exp, dec_b2, part_ptr,
     row0, n_rows, ws_rows,
     D: tl.constexpr, H: tl.constexpr, N_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr,
 ):
     """partial[row, j] = sum over columns of tile j of BCE(sigmoid(d W2^T + b2), x).
 
@@ -163,7 +184,11 @@ def _decode_bce_kernel(
         # here: K = H is short, and the tf32x3 emulation and test_saturated_params pass without).
         acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
     corr = tl.where(corr != corr, 0.0, corr)  # noqa: PLR0124 (NaN test)
-    logits = acc + corr + tl.load(dec_b2 + nn, mask=n_ok, other=0.0)[None, :]
+    acc = acc + corr
+    if HALF:  # scaled float16 halves: d's row exponents, W2's per output column
+        acc = _unscale(acc, tl.load(d_exp + rows, mask=row_ok, other=0),
+                       tl.load(w2_exp + nn, mask=n_ok, other=0))
+    logits = acc + tl.load(dec_b2 + nn, mask=n_ok, other=0.0)[None, :]
 
     m = row_ok[:, None] & n_ok[None, :]
     xv = tl.load(x_ptr + rows[:, None] * D + nn[None, :], mask=m, other=0.0)
@@ -211,12 +236,15 @@ class DecodeTiles:
 class SlabConfig:
     encode: EncodeTiles
     decode: DecodeTiles
-    slab_rows: int    # rows per slab: the d workspace is 2 x slab_rows x H floats
+    slab_rows: int    # rows per slab: the d workspace is 2 x slab_rows x H floats (or halves)
+    operands: str = "tf32x3"  # the big GEMMs' halves: "tf32x3" (common._split) or "fp16x3"
 
 
-# The d workspace is 2 * SLAB_ROWS * H * 4 B = 32 MiB at H = 256, inside the 50 MB budget with
-# the weights and partials (module docstring). Wider H gets proportionally fewer rows.
-SLAB_ELEMS = 16384 * 256
+OPERANDS = ("tf32x3", "fp16x3")
+# The d workspace is 2 * 16384 * H * 4 B = 32 MiB at H = 256 in TF32 halves, inside the 50 MB
+# budget with the weights and partials (module docstring); float16 halves take twice the rows.
+# Wider H gets proportionally fewer rows.
+SLAB_BYTES = 2 * 16384 * 256 * 4
 FINISH_BLOCK = 256
 
 # Deterministic table (no autotuning, so nothing is timed during graph capture), from
@@ -247,7 +275,8 @@ def pick_config(batch: int, dims: tuple[int, int, int], sm_count: int) -> SlabCo
 def slab_rows(config: SlabConfig, batch: int, dims: tuple[int, int, int]) -> int:
     """Rows per slab: the config's, capped by the workspace budget and by int32 offsets."""
     d, h, _ = dims
-    return max(1, min(batch, config.slab_rows, SLAB_ELEMS // max(1, h),
+    elem = 2 if config.operands == "fp16x3" else 4
+    return max(1, min(batch, config.slab_rows, SLAB_BYTES // (2 * elem * max(1, h)),
                       (2**31 - 1) // max(1, d, h)))
 
 
@@ -270,34 +299,45 @@ def launch(x: torch.Tensor, params: VAEParams, eps: torch.Tensor,
     d, h, lat = params.dims
     cfg = config or pick_config(batch, (d, h, lat), device_sms(x))
     enc, dec = cfg.encode, cfg.decode
+    if cfg.operands not in OPERANDS:
+        raise ValueError(f"operands must be one of {OPERANDS}, got {cfg.operands!r}")
+    half = cfg.operands == "fp16x3"
     rows = slab_rows(cfg, batch, (d, h, lat))
     n_tiles = triton.cdiv(d, dec.block_n)
 
-    enc_hi, enc_lo, mu_hi, mu_lo, lv_hi, lv_lo, w1_hi, w1_lo, w2_hi, w2_lo = split_weights(params)
+    enc_hi, enc_lo, mu_hi, mu_lo, lv_hi, lv_lo, w1_hi, w1_lo, w2_hi, w2_lo = split_weights(
+        params, big=not half)
     elbo, recon, kl = (torch.empty(batch, dtype=torch.float32, device=x.device) for _ in range(3))
     part = torch.empty(batch, n_tiles, dtype=torch.float32, device=x.device)
-    hp = w2_hi.stride(0)  # H padded to a multiple of 4 floats: TMA row strides are 16-byte
-    d_ws = torch.empty(2, rows, hp, dtype=torch.float32, device=x.device)
+    if half:
+        enc_hi, enc_lo, enc_exp, w2_hi, w2_lo, w2_exp = split_weights16(params)
+        d_exp = torch.empty(rows, dtype=torch.int32, device=x.device)
+    else:
+        enc_exp = w2_exp = d_exp = part  # not read
+    # H padded to 16 bytes: TMA row strides (4 floats, or 8 halves)
+    hp = pad8(h) if half else w2_hi.stride(0)
+    d_ws = torch.empty(2, rows, hp, dtype=torch.float16 if half else torch.float32,
+                       device=x.device)
     w2_desc = stacked_descriptor(w2_hi, w2_lo, (dec.block_n, dec.block_k))
     d_desc = stacked_descriptor(d_ws[0, :, :h], d_ws[1, :, :h], (dec.block_m, dec.block_k))
     for row0 in range(0, batch, rows):
         n = min(rows, batch - row0)
         _encode_kernel[(triton.cdiv(n, enc.block_m),)](
             x, eps,
-            enc_hi, enc_lo, params.enc_b, mu_hi, mu_lo, params.mu_b, lv_hi, lv_lo, params.lv_b,
-            w1_hi, w1_lo, params.dec_b1,
-            d_ws[0], d_ws[1], recon, kl,
+            enc_hi, enc_lo, enc_exp, params.enc_b, mu_hi, mu_lo, params.mu_b, lv_hi, lv_lo,
+            params.lv_b, w1_hi, w1_lo, params.dec_b1,
+            d_ws[0], d_ws[1], d_exp, recon, kl,
             row0, n,
             D=d, H=h, L=lat, HP=hp, DP=enc_hi.stride(0),
             BLOCK_M=enc.block_m, BLOCK_K=enc.block_k, BLOCK_H=enc.block_h,
-            BLOCK_L=_pow2(lat), BLOCK_HD=enc.block_hd,
+            BLOCK_L=_pow2(lat), BLOCK_HD=enc.block_hd, HALF=half,
             num_warps=enc.num_warps, num_stages=enc.num_stages, **_regcap(enc.maxnreg),
         )
         _decode_bce_kernel[(triton.cdiv(n, dec.block_m) * n_tiles,)](
-            x, d_desc, w2_desc, params.dec_b2, part,
+            x, d_desc, w2_desc, d_exp, w2_exp, params.dec_b2, part,
             row0, n, rows,
             D=d, H=h, N_TILES=n_tiles,
-            BLOCK_M=dec.block_m, BLOCK_N=dec.block_n, BLOCK_K=dec.block_k,
+            BLOCK_M=dec.block_m, BLOCK_N=dec.block_n, BLOCK_K=dec.block_k, HALF=half,
             num_warps=dec.num_warps, num_stages=dec.num_stages, **_regcap(dec.maxnreg),
         )
     _finish_kernel[(triton.cdiv(batch, FINISH_BLOCK),)](

@@ -66,8 +66,8 @@ def _elbo_fwd_kernel(
     for h0 in range(0, H, BLOCK_H):
         hh = h0 + h_idx
         h_ok = hh < H
-        h, _ = _encode_hidden(x_ptr + row_off[:, None] * D, row_ok, enc_hi, enc_lo, enc_b, hh,
-                              h_ok, D, DP, BLOCK_K)
+        h, _ = _encode_hidden(x_ptr + row_off[:, None] * D, row_ok, enc_hi, enc_lo, enc_b,
+                              enc_b, hh, h_ok, D, DP, BLOCK_K, False)  # TF32 halves
         h_hi, h_lo = _split(h)
         w_off = l_idx[None, :] * H + hh[:, None]
         w_mask = h_ok[:, None] & l_ok[None, :]
