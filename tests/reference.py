@@ -45,6 +45,25 @@ def bce_probe_params(logits: list[float], *, hidden=16, latent=4, seed=0, device
                       dec_b2=torch.tensor(logits, dtype=torch.float32, device=device))
 
 
+def wide_range_case(dims, ratio, batch, *, seed=0, device="cpu"):
+    """(params, x, eps) where each operand row of the two big GEMMs holds one element `ratio`
+    times its others' size that takes no part in the result: enc_w's column 0 (x[:, 0] = 0),
+    d's unit 0 (dec_b1[0] large, its dec_w2 column zero) and dec_w2's column 1 (d's unit 1 is 0:
+    dec_b1[1] very negative). A kernel that scales operands per row (fp16x3.py) computes the
+    result from elements `ratio` below the row's scale."""
+    p = iwae_params(dims, seed=seed, device=device)
+    enc_w, dec_b1, dec_w2 = p.enc_w.clone(), p.dec_b1.clone(), p.dec_w2.clone()
+    enc_w[:, 0] *= ratio
+    dec_b1[0], dec_b1[1] = ratio, -ratio
+    dec_w2[:, 0] = 0.0
+    dec_w2[:, 1] *= ratio
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    x = torch.rand(batch, dims[0], generator=gen, device=device)
+    x[:, 0] = 0.0
+    eps = torch.randn(batch, dims[2], generator=gen, device=device)
+    return p._replace(enc_w=enc_w, dec_b1=dec_b1, dec_w2=dec_w2), x, eps
+
+
 def twins(dims, *, backend="torch", seed=0, dtype=torch.float32, device="cpu", scale=1.0):
     """The reference Model and a ModelNew with identical weights (optionally scaled)."""
     torch.manual_seed(seed)

@@ -20,7 +20,7 @@ from fastelbo import ModelNew, VAEParams
 from fastelbo.backends import torch_ref
 from fastelbo.harness.compare import PERTURB_RUNS, assert_outputs_match, perturbed
 from fastelbo.problems import load_problem
-from reference import bce_epilogue_cases, bce_probe_params
+from reference import bce_epilogue_cases, bce_probe_params, wide_range_case
 
 pytestmark = pytest.mark.gpu
 
@@ -31,8 +31,10 @@ DEV = "cuda"
 
 @pytest.fixture(scope="module", params=["tf32x3", "fp16x3"])
 def tb(request):
-    """The backend, with the slab table's operands set to each kind of halves in turn (TF32,
-    or scaled float16: fp16x3.py), so every test below holds both to the contract."""
+    """The backend, with the slab table set to each kind of halves in turn (its TF32 entries,
+    or the scaled float16 entry FP16: fp16x3.py), so every test below holds both to the
+    contract. (Not through torch.set_float32_matmul_precision, which would also put the
+    references' own matmuls on TF32.)"""
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -42,8 +44,9 @@ def tb(request):
     if reason is not None:
         pytest.skip(reason)
     with pytest.MonkeyPatch.context() as mp:
-        for name in ("LARGE", "SMALL"):
-            mp.setattr(fwd, name, replace(getattr(fwd, name), operands=request.param))
+        if request.param == "fp16x3":
+            for name in ("LARGE", "SMALL"):
+                mp.setattr(fwd, name, fwd.FP16)
         yield mod
 
 
@@ -115,6 +118,19 @@ def test_saturated_params(tb, dims, scale, binary):
     p64 = VAEParams(*(t.double() for t in p))
     runs.append(tuple(t.float() for t in torch_ref.forward(x.double(), p64, eps.double())))
     assert_outputs_match(tuple(got), runs, 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize("ratio", [2.0**20, 2.0**24])
+@pytest.mark.parametrize("dims", [(784, 256, 32), (781, 250, 31)], ids=str)
+def test_operand_rows_of_wide_range(tb, dims, ratio):
+    """Operand rows whose largest element is 2^20 and 2^24 times the others but adds nothing
+    (reference.wide_range_case): scaled float16 halves (fp16x3.py) keep the small elements to
+    the contract; vs the float32 spec and float64."""
+    p, x, eps = wide_range_case(dims, ratio, 1000, device=DEV)
+    got = tb.forward(x, p, eps)
+    _assert_close(got, torch_ref.forward(x, p, eps), what="vs fp32")
+    p64 = VAEParams(*(t.double() for t in p))
+    _assert_close(got, torch_ref.forward(x.double(), p64, eps.double()), what="vs fp64")
 
 
 @pytest.mark.parametrize("case", bce_epilogue_cases().items(), ids=lambda c: c[0])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from interpret import IN_CHILD, child_only, parent_only, run_children
-from reference import bce_epilogue_cases, bce_probe_params
+from reference import bce_epilogue_cases, bce_probe_params, wide_range_case
 
 
 @parent_only
@@ -112,6 +112,42 @@ def test_saturated_params_and_binary_x(dims, scale):
         want = torch_ref.forward(x, p, eps)
         for config in CONFIGS.values():
             _assert_close(_run(x, p, eps, config), want, what=f"{dims} x{scale}")
+
+
+@child_only
+def test_fp16_halves_follow_torchs_float32_matmul_precision():
+    """The scaled float16 halves only where the user allows reduced float32 matmul precision,
+    and then the same numbers to the contract (the interpreter multiplies exactly, so this is
+    the split's own accuracy)."""
+    dims = (64, 48, 2)
+    p = _params(dims)
+    x, eps = torch.rand(7, dims[0]), torch.randn(7, dims[2])
+    want = torch_ref.forward(x, p, eps)
+    before = torch.get_float32_matmul_precision()
+    try:
+        for precision, operands in (("highest", "tf32x3"), ("high", "fp16x3"),
+                                    ("medium", "fp16x3")):
+            torch.set_float32_matmul_precision(precision)
+            assert fwd.pick_config(7, dims, 1).operands == operands, precision
+            _assert_close(fwd.launch(x, p, eps), want, what=precision)
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@child_only
+@pytest.mark.parametrize("ratio", [2.0**20, 2.0**24])
+def test_operand_rows_of_wide_range(ratio):
+    """Rows whose largest element is 2^20 and 2^24 times the others but adds nothing: the scaled
+    float16 halves keep the small elements to the contract (fp16x3.py's error bound), against
+    the float32 spec and float64."""
+    dims = (64, 48, 2)
+    p, x, eps = wide_range_case(dims, ratio, 17)
+    p64 = VAEParams(*(t.double() for t in p))
+    want64 = tuple(t.float() for t in torch_ref.forward(x.double(), p64, eps.double()))
+    for name, config in CONFIGS.items():
+        got = _run(x, p, eps, config)
+        _assert_close(got, torch_ref.forward(x, p, eps), what=f"{name} vs fp32")
+        _assert_close(got, want64, what=f"{name} vs fp64")
 
 
 @child_only

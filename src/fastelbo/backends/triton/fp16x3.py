@@ -16,6 +16,12 @@ needs no scale (the contract keeps valid targets in [0, 1]: its halves are exact
 float32's spacing near 1/2). Rows whose finite max is under 2^-86 keep e = -100 (their values
 are below anything the 1e-4 contract can see); inf stays inf (lo = inf - inf = NaN, dropped as
 in common._dot3) and NaN stays NaN.
+
+Where that floor shows: a row whose result comes from elements far below its largest one, which
+itself adds nothing (reference.wide_range_case). In the interpreter (exact products) the error
+is 0.01 of the 1e-4 tolerance at a ratio of 2^24, 0.1 at 2^28 and 2.5-4x over it at 2^32; TF32
+halves stay at the float32 spec's own 0.001. So elbo_forward uses these halves only when the user
+allows reduced float32 matmul precision (torch.set_float32_matmul_precision).
 """
 from __future__ import annotations
 
