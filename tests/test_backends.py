@@ -47,10 +47,18 @@ def test_held_out_backends_never_get_a_rule(monkeypatch):
     monkeypatch.setattr(script, "HELD_OUT", {held: "fails a conformance test"})
     times = {held: {128: 0.01, 65536: 0.5}, "cuda": {128: 0.02, 65536: 1.5},
              "torch": {128: 0.1, 65536: 1.0}}
-    assert script.rules_from(times) == [{"backend": "cuda", "max_batch": 128},
+    assert script.rules_from(times) == [{"backend": "cuda", "max_batch": 2896},  # sqrt(128 x 65536)
                                         {"backend": "torch", "max_batch": script.OPEN_ENDED}]
     shipped = json.loads(backends._CROSSOVER.read_text())
     assert {r["backend"] for r in shipped["rules"]}.isdisjoint(shipped.get("held_out", {}))
+
+
+def test_rules_switch_at_the_geometric_mean_of_the_samples_around_a_crossover():
+    script = _crossover_script()
+    times = {"cuda": {512: 0.1, 2048: 0.2, 8192: 0.5, 65536: 3.0},
+             "triton": {512: 0.3, 2048: 0.3, 8192: 0.4, 65536: 1.0}}
+    assert script.rules_from(times) == [{"backend": "cuda", "max_batch": 4096},
+                                        {"backend": "triton", "max_batch": script.OPEN_ENDED}]
 
 
 @pytest.mark.parametrize("batch, want", [(1, "cuda"), (128, "cuda"), (129, "torch"),

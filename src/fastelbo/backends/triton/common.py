@@ -291,9 +291,8 @@ def split_weights(params: VAEParams, big: bool = True) -> list[torch.Tensor]:
     ws = torch.empty(2 * sum(sizes), dtype=torch.float32, device=params.enc_w.device)
     halves, off = [], 0
     for ((rows, cols), stride), n in zip(shapes, sizes):
-        for part in (0, 1):
-            halves.append(ws[off + part * n:off + part * n + rows * stride]
-                          .view(rows, stride)[:, :cols])
+        for part in (0, 1):  # one view op per half: this runs on every forward (host time)
+            halves.append(ws.as_strided((rows, cols), (stride, 1), off + part * n))
         off += 2 * n
     grid = (triton.cdiv(max(w.numel() for w in (weights if big else weights[1:4])),
                         SPLIT_BLOCK),)
