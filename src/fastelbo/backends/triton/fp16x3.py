@@ -11,7 +11,8 @@ product is scaled back by 2^(e_row + e_col) after the MMA, again exactly:
 
 Error: hi + lo is v to 2^-22 relative where lo is a normal float16 (|v| >= 2^-17 of the row's
 max), and to 2^-25 * 2^e absolute below that (float16 subnormals): at most 2^-39 of the row's
-largest element, far under float32's own rounding of any dot product that element enters. x
+largest element, far under float32's own rounding of a dot product that the largest element
+takes part in (where it adds nothing, multiplied by zeros, see below). x
 needs no scale (the contract keeps valid targets in [0, 1]: its halves are exact to 2^-25,
 float32's spacing near 1/2). Rows whose finite max is under 2^-86 keep e = -100 (their values
 are below anything the 1e-4 contract can see); inf stays inf (lo = inf - inf = NaN, dropped as
