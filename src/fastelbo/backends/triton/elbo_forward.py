@@ -60,7 +60,7 @@ from .common import (
     stacked_descriptor,
 )
 from .elbo_fused import FusedConfig, launch_fused, pick_fused
-from .fp16x3 import _pow2f, _row_max, _scale_exponent, _split16, _unscale, pad8, split_weights16
+from .fp16x3 import _pow2f, _row_max, _scale_exponent, _split16, _unscale, split_weights16
 
 
 @triton.jit
@@ -330,10 +330,8 @@ def launch(x: torch.Tensor, params: VAEParams, eps: torch.Tensor,
         d_exp = torch.empty(rows, dtype=torch.int32, device=x.device)
     else:
         enc_exp = w2_exp = d_exp = part  # not read
-    # H padded to 16 bytes: TMA row strides (4 floats, or 8 halves)
-    hp = pad8(h) if half else w2_hi.stride(0)
-    d_ws = torch.empty(2, rows, hp, dtype=torch.float16 if half else torch.float32,
-                       device=x.device)
+    hp = w2_hi.stride(0)  # H padded to 16 bytes (4 floats or 8 halves): TMA row strides
+    d_ws = torch.empty(2, rows, hp, dtype=w2_hi.dtype, device=x.device)  # d's halves as W2's
     w2_desc = stacked_descriptor(w2_hi, w2_lo, (dec.block_n, dec.block_k))
     d_desc = stacked_descriptor(d_ws[0, :, :h], d_ws[1, :, :h], (dec.block_m, dec.block_k))
     for row0 in range(0, batch, rows):
