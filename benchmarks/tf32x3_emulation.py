@@ -102,18 +102,10 @@ def linear(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor, mode: str) -> torc
 
 def forward(x, p: VAEParams, eps, modes: dict[str, str]):
     """torch_ref._forward_rows with each Linear in modes[layer] arithmetic."""
-    h = F.relu(linear(x, p.enc_w, p.enc_b, modes["enc"]))
-    mu = linear(h, p.mu_w, p.mu_b, modes["mu"])
-    lv = linear(h, p.lv_w, p.lv_b, modes["lv"])
-    z = mu + torch.exp(0.5 * lv) * eps
-    d = F.relu(linear(z, p.dec_w1, p.dec_b1, modes["dec1"]))
-    prob = torch.sigmoid(linear(d, p.dec_w2, p.dec_b2, modes["dec2"]))
-    nan_rows = torch.isnan(prob).any(-1)
-    prob = torch.where(nan_rows[:, None], torch.full_like(prob[:1], 0.5), prob)
-    recon = F.binary_cross_entropy(prob, x, reduction="none").sum(-1)
-    recon = torch.where(nan_rows, torch.full_like(recon, float("nan")), recon)
-    kl = -0.5 * (1 + lv - mu.pow(2) - lv.exp()).sum(-1)
-    return -(recon + kl), recon, kl
+    layer_of = {id(w): name for name, w in zip(LAYERS, (p.enc_w, p.mu_w, p.lv_w, p.dec_w1,
+                                                         p.dec_w2))}
+    return torch_ref._forward_rows(
+        x, p, eps, lambda a, w, b: linear(a, w, b, modes[layer_of[id(w)]]))
 
 
 VARIANTS = {

@@ -22,14 +22,15 @@ def invalid_rows(x: torch.Tensor) -> torch.Tensor:
     return ~((x >= 0) & (x <= 1)).all(dim=-1)
 
 
-def _forward_rows(x: torch.Tensor, p: VAEParams, eps: torch.Tensor):
-    # The problem's Model.forward, line for line, with eps injected for randn_like.
-    h = F.relu(F.linear(x, p.enc_w, p.enc_b))
-    mu = F.linear(h, p.mu_w, p.mu_b)
-    logvar = F.linear(h, p.lv_w, p.lv_b)
+def _forward_rows(x: torch.Tensor, p: VAEParams, eps: torch.Tensor, linear=F.linear):
+    # The problem's Model.forward, line for line, with eps injected for randn_like. `linear`
+    # (a, w, b): benchmarks/tf32x3_emulation.py swaps in emulated tensor-core arithmetic.
+    h = F.relu(linear(x, p.enc_w, p.enc_b))
+    mu = linear(h, p.mu_w, p.mu_b)
+    logvar = linear(h, p.lv_w, p.lv_b)
     std = torch.exp(0.5 * logvar)
     z = mu + std * eps
-    x_recon = torch.sigmoid(F.linear(F.relu(F.linear(z, p.dec_w1, p.dec_b1)), p.dec_w2, p.dec_b2))
+    x_recon = torch.sigmoid(linear(F.relu(linear(z, p.dec_w1, p.dec_b1)), p.dec_w2, p.dec_b2))
     # BCE raises (CPU) or device-asserts (CUDA) on a NaN probability, which overflowing weights
     # produce (exp(logvar) = inf): compute those rows on 0.5 and hand back NaN instead.
     nan_rows = torch.isnan(x_recon).any(-1)
