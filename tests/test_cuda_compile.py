@@ -71,12 +71,12 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
 
 
 # Each source's kernels: the cluster kernel's two register-tile variants (elbo_kernel<2,2>,
-# <4,4>), the rows path's two, the backward's four, the optimizer's one, the IWAE kernel's two
-# tiles (iwae_kernel<4> for 128 samples, <2> for 64).
+# <4,4>), the rows path's two and the noise check's fill, the backward's four, the optimizer's
+# one, the IWAE kernel's two tiles (iwae_kernel<4> for 128 samples, <2> for 64).
 EXPECTED_KERNELS = {
     "elbo_fast.cu": {"elbo_fast_kernel": 1},
     "elbo.cu": {"elbo_kernel": 2},
-    "rows.cu": {"reparam_kl_kernel": 1, "bce_kernel": 1},
+    "rows.cu": {"reparam_kl_kernel": 1, "bce_kernel": 1, "randn_fill_kernel": 1},
     "backward.cu": {"prep_kernel": 1, "bce_grad_kernel": 1, "latent_bwd_kernel": 1,
                     "colsum_kernel": 1},
     "adam.cu": {"adam_kernel": 1},
@@ -291,3 +291,94 @@ def test_philox_matches_tritons_stream(tmp_path):
         # 9 significant digits name a float32 exactly: compare as float32.
         assert struct.pack("f", float(o[2])) == struct.pack("f", float(t[2])), (o, t)
     assert len({tuple(o[:2]) for o in ours}) == len(ours)  # distinct draws
+
+
+
+# ---- torch.randn's stream (philox.cuh torch_randn_*), checked on the host -------------------
+_KAT_MAIN = r"""
+#include <cstdio>
+#include "philox.cuh"
+int main() {
+  // Random123's known answers for philox4x32_10 (kat_vectors): zero, all-ones, pi's digits.
+  uint32_t in[3][6] = {{0, 0, 0, 0, 0, 0},
+                       {~0u, ~0u, ~0u, ~0u, ~0u, ~0u},
+                       {0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u,
+                        0xa4093822u, 0x299f31d0u}};
+  for (auto& v : in) {
+    uint32_t c[4] = {v[0], v[1], v[2], v[3]};
+    fastelbo::philox4x32_10(c, v[4], v[5]);
+    std::printf("%08x %08x %08x %08x\n", c[0], c[1], c[2], c[3]);
+  }
+}
+"""
+_KAT_OUT = ["6627e8d5 e169c58d bc57ac4c 9b00dbd8", "408f276d 41c83b0e a20bc7c6 6d5451fd",
+            "d16cfe09 94fdcceb 5001e420 24126ea1"]
+
+
+@needs_nvcc
+def test_philox_known_answers(tmp_path):
+    main = tmp_path / "kat.cu"
+    main.write_text(_KAT_MAIN)
+    exe = tmp_path / "kat"
+    _run([NVCC, "-std=c++17", f"-I{cuda_backend.HERE}", "-o", str(exe), str(main)])
+    assert _run([str(exe)]).split("\n")[:3] == _KAT_OUT
+
+
+# curand's own device API made host-callable (its QUALIFIERS macro), driven the way PyTorch's
+# normal_ kernel drives it, against torch_randn_words for every word pair a float draws from.
+_CURAND_MAIN = r"""
+#define QUALIFIERS static __forceinline__ __host__ __device__
+#include <curand_kernel.h>
+#include <cstdio>
+#include "philox.cuh"
+int main() {
+  const unsigned long long seeds[] = {0ULL, 42ULL, 0x123456789abcdefULL, ~0ULL};
+  // PyTorch's offsets are multiples of 4; the others (and the 64-bit wrap) exercise curand4's
+  // word shifts and carries.
+  const unsigned long long offsets[] = {0, 4, 8, 1, 2, 3, 5, 4096, (1ULL << 34) + 7,
+                                        ~0ULL - 3, ~0ULL};
+  const unsigned long long threads[] = {256, 4096, 270336};
+  const unsigned long long elems[] = {0, 1, 255, 4095, 4096, 8191, 270335, 270336, 270337,
+                                      3 * 270336 + 5, 4 * 270336, 9 * 270336 + 17, 1ULL << 33};
+  long bad = 0, n = 0;
+  for (auto seed : seeds) for (auto off : offsets) for (auto T : threads) for (auto i : elems) {
+    const unsigned long long t = i % T, k = i / T;
+    curandStatePhilox4_32_10_t st;
+    curand_init(seed, t, off, &st);
+    uint4 r = curand4(&st);
+    for (unsigned long long c = 0; c < k / 4; ++c) r = curand4(&st);
+    const unsigned int w[4] = {r.x, r.y, r.z, r.w};
+    const int pair = 2 * static_cast<int>((k % 4) / 2);
+    unsigned int x, y;
+    bool sine;
+    fastelbo::torch_randn_words(seed, off, T, i, &x, &y, &sine);
+    ++n;
+    if (x != w[pair] || y != w[pair + 1] || sine != (k % 2 == 0)) ++bad;
+  }
+  std::printf("%ld %ld\n", n, bad);
+}
+"""
+
+
+def _curand_include() -> str | None:
+    """A directory holding curand_kernel.h: the CUDA toolkit's, or the nvidia-curand wheel's."""
+    roots = [Path(NVCC).resolve().parent.parent / "include"] if NVCC else []
+    for base in map(Path, sys.path):
+        roots += [base / "nvidia" / "cu13" / "include", base / "nvidia" / "curand" / "include"]
+    return next((str(r) for r in roots if (r / "curand_kernel.h").exists()), None)
+
+
+@needs_nvcc
+def test_torch_randn_words_follow_curand(tmp_path):
+    """The words torch_randn_words picks are those curand_init(seed, t, offset) + curand4 give
+    the thread of PyTorch's normal_ launch that writes element i (the GPU tests then check the
+    floats against torch.randn itself)."""
+    inc = _curand_include()
+    if inc is None:
+        pytest.skip("curand_kernel.h not found (CUDA toolkit or nvidia-curand wheel)")
+    main = tmp_path / "curand_main.cu"
+    main.write_text(_CURAND_MAIN)
+    exe = tmp_path / "curand_cmp"
+    _run([NVCC, "-std=c++17", f"-I{inc}", f"-I{cuda_backend.HERE}", "-o", str(exe), str(main)])
+    n, bad = map(int, _run([str(exe)]).split())
+    assert n == 4 * 11 * 3 * 13 and bad == 0

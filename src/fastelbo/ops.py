@@ -7,6 +7,8 @@ the op's dispatch costs more host time than the whole launch.
 
 RNG contract: without `eps`, exactly one `torch.randn(B, latent_dim)` is drawn from the default
 generator of x's device, where the reference calls `randn_like`; equal seeds give equal results.
+A backend with `forward_drawing` (cuda) may draw those same numbers inside its launch, for calls
+that no autograd or tracer sees (backends/cuda/noise.py).
 """
 from __future__ import annotations
 
@@ -116,7 +118,7 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _needs_op(x: torch.Tensor, eps: torch.Tensor, params: VAEParams) -> bool:
+def _needs_op(x: torch.Tensor, eps: torch.Tensor | None, params: VAEParams) -> bool:
     """Whether a GPU backend's call must go through the custom op: autograd has to record it
     (some input requires grad), or something sees ops as they run (torch.compile / export
     tracing, a functorch transform, a dispatch mode such as FakeTensorMode, a torch-function
@@ -127,7 +129,7 @@ def _needs_op(x: torch.Tensor, eps: torch.Tensor, params: VAEParams) -> bool:
             or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
         return True
     grad = torch.is_grad_enabled()
-    for t in (x, eps, *params):
+    for t in (x, *params) if eps is None else (x, eps, *params):
         if type(t) not in _PLAIN or (grad and t.requires_grad):
             return True
     return False
@@ -142,6 +144,10 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
         params = VAEParams(*params)
     check_inputs(x, params, eps)
     name = resolve_backend(backend, x)
+    if eps is None and name != "torch":
+        drawing = getattr(backends.module(name), "forward_drawing", None)
+        if drawing is not None and not _needs_op(x, None, params):
+            return drawing(x.contiguous(), VAEParams._make(map(torch.Tensor.contiguous, params)))
     if eps is None:
         eps = (_draw_noise if torch.compiler.is_compiling() else _randn)(x, params[2].shape[0])
     else:

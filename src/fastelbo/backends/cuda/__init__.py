@@ -252,32 +252,37 @@ def check_inputs(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows:
 
 
 def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
-            cluster: int = 0, staged: int = -1, path: str = "auto", _poison: bool = False):
+            cluster: int = 0, staged: int = -1, path: str = "auto", draw: bool = False,
+            _poison: bool = False):
     """(elbo, recon, kl), each (B,) float32, on the current stream.
 
     path: "auto" (a cluster kernel for small batches, the rows path for large ones), "fast"
     (elbo_fast.cu: dims multiples of 4, any B), "cluster" (elbo.cu, any dims) or "rows".
     rows / cluster > 0 and staged in (0, 1) force the cluster kernel's launch plan
-    (tuning only); _poison fills the outputs with NaN first, so tests can prove every element
-    is written.
+    (tuning only); draw=True overwrites eps with one torch.randn(B, latent_dim) draw from the
+    default generator of x's device and computes with it (inside the fast kernel where it runs;
+    noise.py says when that is exact); _poison fills the outputs with NaN first, so tests can
+    prove every element is written.
     """
     check_inputs(x, params, eps, rows=rows, cluster=cluster, staged=staged, path=path)
     params = VAEParams(*params)
     if path == "fast":
         check_fast_path(x, params)
     out = extension().forward(x, eps, *params, rows, cluster, staged, bool(_poison),
-                              PATHS[path])
+                              PATHS[path], bool(draw))
     return out[0], out[1], out[2]
 
 
-def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor):
+def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
+                     draw: bool = False):
     """forward with the default launch options, for fastelbo.ops only.
 
     ops has already run validation.check_inputs (types, shapes, one dtype, one device),
     resolved this backend for x (so a CUDA device this backend runs on, and float32) and made
     every tensor contiguous: of check_inputs' checks, only those left are repeated here (a dense
     layout, positive dims, sizes within int32). Any failure is re-checked by check_inputs,
-    which raises the same exception as `forward` would. Call `forward` otherwise.
+    which raises the same exception as `forward` would. Call `forward` otherwise. draw: as
+    forward's (noise.forward_drawing).
     """
     batch, d = x.shape
     h, lat = params[0].shape[0], params[2].shape[0]
@@ -286,7 +291,7 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor):
             and all(p.layout == torch.strided for p in params)):
         check_inputs(x, params, eps)
         raise AssertionError("forward_prepared was handed inputs fastelbo.ops did not prepare")
-    out = extension().forward(x, eps, *params, 0, 0, -1, False, PATHS["auto"])
+    out = extension().forward(x, eps, *params, 0, 0, -1, False, PATHS["auto"], draw)
     return out[0], out[1], out[2]
 
 
@@ -317,3 +322,6 @@ def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads, *,
         given.append(g.contiguous())  # e.g. mean()'s gradient is an expanded scalar
     out = extension().backward(x, eps, *params, *given, *used, bool(need_x), bool(need_eps))
     return (out[0] if need_x else None), (out[1] if need_eps else None), list(out[2:])
+
+
+from .noise import forward_drawing, randn_matches  # noqa: F401  (needs the names above)

@@ -20,6 +20,7 @@
 // fastelbo/export.py inlines this file (with FASTELBO_INLINE defined and elbo.h pasted in) into
 // a load_inline source, where torch generates the Python binding itself.
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -27,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 #include "elbo.h"
@@ -159,10 +161,49 @@ void rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& 
 
 }  // namespace
 
+// Reserves one torch.randn(n) float32 draw from the device's default CUDA generator, as
+// PyTorch's normal_ does (ATen/native/cuda/DistributionTemplates.h: calc_execution_policy with
+// curand_normal4's 4 outputs per call, then philox_cuda_state under the generator's mutex),
+// and returns what a kernel needs to reproduce it (philox.cuh). Graph capture: the generator
+// hands out device pointers and an intra-graph offset, as it does to PyTorch's own kernels.
+fastelbo::TorchRandn reserve_randn(int64_t n, c10::DeviceIndex device) {
+  // The two device properties PyTorch reads (attribute queries: no cudaGetDeviceProperties).
+  int sms = 0, threads_per_sm = 0;
+  FE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+               cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor,
+                                      device) == cudaSuccess,
+           "reading device ", static_cast<int>(device), "'s attributes failed");
+  constexpr int64_t kBlock = 256, kUnroll = 4;
+  const int64_t grid = std::min<int64_t>((n + kBlock - 1) / kBlock,
+                                         static_cast<int64_t>(sms) * (threads_per_sm / kBlock));
+  const uint64_t increment = static_cast<uint64_t>((n - 1) / (kBlock * grid * kUnroll) + 1) * 4;
+  at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(device);
+  at::PhiloxCudaState st;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    st = at::check_generator<at::CUDAGeneratorImpl>(gen)->philox_cuda_state(increment);
+  }
+  fastelbo::TorchRandn r{};
+  r.captured = st.captured_ ? 1 : 0;
+  if (st.captured_) {
+    r.seed_ptr = reinterpret_cast<const long long*>(st.seed_.ptr);
+    r.offset_ptr = reinterpret_cast<const long long*>(st.offset_.ptr);
+    r.offset_intragraph = static_cast<unsigned long long>(st.offset_intragraph_);
+  } else {
+    r.seed = st.seed_.val;
+    r.offset = st.offset_.val;
+  }
+  r.threads = static_cast<unsigned long long>(kBlock * grid);
+  return r;
+}
+
 // Returns {elbo, recon, kl}, each (B,) float32. path: 0 auto, 1 cluster, 2 rows, 3 fast
 // (elbo_fast.cu; see the crossovers above for what auto takes). rows / cluster
 // > 0 and staged >= 0 force the cluster plan (tuning; -1 / 0 = automatic) and imply path 1;
 // poison = true fills the outputs with NaN before the launch (tests: every element is written).
+// draw = true: eps's contents are not read but overwritten with one torch.randn(B, L) draw from
+// the default CUDA generator (the same numbers and the same generator advance as that call):
+// drawn inside the fast kernel where it runs (no separate launch), else by at::normal_ first.
 std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
                                      const at::Tensor& enc_w, const at::Tensor& enc_b,
                                      const at::Tensor& mu_w, const at::Tensor& mu_b,
@@ -170,7 +211,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
                                      const at::Tensor& dec_w1, const at::Tensor& dec_b1,
                                      const at::Tensor& dec_w2, const at::Tensor& dec_b2,
                                      int64_t rows, int64_t cluster, int64_t staged,
-                                     bool poison, int64_t path) {
+                                     bool poison, int64_t path, bool draw) {
   FE_CHECK(x.defined(), "x is undefined");
   const auto dev = x.device();
   FE_CHECK_TENSOR(x, "x", dev);
@@ -233,12 +274,18 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
     FE_CHECK(fst != fastelbo::kElboCudaError, "planning the fast launch failed: ",
              cudaGetErrorString(ferr));
     if (fst == fastelbo::kElboOk) {
+      if (draw) {  // B <= kFastMaxBatch: B * L is far inside PyTorch's 32-bit indexing
+        f.draw = 1;
+        f.rng = reserve_randn(B * L, dev.index());
+        f.eps_out = eps.data_ptr<float>();
+      }
       check_launch(fastelbo::elbo_fast_launch(f, stream), "fast cluster kernel");
       return out;
     }
     FE_CHECK(path == kPathAuto, "path=fast does not apply here (status ", static_cast<int>(fst),
              "); fastelbo.backends.cuda checks this before the call");
   }
+  if (draw) eps.normal_(0.0, 1.0);  // the default generator of eps's device, as torch.randn
   const int64_t cluster_max = auto_fast ? kClusterFallbackMax : kClusterMaxBatch;
   if (path == kPathRows || (path == kPathAuto && B > cluster_max)) {
     rows_forward(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
@@ -543,6 +590,22 @@ at::Tensor iwae_partials(const at::Tensor& x, const at::Tensor& mu, const at::Te
   return part;
 }
 
+// torch.randn(n) from `device`'s default generator, reproduced by rows.cu's randn_fill_kernel
+// (philox.cuh): the numbers torch.randn would give and the same generator advance, where the
+// reproduction is exact. fastelbo.backends.cuda compares the two before the fast kernel draws
+// its own noise.
+at::Tensor draw_randn(int64_t n, int64_t device) {
+  FE_CHECK(n >= 1 && n <= std::numeric_limits<int>::max(), "n must be in [1, 2^31 - 1], got ", n);
+  const auto dev = static_cast<c10::DeviceIndex>(device);
+  const c10::cuda::CUDAGuard guard(dev);
+  auto out = at::empty({n}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, dev));
+  const fastelbo::TorchRandn r = reserve_randn(n, dev);
+  check_launch(fastelbo::randn_fill_launch(out.data_ptr<float>(), n, r,
+                                           c10::cuda::getCurrentCUDAStream(dev).stream()),
+               "randn fill kernel");
+  return out;
+}
+
 // The IWAE kernel's tile for these dims on this device: {samples per tile, smem bytes, 0} or
 // {0, 0, status} when it does not apply (fastelbo.backends.cuda.iwae reads it).
 std::vector<int64_t> iwae_plan_info(int64_t device, int64_t D, int64_t H, int64_t L) {
@@ -568,7 +631,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("lv_b"), pybind11::arg("dec_w1"), pybind11::arg("dec_b1"),
         pybind11::arg("dec_w2"), pybind11::arg("dec_b2"), pybind11::arg("rows") = 0,
         pybind11::arg("cluster") = 0, pybind11::arg("staged") = -1,
-        pybind11::arg("poison") = false, pybind11::arg("path") = 0);
+        pybind11::arg("poison") = false, pybind11::arg("path") = 0,
+        pybind11::arg("draw") = false);
   m.def("backward", &elbo_backward,
         "gradients {x, eps, 10 params} of <g, (elbo, recon, kl)>; see fastelbo/backends/cuda",
         pybind11::arg("x"), pybind11::arg("eps"), pybind11::arg("enc_w"), pybind11::arg("enc_b"),
@@ -598,6 +662,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("image"), pybind11::arg("dec_w1"), pybind11::arg("dec_b1"),
         pybind11::arg("dec_w2"), pybind11::arg("dec_b2"), pybind11::arg("samples"),
         pybind11::arg("k_per_split"), pybind11::arg("splits"), pybind11::arg("seed"));
+  m.def("draw_randn", &draw_randn,
+        "torch.randn(n) on the device's default generator, reproduced in a kernel",
+        pybind11::arg("n"), pybind11::arg("device"));
   m.def("iwae_plan", &iwae_plan_info,
         "IWAE tile {samples per tile, smem_bytes, 0} or {0, 0, status}",
         pybind11::arg("device"), pybind11::arg("D"), pybind11::arg("H"), pybind11::arg("L"));

@@ -41,6 +41,18 @@ struct ForwardArgs {
   int B, D, H, L;
 };
 
+// One torch.randn(n) float32 draw from a CUDA generator, for a kernel that reproduces it
+// (philox.cuh, torch_randn_*): binding.cpp fills it from at::PhiloxCudaState after reserving
+// the draw's counter range exactly as PyTorch's normal_ does.
+struct TorchRandn {
+  unsigned long long seed, offset;         // captured == 0
+  const long long* seed_ptr;               // captured != 0 (CUDA graph capture): read at run
+  const long long* offset_ptr;             //   time, offset = *offset_ptr + offset_intragraph
+  unsigned long long offset_intragraph;
+  unsigned long long threads;              // threads of PyTorch's normal_ launch for n
+  int captured;
+};
+
 struct ElboParams : ForwardArgs {
   // Filled by elbo_plan():
   int R;                  // batch rows per cluster (one row tile)
@@ -103,6 +115,11 @@ struct FastParams : ForwardArgs {
   int off_p1s, off_r1, off_p2s, off_r2, off_zl, off_rz, off_dk, off_rd;
   int off_rec, off_kl, off_bad;
   int smem_bytes;
+  // draw != 0: eps is not read; each block draws its own elements of torch.randn(B, L) from
+  // rng instead (philox.cuh) and writes them to eps_out (B x L).
+  int draw;
+  TorchRandn rng;
+  float* eps_out;
 };
 
 // Plans the fast path for this device (cluster > 0 forces C; one_wave: only if all clusters are
@@ -153,6 +170,9 @@ struct BceParams {
 
 cudaError_t reparam_launch(const ReparamParams& p, cudaStream_t stream) noexcept;
 cudaError_t bce_launch(const BceParams& p, cudaStream_t stream) noexcept;
+// out[0, n) = the torch.randn(n) draw r describes, reproduced (philox.cuh); one launch.
+cudaError_t randn_fill_launch(float* out, long long n, const TorchRandn& r,
+                              cudaStream_t stream) noexcept;
 
 // ---- backward (backward.cu): the gradient of <g, (elbo, recon, kl)>, as torch_ref.backward ----
 // prep_kernel, one warp per row: keep = x row inside [0, 1] and not NaN; xc = keep ? x : 0;

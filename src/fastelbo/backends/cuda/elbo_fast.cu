@@ -43,6 +43,7 @@
 #include "elbo.h"
 #include "cluster.cuh"
 #include "elbo_math.cuh"
+#include "philox.cuh"
 
 #include <cooperative_groups.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
@@ -173,7 +174,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     for (int g = 0; g < 8; ++g) mbar_init(&bar[g], 1);
     mbar_fence_init();
     mbar_arrive_expect(&bar[0], 4u * ldk * (F + nbox * p.w1_box) + 4u * hs);
-    mbar_arrive_expect(&bar[1], 4u * (2 * L * hs + 2 * nsl + F * lds_l));
+    mbar_arrive_expect(&bar[1], 4u * (2 * L * hs + 2 * nsl + (p.draw ? 0 : F * lds_l)));
     mbar_arrive_expect(&bar[2], 4u * (hs * L + hs));
     mbar_arrive_expect(&bar[3], 4u * (ncd * H + nsd + F * lds_d));
     mbar_arrive_expect(&bar[4], 4u * (C - 1) * ch1);  // the own chunk is a plain copy (send)
@@ -186,7 +187,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     bulk_copy(b1k, p.b1 + h0, 4u * hs, &bar[0]);
     tma_load_2d(wmus, &p.tm_wmu, h0, 0, &bar[1]);
     tma_load_2d(wlvs, &p.tm_wlv, h0, 0, &bar[1]);
-    tma_load_2d(epk, &p.tm_eps, sl0, row0, &bar[1]);
+    if (!p.draw) tma_load_2d(epk, &p.tm_eps, sl0, row0, &bar[1]);
     if (nsl > 0) {
       bulk_copy(bl, p.bmu + sl0, 4u * nsl, &bar[1]);
       bulk_copy(bl + lds_l, p.blv + sl0, 4u * nsl, &bar[1]);
@@ -200,6 +201,24 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   for (int i = tid; i < ncd; i += kFastThreads)
     bulk_copy(wd2s + i * ldd, p.wd2 + static_cast<size_t>(n0d + i) * H, 4u * H, &bar[3]);
   cluster_arrive();  // this block's barriers exist: others may send once everyone arrived
+  if (p.draw) {
+    // The noise in the kernel: this block's window of torch.randn(B, L) (rows and columns
+    // the tile load would have brought, 0 outside eps as the tile load fills), read by RS2
+    // after several __syncthreads; the block's own latent indices also go to eps_out, so each
+    // element of eps_out is written by exactly one block.
+    uint64_t seed, offset;
+    torch_randn_seeds(p.rng, &seed, &offset);
+    for (int i = tid; i < F * nsl; i += kFastThreads) {
+      const int r = i / nsl, c = i - r * nsl, row = row0 + r, col = sl0 + c;
+      float v = 0.0f;
+      if (r < R && row < p.B && col < L) {
+        const uint64_t e = static_cast<uint64_t>(row) * L + col;
+        v = torch_randn_at(seed, offset, p.rng.threads, e);
+        if (c >= shl && c < shl + lcnt) p.eps_out[e] = v;
+      }
+      epk[r * lds_l + c] = v;
+    }
+  }
   FE_TRACE(1);
 
   // Sends this block's chunk(s) to every other block q: src + q * src_step floats (src_step 0:

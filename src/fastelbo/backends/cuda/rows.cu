@@ -5,8 +5,13 @@
 // sum: deterministic, no atomics. (A first version also did the latent GEMMs here with FFMA
 // register tiles; on an H200 it took 543 us at B = 65536 where cuBLAS takes ~130 us, so every
 // GEMM is cuBLAS's now.)
+// Also here: randn_fill_kernel, torch.randn(n) from philox.cuh's reproduction of it, which
+// fastelbo.backends.cuda compares with torch.randn before the fast kernel may draw its noise.
 #include "elbo.h"
 #include "elbo_math.cuh"
+#include "philox.cuh"
+
+#include <algorithm>
 
 namespace fastelbo {
 namespace {
@@ -64,7 +69,25 @@ __global__ void __launch_bounds__(kThreads) bce_kernel(const __grid_constant__ B
   }
 }
 
+// out[i] = element i of the draw r describes (philox.cuh), grid-stride.
+__global__ void __launch_bounds__(kThreads) randn_fill_kernel(float* out, long long n,
+                                                              const TorchRandn r) {
+  uint64_t seed, offset;
+  torch_randn_seeds(r, &seed, &offset);
+  const long long step = static_cast<long long>(gridDim.x) * kThreads;
+  for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += step)
+    out[i] = torch_randn_at(seed, offset, r.threads, static_cast<uint64_t>(i));
+}
+
 }  // namespace
+
+cudaError_t randn_fill_launch(float* out, long long n, const TorchRandn& r,
+                              cudaStream_t stream) noexcept {
+  const long long blocks = std::min<long long>((n + kThreads - 1) / kThreads, 4096);
+  randn_fill_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(out, n, r);
+  return cudaGetLastError();
+}
 
 cudaError_t reparam_launch(const ReparamParams& p, cudaStream_t stream) noexcept {
   reparam_kl_kernel<<<cdiv(p.n, kWarps), kThreads, 0, stream>>>(p);
