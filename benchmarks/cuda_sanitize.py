@@ -5,7 +5,8 @@
     compute-sanitizer --tool synccheck python3 benchmarks/cuda_sanitize.py
     compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize.py --quick
 
---quick runs 7 small forward cases (every path, staged and unstaged cluster plans), the
+--quick runs 7 small forward cases (every path, staged and unstaged cluster plans) and 2 with
+the noise drawn inside the fast kernel (draw=True), the
 backward at two odd sizes (every branch: all outputs used, and kl alone), one Adam step and
 three IWAE calls (both tiles, 16- and 4-byte staging, injected and Philox noise, a NaN image),
 so racecheck, which is the slowest tool, finishes in a minute or two.
@@ -57,6 +58,17 @@ def quick() -> int:
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} dims={dims} B={batch} rows={rows} cluster={cluster} "
               f"staged={staged} path={path}", flush=True)
+    for dims, batch in (((784, 256, 32), 128), ((100, 96, 12), 45)):  # noise drawn in-kernel
+        torch.manual_seed(0)
+        params = VAEParams(*(t.detach().cuda() for t in Model(*dims).state_dict().values()))
+        x = torch.rand(batch, dims[0], device="cuda")
+        torch.manual_seed(1)
+        want = torch_ref.forward(x, params, torch.randn(batch, dims[2], device="cuda"))
+        torch.manual_seed(1)
+        ok = check(params, x, torch.empty(batch, dims[2], device="cuda"), want, path="fast",
+                   draw=True)
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} dims={dims} B={batch} path=fast draw=True", flush=True)
     failures += quick_backward_and_adam()
     failures += quick_iwae()
     print(f"{failures} failure(s)")
