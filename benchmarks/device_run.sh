@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
-# Stages: build env tests cuda-tests other-gpu triton-tests triton-iwae host-triton profile-triton ncu-triton probe-saturated memcheck racecheck check check-auto bench cuda-plans cuda-paths
+# Stages: build env tests cuda-tests cuda-noise compile-host other-gpu triton-tests triton-iwae host-triton profile-triton ncu-triton probe-saturated memcheck racecheck check check-auto bench cuda-plans cuda-paths
 #         trace repro profile threads512 triton-sweep cuda-iwae iwae iwae-variants iwae-sweep train train-epochs
 #         multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
@@ -40,6 +40,10 @@ for stage in "$@"; do case $stage in
     pytest_gpu other_gpu "${T_OTHER:-90}" tests --ignore=tests/test_cuda_backend.py \
       --ignore=tests/test_cuda_backward.py --ignore=tests/test_cuda_iwae.py \
       --ignore=tests/test_triton_gpu.py --ignore=tests/test_triton_iwae.py ;;
+  cuda-noise) pytest_gpu test_cuda_noise "${T_NOISE:-120}" tests/test_cuda_noise.py ;;
+  compile-host)  # the host-side CUDA tests that want a toolkit with curand (test_cuda_compile)
+    run compile_host 180 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_compile.py \
+      -k "known_answers or follow_curand or philox" ;;
   triton-tests) pytest_gpu test_triton_gpu "${T_TRITON:-110}" tests/test_triton_gpu.py ;;
   triton-iwae) pytest_gpu test_triton_iwae "${T_IWAE:-90}" tests/test_triton_iwae.py ;;
   other-gpu) pytest_gpu other_gpu "${T_OTHER:-90}" tests --ignore=tests/test_cuda_backend.py \
