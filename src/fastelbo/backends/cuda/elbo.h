@@ -42,8 +42,8 @@ struct ForwardArgs {
 };
 
 // One torch.randn(n) float32 draw from a CUDA generator, for a kernel that reproduces it
-// (philox.cuh, torch_randn_*): binding.cpp fills it from at::PhiloxCudaState after reserving
-// the draw's counter range exactly as PyTorch's normal_ does.
+// (philox.cuh, torch_randn_*): binding.cpp fills it from PyTorch's PhiloxCudaState after
+// reserving the draw's counter range exactly as PyTorch's normal_ does.
 struct TorchRandn {
   unsigned long long seed, offset;         // captured == 0
   const long long* seed_ptr;               // captured != 0 (CUDA graph capture): read at run

@@ -22,7 +22,7 @@
 
 #include <cuda_runtime.h>
 
-#include "elbo.h"  // TorchRandn
+#include "elbo.h"
 
 namespace fastelbo {
 
@@ -114,7 +114,7 @@ __host__ __device__ __forceinline__ void torch_randn_words(uint64_t seed, uint64
 }
 
 // The draw's seed and offset: plain values, or read from the generator's device-side state
-// when the launch was captured in a CUDA graph (at::cuda::philox::unpack).
+// when the launch was captured in a CUDA graph (as PyTorch's philox::unpack reads them).
 __device__ __forceinline__ void torch_randn_seeds(const TorchRandn& r, uint64_t* seed,
                                                   uint64_t* offset) {
   if (r.captured) {
