@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
-# Stages: build env tests cuda-tests cuda-noise compile-host other-gpu triton-tests triton-iwae host-triton profile-triton ncu-triton probe-saturated memcheck racecheck check check-auto bench cuda-plans cuda-paths
+# Stages: build env tests cuda-tests cuda-noise compile-host other-gpu triton-tests triton-iwae host-triton profile-triton ncu-triton probe-saturated memcheck racecheck check check-cuda export-test check-auto bench cuda-plans cuda-paths
 #         trace repro profile threads512 triton-sweep cuda-iwae iwae iwae-variants iwae-sweep train train-epochs
 #         multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
@@ -58,6 +58,8 @@ for stage in "$@"; do case $stage in
     done
     for c in cuda triton; do run "check_odd_$c" 300 $FE check benchmarks/problems/vae_elbo_odd.py "fastelbo:$c" --device cuda --batch-sizes 1,7,1000; done
     $FE export --kernelbench "$LOGS/solution.py" && run check_export 400 $FE check vae_elbo "$LOGS/solution.py" --device cuda ;;
+  check-cuda) run check_cuda "${T_CHECK:-200}" $FE check vae_elbo fastelbo:cuda --device cuda --batch-sizes 1,7,128,1000,65536 --trials 3 ;;
+  export-test) pytest_gpu test_export "${T_EXPORT:-200}" tests/test_cuda_backend.py -k exported ;;
   check-auto) run check_auto "${T_CHECK:-100}" $FE check vae_elbo fastelbo:auto --device cuda --batch-sizes 1,7,128,1000,65536 --trials 2 ;;
   bench) run bench "${T_BENCH:-160}" $FE bench vae_elbo fastelbo:auto fastelbo:cuda fastelbo:triton --device cuda --batch-sizes 128,4096,65536 --out "$LOGS/bench.jsonl" ;;
   cuda-plans) run cuda_plans 240 python3 benchmarks/cuda_bench.py --plans ;;
