@@ -6,7 +6,7 @@
     compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize.py --quick
 
 --quick runs 7 small forward cases (every path, staged and unstaged cluster plans) and 2 with
-the noise drawn inside the fast kernel (draw=True), the
+the noise drawn inside the fast kernel (draw=True), the value check on x (two views), the
 backward at two odd sizes (every branch: all outputs used, and kl alone), one Adam step and
 three IWAE calls (both tiles, 16- and 4-byte staging, injected and Philox noise, a NaN image),
 so racecheck, which is the slowest tool, finishes in a minute or two.
@@ -69,6 +69,15 @@ def quick() -> int:
                    draw=True)
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} dims={dims} B={batch} path=fast draw=True", flush=True)
+    x = torch.rand(1 + 5 * 33, device="cuda")  # the value check, aligned and not
+    backend.unavailable_reason(x.device)
+    for v in (x[:165].view(5, 33), x[1:].view(5, 33)):
+        ok = backend.x_in_unit_range(v) is True
+        v[2, 7] = float("nan")
+        ok &= backend.x_in_unit_range(v) is False
+        v[2, 7] = 0.5
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} value check, offset {v.data_ptr() % 16} B", flush=True)
     failures += quick_backward_and_adam()
     failures += quick_iwae()
     print(f"{failures} failure(s)")

@@ -101,3 +101,11 @@ def test_parameters_on_two_devices_or_dtypes(model):
         check_params(params._replace(dec_b2=params.dec_b2.to("meta")))
     with pytest.raises(TypeError, match="dec_b2 is torch.float64"):
         check_params(params._replace(dec_b2=params.dec_b2.double()))
+
+
+def test_the_cuda_value_check_stays_out_of_cpu_tensors():
+    """The one-launch check applies only on a GPU the cuda backend already runs on; a CPU x
+    takes the torch-ops check (and never triggers an extension build)."""
+    from fastelbo.backends import cuda
+
+    assert cuda.x_in_unit_range(torch.rand(3, 4)) is None

@@ -121,6 +121,16 @@ def unavailable_reason(device: torch.device) -> str | None:
     return why
 
 
+def x_in_unit_range(x: torch.Tensor) -> bool | None:
+    """fastelbo.validation's value check in one launch and one sync (binding.cpp), for a
+    non-empty contiguous float32 x on a device this backend already runs on (its extension
+    built); None where it does not apply (the caller falls back to torch ops). Never builds."""
+    if (x.device in _RUNS_ON and x.dtype == torch.float32 and x.is_contiguous()
+            and x.numel() > 0 and x.layout == torch.strided):
+        return extension().x_in_unit_range(x)
+    return None
+
+
 def plan(x: torch.Tensor, params: VAEParams, *, rows: int = 0, cluster: int = 0,
          staged: int = -1) -> tuple[int, int, int, int, int]:
     """(R rows per cluster, C blocks per cluster, smem bytes, variant, staged) for this call.

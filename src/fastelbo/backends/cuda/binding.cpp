@@ -590,6 +590,30 @@ at::Tensor iwae_partials(const at::Tensor& x, const at::Tensor& mu, const at::Te
   return part;
 }
 
+// Whether every element of x (CUDA float32, contiguous, non-empty) lies in [0, 1], NaN not:
+// fastelbo.validation's value check in one launch (a flag per block), one copy of the flags to
+// pinned host memory and one sync of the current stream.
+bool x_in_unit_range(const at::Tensor& x) {
+  FE_CHECK_TENSOR(x, "x", x.device());
+  const int64_t n = x.numel();
+  FE_CHECK(n > 0, "x is empty");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  const int blocks = fastelbo::range_flags_blocks(n);
+  const at::Tensor flags = at::empty({blocks}, x.options().dtype(at::kInt));
+  const at::Tensor host =
+      at::empty({blocks}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  check_launch(
+      fastelbo::range_flags_launch(x.data_ptr<float>(), n, flags.data_ptr<int>(), stream),
+      "range check kernel");
+  cudaError_t err = cudaMemcpyAsync(host.data_ptr<int>(), flags.data_ptr<int>(),
+                                    sizeof(int) * blocks, cudaMemcpyDeviceToHost, stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  FE_CHECK(err == cudaSuccess, "reading the range flags back failed: ", cudaGetErrorString(err));
+  const int* h = host.data_ptr<int>();
+  return std::none_of(h, h + blocks, [](int f) { return f != 0; });
+}
+
 // torch.randn(n) from `device`'s default generator, reproduced by rows.cu's randn_fill_kernel
 // (philox.cuh): the numbers torch.randn would give and the same generator advance, where the
 // reproduction is exact. fastelbo.backends.cuda compares the two before the fast kernel draws
@@ -662,6 +686,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("image"), pybind11::arg("dec_w1"), pybind11::arg("dec_b1"),
         pybind11::arg("dec_w2"), pybind11::arg("dec_b2"), pybind11::arg("samples"),
         pybind11::arg("k_per_split"), pybind11::arg("splits"), pybind11::arg("seed"));
+  m.def("x_in_unit_range", &x_in_unit_range,
+        "whether every element of x lies in [0, 1] (NaN does not); one launch, one sync",
+        pybind11::arg("x"));
   m.def("draw_randn", &draw_randn,
         "torch.randn(n) on the device's default generator, reproduced in a kernel",
         pybind11::arg("n"), pybind11::arg("device"));

@@ -170,6 +170,11 @@ struct BceParams {
 
 cudaError_t reparam_launch(const ReparamParams& p, cudaStream_t stream) noexcept;
 cudaError_t bce_launch(const BceParams& p, cudaStream_t stream) noexcept;
+// The value check on x (n > 0 floats): flags[b] = 1 if block b of range_flags_blocks(n) saw a
+// value outside [0, 1] or NaN, else 0. One launch; the caller ORs the flags.
+int range_flags_blocks(long long n) noexcept;
+cudaError_t range_flags_launch(const float* x, long long n, int* flags,
+                               cudaStream_t stream) noexcept;
 // out[0, n) = the torch.randn(n) draw r describes, reproduced (philox.cuh); one launch.
 cudaError_t randn_fill_launch(float* out, long long n, const TorchRandn& r,
                               cudaStream_t stream) noexcept;

@@ -5,8 +5,10 @@
 // sum: deterministic, no atomics. (A first version also did the latent GEMMs here with FFMA
 // register tiles; on an H200 it took 543 us at B = 65536 where cuBLAS takes ~130 us, so every
 // GEMM is cuBLAS's now.)
-// Also here: randn_fill_kernel, torch.randn(n) from philox.cuh's reproduction of it, which
-// fastelbo.backends.cuda compares with torch.randn before the fast kernel may draw its noise.
+// Also here, two small kernels outside the forward: randn_fill_kernel, torch.randn(n) from
+// philox.cuh's reproduction of it, which fastelbo.backends.cuda compares with torch.randn before
+// the fast kernel may draw its noise; range_flags_kernel, the value check on x
+// (fastelbo.validation) in one launch.
 #include "elbo.h"
 #include "elbo_math.cuh"
 #include "philox.cuh"
@@ -80,7 +82,40 @@ __global__ void __launch_bounds__(kThreads) randn_fill_kernel(float* out, long l
     out[i] = torch_randn_at(seed, offset, r.threads, static_cast<uint64_t>(i));
 }
 
+// flags[block] = 1 where the block saw an element outside [0, 1] or NaN, else 0 (every block
+// writes its flag: no zero-fill launch). vec: x 16-byte aligned (float4 loads, then the tail).
+__device__ __forceinline__ bool outside_unit(float v) { return !(v >= 0.0f && v <= 1.0f); }
+
+__global__ void __launch_bounds__(kThreads) range_flags_kernel(const float* x, long long n,
+                                                               int vec, int* flags) {
+  const long long step = static_cast<long long>(gridDim.x) * kThreads;
+  const long long i0 = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  bool bad = false;
+  long long done = 0;
+  if (vec) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    done = n / 4 * 4;
+    for (long long i = i0; i < n / 4; i += step) {
+      const float4 v = __ldg(x4 + i);
+      bad |= outside_unit(v.x) | outside_unit(v.y) | outside_unit(v.z) | outside_unit(v.w);
+    }
+  }
+  for (long long i = done + i0; i < n; i += step) bad |= outside_unit(__ldg(x + i));
+  bad = __syncthreads_or(bad);
+  if (threadIdx.x == 0) flags[blockIdx.x] = bad ? 1 : 0;
+}
+
 }  // namespace
+
+int range_flags_blocks(long long n) noexcept {
+  return static_cast<int>(std::min<long long>((n + 8LL * kThreads - 1) / (8LL * kThreads), 1024));
+}
+
+cudaError_t range_flags_launch(const float* x, long long n, int* flags, cudaStream_t stream) noexcept {
+  const int vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 ? 1 : 0;
+  range_flags_kernel<<<range_flags_blocks(n), kThreads, 0, stream>>>(x, n, vec, flags);
+  return cudaGetLastError();
+}
 
 cudaError_t randn_fill_launch(float* out, long long n, const TorchRandn& r,
                               cudaStream_t stream) noexcept {
