@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
-# Stages: build env tests cuda-tests cuda-noise compile-host other-gpu triton-tests triton-iwae host-triton host-cuda profile-triton ncu-triton probe-saturated memcheck racecheck check check-cuda export-test check-auto bench cuda-plans cuda-paths
+# Stages: build env tests cuda-tests cuda-noise cuda-validation compile-host other-gpu triton-tests triton-iwae host-triton host-cuda profile-triton ncu-triton probe-saturated memcheck racecheck check check-cuda export-test check-auto bench cuda-plans cuda-paths
 #         trace repro profile threads512 triton-sweep cuda-iwae iwae iwae-variants iwae-sweep train train-epochs
 #         multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
@@ -41,6 +41,7 @@ for stage in "$@"; do case $stage in
       --ignore=tests/test_cuda_backward.py --ignore=tests/test_cuda_iwae.py \
       --ignore=tests/test_triton_gpu.py --ignore=tests/test_triton_iwae.py ;;
   cuda-noise) pytest_gpu test_cuda_noise "${T_NOISE:-120}" tests/test_cuda_noise.py ;;
+  cuda-validation) pytest_gpu test_cuda_validation 90 tests/test_cuda_validation.py ;;
   compile-host)  # the host-side CUDA tests that want a toolkit with curand (test_cuda_compile)
     run compile_host 180 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_compile.py \
       -k "known_answers or follow_curand or philox" ;;
