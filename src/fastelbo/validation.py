@@ -107,9 +107,9 @@ def _capturing(x: torch.Tensor) -> bool:
 
 
 def _in_unit_range(x: torch.Tensor) -> bool:
-    # On a GPU the cuda backend runs on: its one-launch check (~20 us less host time per call
-    # than the ops below at B = 128 on an H200, benchmarks/cuda_host_profile.py). Elsewhere one
-    # reduction and one device-to-host copy (min/max propagate NaN).
+    # On a GPU the cuda backend runs on: its one-launch check (21 us per call at B = 128 on an
+    # H200 where the ops below took 39, benchmarks/cuda_host_profile.py, runs 64-65). Elsewhere
+    # one reduction, a stack and one device-to-host copy (min/max propagate NaN).
     if x.is_cuda:
         from .backends import cuda
 

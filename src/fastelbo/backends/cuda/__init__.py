@@ -10,6 +10,8 @@ files hold the kernels (no torch types), elbo.h their plain params structs, elbo
 shared per-element math, binding.cpp the only torch-facing file. The extension is built on
 first use with torch.utils.cpp_extension.load (cached in torch's extension directory; the name
 carries a hash of the sources, so an edit rebuilds) and memoised here (functools.cache).
+noise.py: the forward's torch.randn drawn inside the fast kernel (forward_drawing);
+x_in_unit_range: fastelbo.validation's value check in one launch.
 """
 from __future__ import annotations
 

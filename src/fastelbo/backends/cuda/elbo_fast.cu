@@ -1,4 +1,5 @@
-// The fast cluster path: the whole forward after the noise draw in ONE launch, for dims that
+// The fast cluster path: the whole forward in ONE launch, the noise draw included when asked
+// (FastParams.draw: torch.randn's numbers from philox.cuh, see noise.py), for dims that
 // are multiples of 4 (float4 rows) and H a multiple of 4 * C. Role: the lowest latency for
 // 80 < B <= 384 (binding.cpp; one wave of 7 clusters of 16 blocks holds 140 rows on an H200);
 // elbo.cu's cluster kernel is the general path for small B and every other shape.
