@@ -245,10 +245,13 @@ def test_forward_prepared_launches_with_the_default_options(fake, monkeypatch):
     x, params, eps = make(fake)
     cuda.forward_prepared(x, params, eps)
     cuda.forward(x, params, eps)
-    (args_prepared, args_forward) = calls
-    assert len(args_prepared) == 2 + 10 + 5
+    cuda.forward_prepared(x, params, eps, draw=True)
+    (args_prepared, args_forward, args_drawing) = calls
+    assert len(args_prepared) == 2 + 10 + 6
     assert all(a is b for a, b in zip(args_prepared[:12], (x, eps, *params)))
-    assert args_prepared[12:] == args_forward[12:] == (0, 0, -1, False, cuda.PATHS["auto"])
+    assert args_prepared[12:] == args_forward[12:] == (0, 0, -1, False, cuda.PATHS["auto"],
+                                                       False)
+    assert args_drawing[12:] == (0, 0, -1, False, cuda.PATHS["auto"], True)
 
 
 def test_forward_prepared_refuses_what_ops_does_not_check(fake, monkeypatch):
