@@ -163,6 +163,36 @@ def test_no_grad_calls_the_backend_directly_and_grad_goes_through_the_op(op_call
         assert torch.equal(d, o.detach())
 
 
+def test_eps_none_without_autograd_lets_the_backend_draw(op_calls, monkeypatch):
+    """Without eps, a call that autograd and tracers do not see goes to the backend's
+    forward_drawing (the cuda backend draws torch.randn's numbers inside its kernel,
+    backends/cuda/noise.py) and ops draws nothing itself; with autograd recording, or with eps
+    given, ops draws (or takes eps) and calls as before."""
+    fake = backends.module("cuda")
+    drawn = []
+
+    def forward_drawing(x, params):
+        drawn.append(x.shape[0])
+        return torch_ref.forward(x, params, torch.randn(x.shape[0], params[2].shape[0]))
+
+    monkeypatch.setattr(fake, "forward_drawing", forward_drawing, raising=False)
+    ref, new = twins((16, 8, 3), backend="cuda")
+    x = torch.rand(6, 16)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        want = ref(x)
+        torch.manual_seed(5)
+        got = new(x)
+    assert drawn == [6] and op_calls == {"op": 0, "backend": 0}
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)  # the same RNG contract
+    new(x)  # the parameters require grad: through the op, ops draws
+    assert drawn == [6] and op_calls == {"op": 1, "backend": 1}  # the op runs forward_prepared
+    with torch.no_grad():
+        new(x, torch.randn(6, 3))
+    assert drawn == [6] and op_calls == {"op": 1, "backend": 2}
+
+
 def test_grad_mode_alone_does_not_need_the_op(op_calls):
     """Grad mode on, but nothing requires grad: autograd records nothing, so no op."""
     _, new = twins((16, 8, 3), backend="cuda")
