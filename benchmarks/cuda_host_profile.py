@@ -23,7 +23,9 @@ from fastelbo.problems.vae_elbo import Model
 from fastelbo.validation import check_values
 
 
-def per_call_us(fn, calls: int, synced: bool) -> float:
+def per_call_us(fn, calls: int, synced: bool = False) -> float:
+    """Host microseconds per call of fn: `calls` calls enqueued, one sync at the end, or a sync
+    after every call (synced). Also triton_host_profile.py's timer."""
     for _ in range(10):
         fn()
     torch.cuda.synchronize()

@@ -12,27 +12,15 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
 import triton
+from cuda_host_profile import per_call_us  # benchmarks/ is sys.path[0] when run as a script
 
 from fastelbo import VAEParams
 from fastelbo.backends.triton import common
 from fastelbo.backends.triton import elbo_forward as fwd
 from fastelbo.model import ModelNew
-
-
-def per_call_us(fn, calls: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
 
 
 def main() -> None:
