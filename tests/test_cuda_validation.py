@@ -62,3 +62,84 @@ def test_models_forward_refuses_bad_x_through_the_fast_check(cuda):
     x[100, 700] = float("nan")
     with torch.no_grad(), fastelbo.validation(True), pytest.raises(ValueError, match="x\\[100, 700\\]"):
         model(x)
+
+
+def test_started_checks_give_the_same_verdicts(cuda):
+    """range_check_start / finish (the check fastelbo.ops overlaps with its own work) agree
+    with x_in_unit_range; a check started and never finished (an exception between the two)
+    is waited out by the next start, which then gives its own verdict."""
+    cuda = runs(cuda)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device="cuda").manual_seed(11)
+    good = torch.rand(1000, 781, device="cuda", generator=g)
+    bad = good.clone()
+    bad[999, 780] = float("nan")
+    for x, want in ((good, True), (bad, False), (good, True)):
+        assert cuda.start_range_check(x) is True
+        assert cuda.finish_range_check(dev) is want
+    for first, second, want in ((bad, good, True), (good, bad, False)):
+        cuda.start_range_check(first)  # abandoned
+        cuda.start_range_check(second)
+        assert cuda.finish_range_check(dev) is want
+    big = torch.rand(8193, 784, device="cuda", generator=g)  # more blocks than the others
+    cuda.start_range_check(big)
+    small = torch.rand(3, 5, device="cuda", generator=g)
+    small[2, 4] = -1.0
+    cuda.start_range_check(small)  # its one flag, not big's stale ones, decides
+    assert cuda.finish_range_check(dev) is False
+    cuda.start_range_check(big)
+    assert cuda.finish_range_check(dev) is True
+
+
+def test_checks_of_two_threads_do_not_mix(cuda):
+    """Each thread has its own check in flight: two threads alternating starts and finishes
+    on different x (one good, one bad) each get their own verdict."""
+    import threading
+
+    cuda = runs(cuda)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    good = torch.rand(128, 784, device="cuda")
+    bad = good.clone()
+    bad[64, 3] = 1.5
+    barrier = threading.Barrier(2)
+    verdicts = {True: [], False: []}
+
+    def worker(x, want):
+        torch.cuda.set_device(dev)
+        for _ in range(50):
+            cuda.start_range_check(x)
+            barrier.wait()  # both started before either finishes
+            verdicts[want].append(cuda.finish_range_check(dev))
+            barrier.wait()
+
+    threads = [threading.Thread(target=worker, args=a) for a in ((good, True), (bad, False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert verdicts == {True: [True] * 50, False: [False] * 50}
+
+
+@pytest.mark.parametrize("batch", [7, 128, 1000])
+def test_a_refused_x_launches_nothing_and_draws_nothing(cuda, batch):
+    """ModelNew with validation on: a bad x raises the value error with the generator's state
+    as before the call (no noise drawn, no forward run); a good x afterwards gives the same
+    numbers as with validation off, for the same seed."""
+    cuda = runs(cuda)
+    model = fastelbo.ModelNew(784, 256, 32, backend="cuda").cuda()
+    x = torch.rand(batch, 784, device="cuda")
+    bad = x.clone()
+    bad[batch - 1, 783] = float("inf")
+    with torch.no_grad(), fastelbo.validation(True):
+        model(x)  # first use: builds, checks the in-kernel draw
+        state = torch.cuda.get_rng_state()
+        with pytest.raises(ValueError, match=f"x\\[{batch - 1}, 783\\] = inf"):
+            model(bad)
+        assert torch.equal(torch.cuda.get_rng_state(), state)
+        torch.cuda.manual_seed(3)
+        checked = model(x)
+        torch.cuda.manual_seed(3)
+        with fastelbo.validation(False):
+            unchecked = model(x)
+    for a, b in zip(checked, unchecked):
+        assert torch.equal(a, b)

@@ -252,3 +252,48 @@ def test_compile_under_no_grad_still_traces_the_op(op_calls):
     assert torch.ops.fastelbo.elbo_forward.default in targets
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+class _Verdict:
+    """A value check in flight, as validation.start_checks returns: logs its wait, may fail."""
+
+    def __init__(self, log, bad):
+        self.log, self.bad = log, bad
+
+    def wait(self):
+        self.log.append("wait")
+        if self.bad:
+            raise ValueError("x must lie in [0, 1] (stand-in verdict)")
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["drawing", "through-op"])
+@pytest.mark.parametrize("given_eps", [False, True], ids=["draw", "eps"])
+def test_the_value_verdict_comes_before_any_draw_or_launch(op_calls, monkeypatch, grad,
+                                                           given_eps):
+    """ops.elbo starts the value check, prepares the call, and waits for the verdict before
+    drawing noise or calling the backend: a failing verdict raises with nothing launched and
+    the generator untouched."""
+    log = []
+    fake = backends.module("cuda")
+    monkeypatch.setattr(fake, "forward_drawing", lambda x, p: log.append("backend") or
+                        torch_ref.forward(x, p, torch.randn(x.shape[0], p[2].shape[0])),
+                        raising=False)
+    real_prepared = fake.forward_prepared
+    monkeypatch.setattr(fake, "forward_prepared",
+                        lambda *a: log.append("backend") or real_prepared(*a))
+    _, new = twins((16, 8, 3), backend="cuda")
+    x = torch.rand(6, 16)
+    eps = torch.randn(6, 3) if given_eps else None
+    for bad in (False, True):
+        log.clear()
+        monkeypatch.setattr(ops, "start_checks", lambda *a, b=bad: _Verdict(log, b))
+        state = torch.get_rng_state()
+        with torch.set_grad_enabled(grad):
+            if bad:
+                with pytest.raises(ValueError, match="stand-in"):
+                    new(x, eps)
+            else:
+                new(x, eps)
+        assert log == (["wait"] if bad else ["wait", "backend"]), (bad, log)
+        if bad:
+            assert torch.equal(torch.get_rng_state(), state)

@@ -109,3 +109,21 @@ def test_the_cuda_value_check_stays_out_of_cpu_tensors():
     from fastelbo.backends import cuda
 
     assert cuda.x_in_unit_range(torch.rand(3, 4)) is None
+    assert cuda.start_range_check(torch.rand(3, 4)) is False
+
+
+def test_start_checks_on_cpu_gives_its_verdict_at_once(model):
+    """Off the GPU the value check runs inside start_checks: a bad x raises there, a good one
+    comes back with a verdict whose wait() passes; the other checks raise as check_inputs'."""
+    from fastelbo.validation import start_checks
+
+    params = model.vae_params()
+    x = torch.rand(5, 16)
+    start_checks(x, params, None).wait()
+    x[2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"first x\[2, 3\] = nan"):
+        start_checks(x, params, None)
+    with validation(False):
+        start_checks(x, params, None).wait()  # off: nothing to check
+    with pytest.raises(ValueError, match="eps must have shape"):
+        start_checks(x, params, torch.randn(5, 2))

@@ -17,7 +17,7 @@ import torch
 from . import backends
 from .backends import torch_ref
 from .params import VAEParams
-from .validation import check_inputs
+from .validation import start_checks
 
 
 def _prepared_forward(backend: str):
@@ -142,18 +142,22 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
         raise ValueError(f"backend must be one of {('auto',) + backends.NAMES}, got {backend!r}")
     if type(params) is not VAEParams:
         params = VAEParams(*params)
-    check_inputs(x, params, eps)
+    # The value check on x runs on the GPU while this prepares the call; the verdict is
+    # waited for before anything else is drawn or launched.
+    verdict = start_checks(x, params, eps)
     name = resolve_backend(backend, x)
+    # .contiguous() returns the tensor itself when it already is.
+    x, params = x.contiguous(), VAEParams._make(map(torch.Tensor.contiguous, params))
     if eps is None and name != "torch":
         drawing = getattr(backends.module(name), "forward_drawing", None)
         if drawing is not None and not _needs_op(x, None, params):
-            return drawing(x.contiguous(), VAEParams._make(map(torch.Tensor.contiguous, params)))
+            verdict.wait()
+            return drawing(x, params)
+    verdict.wait()
     if eps is None:
         eps = (_draw_noise if torch.compiler.is_compiling() else _randn)(x, params[2].shape[0])
     else:
         eps = eps.contiguous()
-    # .contiguous() returns the tensor itself when it already is.
-    x, params = x.contiguous(), VAEParams._make(map(torch.Tensor.contiguous, params))
     if name == "torch":
         return torch_ref.forward(x, params, eps)
     if _needs_op(x, eps, params):

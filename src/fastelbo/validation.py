@@ -2,7 +2,10 @@
 
 Shape, dtype and device checks always run (they cost nothing). The value check (x in [0, 1],
 no NaN) reads x back to the host, one device sync per call; it is on by default, skipped while
-a CUDA graph is being captured, and run eagerly (a graph break) under torch.compile. Turn it
+a CUDA graph is being captured, and run eagerly (a graph break) under torch.compile.
+`start_checks` leaves the value check running on the GPU (where the cuda backend's one-launch
+check applies) and returns a verdict to `wait()` on: fastelbo.ops prepares the launch meanwhile
+and waits just before it, so the host's work overlaps the check's round trip. Turn it
 off for speed with `fastelbo.set_validation(False)`, the `fastelbo.validation(False)` context
 manager or FASTELBO_VALIDATE=0: rows holding a bad value then come out as NaN in elbo, recon
 and kl (every backend guarantees this), never as a plausible number.
@@ -72,8 +75,41 @@ def check_params(params: VAEParams) -> None:
                              f"all parameters must be on one device")
 
 
+class _Done:
+    """A verdict already given (no value check, or one that ran synchronously)."""
+    __slots__ = ()
+
+    def wait(self) -> None:
+        pass
+
+
+_DONE = _Done()
+
+
+class _Pending:
+    """The cuda backend's value check on x, in flight on x's device."""
+    __slots__ = ("x",)
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+
+    def wait(self) -> None:
+        """Return once the check has passed; ValueError (as check_values') if it has not."""
+        from .backends import cuda
+
+        if not cuda.finish_range_check(self.x.device):
+            _raise_outside(self.x)
+
+
 def check_inputs(x, params: VAEParams, eps) -> None:
     """Raise a clear exception naming the argument; never returns a partial verdict."""
+    start_checks(x, params, eps).wait()
+
+
+def start_checks(x, params: VAEParams, eps):
+    """check_inputs, with the value check left running where it can: every other check has
+    raised or passed on return, and the returned verdict's wait() raises what check_inputs
+    would have raised for x's values (call it before anything reads x)."""
     check_params(params)
     d, _, lat = params.dims
     w = params.enc_w
@@ -98,8 +134,15 @@ def check_inputs(x, params: VAEParams, eps) -> None:
             raise ValueError(f"eps is on {eps.device} but the parameters are on {w.device}")
         if eps.dtype != w.dtype:
             raise TypeError(f"eps must be {w.dtype}, got {eps.dtype}")
-    if _enabled and not _capturing(x):
-        _check_values_eagerly(x)
+    if not _enabled or _capturing(x):
+        return _DONE
+    if x.is_cuda and not torch.compiler.is_compiling():
+        from .backends import cuda
+
+        if cuda.start_range_check(x):
+            return _Pending(x)
+    _check_values_eagerly(x)
+    return _DONE
 
 
 def _capturing(x: torch.Tensor) -> bool:
@@ -123,12 +166,16 @@ def _in_unit_range(x: torch.Tensor) -> bool:
 def check_values(x: torch.Tensor) -> None:
     """ValueError naming the first x value outside [0, 1] (or NaN)."""
     if not _in_unit_range(x):
-        bad = ~((x >= 0) & (x <= 1))
-        r, c = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"x must lie in [0, 1] (Bernoulli targets); {int(bad.sum())} value(s) do not, first "
-            f"x[{r}, {c}] = {float(x[r, c])}. Turn validation off (fastelbo.set_validation(False)) "
-            f"to get NaN in those rows instead.")
+        _raise_outside(x)
+
+
+def _raise_outside(x: torch.Tensor):
+    bad = ~((x >= 0) & (x <= 1))
+    r, c = (int(i) for i in bad.nonzero()[0])
+    raise ValueError(
+        f"x must lie in [0, 1] (Bernoulli targets); {int(bad.sum())} value(s) do not, first "
+        f"x[{r}, {c}] = {float(x[r, c])}. Turn validation off (fastelbo.set_validation(False)) "
+        f"to get NaN in those rows instead.")
 
 
 # Under torch.compile the check runs eagerly (a graph break), so it still raises.

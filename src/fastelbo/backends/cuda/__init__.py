@@ -11,7 +11,7 @@ shared per-element math, binding.cpp the only torch-facing file. The extension i
 first use with torch.utils.cpp_extension.load (cached in torch's extension directory; the name
 carries a hash of the sources, so an edit rebuilds) and memoised here (functools.cache).
 noise.py: the forward's torch.randn drawn inside the fast kernel (forward_drawing);
-x_in_unit_range: fastelbo.validation's value check in one launch.
+x_in_unit_range / start_range_check: fastelbo.validation's value check in one launch.
 """
 from __future__ import annotations
 
@@ -123,14 +123,32 @@ def unavailable_reason(device: torch.device) -> str | None:
     return why
 
 
+def _range_check_applies(x: torch.Tensor) -> bool:
+    return (x.device in _RUNS_ON and x.dtype == torch.float32 and x.is_contiguous()
+            and x.numel() > 0 and x.layout == torch.strided)
+
+
 def x_in_unit_range(x: torch.Tensor) -> bool | None:
-    """fastelbo.validation's value check in one launch and one sync (binding.cpp), for a
+    """fastelbo.validation's value check in one launch and one wait (binding.cpp), for a
     non-empty contiguous float32 x on a device this backend already runs on (its extension
     built); None where it does not apply (the caller falls back to torch ops). Never builds."""
-    if (x.device in _RUNS_ON and x.dtype == torch.float32 and x.is_contiguous()
-            and x.numel() > 0 and x.layout == torch.strided):
-        return extension().x_in_unit_range(x)
-    return None
+    return extension().x_in_unit_range(x) if _range_check_applies(x) else None
+
+
+def start_range_check(x: torch.Tensor) -> bool:
+    """x_in_unit_range's launch alone, where it applies (else False, nothing launched): the
+    verdict comes from finish_range_check(x.device), which waits for it. One check in flight
+    per thread and device: a second start first waits out the first."""
+    if _range_check_applies(x):
+        extension().range_check_start(x)
+        return True
+    return False
+
+
+def finish_range_check(device: torch.device) -> bool:
+    """Whether the check start_range_check began on `device` (this thread) found every value
+    in [0, 1]."""
+    return extension().range_check_finish(device.index)
 
 
 def plan(x: torch.Tensor, params: VAEParams, *, rows: int = 0, cluster: int = 0,

@@ -590,28 +590,93 @@ at::Tensor iwae_partials(const at::Tensor& x, const at::Tensor& mu, const at::Te
   return part;
 }
 
-// Whether every element of x (CUDA float32, contiguous, non-empty) lies in [0, 1], NaN not:
-// fastelbo.validation's value check in one launch (a flag per block), one copy of the flags to
-// pinned host memory and one sync of the current stream.
-bool x_in_unit_range(const at::Tensor& x) {
+// fastelbo.validation's value check (every element of x in [0, 1], NaN not) in two steps, so
+// that the host can prepare the forward while the check runs: range_check_start launches
+// rows.cu's flag kernel (a flag per block) writing straight into mapped pinned memory and
+// records an event; range_check_finish waits for that event and reads the flags. The flags
+// and the event belong to the calling thread and device (one check in flight per pair; a start
+// first waits out an unfinished one, so an abandoned check never races the next), allocated on
+// first use and kept: no allocation, copy or launch besides the kernel per check.
+struct RangeSlot {
+  int* flags = nullptr;       // mapped pinned host memory, fastelbo::kRangeFlagsMax ints
+  int* device_flags = nullptr;  // the same memory as the device sees it
+  cudaEvent_t done = nullptr;   // recorded after the kernel
+  int blocks = 0;               // > 0 while a check is in flight
+};
+
+struct RangeSlots {
+  std::vector<RangeSlot> by_device;
+  ~RangeSlots() {  // at thread exit; errors ignored (the context may already be gone)
+    for (RangeSlot& s : by_device) {
+      if (s.done != nullptr) (void)cudaEventDestroy(s.done);
+      if (s.flags != nullptr) (void)cudaFreeHost(s.flags);
+    }
+    (void)cudaGetLastError();
+  }
+};
+
+RangeSlot& range_slot(c10::DeviceIndex dev) {
+  thread_local RangeSlots slots;
+  if (slots.by_device.size() <= static_cast<size_t>(dev)) slots.by_device.resize(dev + 1);
+  RangeSlot& s = slots.by_device[dev];
+  if (s.flags == nullptr) {  // under the caller's device guard: the event is this device's
+    void* host = nullptr;
+    cudaError_t err = cudaHostAlloc(&host, sizeof(int) * fastelbo::kRangeFlagsMax,
+                                    cudaHostAllocMapped | cudaHostAllocPortable);
+    void* mapped = nullptr;
+    if (err == cudaSuccess) err = cudaHostGetDevicePointer(&mapped, host, 0);
+    cudaEvent_t ev = nullptr;
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      if (host != nullptr) (void)cudaFreeHost(host);
+      (void)cudaGetLastError();
+      FE_CHECK(false, "allocating the value check's flags failed: ", cudaGetErrorString(err));
+    }
+    s.flags = static_cast<int*>(host);
+    s.device_flags = static_cast<int*>(mapped);
+    s.done = ev;
+  }
+  return s;
+}
+
+// Wait for the slot's check in flight; whether every flag it wrote is 0.
+bool range_slot_wait(RangeSlot& s) {
+  const int blocks = s.blocks;
+  s.blocks = 0;
+  const cudaError_t err = cudaEventSynchronize(s.done);
+  FE_CHECK(err == cudaSuccess, "waiting for the value check failed: ", cudaGetErrorString(err));
+  return std::none_of(s.flags, s.flags + blocks, [](int f) { return f != 0; });
+}
+
+void range_check_start(const at::Tensor& x) {
   FE_CHECK_TENSOR(x, "x", x.device());
   const int64_t n = x.numel();
   FE_CHECK(n > 0, "x is empty");
   const c10::cuda::CUDAGuard guard(x.device());
+  RangeSlot& s = range_slot(x.device().index());
+  if (s.blocks > 0) (void)range_slot_wait(s);  // abandoned: its kernel must not outlive it
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  const int blocks = fastelbo::range_flags_blocks(n);
-  const at::Tensor flags = at::empty({blocks}, x.options().dtype(at::kInt));
-  const at::Tensor host =
-      at::empty({blocks}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-  check_launch(
-      fastelbo::range_flags_launch(x.data_ptr<float>(), n, flags.data_ptr<int>(), stream),
-      "range check kernel");
-  cudaError_t err = cudaMemcpyAsync(host.data_ptr<int>(), flags.data_ptr<int>(),
-                                    sizeof(int) * blocks, cudaMemcpyDeviceToHost, stream);
-  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
-  FE_CHECK(err == cudaSuccess, "reading the range flags back failed: ", cudaGetErrorString(err));
-  const int* h = host.data_ptr<int>();
-  return std::none_of(h, h + blocks, [](int f) { return f != 0; });
+  check_launch(fastelbo::range_flags_launch(x.data_ptr<float>(), n, s.device_flags, stream),
+               "range check kernel");
+  const cudaError_t err = cudaEventRecord(s.done, stream);
+  FE_CHECK(err == cudaSuccess, "recording the value check failed: ", cudaGetErrorString(err));
+  s.blocks = fastelbo::range_flags_blocks(n);
+}
+
+// Whether the check range_check_start began on `device` (this thread) found every value of x
+// in [0, 1]; waits for it.
+bool range_check_finish(int64_t device) {
+  const auto dev = static_cast<c10::DeviceIndex>(device);
+  const c10::cuda::CUDAGuard guard(dev);
+  RangeSlot& s = range_slot(dev);
+  FE_CHECK(s.blocks > 0, "no value check in flight on this device for this thread");
+  return range_slot_wait(s);
+}
+
+// Both steps at once: launch, wait, read.
+bool x_in_unit_range(const at::Tensor& x) {
+  range_check_start(x);
+  return range_check_finish(x.device().index());
 }
 
 // torch.randn(n) from `device`'s default generator, reproduced by rows.cu's randn_fill_kernel
@@ -687,8 +752,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("dec_w2"), pybind11::arg("dec_b2"), pybind11::arg("samples"),
         pybind11::arg("k_per_split"), pybind11::arg("splits"), pybind11::arg("seed"));
   m.def("x_in_unit_range", &x_in_unit_range,
-        "whether every element of x lies in [0, 1] (NaN does not); one launch, one sync",
+        "whether every element of x lies in [0, 1] (NaN does not); one launch, one wait",
         pybind11::arg("x"));
+  m.def("range_check_start", &range_check_start,
+        "launch x_in_unit_range's check; range_check_finish waits for it", pybind11::arg("x"));
+  m.def("range_check_finish", &range_check_finish,
+        "the verdict of this thread's check in flight on the device (waits)",
+        pybind11::arg("device"));
   m.def("draw_randn", &draw_randn,
         "torch.randn(n) on the device's default generator, reproduced in a kernel",
         pybind11::arg("n"), pybind11::arg("device"));

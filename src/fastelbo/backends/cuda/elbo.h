@@ -171,7 +171,9 @@ struct BceParams {
 cudaError_t reparam_launch(const ReparamParams& p, cudaStream_t stream) noexcept;
 cudaError_t bce_launch(const BceParams& p, cudaStream_t stream) noexcept;
 // The value check on x (n > 0 floats): flags[b] = 1 if block b of range_flags_blocks(n) saw a
-// value outside [0, 1] or NaN, else 0. One launch; the caller ORs the flags.
+// value outside [0, 1] or NaN, else 0. One launch; the caller ORs the flags (at most
+// kRangeFlagsMax of them; flags may be mapped host memory).
+constexpr int kRangeFlagsMax = 1024;
 int range_flags_blocks(long long n) noexcept;
 cudaError_t range_flags_launch(const float* x, long long n, int* flags,
                                cudaStream_t stream) noexcept;

@@ -108,7 +108,8 @@ __global__ void __launch_bounds__(kThreads) range_flags_kernel(const float* x, l
 }  // namespace
 
 int range_flags_blocks(long long n) noexcept {
-  return static_cast<int>(std::min<long long>((n + 8LL * kThreads - 1) / (8LL * kThreads), 1024));
+  return static_cast<int>(std::min<long long>((n + 8LL * kThreads - 1) / (8LL * kThreads),
+                                                      kRangeFlagsMax));
 }
 
 cudaError_t range_flags_launch(const float* x, long long n, int* flags, cudaStream_t stream) noexcept {
