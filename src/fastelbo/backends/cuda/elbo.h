@@ -101,6 +101,7 @@ struct FastParams : ForwardArgs {
   // Tensor maps (TMA descriptors, 64-byte aligned by their type), encoded by elbo_fast_plan
   // for these pointers: x and w1 slices (encoder), x at the output columns, eps, wmu, wlv, wd1.
   CUtensorMap tm_x, tm_w1, tm_xd, tm_eps, tm_wmu, tm_wlv, tm_wd1;
+  CUtensorMap tm_wd1f;   // local_d: all of wd1 in boxes of wd1f_box rows, ldw wide
   // Filled by elbo_fast_plan():
   int R, C;              // batch rows per cluster (<= kFastRows), blocks per cluster
   int qmax;              // most float4 columns of x any block owns (D / 4 split over C)
@@ -114,6 +115,9 @@ struct FastParams : ForwardArgs {
   // receives (source-major): partial h, partial mu | logvar, z, d.
   int off_p1s, off_r1, off_p2s, off_r2, off_zl, off_rz, off_dk, off_rd;
   int off_rec, off_kl, off_bad;
+  // local_d != 0: every block computes all of d itself from all of wd1 (staged after L1 over
+  // w1k's space) instead of its hidden columns and the d exchange; where that space holds it.
+  int local_d, ldz, ldw, wd1f_box, off_wd1f, off_bd1f;
   int smem_bytes;
   // draw != 0: eps is not read; each block draws its own elements of torch.randn(B, L) from
   // rng instead (philox.cuh) and writes them to eps_out (B x L).

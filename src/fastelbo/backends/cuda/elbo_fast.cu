@@ -124,7 +124,9 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   float* bl = sm + p.off_bl;     // 2 x lds_l: bmu, blv around this block's latent indices
   float* epk = sm + p.off_eps;   // F x lds_l: eps, same columns
   float* ml = sm + p.off_ml;     // F x 2 ns_l: mu, logvar of this block's latent indices
-  float* zs = sm + p.off_zs;     // F x L: all of z
+  float* zs = sm + p.off_zs;     // F x ldz: all of z
+  float* wd1f = sm + p.off_wd1f; // local_d: H x ldw, all of wd1 (over w1k, staged after L1)
+  float* bd1f = sm + p.off_bd1f; // local_d: H, all of bd1
   float* wd1s = sm + p.off_wd1;  // hs x L
   float* bd1k = sm + p.off_bd1;  // hs
   float* ds = sm + p.off_ds;     // F x ldd: all of d (over p1s, sent and read by then)
@@ -152,7 +154,9 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   const int row0 = static_cast<int>(blockIdx.x / C) * R;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int ldk = p.ldk, ldd = p.ldd, ldq = p.ldq, hs = p.hs, ns_l = p.ns_l;
-  const int lds_l = p.lds_l, lds_d = p.lds_d, ns_d = p.ns_d;
+  const int lds_l = p.lds_l, lds_d = p.lds_d, ns_d = p.ns_d, ldz = p.ldz;
+  const bool local_d = p.local_d != 0;
+  const int nbox_d = local_d ? cdiv(H, p.wd1f_box) : 0;
   const int nq = D / 4, qa = k * nq / C, nqk = (k + 1) * nq / C - qa;
   const int h0 = k * hs, g4 = hs / 4, hq = H / 4;
   const int j0 = k * ns_l, lcnt = max(0, min(ns_l, L - j0));
@@ -176,12 +180,13 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     mbar_fence_init();
     mbar_arrive_expect(&bar[0], 4u * ldk * (F + nbox * p.w1_box) + 4u * hs);
     mbar_arrive_expect(&bar[1], 4u * (2 * L * hs + 2 * nsl + (p.draw ? 0 : F * lds_l)));
-    mbar_arrive_expect(&bar[2], 4u * (hs * L + hs));
+    mbar_arrive_expect(&bar[2], local_d ? 4u * (nbox_d * p.wd1f_box * p.ldw + H)
+                                        : 4u * (hs * L + hs));
     mbar_arrive_expect(&bar[3], 4u * (ncd * H + nsd + F * lds_d));
     mbar_arrive_expect(&bar[4], 4u * (C - 1) * ch1);  // the own chunk is a plain copy (send)
     mbar_arrive_expect(&bar[5], 4u * (C - 1) * ch2);
     mbar_arrive_expect(&bar[6], 4u * (C - 1) * ch3);
-    mbar_arrive_expect(&bar[7], 4u * (C - 1) * ch1);
+    if (!local_d) mbar_arrive_expect(&bar[7], 4u * (C - 1) * ch1);
     tma_load_2d(xk, &p.tm_x, 4 * qa, row0, &bar[0]);
     for (int b = 0; b < nbox; ++b)
       tma_load_2d(w1k + b * p.w1_box * ldk, &p.tm_w1, 4 * qa, b * p.w1_box, &bar[0]);
@@ -193,8 +198,10 @@ __global__ void __launch_bounds__(kFastThreads, 1)
       bulk_copy(bl, p.bmu + sl0, 4u * nsl, &bar[1]);
       bulk_copy(bl + lds_l, p.blv + sl0, 4u * nsl, &bar[1]);
     }
-    tma_load_2d(wd1s, &p.tm_wd1, 0, h0, &bar[2]);
-    bulk_copy(bd1k, p.bd1 + h0, 4u * hs, &bar[2]);
+    if (!local_d) {  // else all of wd1 and bd1, once L1 is done with w1k (below)
+      tma_load_2d(wd1s, &p.tm_wd1, 0, h0, &bar[2]);
+      bulk_copy(bd1k, p.bd1 + h0, 4u * hs, &bar[2]);
+    }
     tma_load_2d(xd, &p.tm_xd, sd0, row0, &bar[3]);
     if (nsd > 0) bulk_copy(bd2k, p.bd2 + sd0, 4u * nsd, &bar[3]);
   }
@@ -269,6 +276,14 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   FE_TRACE(3);
   cluster_wait();  // every block's exchange barriers are initialised
   send(p1s, ch1, r1, ch1, 4);
+  if (local_d && tid == 0) {
+    // All of wd1 and bd1 over w1k's space: every thread's L1 reads of w1k came before send's
+    // closing __syncthreads; the fence orders them before these async-proxy writes.
+    fence_proxy_async();
+    for (int b = 0; b < nbox_d; ++b)
+      tma_load_2d(wd1f + b * p.wd1f_box * p.ldw, &p.tm_wd1f, 0, b * p.wd1f_box, &bar[2]);
+    bulk_copy(bd1f, p.bd1, 4u * H, &bar[2]);
+  }
   FE_TRACE(4);
 
   // RS1: h for this block's hidden columns = relu(b1 + sum over blocks, in rank order).
@@ -342,32 +357,61 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   mbar_wait(&bar[6], 0);
   for (int i = tid; i < C * ch3; i += kFastThreads) {
     const int q = i / ch3, e = i - q * ch3, r = e / ns_l, j = q * ns_l + (e - r * ns_l);
-    if (j < L) zs[r * L + j] = rz[i];
+    if (j < L) zs[r * ldz + j] = rz[i];
   }
   mbar_wait(&bar[2], 0);
   __syncthreads();
   FE_TRACE(9);
-  for (int i = tid; i < F * g4; i += kFastThreads) {
-    const int r = i / g4, c = 4 * (i - r * g4);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int kk = 0; kk < L; kk += 4) {
-      const float4 zv = ld4(zs + r * L + kk);
+  if (local_d) {
+    // All of d, straight into L4's layout, with L1's 5 x 4 register tiles (the same fmaf order
+    // per element as the exchange path's loop below, so the same bits). ds lies over p1s:
+    // every block's z arrived above, and each block sent its z only after receiving (so after
+    // this block's bulk copies read) this block's p1s chunk.
+    const int rt = tid % kRowLanes, ct = tid / kRowLanes;
+    for (int n0 = 0; n0 < H; n0 += kL1Pass) {
+      float acc[kRowsPerThread][kL1Cols] = {};
+      const float* a[kRowsPerThread];
+      const float* w[kL1Cols];
 #pragma unroll
-      for (int m = 0; m < 4; ++m) acc[m] = dot4(zv, ld4(wd1s + (c + m) * L + kk), acc[m]);
+      for (int i = 0; i < kRowsPerThread; ++i) a[i] = zs + (rt + kRowLanes * i) * ldz;
+#pragma unroll
+      for (int j = 0; j < kL1Cols; ++j)
+        w[j] = wd1f + min(n0 + ct + kL1ColLanes * j, H - 1) * p.ldw;
+      tile_dot(a, w, 0, L / 4, acc);
+#pragma unroll
+      for (int j = 0; j < kL1Cols; ++j) {
+        const int n = n0 + ct + kL1ColLanes * j;
+        if (n >= H) continue;
+        const float b = bd1f[n];
+#pragma unroll
+        for (int i = 0; i < kRowsPerThread; ++i)
+          ds[(rt + kRowLanes * i) * ldd + n] = relu(acc[i][j] + b);
+      }
     }
-    st4(dk + r * hs + c, make_float4(relu(acc[0] + bd1k[c]), relu(acc[1] + bd1k[c + 1]),
-                                     relu(acc[2] + bd1k[c + 2]), relu(acc[3] + bd1k[c + 3])));
-  }
-  fence_proxy_async();
-  __syncthreads();
-  send(dk, 0, rd, ch1, 7);
-  FE_TRACE(10);
+    FE_TRACE(10);
+  } else {
+    for (int i = tid; i < F * g4; i += kFastThreads) {
+      const int r = i / g4, c = 4 * (i - r * g4);
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int kk = 0; kk < L; kk += 4) {
+        const float4 zv = ld4(zs + r * ldz + kk);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) acc[m] = dot4(zv, ld4(wd1s + (c + m) * L + kk), acc[m]);
+      }
+      st4(dk + r * hs + c, make_float4(relu(acc[0] + bd1k[c]), relu(acc[1] + bd1k[c + 1]),
+                                       relu(acc[2] + bd1k[c + 2]), relu(acc[3] + bd1k[c + 3])));
+    }
+    fence_proxy_async();
+    __syncthreads();
+    send(dk, 0, rd, ch1, 7);
+    FE_TRACE(10);
 
-  // All of d, rows laid out for L4's tiles.
-  mbar_wait(&bar[7], 0);
-  for (int i = tid; i < C * F * g4; i += kFastThreads) {
-    const int q = i / (F * g4), e = i - q * (F * g4), r = e / g4, c = 4 * (e - r * g4);
-    st4(ds + r * ldd + q * hs + c, ld4(rd + q * ch1 + r * hs + c));
+    // All of d, rows laid out for L4's tiles.
+    mbar_wait(&bar[7], 0);
+    for (int i = tid; i < C * F * g4; i += kFastThreads) {
+      const int q = i / (F * g4), e = i - q * (F * g4), r = e / g4, c = 4 * (e - r * g4);
+      st4(ds + r * ldd + q * hs + c, ld4(rd + q * ch1 + r * hs + c));
+    }
   }
   mbar_wait(&bar[3], 0);
   __syncthreads();
@@ -472,6 +516,18 @@ bool fast_layout(FastParams& p, int C) {
                                        red + static_cast<long long>(F) * p.ns_d));
   p.off_red = p.off_w1k;
   p.off_bce = p.off_w1k + static_cast<int>(red);
+  // All of wd1 (rows padded to ldw, like z's) and bd1 over the same space, where they fit and
+  // a tensor-map box can hold an ldw-wide row.
+  p.ldz = odd_quads(L / 4);
+  p.ldw = p.ldz;
+  p.wd1f_box = std::min(H, 256);
+  const long long wd1f = static_cast<long long>(cdiv(H, p.wd1f_box)) * p.wd1f_box * p.ldw;
+  const long long w1k_space = std::max<long long>(
+      static_cast<long long>(cdiv(H, p.w1_box)) * p.w1_box * p.ldk,
+      red + static_cast<long long>(F) * p.ns_d);
+  p.local_d = (p.ldw <= 256 && wd1f + H <= w1k_space) ? 1 : 0;
+  p.off_wd1f = p.off_w1k;
+  p.off_bd1f = p.off_w1k + static_cast<int>(wd1f);
   p.off_b1 = take(p.hs);
   p.off_hk = take(static_cast<long long>(F) * p.ldq);
   p.off_wmu = take(static_cast<long long>(L) * p.hs);
@@ -479,7 +535,7 @@ bool fast_layout(FastParams& p, int C) {
   p.off_bl = take(2LL * p.lds_l);
   p.off_eps = take(static_cast<long long>(F) * p.lds_l);
   p.off_ml = take(2LL * F * p.ns_l);
-  p.off_zs = take(static_cast<long long>(F) * L);
+  p.off_zs = take(static_cast<long long>(F) * p.ldz);
   p.off_wd1 = take(static_cast<long long>(p.hs) * L);
   p.off_bd1 = take(p.hs);
   p.off_wd2 = take(static_cast<long long>(p.ns_d) * p.ldd);
@@ -579,7 +635,8 @@ ElboStatus elbo_fast_plan(FastParams& p, int device, int cluster, bool one_wave,
           encode_2d(&p.tm_eps, p.eps, p.L, p.B, p.lds_l, kFastRows) &&
           encode_2d(&p.tm_wmu, p.wmu, p.H, p.L, p.hs, p.L) &&
           encode_2d(&p.tm_wlv, p.wlv, p.H, p.L, p.hs, p.L) &&
-          encode_2d(&p.tm_wd1, p.wd1, p.L, p.H, p.L, p.hs)))
+          encode_2d(&p.tm_wd1, p.wd1, p.L, p.H, p.L, p.hs) &&
+          (!p.local_d || encode_2d(&p.tm_wd1f, p.wd1, p.L, p.H, p.ldw, p.wd1f_box))))
       return kElboNotAligned;
     return kElboOk;
   }
