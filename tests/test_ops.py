@@ -171,7 +171,8 @@ def test_eps_none_without_autograd_lets_the_backend_draw(op_calls, monkeypatch):
     fake = backends.module("cuda")
     drawn = []
 
-    def forward_drawing(x, params):
+    def forward_drawing(x, params, ready):
+        ready()
         drawn.append(x.shape[0])
         return torch_ref.forward(x, params, torch.randn(x.shape[0], params[2].shape[0]))
 
@@ -275,9 +276,12 @@ def test_the_value_verdict_comes_before_any_draw_or_launch(op_calls, monkeypatch
     the generator untouched."""
     log = []
     fake = backends.module("cuda")
-    monkeypatch.setattr(fake, "forward_drawing", lambda x, p: log.append("backend") or
-                        torch_ref.forward(x, p, torch.randn(x.shape[0], p[2].shape[0])),
-                        raising=False)
+    def forward_drawing(x, p, ready):
+        ready()
+        log.append("backend")
+        return torch_ref.forward(x, p, torch.randn(x.shape[0], p[2].shape[0]))
+
+    monkeypatch.setattr(fake, "forward_drawing", forward_drawing, raising=False)
     real_prepared = fake.forward_prepared
     monkeypatch.setattr(fake, "forward_prepared",
                         lambda *a: log.append("backend") or real_prepared(*a))

@@ -304,7 +304,7 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
 
 
 def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
-                     draw: bool = False):
+                     draw: bool = False, ready=None):
     """forward with the default launch options, for fastelbo.ops only.
 
     ops has already run validation.check_inputs (types, shapes, one dtype, one device),
@@ -312,7 +312,8 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
     every tensor contiguous: of check_inputs' checks, only those left are repeated here (a dense
     layout, positive dims, sizes within int32). Any failure is re-checked by check_inputs,
     which raises the same exception as `forward` would. Call `forward` otherwise. draw: as
-    forward's (noise.forward_drawing).
+    forward's (noise.forward_drawing). ready: called (no arguments) just before the launch:
+    fastelbo.ops passes the value check's wait, so that this preparation overlaps the check.
     """
     batch, d = x.shape
     h, lat = params[0].shape[0], params[2].shape[0]
@@ -321,6 +322,8 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
             and all(p.layout == torch.strided for p in params)):
         check_inputs(x, params, eps)
         raise AssertionError("forward_prepared was handed inputs fastelbo.ops did not prepare")
+    if ready is not None:
+        ready()
     out = extension().forward(x, eps, *params, 0, 0, -1, False, PATHS["auto"], draw)
     return out[0], out[1], out[2]
 
