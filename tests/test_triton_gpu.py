@@ -120,10 +120,10 @@ def test_saturated_params(tb, dims, scale, binary):
     assert_outputs_match(tuple(got), runs, 1e-4, 1e-4)
 
 
-@pytest.mark.parametrize("ratio", [2.0**20, 2.0**24])
+@pytest.mark.parametrize("ratio", [2.0**20, 2.0**24, 2.0**32])
 @pytest.mark.parametrize("dims", [(784, 256, 32), (781, 250, 31)], ids=str)
 def test_operand_rows_of_wide_range(tb, dims, ratio):
-    """Operand rows whose largest element is 2^20 and 2^24 times the others but adds nothing
+    """Operand rows whose largest element is 2^20, 2^24 and 2^32 times the others but adds nothing
     (reference.wide_range_case): scaled float16 halves (fp16x3.py) keep the small elements to
     the contract; vs the float32 spec and float64."""
     p, x, eps = wide_range_case(dims, ratio, 1000, device=DEV)

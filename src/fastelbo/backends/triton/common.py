@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...params import VAEParams
-from .fp16x3 import _pow2f, _split16
+from .fp16x3 import INV_LO_SCALE, _pow2f, _split16
 
 # Read when this module is imported: @triton.jit decides then between compiling for the GPU and
 # running in the numpy interpreter, so the math helpers below are chosen at the same moment.
@@ -130,8 +130,9 @@ def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_exp, enc_b, hh, h_ok,
     """(relu(x @ enc_w[hh, :]^T + enc_b[hh]) as a [BM, BH] tile, invalid-x count per row).
 
     HALF: enc_hi / enc_lo are fp16x3.split_weights16's scaled float16 halves with one exponent
-    per hidden unit (enc_exp), and x is split into float16 halves (exact: x is in [0, 1] in
-    every valid row); else TF32 halves (common._split, enc_exp unused).
+    per hidden unit (enc_exp), and x is split into float16 halves (unscaled: x is in [0, 1] in
+    every valid row), lo halves LO_SCALE times their remainder; else TF32 halves
+    (common._split, enc_exp unused).
 
     x_rows: [BM, 1] pointers to the rows' starts; enc_hi / enc_lo: the weight halves (row
     stride W_STRIDE, split_weights; TMA descriptors for them measured no faster on the H200 and
@@ -166,6 +167,8 @@ def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_exp, enc_b, hh, h_ok,
         w_lo = tl.load(enc_lo + w_off, mask=w_mask, other=0.0)
         tile = tl.dot(x_lo, w_hi, input_precision="tf32")
         tile = tl.dot(x_hi, w_lo, tile, input_precision="tf32")
+        if HALF:  # float16 lo halves are LO_SCALE times their remainder (fp16x3.py)
+            tile = tile * INV_LO_SCALE
         tile = tl.dot(x_hi, w_hi, tile, input_precision="tf32")
         acc = _add_rn(acc, tile)
     if HALF:

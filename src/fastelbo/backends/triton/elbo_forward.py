@@ -60,7 +60,15 @@ from .common import (
     stacked_descriptor,
 )
 from .elbo_fused import FusedConfig, launch_fused, pick_fused
-from .fp16x3 import _pow2f, _row_max, _scale_exponent, _split16, _unscale, split_weights16
+from .fp16x3 import (
+    INV_LO_SCALE,
+    _pow2f,
+    _row_max,
+    _scale_exponent,
+    _split16,
+    _unscale,
+    split_weights16,
+)
 
 
 @triton.jit
@@ -187,6 +195,8 @@ def _decode_bce_kernel(
         # here: K = H is short, and the tf32x3 emulation and test_saturated_params pass without).
         acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
     corr = tl.where(corr != corr, 0.0, corr)  # noqa: PLR0124 (NaN test)
+    if HALF:  # float16 lo halves are LO_SCALE times their remainder (fp16x3.py)
+        corr = corr * INV_LO_SCALE
     acc = acc + corr
     if HALF:  # scaled float16 halves: d's row exponents, W2's per output column
         acc = _unscale(acc, tl.load(d_exp + rows, mask=row_ok, other=0),

@@ -5,23 +5,26 @@ rate and half the operand bytes. A TF32 and a float16 significand both hold 11 b
 hi * hi + hi * lo + lo * hi of float16 halves is as exact as tf32x3; what float16 lacks is
 range (normal from 2^-14 to 65504). So every operand row r is first scaled by 2^-e_r, an exact
 power of two chosen from the row's largest finite |v| (m * 2^-e in [2^14, 2^15)), and the
-product is scaled back by 2^(e_row + e_col) after the MMA, again exactly:
+product is scaled back by 2^(e_row + e_col) after the MMA, again exactly. The lo half is kept
+2^11 (LO_SCALE) times larger than the remainder it stands for, so that it stays a normal float16
+where hi has gone subnormal; the MMAs' hi * lo + lo * hi sums are scaled back by 2^-11 (exact)
+before they join hi * hi:
 
-    v * 2^-e = hi + lo,  hi = fp16(v * 2^-e),  lo = fp16(v * 2^-e - hi)   (both rounded to nearest)
+    s = v * 2^-e,  hi = fp16(s),  lo = fp16((s - hi) * 2^11)   (both rounded to nearest)
 
-Error: hi + lo is v to 2^-22 relative where lo is a normal float16 (|v| >= 2^-17 of the row's
-max), and to 2^-25 * 2^e absolute below that (float16 subnormals): at most 2^-39 of the row's
-largest element, far under float32's own rounding of a dot product that the largest element
-takes part in (where it adds nothing, multiplied by zeros, see below). x
-needs no scale (the contract keeps valid targets in [0, 1]: its halves are exact to 2^-25,
-float32's spacing near 1/2). Rows whose finite max is under 2^-86 keep e = -100 (their values
-are below anything the 1e-4 contract can see); inf stays inf (lo = inf - inf = NaN, dropped as
-in common._dot3) and NaN stays NaN.
+Error: hi + lo * 2^-11 is s to 2^-22 relative where both are normal float16 (|s| >= 2^-13, i.e.
+|v| >= 2^-27 of the row's max), and to 2^-36 absolute below that (lo's float16 subnormals): at
+most 2^-50 of the row's largest element, far under float32's own rounding of any dot product
+that element takes part in (the floor shows only where it adds nothing, multiplied by zeros, see
+below). x needs no scale (the contract keeps valid targets in [0, 1]). Rows whose finite max is
+under 2^-86 keep e = -100 (their values are below anything the 1e-4 contract can see); inf
+stays inf (lo = inf - inf = NaN, dropped as in common._dot3) and NaN stays NaN.
 
 Where that floor shows: a row whose result comes from elements far below its largest one, which
-itself adds nothing (reference.wide_range_case). In the interpreter (exact products) the error
-is 0.01 of the 1e-4 tolerance at a ratio of 2^24, 0.1 at 2^28 and 2.5-4x over it at 2^32; TF32
-halves stay at the float32 spec's own 0.001. So elbo_forward uses these halves only when the user
+itself adds nothing (reference.wide_range_case). Without LO_SCALE (lo = fp16(s - hi), a floor of
+2^-39 of the row's max) the interpreter (exact products) put the error at 0.01 of the 1e-4
+tolerance at a ratio of 2^24, 0.1 at 2^28 and 2.5-4x over it at 2^32; TF32 halves stay at the
+float32 spec's own 0.001 at any ratio. So elbo_forward uses these halves only when the user
 allows reduced float32 matmul precision (torch.set_float32_matmul_precision).
 """
 from __future__ import annotations
@@ -55,12 +58,17 @@ def _row_max(v, ok):
     return tl.max(tl.where(ok & (a < float("inf")), a, 0.0), axis=1)
 
 
+LO_SCALE = tl.constexpr(2048.0)  # 2^11: lo = fp16((s - hi) * LO_SCALE)
+INV_LO_SCALE = tl.constexpr(1.0 / 2048.0)
+
+
 @triton.jit
 def _split16(v, inv_scale):
-    """(hi, lo) float16 with hi + lo = v * inv_scale to 22 bits (module docstring)."""
+    """(hi, lo) float16 with hi + lo / LO_SCALE = v * inv_scale to 22 bits (module
+    docstring)."""
     s = v * inv_scale
     hi = s.to(tl.float16)
-    return hi, (s - hi.to(tl.float32)).to(tl.float16)
+    return hi, ((s - hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
 
 
 @triton.jit
