@@ -66,8 +66,9 @@ def main() -> None:
         "check_values(x)": lambda: check_values(x),
         "forward_drawing": lambda: cuda.forward_drawing(x, params),
         "ext.forward (eps given)": lambda: ext.forward(x, eps, *params, 0, 0, -1, False, 0,
-                                                       False),
-        "ext.forward (draw)": lambda: ext.forward(x, eps, *params, 0, 0, -1, False, 0, True),
+                                                       False, False),
+        "ext.forward (draw)": lambda: ext.forward(x, eps, *params, 0, 0, -1, False, 0, True,
+                                                  False),
         "torch.randn(B, L)": lambda: torch.randn(args.batch, dims[2], device=dev),
         "torch.empty(B)": lambda: torch.empty(args.batch, device=dev),
     }

@@ -78,6 +78,7 @@ def quick() -> int:
         v[2, 7] = 0.5
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} value check, offset {v.data_ptr() % 16} B", flush=True)
+    failures += quick_checked_forward()
     failures += quick_backward_and_adam()
     failures += quick_iwae()
     print(f"{failures} failure(s)")
@@ -88,6 +89,32 @@ def _close(a, b) -> bool:
     scale = float(b.abs().max()) if b.numel() else 0.0
     return bool(((a - b).abs() <= 1e-4 * max(scale, 1e-30)).all()) and torch.equal(
         torch.isnan(a), torch.isnan(b))
+
+
+def quick_checked_forward() -> int:
+    """ModelNew with the value check in flight while the binding prepares its launch (it waits
+    inside, before drawing or launching): every path, a good x and a refused one."""
+    import fastelbo
+
+    failures = 0
+    model = fastelbo.ModelNew(784, 256, 32, backend="cuda").cuda()
+    for batch in (7, 128, 1000):  # cluster, fast, rows
+        x = torch.rand(batch, 784, device="cuda")
+        with torch.no_grad(), fastelbo.validation(True):
+            torch.manual_seed(2)
+            got = model(x)
+            torch.manual_seed(2)
+            want = torch_ref.forward(x, model.vae_params(), torch.randn(batch, 32, device="cuda"))
+            ok = all(_close(g, w) for g, w in zip(got, want))
+            x[batch // 2, 5] = float("nan")
+            try:
+                model(x)
+                ok = False
+            except ValueError:
+                pass
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} checked forward B={batch}", flush=True)
+    return failures
 
 
 def quick_backward_and_adam() -> int:

@@ -247,11 +247,41 @@ def test_forward_prepared_launches_with_the_default_options(fake, monkeypatch):
     cuda.forward(x, params, eps)
     cuda.forward_prepared(x, params, eps, draw=True)
     (args_prepared, args_forward, args_drawing) = calls
-    assert len(args_prepared) == 2 + 10 + 6
+    assert len(args_prepared) == 2 + 10 + 7
     assert all(a is b for a, b in zip(args_prepared[:12], (x, eps, *params)))
     assert args_prepared[12:] == args_forward[12:] == (0, 0, -1, False, cuda.PATHS["auto"],
-                                                       False)
-    assert args_drawing[12:] == (0, 0, -1, False, cuda.PATHS["auto"], True)
+                                                       False, False)
+    assert args_drawing[12:] == (0, 0, -1, False, cuda.PATHS["auto"], True, False)
+
+
+class _Verdict:
+    def __init__(self, in_flight, log):
+        self.in_flight, self.log = in_flight, log
+
+    def wait(self):
+        self.log.append("wait")
+
+    def fail(self):
+        self.log.append("fail")
+        raise ValueError("x must lie in [0, 1] (stand-in)")
+
+
+def test_forward_prepared_hands_a_check_in_flight_to_the_binding(fake, monkeypatch):
+    """A verdict still in flight on the GPU (the cuda value check) is waited for inside the
+    binding (await_check=True); an empty answer means it failed, and the verdict's error is
+    raised. Any other verdict is waited for before the call."""
+    calls = _recording_extension(monkeypatch)
+    x, params, eps = make(fake)
+    log = []
+    cuda.forward_prepared(x, params, eps, draw=True, verdict=_Verdict(True, log))
+    assert log == [] and calls[-1][-2:] == (True, True)
+    cuda.forward_prepared(x, params, eps, verdict=_Verdict(False, log))
+    assert log == ["wait"] and calls[-1][-1] is False
+    monkeypatch.setattr(cuda, "extension",
+                        lambda: type("Ext", (), {"forward": lambda *a: calls.append(a) or []}))
+    with pytest.raises(ValueError, match="stand-in"):
+        cuda.forward_prepared(x, params, eps, draw=True, verdict=_Verdict(True, log))
+    assert log == ["wait", "fail"] and calls[-1][-1] is True
 
 
 def test_forward_prepared_refuses_what_ops_does_not_check(fake, monkeypatch):

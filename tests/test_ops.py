@@ -171,8 +171,8 @@ def test_eps_none_without_autograd_lets_the_backend_draw(op_calls, monkeypatch):
     fake = backends.module("cuda")
     drawn = []
 
-    def forward_drawing(x, params, ready):
-        ready()
+    def forward_drawing(x, params, verdict):
+        verdict.wait()
         drawn.append(x.shape[0])
         return torch_ref.forward(x, params, torch.randn(x.shape[0], params[2].shape[0]))
 
@@ -256,7 +256,8 @@ def test_compile_under_no_grad_still_traces_the_op(op_calls):
 
 
 class _Verdict:
-    """A value check in flight, as validation.start_checks returns: logs its wait, may fail."""
+    """A value check, as validation.start_checks returns: logs its wait, may fail."""
+    in_flight = False
 
     def __init__(self, log, bad):
         self.log, self.bad = log, bad
@@ -276,8 +277,8 @@ def test_the_value_verdict_comes_before_any_draw_or_launch(op_calls, monkeypatch
     the generator untouched."""
     log = []
     fake = backends.module("cuda")
-    def forward_drawing(x, p, ready):
-        ready()
+    def forward_drawing(x, p, verdict):
+        verdict.wait()
         log.append("backend")
         return torch_ref.forward(x, p, torch.randn(x.shape[0], p[2].shape[0]))
 

@@ -117,7 +117,8 @@ class ModelNew(nn.Module):
         # the same generator call, so equal seeds give equal noise.
         eps = torch.randn(x.shape[0], self.fc_mu.out_features, device=x.device, dtype=x.dtype)
         elbo, recon, kl = _extension().elbo_forward(
-            x, eps, *[p.detach().contiguous() for p in params], 0, 0, -1, False, 0, False)
+            x, eps, *[p.detach().contiguous() for p in params], 0, 0, -1, False, 0, False,
+            False)
         return elbo, recon, kl
 
 

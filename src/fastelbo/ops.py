@@ -7,9 +7,9 @@ the op's dispatch costs more host time than the whole launch.
 
 RNG contract: without `eps`, exactly one `torch.randn(B, latent_dim)` is drawn from the default
 generator of x's device, where the reference calls `randn_like`; equal seeds give equal results.
-A backend with `forward_drawing(x, params, ready)` (cuda) may draw those same numbers inside its
-launch, for calls that no autograd or tracer sees (backends/cuda/noise.py); it calls ready()
-(the value check's wait) before drawing or launching anything.
+A backend with `forward_drawing(x, params, verdict)` (cuda) may draw those same numbers inside
+its launch, for calls that no autograd or tracer sees (backends/cuda/noise.py); it waits for
+the value check's verdict before drawing or launching anything.
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
     if eps is None and name != "torch":
         drawing = getattr(backends.module(name), "forward_drawing", None)
         if drawing is not None and not _needs_op(x, None, params):
-            return drawing(x, params, verdict.wait)  # waits just before its launch
+            return drawing(x, params, verdict)  # it waits just before drawing or launching
     verdict.wait()
     if eps is None:
         eps = (_draw_noise if torch.compiler.is_compiling() else _randn)(x, params[2].shape[0])

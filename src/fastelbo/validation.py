@@ -78,6 +78,7 @@ def check_params(params: VAEParams) -> None:
 class _Done:
     """A verdict already given (no value check, or one that ran synchronously)."""
     __slots__ = ()
+    in_flight = False
 
     def wait(self) -> None:
         pass
@@ -87,8 +88,11 @@ _DONE = _Done()
 
 
 class _Pending:
-    """The cuda backend's value check on x, in flight on x's device."""
+    """The cuda backend's value check on x, in flight on x's device for this thread: wait()
+    here, or the cuda binding waits for it just before its launch (in_flight) and calls fail()
+    if it did not pass."""
     __slots__ = ("x",)
+    in_flight = True
 
     def __init__(self, x: torch.Tensor):
         self.x = x
@@ -98,7 +102,11 @@ class _Pending:
         from .backends import cuda
 
         if not cuda.finish_range_check(self.x.device):
-            _raise_outside(self.x)
+            self.fail()
+
+    def fail(self):
+        """The ValueError of a check that did not pass."""
+        _raise_outside(self.x)
 
 
 def check_inputs(x, params: VAEParams, eps) -> None:

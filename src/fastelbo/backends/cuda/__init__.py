@@ -299,12 +299,12 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     if path == "fast":
         check_fast_path(x, params)
     out = extension().forward(x, eps, *params, rows, cluster, staged, bool(_poison),
-                              PATHS[path], bool(draw))
+                              PATHS[path], bool(draw), False)
     return out[0], out[1], out[2]
 
 
 def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
-                     draw: bool = False, ready=None):
+                     draw: bool = False, verdict=None):
     """forward with the default launch options, for fastelbo.ops only.
 
     ops has already run validation.check_inputs (types, shapes, one dtype, one device),
@@ -312,8 +312,10 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
     every tensor contiguous: of check_inputs' checks, only those left are repeated here (a dense
     layout, positive dims, sizes within int32). Any failure is re-checked by check_inputs,
     which raises the same exception as `forward` would. Call `forward` otherwise. draw: as
-    forward's (noise.forward_drawing). ready: called (no arguments) just before the launch:
-    fastelbo.ops passes the value check's wait, so that this preparation overlaps the check.
+    forward's (noise.forward_drawing). verdict: fastelbo.validation.start_checks' verdict on
+    x, waited for just before anything is drawn or launched (its error raised then), so that
+    this preparation overlaps the value check: inside the binding where the check is this
+    backend's own, still in flight (verdict.in_flight), else by verdict.wait() before the call.
     """
     batch, d = x.shape
     h, lat = params[0].shape[0], params[2].shape[0]
@@ -322,9 +324,12 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
             and all(p.layout == torch.strided for p in params)):
         check_inputs(x, params, eps)
         raise AssertionError("forward_prepared was handed inputs fastelbo.ops did not prepare")
-    if ready is not None:
-        ready()
-    out = extension().forward(x, eps, *params, 0, 0, -1, False, PATHS["auto"], draw)
+    awaits = verdict is not None and verdict.in_flight
+    if verdict is not None and not awaits:
+        verdict.wait()
+    out = extension().forward(x, eps, *params, 0, 0, -1, False, PATHS["auto"], draw, awaits)
+    if not out:  # the check in flight failed: nothing was drawn or launched
+        verdict.fail()
     return out[0], out[1], out[2]
 
 

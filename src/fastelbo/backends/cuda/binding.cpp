@@ -161,6 +161,89 @@ void rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& 
 
 }  // namespace
 
+// fastelbo.validation's value check (every element of x in [0, 1], NaN not) in two steps, so
+// that the host can prepare the forward while the check runs: range_check_start launches
+// rows.cu's flag kernel (a flag per block) writing straight into mapped pinned memory and
+// records an event; range_check_finish waits for that event and reads the flags. The flags
+// and the event belong to the calling thread and device (one check in flight per pair; a start
+// first waits out an unfinished one, so an abandoned check never races the next), allocated on
+// first use and kept: no allocation, copy or launch besides the kernel per check.
+struct RangeSlot {
+  int* flags = nullptr;       // mapped pinned host memory, fastelbo::kRangeFlagsMax ints
+  int* device_flags = nullptr;  // the same memory as the device sees it
+  cudaEvent_t done = nullptr;   // recorded after the kernel
+  int blocks = 0;               // > 0 while a check is in flight
+};
+
+struct RangeSlots {
+  std::vector<RangeSlot> by_device;
+  ~RangeSlots() {  // at thread exit; errors ignored (the context may already be gone)
+    for (RangeSlot& s : by_device) {
+      if (s.done != nullptr) (void)cudaEventDestroy(s.done);
+      if (s.flags != nullptr) (void)cudaFreeHost(s.flags);
+    }
+    (void)cudaGetLastError();
+  }
+};
+
+RangeSlot& range_slot(c10::DeviceIndex dev) {
+  thread_local RangeSlots slots;
+  if (slots.by_device.size() <= static_cast<size_t>(dev)) slots.by_device.resize(dev + 1);
+  RangeSlot& s = slots.by_device[dev];
+  if (s.flags == nullptr) {  // under the caller's device guard: the event is this device's
+    void* host = nullptr;
+    cudaError_t err = cudaHostAlloc(&host, sizeof(int) * fastelbo::kRangeFlagsMax,
+                                    cudaHostAllocMapped | cudaHostAllocPortable);
+    void* mapped = nullptr;
+    if (err == cudaSuccess) err = cudaHostGetDevicePointer(&mapped, host, 0);
+    cudaEvent_t ev = nullptr;
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      if (host != nullptr) (void)cudaFreeHost(host);
+      (void)cudaGetLastError();
+      FE_CHECK(false, "allocating the value check's flags failed: ", cudaGetErrorString(err));
+    }
+    s.flags = static_cast<int*>(host);
+    s.device_flags = static_cast<int*>(mapped);
+    s.done = ev;
+  }
+  return s;
+}
+
+// Wait for the slot's check in flight; whether every flag it wrote is 0.
+bool range_slot_wait(RangeSlot& s) {
+  const int blocks = s.blocks;
+  s.blocks = 0;
+  const cudaError_t err = cudaEventSynchronize(s.done);
+  FE_CHECK(err == cudaSuccess, "waiting for the value check failed: ", cudaGetErrorString(err));
+  return std::none_of(s.flags, s.flags + blocks, [](int f) { return f != 0; });
+}
+
+void range_check_start(const at::Tensor& x) {
+  FE_CHECK_TENSOR(x, "x", x.device());
+  const int64_t n = x.numel();
+  FE_CHECK(n > 0, "x is empty");
+  const c10::cuda::CUDAGuard guard(x.device());
+  RangeSlot& s = range_slot(x.device().index());
+  if (s.blocks > 0) (void)range_slot_wait(s);  // abandoned: its kernel must not outlive it
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  check_launch(fastelbo::range_flags_launch(x.data_ptr<float>(), n, s.device_flags, stream),
+               "range check kernel");
+  const cudaError_t err = cudaEventRecord(s.done, stream);
+  FE_CHECK(err == cudaSuccess, "recording the value check failed: ", cudaGetErrorString(err));
+  s.blocks = fastelbo::range_flags_blocks(n);
+}
+
+// Whether the check range_check_start began on `device` (this thread) found every value of x
+// in [0, 1]; waits for it.
+bool range_check_finish(int64_t device) {
+  const auto dev = static_cast<c10::DeviceIndex>(device);
+  const c10::cuda::CUDAGuard guard(dev);
+  RangeSlot& s = range_slot(dev);
+  FE_CHECK(s.blocks > 0, "no value check in flight on this device for this thread");
+  return range_slot_wait(s);
+}
+
 // Reserves one torch.randn(n) float32 draw from the device's default CUDA generator, as
 // PyTorch's normal_ does (ATen/native/cuda/DistributionTemplates.h: calc_execution_policy with
 // curand_normal4's 4 outputs per call, then philox_cuda_state under the generator's mutex),
@@ -204,6 +287,9 @@ fastelbo::TorchRandn reserve_randn(int64_t n, c10::DeviceIndex device) {
 // draw = true: eps's contents are not read but overwritten with one torch.randn(B, L) draw from
 // the default CUDA generator (the same numbers and the same generator advance as that call):
 // drawn inside the fast kernel where it runs (no separate launch), else by at::normal_ first.
+// await_check = true: this thread's value check on x (range_check_start) is still in flight;
+// it is waited for once the launch is prepared, just before anything is drawn or launched, and
+// if it failed nothing is, and an empty list comes back (the caller raises the value error).
 std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
                                      const at::Tensor& enc_w, const at::Tensor& enc_b,
                                      const at::Tensor& mu_w, const at::Tensor& mu_b,
@@ -211,7 +297,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
                                      const at::Tensor& dec_w1, const at::Tensor& dec_b1,
                                      const at::Tensor& dec_w2, const at::Tensor& dec_b2,
                                      int64_t rows, int64_t cluster, int64_t staged,
-                                     bool poison, int64_t path, bool draw) {
+                                     bool poison, int64_t path, bool draw, bool await_check) {
   FE_CHECK(x.defined(), "x is undefined");
   const auto dev = x.device();
   FE_CHECK_TENSOR(x, "x", dev);
@@ -274,6 +360,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
     FE_CHECK(fst != fastelbo::kElboCudaError, "planning the fast launch failed: ",
              cudaGetErrorString(ferr));
     if (fst == fastelbo::kElboOk) {
+      if (await_check && !range_check_finish(dev.index())) return {};
       if (draw) {  // B <= kFastMaxBatch: B * L is far inside PyTorch's 32-bit indexing
         f.draw = 1;
         f.rng = reserve_randn(B * L, dev.index());
@@ -285,6 +372,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
     FE_CHECK(path == kPathAuto, "path=fast does not apply here (status ", static_cast<int>(fst),
              "); fastelbo.backends.cuda checks this before the call");
   }
+  if (await_check && !range_check_finish(dev.index())) return {};
   if (draw) eps.normal_(0.0, 1.0);  // the default generator of eps's device, as torch.randn
   const int64_t cluster_max = auto_fast ? kClusterFallbackMax : kClusterMaxBatch;
   if (path == kPathRows || (path == kPathAuto && B > cluster_max)) {
@@ -590,89 +678,6 @@ at::Tensor iwae_partials(const at::Tensor& x, const at::Tensor& mu, const at::Te
   return part;
 }
 
-// fastelbo.validation's value check (every element of x in [0, 1], NaN not) in two steps, so
-// that the host can prepare the forward while the check runs: range_check_start launches
-// rows.cu's flag kernel (a flag per block) writing straight into mapped pinned memory and
-// records an event; range_check_finish waits for that event and reads the flags. The flags
-// and the event belong to the calling thread and device (one check in flight per pair; a start
-// first waits out an unfinished one, so an abandoned check never races the next), allocated on
-// first use and kept: no allocation, copy or launch besides the kernel per check.
-struct RangeSlot {
-  int* flags = nullptr;       // mapped pinned host memory, fastelbo::kRangeFlagsMax ints
-  int* device_flags = nullptr;  // the same memory as the device sees it
-  cudaEvent_t done = nullptr;   // recorded after the kernel
-  int blocks = 0;               // > 0 while a check is in flight
-};
-
-struct RangeSlots {
-  std::vector<RangeSlot> by_device;
-  ~RangeSlots() {  // at thread exit; errors ignored (the context may already be gone)
-    for (RangeSlot& s : by_device) {
-      if (s.done != nullptr) (void)cudaEventDestroy(s.done);
-      if (s.flags != nullptr) (void)cudaFreeHost(s.flags);
-    }
-    (void)cudaGetLastError();
-  }
-};
-
-RangeSlot& range_slot(c10::DeviceIndex dev) {
-  thread_local RangeSlots slots;
-  if (slots.by_device.size() <= static_cast<size_t>(dev)) slots.by_device.resize(dev + 1);
-  RangeSlot& s = slots.by_device[dev];
-  if (s.flags == nullptr) {  // under the caller's device guard: the event is this device's
-    void* host = nullptr;
-    cudaError_t err = cudaHostAlloc(&host, sizeof(int) * fastelbo::kRangeFlagsMax,
-                                    cudaHostAllocMapped | cudaHostAllocPortable);
-    void* mapped = nullptr;
-    if (err == cudaSuccess) err = cudaHostGetDevicePointer(&mapped, host, 0);
-    cudaEvent_t ev = nullptr;
-    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
-    if (err != cudaSuccess) {
-      if (host != nullptr) (void)cudaFreeHost(host);
-      (void)cudaGetLastError();
-      FE_CHECK(false, "allocating the value check's flags failed: ", cudaGetErrorString(err));
-    }
-    s.flags = static_cast<int*>(host);
-    s.device_flags = static_cast<int*>(mapped);
-    s.done = ev;
-  }
-  return s;
-}
-
-// Wait for the slot's check in flight; whether every flag it wrote is 0.
-bool range_slot_wait(RangeSlot& s) {
-  const int blocks = s.blocks;
-  s.blocks = 0;
-  const cudaError_t err = cudaEventSynchronize(s.done);
-  FE_CHECK(err == cudaSuccess, "waiting for the value check failed: ", cudaGetErrorString(err));
-  return std::none_of(s.flags, s.flags + blocks, [](int f) { return f != 0; });
-}
-
-void range_check_start(const at::Tensor& x) {
-  FE_CHECK_TENSOR(x, "x", x.device());
-  const int64_t n = x.numel();
-  FE_CHECK(n > 0, "x is empty");
-  const c10::cuda::CUDAGuard guard(x.device());
-  RangeSlot& s = range_slot(x.device().index());
-  if (s.blocks > 0) (void)range_slot_wait(s);  // abandoned: its kernel must not outlive it
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  check_launch(fastelbo::range_flags_launch(x.data_ptr<float>(), n, s.device_flags, stream),
-               "range check kernel");
-  const cudaError_t err = cudaEventRecord(s.done, stream);
-  FE_CHECK(err == cudaSuccess, "recording the value check failed: ", cudaGetErrorString(err));
-  s.blocks = fastelbo::range_flags_blocks(n);
-}
-
-// Whether the check range_check_start began on `device` (this thread) found every value of x
-// in [0, 1]; waits for it.
-bool range_check_finish(int64_t device) {
-  const auto dev = static_cast<c10::DeviceIndex>(device);
-  const c10::cuda::CUDAGuard guard(dev);
-  RangeSlot& s = range_slot(dev);
-  FE_CHECK(s.blocks > 0, "no value check in flight on this device for this thread");
-  return range_slot_wait(s);
-}
-
 // Both steps at once: launch, wait, read.
 bool x_in_unit_range(const at::Tensor& x) {
   range_check_start(x);
@@ -721,7 +726,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("dec_w2"), pybind11::arg("dec_b2"), pybind11::arg("rows") = 0,
         pybind11::arg("cluster") = 0, pybind11::arg("staged") = -1,
         pybind11::arg("poison") = false, pybind11::arg("path") = 0,
-        pybind11::arg("draw") = false);
+        pybind11::arg("draw") = false, pybind11::arg("await_check") = false);
   m.def("backward", &elbo_backward,
         "gradients {x, eps, 10 params} of <g, (elbo, recon, kl)>; see fastelbo/backends/cuda",
         pybind11::arg("x"), pybind11::arg("eps"), pybind11::arg("enc_w"), pybind11::arg("enc_b"),

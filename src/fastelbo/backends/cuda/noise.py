@@ -71,19 +71,19 @@ def randn_matches(index: int) -> bool:
     return ok
 
 
-def forward_drawing(x: torch.Tensor, params: VAEParams, ready=None):
+def forward_drawing(x: torch.Tensor, params: VAEParams, verdict=None):
     """forward_prepared with eps = torch.randn(B, latent_dim) from the default generator of x's
     device, drawn inside the launch where randn_matches says it can be; the same inputs
-    contract as forward_prepared (fastelbo.ops prepared them). ready: as forward_prepared's,
-    called before anything is drawn."""
+    contract as forward_prepared (fastelbo.ops prepared them). verdict: as forward_prepared's,
+    waited for before anything is drawn."""
     index = x.device.index
     if index not in _MATCHES and not torch.cuda.is_current_stream_capturing():
         randn_matches(index)
     lat = params[2].shape[0]
     if not _MATCHES.get(index, False):
-        if ready is not None:
-            ready()
+        if verdict is not None:
+            verdict.wait()
         eps = torch.randn(x.shape[0], lat, device=x.device, dtype=x.dtype)
         return forward_prepared(x, params, eps)
     eps = torch.empty(x.shape[0], lat, device=x.device, dtype=x.dtype)
-    return forward_prepared(x, params, eps, draw=True, ready=ready)
+    return forward_prepared(x, params, eps, draw=True, verdict=verdict)
