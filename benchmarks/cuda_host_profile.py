@@ -20,7 +20,7 @@ from fastelbo import VAEParams
 from fastelbo.backends import cuda
 from fastelbo.model import ModelNew
 from fastelbo.problems.vae_elbo import Model
-from fastelbo.validation import check_values
+from fastelbo.validation import check_values, start_checks
 
 
 def per_call_us(fn, calls: int, synced: bool = False) -> float:
@@ -54,6 +54,10 @@ def main() -> None:
     eps = torch.randn(args.batch, dims[2], device=dev)
     ext = cuda.extension()
 
+    def no_value_check_start(x, params):
+        with fastelbo.validation(False):
+            start_checks(x, params, None)
+
     def no_validation():
         with fastelbo.validation(False):
             model(x)
@@ -64,6 +68,9 @@ def main() -> None:
         "ModelNew (validation off)": no_validation,
         "fastelbo.elbo, eps given": lambda: fastelbo.elbo(x, params, eps, backend="cuda"),
         "check_values(x)": lambda: check_values(x),
+        "checked_start + finish": lambda: (cuda.checked_start(x, params, None, True),
+                                           cuda.finish_range_check(x.device)),
+        "start_checks (metadata only)": lambda: no_value_check_start(x, params),
         "forward_drawing": lambda: cuda.forward_drawing(x, params),
         "ext.forward (eps given)": lambda: ext.forward(x, eps, *params, 0, 0, -1, False, 0,
                                                        False, False),

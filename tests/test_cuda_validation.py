@@ -143,3 +143,77 @@ def test_a_refused_x_launches_nothing_and_draws_nothing(cuda, batch):
             unchecked = model(x)
     for a, b in zip(checked, unchecked):
         assert torch.equal(a, b)
+
+
+def _plain_inputs(batch=6, dims=(33, 20, 5)):
+    from fastelbo.params import VAEParams
+    from fastelbo.problems.vae_elbo import Model
+
+    params = VAEParams(*(t.detach().cuda() for t in Model(*dims).state_dict().values()))
+    x = torch.rand(batch, dims[0], device="cuda")
+    return x, params, torch.randn(batch, dims[2], device="cuda")
+
+
+def test_checked_start_takes_the_plain_case_and_starts_the_value_check(cuda):
+    """start_checks' lane in one binding call: plain inputs pass (1 with the value check in
+    flight, 0 without it), and the verdict is the value check's."""
+    cuda = runs(cuda)
+    x, params, eps = _plain_inputs()
+    for e in (None, eps):
+        assert cuda.checked_start(x, params, e, True) == 1
+        assert cuda.finish_range_check(x.device) is True
+        assert cuda.checked_start(x, params, e, False) == 0
+    x[5, 32] = float("nan")
+    assert cuda.checked_start(x, params, None, True) == 1
+    assert cuda.finish_range_check(x.device) is False
+
+
+def test_checked_start_runs_no_value_check_inside_a_capture(cuda):
+    cuda = runs(cuda)
+    x, params, eps = _plain_inputs()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        status = cuda.checked_start(x, params, eps, True)
+    assert status == 0
+
+
+_MUTATIONS = {
+    "float64": lambda t: t.double(),
+    "one more row": lambda t: torch.cat([t, t[:1]]),
+    "non-contiguous": lambda t: t.t().contiguous().t() if t.dim() == 2 and t.shape[0] > 1
+    and t.shape[1] > 1 else t.repeat_interleave(2)[::2],
+    "on the CPU": lambda t: t.cpu(),
+    "a Parameter subclass": lambda t: type("Sub", (torch.nn.Parameter,), {})(t),
+}
+
+
+@pytest.mark.parametrize("mutation", list(_MUTATIONS))
+@pytest.mark.parametrize("name", ["x", "eps", "enc_w", "enc_b", "mu_w", "mu_b", "lv_w", "lv_b",
+                                  "dec_w1", "dec_b1", "dec_w2", "dec_b2"])
+def test_checked_start_leaves_everything_else_to_the_python_checks(cuda, name, mutation):
+    """Any tensor off the plain case gives None (nothing started), so that start_checks' own
+    checks decide: they raise their precise error, or accept it for another path."""
+    from fastelbo.validation import check_inputs
+
+    cuda = runs(cuda)
+    x, params, eps = _plain_inputs()
+    named = {"x": x, "eps": eps, **params._asdict()}
+    named[name] = _MUTATIONS[mutation](named[name])
+    x, eps = named.pop("x"), named.pop("eps")
+    params = type(params)(**named)
+    assert cuda.checked_start(x, params, eps, True) is None
+    with fastelbo.validation(False):
+        if mutation in ("non-contiguous", "a Parameter subclass"):
+            check_inputs(x, params, eps)  # valid: fastelbo.ops makes it contiguous
+        else:
+            with pytest.raises((TypeError, ValueError)):
+                check_inputs(x, params, eps)
+
+
+def test_checked_start_refuses_a_batch_of_zero_and_one_dimensional_x(cuda):
+    cuda = runs(cuda)
+    x, params, _ = _plain_inputs()
+    assert cuda.checked_start(x[:0], params, None, True) is None
+    assert cuda.checked_start(x[0], params, None, True) is None
+    assert cuda.checked_start(x[:, :-1].contiguous(), params, None, True) is None

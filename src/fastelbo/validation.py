@@ -5,7 +5,9 @@ no NaN) reads x back to the host, one device sync per call; it is on by default,
 a CUDA graph is being captured, and run eagerly (a graph break) under torch.compile.
 `start_checks` leaves the value check running on the GPU (where the cuda backend's one-launch
 check applies) and returns a verdict to `wait()` on: fastelbo.ops prepares the launch meanwhile
-and waits just before it, so the host's work overlaps the check's round trip. Turn it
+and waits just before it, so the host's work overlaps the check's round trip. For contiguous
+float32 tensors on a GPU the cuda backend runs on, every check and the value check's launch
+are one binding call (cuda.checked_start); anything else takes the checks written here. Turn it
 off for speed with `fastelbo.set_validation(False)`, the `fastelbo.validation(False)` context
 manager or FASTELBO_VALIDATE=0: rows holding a bad value then come out as NaN in elbo, recon
 and kl (every backend guarantees this), never as a plausible number.
@@ -118,6 +120,13 @@ def start_checks(x, params: VAEParams, eps):
     """check_inputs, with the value check left running where it can: every other check has
     raised or passed on return, and the returned verdict's wait() raises what check_inputs
     would have raised for x's values (call it before anything reads x)."""
+    if type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling():
+        # The cuda backend's lane: every check below in one call, and the value check started.
+        from .backends import cuda
+
+        status = cuda.checked_start(x, params, eps, _enabled)
+        if status is not None:
+            return _Pending(x) if status else _DONE
     check_params(params)
     d, _, lat = params.dims
     w = params.enc_w

@@ -145,6 +145,27 @@ def start_range_check(x: torch.Tensor) -> bool:
     return False
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def checked_start(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None,
+                  validate: bool) -> int | None:
+    """fastelbo.validation.start_checks' fast lane: its checks in one binding call for the
+    common case (contiguous float32 tensors, plain torch.Tensor / Parameter, on a device this
+    backend already runs on) and, with validate, the value check started. 1: passed, the
+    value check in flight (finish_range_check); 0: passed, no value check (validate off or a
+    graph being captured); None: not the plain case or a check failed: the caller's own checks
+    decide (and raise the precise error). Never builds the extension."""
+    if x.device not in _RUNS_ON or len(params) != 10 or (eps is not None
+                                                         and type(eps) not in _PLAIN):
+        return None
+    for p in params:
+        if type(p) not in _PLAIN:
+            return None
+    status = extension().checked_start(x, eps, *params, validate)
+    return None if status < 0 else status
+
+
 def finish_range_check(device: torch.device) -> bool:
     """Whether the check start_range_check began on `device` (this thread) found every value
     in [0, 1]."""

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "elbo.h"
@@ -242,6 +243,50 @@ bool range_check_finish(int64_t device) {
   RangeSlot& s = range_slot(dev);
   FE_CHECK(s.blocks > 0, "no value check in flight on this device for this thread");
   return range_slot_wait(s);
+}
+
+// fastelbo.validation.start_checks for the common case, in one call that never throws:
+// 1 = every check passed and the value check on x is in flight (range_check_start); 0 = every
+// check passed and no value check runs (validate false, or the current stream is capturing a
+// graph); -1 = not the plain case (a check fails, or a dtype, layout, device or contiguity this
+// backend does not take): the caller runs its own checks, which raise the precise error or
+// take another path. The checks are start_checks' (one device, one dtype, the parameters'
+// shapes from enc_w and mu_w, x (B >= 1, input_dim), eps (B, latent_dim)), narrowed to
+// contiguous float32 CUDA tensors on x's device with sizes within int32.
+int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
+                      const at::Tensor& enc_w, const at::Tensor& enc_b, const at::Tensor& mu_w,
+                      const at::Tensor& mu_b, const at::Tensor& lv_w, const at::Tensor& lv_b,
+                      const at::Tensor& dec_w1, const at::Tensor& dec_b1,
+                      const at::Tensor& dec_w2, const at::Tensor& dec_b2, bool validate) {
+  if (!x.defined() || !x.is_cuda() || x.dim() != 2 || enc_w.dim() != 2 || mu_w.dim() != 2)
+    return -1;
+  const auto dev = x.device();
+  const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  if (B < 1 || D < 1 || H < 1 || L < 1 || B > kIntMax || D > kIntMax || H > kIntMax ||
+      L > kIntMax)
+    return -1;
+  const auto plain = [&](const at::Tensor& t, std::initializer_list<int64_t> shape) {
+    return t.defined() && t.layout() == at::kStrided && t.device() == dev &&
+           t.scalar_type() == at::kFloat && t.is_contiguous() &&
+           t.sizes().equals(at::IntArrayRef(shape));
+  };
+  if (!(plain(x, {B, D}) && plain(enc_w, {H, D}) && plain(enc_b, {H}) && plain(mu_w, {L, H}) &&
+        plain(mu_b, {L}) && plain(lv_w, {L, H}) && plain(lv_b, {L}) && plain(dec_w1, {H, L}) &&
+        plain(dec_b1, {H}) && plain(dec_w2, {D, H}) && plain(dec_b2, {D}) &&
+        (!eps.has_value() || plain(*eps, {B, L}))))
+    return -1;
+  if (!validate) return 0;
+  const c10::cuda::CUDAGuard guard(dev);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;  // the caller's path asks torch instead
+  }
+  if (capture != cudaStreamCaptureStatusNone) return 0;  // as start_checks: no sync in a capture
+  range_check_start(x);
+  return 1;
 }
 
 // Reserves one torch.randn(n) float32 draw from the device's default CUDA generator, as
@@ -761,6 +806,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"));
   m.def("range_check_start", &range_check_start,
         "launch x_in_unit_range's check; range_check_finish waits for it", pybind11::arg("x"));
+  m.def("checked_start", &checked_start,
+        "start_checks' checks for contiguous float32 tensors on x's GPU, and the value check "
+        "started: 1 started, 0 passed without it, -1 not the plain case (never raises)",
+        pybind11::arg("x"), pybind11::arg("eps"), pybind11::arg("enc_w"), pybind11::arg("enc_b"),
+        pybind11::arg("mu_w"), pybind11::arg("mu_b"), pybind11::arg("lv_w"),
+        pybind11::arg("lv_b"), pybind11::arg("dec_w1"), pybind11::arg("dec_b1"),
+        pybind11::arg("dec_w2"), pybind11::arg("dec_b2"), pybind11::arg("validate"));
   m.def("range_check_finish", &range_check_finish,
         "the verdict of this thread's check in flight on the device (waits)",
         pybind11::arg("device"));
