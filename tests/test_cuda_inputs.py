@@ -255,6 +255,8 @@ def test_forward_prepared_launches_with_the_default_options(fake, monkeypatch):
 
 
 class _Verdict:
+    plain = False
+
     def __init__(self, in_flight, log):
         self.in_flight, self.log = in_flight, log
 

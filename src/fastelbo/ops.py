@@ -119,17 +119,21 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _needs_op(x: torch.Tensor, eps: torch.Tensor | None, params: VAEParams) -> bool:
+def _needs_op(x: torch.Tensor, eps: torch.Tensor | None, params: VAEParams,
+              plain: bool = False) -> bool:
     """Whether a GPU backend's call must go through the custom op: autograd has to record it
     (some input requires grad), or something sees ops as they run (torch.compile / export
     tracing, a functorch transform, a dispatch mode such as FakeTensorMode, a torch-function
     mode, a tensor subclass). Otherwise the op would add only host time (~15 us of dispatch
     per call on a 2-core CPU, half the cuda kernel's time at B=128), so the backend is called
-    directly: the same launches on the current stream, so CUDA-graph capture is unaffected."""
+    directly: the same launches on the current stream, so CUDA-graph capture is unaffected.
+    plain: the tensors' types are known to be plain (a verdict's), only grad is asked."""
     if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
             or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
         return True
     grad = torch.is_grad_enabled()
+    if plain and not grad:
+        return False
     for t in (x, *params) if eps is None else (x, eps, *params):
         if type(t) not in _PLAIN or (grad and t.requires_grad):
             return True
@@ -147,11 +151,12 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
     # waited for before anything else is drawn or launched.
     verdict = start_checks(x, params, eps)
     name = resolve_backend(backend, x)
-    # .contiguous() returns the tensor itself when it already is.
-    x, params = x.contiguous(), VAEParams._make(map(torch.Tensor.contiguous, params))
+    plain = verdict.plain  # every tensor already contiguous, of a plain tensor type
+    if not plain:  # .contiguous() returns the tensor itself when it already is
+        x, params = x.contiguous(), VAEParams._make(map(torch.Tensor.contiguous, params))
     if eps is None and name != "torch":
         drawing = getattr(backends.module(name), "forward_drawing", None)
-        if drawing is not None and not _needs_op(x, None, params):
+        if drawing is not None and not _needs_op(x, None, params, plain):
             return drawing(x, params, verdict)  # it waits just before drawing or launching
     verdict.wait()
     if eps is None:

@@ -77,27 +77,32 @@ def check_params(params: VAEParams) -> None:
                              f"all parameters must be on one device")
 
 
+# A verdict's `plain`: the cuda lane (cuda.checked_start) found every tensor contiguous
+# float32 on a GPU the cuda backend runs on, so callers may skip .contiguous() and re-checks.
 class _Done:
     """A verdict already given (no value check, or one that ran synchronously)."""
-    __slots__ = ()
+    __slots__ = ("plain",)
     in_flight = False
+
+    def __init__(self, plain: bool = False):
+        self.plain = plain
 
     def wait(self) -> None:
         pass
 
 
-_DONE = _Done()
+_DONE, _DONE_PLAIN = _Done(), _Done(plain=True)
 
 
 class _Pending:
     """The cuda backend's value check on x, in flight on x's device for this thread: wait()
     here, or the cuda binding waits for it just before its launch (in_flight) and calls fail()
     if it did not pass."""
-    __slots__ = ("x",)
+    __slots__ = ("plain", "x")
     in_flight = True
 
-    def __init__(self, x: torch.Tensor):
-        self.x = x
+    def __init__(self, x: torch.Tensor, plain: bool = False):
+        self.x, self.plain = x, plain
 
     def wait(self) -> None:
         """Return once the check has passed; ValueError (as check_values') if it has not."""
@@ -126,7 +131,7 @@ def start_checks(x, params: VAEParams, eps):
 
         status = cuda.checked_start(x, params, eps, _enabled)
         if status is not None:
-            return _Pending(x) if status else _DONE
+            return _Pending(x, plain=True) if status else _DONE_PLAIN
     check_params(params)
     d, _, lat = params.dims
     w = params.enc_w

@@ -156,8 +156,8 @@ def checked_start(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None,
     value check in flight (finish_range_check); 0: passed, no value check (validate off or a
     graph being captured); None: not the plain case or a check failed: the caller's own checks
     decide (and raise the precise error). Never builds the extension."""
-    if x.device not in _RUNS_ON or len(params) != 10 or (eps is not None
-                                                         and type(eps) not in _PLAIN):
+    if (type(x) not in _PLAIN or x.device not in _RUNS_ON or len(params) != 10
+            or (eps is not None and type(eps) not in _PLAIN)):
         return None
     for p in params:
         if type(p) not in _PLAIN:
@@ -324,6 +324,15 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     return out[0], out[1], out[2]
 
 
+def _within_limits(x: torch.Tensor, params: VAEParams, eps: torch.Tensor) -> bool:
+    """What check_inputs checks beyond fastelbo.validation's: dense layouts, sizes in int32."""
+    batch, d = x.shape
+    h, lat = params[0].shape[0], params[2].shape[0]
+    return (0 < batch <= INT32_MAX and 0 < d <= INT32_MAX and 0 < h <= INT32_MAX
+            and 0 < lat <= INT32_MAX and x.layout == eps.layout == torch.strided
+            and all(p.layout == torch.strided for p in params))
+
+
 def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
                      draw: bool = False, verdict=None):
     """forward with the default launch options, for fastelbo.ops only.
@@ -338,11 +347,8 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
     this preparation overlaps the value check: inside the binding where the check is this
     backend's own, still in flight (verdict.in_flight), else by verdict.wait() before the call.
     """
-    batch, d = x.shape
-    h, lat = params[0].shape[0], params[2].shape[0]
-    if not (0 < batch <= INT32_MAX and 0 < d <= INT32_MAX and 0 < h <= INT32_MAX
-            and 0 < lat <= INT32_MAX and x.layout == eps.layout == torch.strided
-            and all(p.layout == torch.strided for p in params)):
+    # A plain verdict: checked_start has checked all of this (and more) in the binding.
+    if not (verdict is not None and verdict.plain or _within_limits(x, params, eps)):
         check_inputs(x, params, eps)
         raise AssertionError("forward_prepared was handed inputs fastelbo.ops did not prepare")
     awaits = verdict is not None and verdict.in_flight
