@@ -302,3 +302,32 @@ def test_the_value_verdict_comes_before_any_draw_or_launch(op_calls, monkeypatch
         assert log == (["wait"] if bad else ["wait", "backend"]), (bad, log)
         if bad:
             assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_a_plain_verdict_hands_the_tensors_over_as_they_are(op_calls, monkeypatch, plain):
+    """A plain verdict (the cuda lane checked every tensor contiguous, float32, on its GPU)
+    lets ops pass x and the parameters on without .contiguous(); any other verdict still has
+    them made contiguous (a column-major x arrives as a contiguous copy)."""
+    seen = []
+    fake = backends.module("cuda")
+
+    def forward_drawing(x, p, verdict):
+        verdict.wait()
+        seen.append((x, p))
+        return torch_ref.forward(x, p, torch.randn(x.shape[0], p[2].shape[0]))
+
+    monkeypatch.setattr(fake, "forward_drawing", forward_drawing, raising=False)
+    verdict = _Verdict([], bad=False)
+    verdict.plain = plain
+    monkeypatch.setattr(ops, "start_checks", lambda *a: verdict)
+    _, new = twins((16, 8, 3), backend="cuda")
+    params = VAEParams(*(t.detach() for t in new.vae_params()))
+    x = torch.rand(16, 6).t()  # (6, 16), not contiguous
+    with torch.no_grad():
+        ops.elbo(x, params, backend="cuda")
+    (got_x, got_p), = seen
+    if plain:  # taken at its word: the lane never says plain for such an x
+        assert got_x is x and all(a is b for a, b in zip(got_p, params))
+    else:
+        assert got_x.is_contiguous() and torch.equal(got_x, x)
