@@ -165,6 +165,6 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
         eps = eps.contiguous()
     if name == "torch":
         return torch_ref.forward(x, params, eps)
-    if _needs_op(x, eps, params):
+    if _needs_op(x, eps, params, plain):  # a plain verdict covered eps too
         return _elbo_forward(name, x, eps, list(params))
     return _prepared_forward(name)(x, params, eps)
