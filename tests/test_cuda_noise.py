@@ -1,5 +1,5 @@
 """The cuda backend's in-kernel noise (backends/cuda/noise.py): torch.randn's numbers and
-generator advance, drawn inside the fast kernel, eagerly and inside CUDA graphs."""
+generator advance, drawn inside the cluster kernels, eagerly and inside CUDA graphs."""
 from __future__ import annotations
 
 import warnings
@@ -92,6 +92,31 @@ def test_fast_kernel_draws_torch_randn(cuda, batch, dims):
     assert torch.equal(after, state())
     assert_same_bits(eps, ref_eps, "eps")
     want = cuda.forward(x, params, ref_eps, path="fast")
+    for g, w, n in zip(got, want, NAMES):
+        assert_same_bits(g, w, n)
+
+
+# General cluster kernel dims: odd sizes, latent 1 (absent from most blocks), hidden 1024.
+CLUSTER_DIMS = [(784, 256, 32), (33, 20, 5), (7, 9, 1), (50, 1024, 17)]
+
+
+@pytest.mark.parametrize("dims", CLUSTER_DIMS, ids=lambda d: "x".join(map(str, d)))
+@pytest.mark.parametrize("batch", [1, 7, 33, 80, 200])
+def test_cluster_kernel_draws_torch_randn(cuda, batch, dims):
+    """path='cluster', draw=True (elbo.cu draws its own elements of the noise): eps (poisoned
+    first) becomes torch.randn(B, L)'s draw, the outputs those of the same kernel fed that
+    draw, bit for bit, and the generator ends where torch.randn leaves it."""
+    params = make_params(dims)
+    x = torch.rand(batch, dims[0], device="cuda")
+    eps = torch.full((batch, dims[2]), float("nan"), device="cuda")
+    torch.manual_seed(6)
+    got = cuda.forward(x, params, eps, path="cluster", draw=True, _poison=True)
+    after = state()
+    torch.manual_seed(6)
+    ref_eps = torch.randn(batch, dims[2], device="cuda")
+    assert torch.equal(after, state())
+    assert_same_bits(eps, ref_eps, "eps")
+    want = cuda.forward(x, params, ref_eps, path="cluster")
     for g, w, n in zip(got, want, NAMES):
         assert_same_bits(g, w, n)
 

@@ -10,7 +10,7 @@ files hold the kernels (no torch types), elbo.h their plain params structs, elbo
 shared per-element math, binding.cpp the only torch-facing file. The extension is built on
 first use with torch.utils.cpp_extension.load (cached in torch's extension directory; the name
 carries a hash of the sources, so an edit rebuilds) and memoised here (functools.cache).
-noise.py: the forward's torch.randn drawn inside the fast kernel (forward_drawing);
+noise.py: the forward's torch.randn drawn inside the cluster kernels (forward_drawing);
 x_in_unit_range / start_range_check: fastelbo.validation's value check in one launch.
 """
 from __future__ import annotations
@@ -311,9 +311,9 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     (elbo_fast.cu: dims multiples of 4, any B), "cluster" (elbo.cu, any dims) or "rows".
     rows / cluster > 0 and staged in (0, 1) force the cluster kernel's launch plan
     (tuning only); draw=True overwrites eps with one torch.randn(B, latent_dim) draw from the
-    default generator of x's device and computes with it (inside the fast kernel where it runs;
-    noise.py says when that is exact); _poison fills the outputs with NaN first, so tests can
-    prove every element is written.
+    default generator of x's device and computes with it (inside the cluster kernels where
+    they run; noise.py says when that is exact); _poison fills the outputs with NaN first, so
+    tests can prove every element is written.
     """
     check_inputs(x, params, eps, rows=rows, cluster=cluster, staged=staged, path=path)
     params = VAEParams(*params)

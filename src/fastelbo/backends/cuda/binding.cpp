@@ -294,6 +294,12 @@ int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
 // curand_normal4's 4 outputs per call, then philox_cuda_state under the generator's mutex),
 // and returns what a kernel needs to reproduce it (philox.cuh). Graph capture: the generator
 // hands out device pointers and an intra-graph offset, as it does to PyTorch's own kernels.
+// Whether torch.randn(n) (float32, contiguous) is one launch of normal_'s kernel, which is what
+// reserve_randn and philox.cuh reproduce: TensorIterator's can_use_32bit_indexing (element
+// count, and the largest byte offset 4 (n - 1) + 1, within int32); beyond it PyTorch splits the
+// draw into sub-iterators with counters of their own, and the kernels leave the draw to it.
+bool randn_in_one_launch(int64_t n) { return n >= 1 && n <= (int64_t{1} << 29); }
+
 fastelbo::TorchRandn reserve_randn(int64_t n, c10::DeviceIndex device) {
   // The two device properties PyTorch reads (attribute queries: no cudaGetDeviceProperties).
   int sms = 0, threads_per_sm = 0;
@@ -331,7 +337,8 @@ fastelbo::TorchRandn reserve_randn(int64_t n, c10::DeviceIndex device) {
 // poison = true fills the outputs with NaN before the launch (tests: every element is written).
 // draw = true: eps's contents are not read but overwritten with one torch.randn(B, L) draw from
 // the default CUDA generator (the same numbers and the same generator advance as that call):
-// drawn inside the fast kernel where it runs (no separate launch), else by at::normal_ first.
+// drawn inside the cluster kernels where they run (no separate launch), else by at::normal_
+// first (the rows path).
 // await_check = true: this thread's value check on x (range_check_start) is still in flight;
 // it is waited for once the launch is prepared, just before anything is drawn or launched, and
 // if it failed nothing is, and an empty list comes back (the caller raises the value error).
@@ -406,10 +413,12 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
              cudaGetErrorString(ferr));
     if (fst == fastelbo::kElboOk) {
       if (await_check && !range_check_finish(dev.index())) return {};
-      if (draw) {  // B <= kFastMaxBatch: B * L is far inside PyTorch's 32-bit indexing
+      if (draw && randn_in_one_launch(B * L)) {
         f.draw = 1;
         f.rng = reserve_randn(B * L, dev.index());
         f.eps_out = eps.data_ptr<float>();
+      } else if (draw) {
+        eps.normal_(0.0, 1.0);
       }
       check_launch(fastelbo::elbo_fast_launch(f, stream), "fast cluster kernel");
       return out;
@@ -417,14 +426,16 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
     FE_CHECK(path == kPathAuto, "path=fast does not apply here (status ", static_cast<int>(fst),
              "); fastelbo.backends.cuda checks this before the call");
   }
-  if (await_check && !range_check_finish(dev.index())) return {};
-  if (draw) eps.normal_(0.0, 1.0);  // the default generator of eps's device, as torch.randn
-  const int64_t cluster_max = auto_fast ? kClusterFallbackMax : kClusterMaxBatch;
-  if (path == kPathRows || (path == kPathAuto && B > cluster_max)) {
+  // The rows path: the draw (at::normal_) first, then cuBLAS and rows.cu's kernels.
+  const auto run_rows = [&]() -> std::vector<at::Tensor> {
+    if (await_check && !range_check_finish(dev.index())) return {};
+    if (draw) eps.normal_(0.0, 1.0);  // the default generator of eps's device, as torch.randn
     rows_forward(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
                  out, stream);
     return out;
-  }
+  };
+  const int64_t cluster_max = auto_fast ? kClusterFallbackMax : kClusterMaxBatch;
+  if (path == kPathRows || (path == kPathAuto && B > cluster_max)) return run_rows();
 
   fastelbo::ElboParams p{};
   fill_forward(p, x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
@@ -438,12 +449,8 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   const fastelbo::ElboStatus st =
       fastelbo::elbo_plan(p, dev.index(), static_cast<int>(rows), static_cast<int>(cluster),
                           static_cast<int>(staged), &err);
-  if (path == kPathAuto && (st == fastelbo::kElboTooLarge || st == fastelbo::kElboNoCluster)) {
-    // The general path: dims whose activations do not fit a block (or no cluster fits).
-    rows_forward(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
-                 out, stream);
-    return out;
-  }
+  if (path == kPathAuto && (st == fastelbo::kElboTooLarge || st == fastelbo::kElboNoCluster))
+    return run_rows();  // the general path: dims whose activations do not fit a block
   FE_CHECK(st != fastelbo::kElboBadArch,
            "needs compute capability 9.0+ (thread-block clusters); use backend='torch' or "
            "backend='triton'");
@@ -456,6 +463,14 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
            ", cluster=", cluster, "); use backend='torch' or backend='triton'");
   FE_CHECK(st == fastelbo::kElboOk, "planning the launch failed: ", cudaGetErrorString(err));
 
+  if (await_check && !range_check_finish(dev.index())) return {};
+  if (draw && randn_in_one_launch(B * L)) {
+    p.draw = 1;
+    p.rng = reserve_randn(B * L, dev.index());
+    p.eps_out = eps.data_ptr<float>();
+  } else if (draw) {
+    eps.normal_(0.0, 1.0);
+  }
   err = fastelbo::elbo_launch(p, stream);
   FE_CHECK(err == cudaSuccess, "kernel launch failed (R=", p.R, ", C=", p.C, ", smem=",
            p.smem_bytes, " B, staged=", p.staged, "): ", cudaGetErrorString(err));

@@ -56,6 +56,7 @@
 #include "elbo.h"
 #include "cluster.cuh"
 #include "elbo_math.cuh"
+#include "philox.cuh"
 
 #include <cooperative_groups.h>
 
@@ -305,11 +306,29 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
       });
   __syncthreads();
   // z = mu + exp(0.5 logvar) * eps for this block's latent indices, pushed to every block.
-  for (int i = tid; i < R * lcnt * C; i += kClusterThreads) {
-    const int q = i % C, e = i / C, r = e / lcnt, c = e - r * lcnt;
-    const float ep = __ldg(p.eps + static_cast<size_t>(grow(r)) * L + j0 + c);
-    cluster.map_shared_rank(zs, q)[r * ldl + j0 + c] =
-        reparam(ml[r * ldm + c], ml[r * ldm + lcnt + c], ep);
+  if (p.draw) {
+    // The noise in the kernel: this block's elements of torch.randn(B, L) (philox.cuh), each
+    // drawn once and written to eps_out by this block only (tail rows: 0, not written).
+    uint64_t seed, offset;
+    torch_randn_seeds(p.rng, &seed, &offset);
+    for (int e = tid; e < R * lcnt; e += kClusterThreads) {
+      const int r = e / lcnt, c = e - r * lcnt, row = row0 + r;
+      float ep = 0.0f;
+      if (row < B) {
+        const uint64_t idx = static_cast<uint64_t>(row) * L + j0 + c;
+        ep = torch_randn_at(seed, offset, p.rng.threads, idx);
+        p.eps_out[idx] = ep;
+      }
+      const float z = reparam(ml[r * ldm + c], ml[r * ldm + lcnt + c], ep);
+      for (int q = 0; q < C; ++q) cluster.map_shared_rank(zs, q)[r * ldl + j0 + c] = z;
+    }
+  } else {
+    for (int i = tid; i < R * lcnt * C; i += kClusterThreads) {
+      const int q = i % C, e = i / C, r = e / lcnt, c = e - r * lcnt;
+      const float ep = __ldg(p.eps + static_cast<size_t>(grow(r)) * L + j0 + c);
+      cluster.map_shared_rank(zs, q)[r * ldl + j0 + c] =
+          reparam(ml[r * ldm + c], ml[r * ldm + lcnt + c], ep);
+    }
   }
   // KL partial: sum_j (1 + logvar - mu^2 - exp(logvar)) over this block's j, to rank 0.
   for (int r = tid; r < R; r += kClusterThreads) {

@@ -19,6 +19,18 @@
 
 namespace fastelbo {
 
+// One torch.randn(n) float32 draw from a CUDA generator, for a kernel that reproduces it
+// (philox.cuh, torch_randn_*): binding.cpp fills it from PyTorch's PhiloxCudaState after
+// reserving the draw's counter range exactly as PyTorch's normal_ does.
+struct TorchRandn {
+  unsigned long long seed, offset;         // captured == 0
+  const long long* seed_ptr;               // captured != 0 (CUDA graph capture): read at run
+  const long long* offset_ptr;             //   time, offset = *offset_ptr + offset_intragraph
+  unsigned long long offset_intragraph;
+  unsigned long long threads;              // threads of PyTorch's normal_ launch for n
+  int captured;
+};
+
 // One forward's tensors and dims, the common part of both cluster kernels' params (binding.cpp
 // fills it once). Shapes (nn.Linear layout, out x in), all row-major contiguous float32:
 //   x (B, D), eps (B, L), w1 (H, D), wmu/wlv (L, H), wd1 (H, L), wd2 (D, H); biases (out).
@@ -39,18 +51,11 @@ struct ForwardArgs {
   float* recon;
   float* kl;
   int B, D, H, L;
-};
-
-// One torch.randn(n) float32 draw from a CUDA generator, for a kernel that reproduces it
-// (philox.cuh, torch_randn_*): binding.cpp fills it from PyTorch's PhiloxCudaState after
-// reserving the draw's counter range exactly as PyTorch's normal_ does.
-struct TorchRandn {
-  unsigned long long seed, offset;         // captured == 0
-  const long long* seed_ptr;               // captured != 0 (CUDA graph capture): read at run
-  const long long* offset_ptr;             //   time, offset = *offset_ptr + offset_intragraph
-  unsigned long long offset_intragraph;
-  unsigned long long threads;              // threads of PyTorch's normal_ launch for n
-  int captured;
+  // draw != 0: eps is not read; each block draws its own elements of torch.randn(B, L) from
+  // rng instead (philox.cuh) and writes them to eps_out (B x L). The cluster kernels only.
+  int draw;
+  TorchRandn rng;
+  float* eps_out;
 };
 
 struct ElboParams : ForwardArgs {
@@ -119,11 +124,6 @@ struct FastParams : ForwardArgs {
   // w1k's space) instead of its hidden columns and the d exchange; where that space holds it.
   int local_d, ldz, ldw, wd1f_box, off_wd1f, off_bd1f;
   int smem_bytes;
-  // draw != 0: eps is not read; each block draws its own elements of torch.randn(B, L) from
-  // rng instead (philox.cuh) and writes them to eps_out (B x L).
-  int draw;
-  TorchRandn rng;
-  float* eps_out;
 };
 
 // Plans the fast path for this device (cluster > 0 forces C; one_wave: only if all clusters are

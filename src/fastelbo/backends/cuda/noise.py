@@ -1,17 +1,17 @@
-"""The forward's noise drawn inside the fast kernel: no torch.randn launch before it.
+"""The forward's noise drawn inside the cluster kernels: no torch.randn launch before it.
 
 The RNG contract (fastelbo.ops): without `eps`, a forward draws exactly one
-torch.randn(B, latent_dim) from the default generator of x's device. The fast kernel
-(elbo_fast.cu, 80 < B <= 384) can draw those numbers itself: philox.cuh reproduces PyTorch's
-normal_ kernel (curand's Philox4x32-10 counters and Box-Muller), and binding.cpp reserves the
-generator's counters exactly as normal_ does, so both the numbers and the generator's state
-afterwards are torch.randn's. The other paths draw with at::normal_ first (torch.randn's own
-kernel). The integers are checked against curand on the host (tests/test_cuda_compile.py); the
-floats equal PyTorch's only with the same CUDA math (logf, sqrtf, __sincosf) as its build, so
-before the first such forward on a device `randn_matches` compares a reproduced draw with
-torch.randn bit for bit, with the generator's state saved and restored around it (the check
-consumes none of the caller's randomness). On a mismatch that device keeps drawing with
-torch.randn before the launch, with a warning.
+torch.randn(B, latent_dim) from the default generator of x's device. The cluster kernels (elbo.cu
+up to B = 80, elbo_fast.cu up to 384) can draw those numbers themselves: philox.cuh reproduces
+PyTorch's normal_ kernel (curand's Philox4x32-10 counters and Box-Muller), and binding.cpp reserves
+the generator's counters exactly as normal_ does, so both the numbers and the generator's state
+afterwards are torch.randn's. The rows path (and draws past PyTorch's 32-bit indexing) draws with
+at::normal_ first (torch.randn's own kernel). The integers are checked against curand on the host
+(tests/test_cuda_compile.py); the floats equal PyTorch's only with the same CUDA math (logf, sqrtf,
+__sincosf) as its build, so before the first such forward on a device `randn_matches` compares a
+reproduced draw with torch.randn bit for bit, with the generator's state saved and restored around
+it (the check consumes none of the caller's randomness). On a mismatch that device keeps drawing
+with torch.randn before the launch, with a warning.
 
 Where it applies: fastelbo.ops takes `forward_drawing` for eager calls that autograd and
 tracers do not see (the latency path); under autograd or torch.compile the noise comes from
