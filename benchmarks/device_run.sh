@@ -2,7 +2,7 @@
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
 # Stages: build env tests cuda-tests cuda-noise cuda-validation compile-host other-gpu triton-tests triton-iwae host-triton host-cuda profile-triton ncu-triton probe-saturated memcheck racecheck check check-cuda export-test check-auto bench cuda-plans cuda-paths
-#         trace tma-ingest repro profile threads512 triton-sweep cuda-iwae iwae iwae-variants iwae-sweep train train-epochs
+#         trace tma-ingest mma-l4 repro profile threads512 triton-sweep cuda-iwae iwae iwae-variants iwae-sweep train train-epochs
 #         multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
 set -uo pipefail
@@ -71,6 +71,10 @@ for stage in "$@"; do case $stage in
       -o /tmp/cuda_trace benchmarks/cuda_trace.cu > "$LOGS/trace_build.log" 2>&1
     run trace 120 bash -c 'for a in "cluster 128" "fast 128" "fast 64" "fast 16" "fast 140" \
       "fast 1000" "fast 128 0 8"; do /tmp/cuda_trace $a; echo; done' ;;
+  mma-l4)  # the fast kernel's L4 on FP32 FMA vs tf32x3 mma.sync, cycles and error (benchmarks/mma_l4.cu)
+    nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o /tmp/mma_l4 benchmarks/mma_l4.cu \
+      > "$LOGS/mma_l4_build.log" 2>&1
+    run mma_l4 60 /tmp/mma_l4 ;;
   tma-ingest)  # how fast an SM's shared memory fills, by staging method (benchmarks/tma_ingest.cu)
     nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -I src/fastelbo/backends/cuda \
       -o /tmp/tma_ingest benchmarks/tma_ingest.cu > "$LOGS/tma_ingest_build.log" 2>&1

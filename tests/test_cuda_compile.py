@@ -107,8 +107,8 @@ def test_every_kernel_source_is_listed():
 # Standalone GPU tools in benchmarks/: the per-phase trace driver (includes both cluster kernels
 # with -DFASTELBO_TRACE), the DSMEM bulk-copy repro, the IWAE A/B driver and the staging
 # micro-benchmark. They build without torch.
-BENCH_CU = ("cuda_trace.cu", "dsmem_bulk_repro.cu", "iwae_variants.cu", "rcp_check.cu",
-            "tma_ingest.cu")
+BENCH_CU = ("cuda_trace.cu", "dsmem_bulk_repro.cu", "iwae_variants.cu", "mma_l4.cu",
+            "rcp_check.cu", "tma_ingest.cu")
 
 
 @needs_nvcc
