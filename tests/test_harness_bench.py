@@ -137,3 +137,38 @@ def test_validate_row_field_follows_the_environment(monkeypatch):
     rows, _ = bench.run_bench(TINY, ["fastelbo:torch"], device="cpu", batch_sizes=[2],
                               compile_baseline=False, quick=True, out=None)
     assert rows and all(r["validate"] is False for r in rows)
+
+
+def _table_row(candidate: str, **extra) -> dict:
+    row = {"problem": "vae_elbo", "device": "cuda", "device_name": "NVIDIA H200", "torch": "2.11",
+           "commit": "abc1234", "candidate": candidate, "batch_size": 65536, "status": "ok",
+           "events_ms": 1.034567, "events_p20_ms": 1.03, "events_p80_ms": 1.04,
+           "wall_ms": 1.0512, "graph_ms": 1.0299, "peak_mem_bytes": 49_492_787,
+           "speedup_eager_events": 1.7, "speedup_eager_graph": 1.69,
+           "speedup_compile_events": 1.6}
+    return {**row, **extra}
+
+
+def test_table_outside_a_terminal_is_plain_text_with_every_number_whole(capsys, monkeypatch):
+    """A log or a pipe gets every cell in full (rich would fit the table to 80 columns and cut
+    cells to '…', as in the device logs up to run 71)."""
+    from fastelbo.harness import table
+
+    rows = [_table_row("fastelbo:triton"), _table_row("fastelbo:cuda", graph_ms=1.5743)]
+    monkeypatch.setattr("sys.stdout.isatty", lambda: False)
+    table.print_rows(rows)
+    out = capsys.readouterr().out
+    assert "…" not in out
+    for cell in ("fastelbo:triton", "fastelbo:cuda", "65536", "1.0346 (1.0300-1.0400)",
+                 "1.0512", "1.0299", "1.5743", "47.20", "1.70x", "1.69x", "1.60x",
+                 "commit abc1234"):
+        assert cell in out, cell
+
+
+def test_table_on_a_terminal_is_rich(capsys, monkeypatch):
+    pytest.importorskip("rich")
+    from fastelbo.harness import table
+
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    table.print_rows([_table_row("fastelbo:cuda")])
+    assert "┃" in capsys.readouterr().out  # rich's box drawing

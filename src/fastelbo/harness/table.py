@@ -1,5 +1,8 @@
-"""Bench rows as a table: `rich` when it is installed, plain text otherwise."""
+"""Bench rows as a table: `rich` on a terminal when it is installed, plain text otherwise (a
+log or a pipe: rich would fit the table to 80 columns and cut the numbers short)."""
 from __future__ import annotations
+
+import sys
 
 
 def _ms(v) -> str:
@@ -42,18 +45,21 @@ def print_rows(rows: list[dict]) -> None:
     if rows[0].get("validate") is False:
         title += " -- FASTELBO_VALIDATE=0 (no per-call value check)"
     cells = [_cells(r) for r in rows]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(HEADERS)]
-        print(title)
-        for line in [HEADERS] + cells:
-            print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
-        return
-    table = Table(title=title)
-    for h in HEADERS:
-        table.add_column(h)
-    for c in cells:
-        table.add_row(*c)
-    Console().print(table)
+    if sys.stdout.isatty():
+        try:
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:
+            pass
+        else:
+            table = Table(title=title)
+            for h in HEADERS:
+                table.add_column(h)
+            for c in cells:
+                table.add_row(*c)
+            Console().print(table)
+            return
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(HEADERS)]
+    print(title)
+    for line in [HEADERS] + cells:
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
