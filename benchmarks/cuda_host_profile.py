@@ -3,10 +3,11 @@ without graphs in <= 1/6 of eager PyTorch's wall time).
 
     python benchmarks/cuda_host_profile.py [--batch 128] [--calls 300]
 
-Prints microseconds per call of the whole ModelNew forward (validation on and off) and of its
-pieces, then the same for the reference eager Model. "async" loops enqueue `calls` calls and
-synchronise once (enqueue time; the GPU never waits on the host), "synced" synchronises after
-every call (what one isolated call costs).
+Prints microseconds per call of the whole ModelNew forward (validation on and off; backend
+"cuda" and "auto", whose per-call choice is timed apart too) and of its pieces, then the same
+for the reference eager Model. "async" loops enqueue `calls` calls and synchronise once
+(enqueue time; the GPU never waits on the host), "synced" synchronises after every call (what
+one isolated call costs).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 import torch
 
 import fastelbo
-from fastelbo import VAEParams
+from fastelbo import VAEParams, backends
 from fastelbo.backends import cuda
 from fastelbo.model import ModelNew
 from fastelbo.problems.vae_elbo import Model
@@ -48,6 +49,8 @@ def main() -> None:
     dev = torch.device("cuda")
     dims = (784, 256, 32)
     model = ModelNew(*dims, backend="cuda").to(dev)
+    auto = ModelNew(*dims, backend="auto").to(dev)
+    auto.load_state_dict(model.state_dict())
     ref = Model(*dims).to(dev)
     params = VAEParams(*(p.detach() for p in model.vae_params()))
     x = torch.rand(args.batch, dims[0], device=dev)
@@ -66,6 +69,9 @@ def main() -> None:
         "eager reference Model": lambda: ref(x),
         "ModelNew (validation on)": lambda: model(x),
         "ModelNew (validation off)": no_validation,
+        "ModelNew backend=auto": lambda: auto(x),
+        "backends.choose": lambda: backends.choose(x.device, args.batch, x.dtype),
+        "backends._capturing": backends._capturing,
         "fastelbo.elbo, eps given": lambda: fastelbo.elbo(x, params, eps, backend="cuda"),
         "check_values(x)": lambda: check_values(x),
         "checked_start + finish": lambda: (cuda.checked_start(x, params, None, True),
