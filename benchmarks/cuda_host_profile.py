@@ -1,7 +1,7 @@
 """Where an eager cuda-backend call's host time goes at small B (issue #3's wall target: a call
 without graphs in <= 1/6 of eager PyTorch's wall time).
 
-    python benchmarks/cuda_host_profile.py [--batch 128] [--calls 300]
+    python benchmarks/cuda_host_profile.py [--batch 128] [--calls 300] [--cprofile]
 
 Prints microseconds per call of the whole ModelNew forward (validation on and off; backend
 "cuda" and "auto", whose per-call choice is timed apart too) and of its pieces, then the same
@@ -12,6 +12,8 @@ one isolated call costs).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -20,6 +22,7 @@ import fastelbo
 from fastelbo import VAEParams, backends
 from fastelbo.backends import cuda
 from fastelbo.model import ModelNew
+from fastelbo.ops import resolve_backend
 from fastelbo.problems.vae_elbo import Model
 from fastelbo.validation import check_values, start_checks
 
@@ -45,6 +48,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also print cProfile's top functions of ModelNew calls, auto and cuda")
     args = ap.parse_args()
     dev = torch.device("cuda")
     dims = (784, 256, 32)
@@ -72,6 +77,10 @@ def main() -> None:
         "ModelNew backend=auto": lambda: auto(x),
         "backends.choose": lambda: backends.choose(x.device, args.batch, x.dtype),
         "backends._capturing": backends._capturing,
+        "resolve_backend('auto')": lambda: resolve_backend("auto", x),
+        "resolve_backend('cuda')": lambda: resolve_backend("cuda", x),
+        "fastelbo.elbo, auto": lambda: fastelbo.elbo(x, params, backend="auto"),
+        "fastelbo.elbo, cuda": lambda: fastelbo.elbo(x, params, backend="cuda"),
         "fastelbo.elbo, eps given": lambda: fastelbo.elbo(x, params, eps, backend="cuda"),
         "check_values(x)": lambda: check_values(x),
         "checked_start + finish": lambda: (cuda.checked_start(x, params, None, True),
@@ -90,6 +99,12 @@ def main() -> None:
     for name, fn in pieces.items():
         print(f"{name:>28s} {per_call_us(fn, args.calls, False):8.1f} "
               f"{per_call_us(fn, args.calls, True):8.1f}", flush=True)
+    if args.cprofile:
+        for name, m in (("auto", auto), ("cuda", model)):
+            prof = cProfile.Profile()
+            prof.runcall(lambda m=m: [m(x) for _ in range(args.calls)])
+            print(f"cProfile, {args.calls} ModelNew calls, backend={name}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":
