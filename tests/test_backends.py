@@ -84,3 +84,18 @@ def test_auto_runs_other_dtypes_on_the_torch_backend(monkeypatch, dtype):
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
     assert backends.choose(torch.device("cuda"), 8, dtype) == "torch"
     assert backends.choose(torch.device("cuda"), 8, torch.float32) != "torch"
+
+
+def test_choose_takes_the_callers_capture_state_without_asking_cuda(monkeypatch):
+    """capturing=True / False picks the graph / eager rules with no CUDA query; None asks."""
+    tables = {False: [{"backend": "cuda", "max_batch": 2**62}],
+              True: [{"backend": "triton", "max_batch": 2**62}]}
+    monkeypatch.setattr(backends, "_crossover", lambda graph=False: tables[graph])
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
+    asked = []
+    monkeypatch.setattr(backends, "_capturing", lambda: asked.append(1) or True)
+    dev = torch.device("cuda")
+    assert backends.choose(dev, 8, capturing=False) == "cuda"
+    assert backends.choose(dev, 8, capturing=True) == "triton"
+    assert asked == []
+    assert backends.choose(dev, 8) == "triton" and asked == [1]

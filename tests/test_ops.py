@@ -331,3 +331,21 @@ def test_a_plain_verdict_hands_the_tensors_over_as_they_are(op_calls, monkeypatc
         assert got_x is x and all(a is b for a, b in zip(got_p, params))
     else:
         assert got_x.is_contiguous() and torch.equal(got_x, x)
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_auto_asks_cuda_about_capture_only_without_a_check_in_flight(monkeypatch, in_flight):
+    """A value check in flight was started outside any capture, so `auto` takes the eager rules
+    without asking CUDA (~5 us per call); any other verdict (validation off, or a capture
+    running) leaves the question to backends.choose."""
+    seen = []
+    monkeypatch.setattr(backends, "choose",
+                        lambda device, batch, dtype, capturing=None: seen.append(capturing)
+                        or "torch")
+    verdict = _Verdict([], bad=False)
+    verdict.in_flight = in_flight
+    monkeypatch.setattr(ops, "start_checks", lambda *a: verdict)
+    _, new = twins((16, 8, 3), backend="auto")
+    with torch.no_grad():
+        new(torch.rand(6, 16))
+    assert seen == ([False] if in_flight else [None])

@@ -102,9 +102,13 @@ def _randn(x: torch.Tensor, latent: int) -> torch.Tensor:
 _draw_noise = torch.compiler.disable(_randn)
 
 
-def resolve_backend(backend: str, x: torch.Tensor) -> str:
+def resolve_backend(backend: str, x: torch.Tensor, verdict=None) -> str:
+    """The backend this call runs on. `verdict`: start_checks' for x; one still in flight was
+    started outside any graph capture (none is started while the stream captures), so `auto`
+    need not ask CUDA again."""
     if backend == "auto":
-        return backends.choose(x.device, x.shape[0], x.dtype)
+        capturing = False if verdict is not None and verdict.in_flight else None
+        return backends.choose(x.device, x.shape[0], x.dtype, capturing)
     reason = backends.unavailable_reason(backend, x.device)
     if reason is not None:
         raise RuntimeError(f"backend={backend!r} cannot run on {x.device}: {reason}. "
@@ -150,7 +154,7 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
     # The value check on x runs on the GPU while this prepares the call; the verdict is
     # waited for before anything else is drawn or launched.
     verdict = start_checks(x, params, eps)
-    name = resolve_backend(backend, x)
+    name = resolve_backend(backend, x, verdict)
     plain = verdict.plain  # every tensor already contiguous, of a plain tensor type
     if not plain:  # .contiguous() returns the tensor itself when it already is
         x, params = x.contiguous(), VAEParams._make(map(torch.Tensor.contiguous, params))
