@@ -62,7 +62,7 @@ for stage in "$@"; do case $stage in
   check-cuda) run check_cuda "${T_CHECK:-200}" $FE check vae_elbo fastelbo:cuda --device cuda --batch-sizes 1,7,128,1000,65536 --trials 3 ;;
   export-test) pytest_gpu test_export "${T_EXPORT:-200}" tests/test_cuda_backend.py -k exported ;;
   check-auto) run check_auto "${T_CHECK:-100}" $FE check vae_elbo fastelbo:auto --device cuda --batch-sizes 1,7,128,1000,65536 --trials 2 ;;
-  bench) run bench "${T_BENCH:-160}" $FE bench vae_elbo fastelbo:auto fastelbo:cuda fastelbo:triton --device cuda --batch-sizes 128,4096,65536 --out "$LOGS/bench.jsonl" ;;
+  bench) run bench "${T_BENCH:-160}" $FE bench vae_elbo fastelbo:auto fastelbo:cuda fastelbo:triton --device cuda --batch-sizes "${BENCH_BATCHES:-128,4096,65536}" --out "$LOGS/bench.jsonl" ;;
   cuda-plans) run cuda_plans 240 python3 benchmarks/cuda_bench.py --plans ;;
   cuda-paths) run cuda_paths "${T_PATHS:-150}" python3 benchmarks/cuda_bench.py --paths
               cp benchmarks/results/cuda_bench.csv "$LOGS/" ;;

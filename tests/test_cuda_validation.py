@@ -217,3 +217,38 @@ def test_checked_start_refuses_a_batch_of_zero_and_one_dimensional_x(cuda):
     assert cuda.checked_start(x[:0], params, None, True) is None
     assert cuda.checked_start(x[0], params, None, True) is None
     assert cuda.checked_start(x[:, :-1].contiguous(), params, None, True) is None
+
+
+def test_auto_takes_the_graph_rules_inside_a_capture_and_the_eager_ones_outside(cuda,
+                                                                               monkeypatch):
+    """ops hands choose() capturing=False only while its value check is in flight (started
+    outside any capture); inside a capture it asks CUDA, which says True."""
+    from fastelbo import backends
+    from fastelbo.model import ModelNew
+
+    cuda = runs(cuda)
+    seen, real = [], backends.choose
+
+    def spy(device, batch, dtype=torch.float32, capturing=None):
+        got = real(device, batch, dtype, capturing)
+        seen.append((capturing, backends._capturing(), got))
+        return got
+
+    monkeypatch.setattr(backends, "choose", spy)
+    model = ModelNew(784, 256, 32).cuda()
+    x = torch.rand(64, 784, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad():
+        model(x)
+        with torch.cuda.stream(stream):
+            model(x)  # warm-up on the capture stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = model(x)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert seen[0] == (False, False, "cuda")
+    assert seen[-1][:2] == (None, True)
+    assert seen[-1][2] == real(x.device, 64, torch.float32, True)
+    assert torch.isfinite(out[0]).all()
