@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -289,6 +290,16 @@ int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
   return 1;
 }
 
+// FASTELBO_PDL=1 (experiment, branch fast-pdl): the fast kernel launches as a programmatic
+// dependent of the previous kernel (elbo.h FastParams::pdl). Read once per process.
+bool pdl_requested() {
+  static const bool on = [] {
+    const char* v = std::getenv("FASTELBO_PDL");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
+}
+
 // Reserves one torch.randn(n) float32 draw from the device's default CUDA generator, as
 // PyTorch's normal_ does (ATen/native/cuda/DistributionTemplates.h: calc_execution_policy with
 // curand_normal4's 4 outputs per call, then philox_cuda_state under the generator's mutex),
@@ -420,6 +431,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
       } else if (draw) {
         eps.normal_(0.0, 1.0);
       }
+      f.pdl = pdl_requested() ? 1 : 0;
       check_launch(fastelbo::elbo_fast_launch(f, stream), "fast cluster kernel");
       return out;
     }

@@ -507,19 +507,21 @@ cudaError_t cluster_fit(const void* kernel, int device, int C, int threads, int 
 }
 
 cudaError_t cluster_launch(const void* kernel, int blocks, int C, int threads, int smem,
-                           void** args, cudaStream_t stream) noexcept {
+                           void** args, cudaStream_t stream, bool pdl) noexcept {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
   cfg.blockDim = dim3(static_cast<unsigned>(threads));
   cfg.dynamicSmemBytes = static_cast<size_t>(smem);
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = static_cast<unsigned>(C);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = pdl ? 2 : 1;
   const cudaError_t e = cudaLaunchKernelExC(&cfg, kernel, args);
   const cudaError_t last = cudaGetLastError();
   return e != cudaSuccess ? e : last;

@@ -124,6 +124,11 @@ struct FastParams : ForwardArgs {
   // w1k's space) instead of its hidden columns and the d exchange; where that space holds it.
   int local_d, ldz, ldw, wd1f_box, off_wd1f, off_bd1f;
   int smem_bytes;
+  // pdl != 0 (experiment, FASTELBO_PDL=1): launched as a programmatic dependent of the previous
+  // kernel on the stream. Before griddepcontrol.wait the kernel reads only weights and biases
+  // (which no kernel that triggers early writes: only this kernel triggers, and it writes its
+  // outputs and eps_out alone); x, eps, the RNG state and every global write come after it.
+  int pdl;
 };
 
 // Plans the fast path for this device (cluster > 0 forces C; one_wave: only if all clusters are
@@ -145,8 +150,10 @@ cudaError_t cluster_device(int device, ClusterDevice* out) noexcept;
 cudaError_t cluster_fit(const void* kernel, int device, int C, int threads, int smem,
                         int* clusters) noexcept;
 // cudaLaunchKernelEx with a cluster dimension of C; the launch's error (cudaGetLastError folded in).
+// pdl: also cudaLaunchAttributeProgrammaticStreamSerialization (the kernel must then call
+// griddepcontrol.wait before touching anything the previous kernel may write).
 cudaError_t cluster_launch(const void* kernel, int blocks, int C, int threads, int smem,
-                           void** args, cudaStream_t stream) noexcept;
+                           void** args, cudaStream_t stream, bool pdl = false) noexcept;
 
 // ---- rows path (large batches; rows.cu): cuBLAS GEMMs in binding.cpp, these in between ----
 // reparam_kl_kernel: z = mu + exp(0.5 lv) * eps (n, L) and, when kl != nullptr,

@@ -174,6 +174,9 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   // the TMA unit takes ~20 cycles per copy (cuda_trace). The exchange barriers expect one
   // chunk from every block of the cluster.
   const int nbox = cdiv(H, p.w1_box);
+  // PDL (p.pdl): let the next forward launch now; its blocks take SMs as ours leave and stage
+  // their weights while we finish. Until griddepcontrol.wait, only weights are read here.
+  if (p.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if (tid == 0) {
 #pragma unroll
     for (int g = 0; g < 8; ++g) mbar_init(&bar[g], 1);
@@ -187,13 +190,13 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     mbar_arrive_expect(&bar[5], 4u * (C - 1) * ch2);
     mbar_arrive_expect(&bar[6], 4u * (C - 1) * ch3);
     if (!local_d) mbar_arrive_expect(&bar[7], 4u * (C - 1) * ch1);
-    tma_load_2d(xk, &p.tm_x, 4 * qa, row0, &bar[0]);
+    if (!p.pdl) tma_load_2d(xk, &p.tm_x, 4 * qa, row0, &bar[0]);
     for (int b = 0; b < nbox; ++b)
       tma_load_2d(w1k + b * p.w1_box * ldk, &p.tm_w1, 4 * qa, b * p.w1_box, &bar[0]);
     bulk_copy(b1k, p.b1 + h0, 4u * hs, &bar[0]);
     tma_load_2d(wmus, &p.tm_wmu, h0, 0, &bar[1]);
     tma_load_2d(wlvs, &p.tm_wlv, h0, 0, &bar[1]);
-    if (!p.draw) tma_load_2d(epk, &p.tm_eps, sl0, row0, &bar[1]);
+    if (!p.draw && !p.pdl) tma_load_2d(epk, &p.tm_eps, sl0, row0, &bar[1]);
     if (nsl > 0) {
       bulk_copy(bl, p.bmu + sl0, 4u * nsl, &bar[1]);
       bulk_copy(bl + lds_l, p.blv + sl0, 4u * nsl, &bar[1]);
@@ -202,12 +205,20 @@ __global__ void __launch_bounds__(kFastThreads, 1)
       tma_load_2d(wd1s, &p.tm_wd1, 0, h0, &bar[2]);
       bulk_copy(bd1k, p.bd1 + h0, 4u * hs, &bar[2]);
     }
-    tma_load_2d(xd, &p.tm_xd, sd0, row0, &bar[3]);
+    if (!p.pdl) tma_load_2d(xd, &p.tm_xd, sd0, row0, &bar[3]);
     if (nsd > 0) bulk_copy(bd2k, p.bd2 + sd0, 4u * nsd, &bar[3]);
   }
   __syncthreads();  // barriers initialised (and the tiles queued) before the row copies
   for (int i = tid; i < ncd; i += kFastThreads)
     bulk_copy(wd2s + i * ldd, p.wd2 + static_cast<size_t>(n0d + i) * H, 4u * H, &bar[3]);
+  if (p.pdl) {  // the previous grid has completed and its writes are visible
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (tid == 0) {
+      tma_load_2d(xk, &p.tm_x, 4 * qa, row0, &bar[0]);
+      if (!p.draw) tma_load_2d(epk, &p.tm_eps, sl0, row0, &bar[1]);
+      tma_load_2d(xd, &p.tm_xd, sd0, row0, &bar[3]);
+    }
+  }
   cluster_arrive();  // this block's barriers exist: others may send once everyone arrived
   if (p.draw) {
     // The noise in the kernel: this block's window of torch.randn(B, L) (rows and columns
@@ -646,7 +657,7 @@ ElboStatus elbo_fast_plan(FastParams& p, int device, int cluster, bool one_wave,
 cudaError_t elbo_fast_launch(const FastParams& p, cudaStream_t stream) noexcept {
   void* args[] = {const_cast<FastParams*>(&p)};
   return cluster_launch(reinterpret_cast<const void*>(elbo_fast_kernel), cdiv(p.B, p.R) * p.C,
-                        p.C, kFastThreads, p.smem_bytes, args, stream);
+                        p.C, kFastThreads, p.smem_bytes, args, stream, p.pdl != 0);
 }
 
 }  // namespace fastelbo
