@@ -75,25 +75,30 @@ def test_randn_matches_on_this_gpu_and_consumes_nothing(cuda):
     assert torch.equal(before, state()), "the first-use check must not consume noise"
 
 
-@pytest.mark.parametrize("dims", FAST_DIMS, ids=lambda d: "x".join(map(str, d)))
-@pytest.mark.parametrize("batch", [81, 128, 140, 141, 384])
-def test_fast_kernel_draws_torch_randn(cuda, batch, dims):
-    """path='fast', draw=True: eps (poisoned first) becomes torch.randn(B, L)'s draw, the
-    outputs are those of the same kernel fed that draw, bit for bit, and the generator ends
-    where torch.randn leaves it."""
+def _draws_torch_randn(cuda, path, batch, dims, seed):
+    """cuda.forward(path=path, draw=True): eps (poisoned first) becomes torch.randn(B, L)'s
+    draw, the outputs are those of the same kernel fed that draw, bit for bit, and the
+    generator ends where torch.randn leaves it."""
     params = make_params(dims)
     x = torch.rand(batch, dims[0], device="cuda")
     eps = torch.full((batch, dims[2]), float("nan"), device="cuda")
-    torch.manual_seed(5)
-    got = cuda.forward(x, params, eps, path="fast", draw=True, _poison=True)
+    torch.manual_seed(seed)
+    got = cuda.forward(x, params, eps, path=path, draw=True, _poison=True)
     after = state()
-    torch.manual_seed(5)
+    torch.manual_seed(seed)
     ref_eps = torch.randn(batch, dims[2], device="cuda")
     assert torch.equal(after, state())
     assert_same_bits(eps, ref_eps, "eps")
-    want = cuda.forward(x, params, ref_eps, path="fast")
+    want = cuda.forward(x, params, ref_eps, path=path)
     for g, w, n in zip(got, want, NAMES):
         assert_same_bits(g, w, n)
+
+
+@pytest.mark.parametrize("dims", FAST_DIMS, ids=lambda d: "x".join(map(str, d)))
+@pytest.mark.parametrize("batch", [81, 128, 140, 141, 384])
+def test_fast_kernel_draws_torch_randn(cuda, batch, dims):
+    """path='fast' (elbo_fast.cu draws its eps window in the kernel)."""
+    _draws_torch_randn(cuda, "fast", batch, dims, seed=5)
 
 
 # General cluster kernel dims: odd sizes, latent 1 (absent from most blocks), hidden 1024.
@@ -103,22 +108,8 @@ CLUSTER_DIMS = [(784, 256, 32), (33, 20, 5), (7, 9, 1), (50, 1024, 17)]
 @pytest.mark.parametrize("dims", CLUSTER_DIMS, ids=lambda d: "x".join(map(str, d)))
 @pytest.mark.parametrize("batch", [1, 7, 33, 80, 200])
 def test_cluster_kernel_draws_torch_randn(cuda, batch, dims):
-    """path='cluster', draw=True (elbo.cu draws its own elements of the noise): eps (poisoned
-    first) becomes torch.randn(B, L)'s draw, the outputs those of the same kernel fed that
-    draw, bit for bit, and the generator ends where torch.randn leaves it."""
-    params = make_params(dims)
-    x = torch.rand(batch, dims[0], device="cuda")
-    eps = torch.full((batch, dims[2]), float("nan"), device="cuda")
-    torch.manual_seed(6)
-    got = cuda.forward(x, params, eps, path="cluster", draw=True, _poison=True)
-    after = state()
-    torch.manual_seed(6)
-    ref_eps = torch.randn(batch, dims[2], device="cuda")
-    assert torch.equal(after, state())
-    assert_same_bits(eps, ref_eps, "eps")
-    want = cuda.forward(x, params, ref_eps, path="cluster")
-    for g, w, n in zip(got, want, NAMES):
-        assert_same_bits(g, w, n)
+    """path='cluster' (elbo.cu draws its own elements of the noise in the reparameterization)."""
+    _draws_torch_randn(cuda, "cluster", batch, dims, seed=6)
 
 
 @pytest.mark.parametrize("path", ["cluster", "rows", "auto"])
