@@ -3,10 +3,11 @@
 
     FASTELBO_PDL=0|1 python benchmarks/pdl_probe.py [--batches 128 256 384] [--forwards 100]
 
-With FASTELBO_PDL=1 the binding launches elbo_fast.cu's kernel as a programmatic dependent: it
-lets the next forward launch at once (griddepcontrol.launch_dependents), stages its weights,
-and waits for the previous grid (griddepcontrol.wait) before it reads x, eps or the RNG state
-or writes anything. Per batch: `forwards` forwards (backend cuda, in-kernel noise) captured in
+The binding launches elbo_fast.cu's kernel as a programmatic dependent of the previous one
+(unless FASTELBO_PDL=0, or a weight is the previous fast launch's output): it stages its
+weights, waits for the previous grid (griddepcontrol.wait), lets the next forward launch
+(griddepcontrol.launch_dependents), and only then reads x, eps or the RNG state or writes
+anything. Per batch: `forwards` forwards (backend cuda, in-kernel noise) captured in
 one CUDA graph; after manual_seed the replay's outputs must equal the torch backend's eager
 forwards after the same manual_seed (the RNG contract, 1e-4) for every forward of the graph;
 then us per forward over 20 replays (median). Run once with each setting and compare.

@@ -25,6 +25,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -290,14 +291,65 @@ int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
   return 1;
 }
 
-// FASTELBO_PDL=1 (experiment, branch fast-pdl): the fast kernel launches as a programmatic
-// dependent of the previous kernel (elbo.h FastParams::pdl). Read once per process.
-bool pdl_requested() {
+// Programmatic dependent launch of the fast kernel (elbo.h FastParams::pdl; NOTES run 76: ~0.9
+// us per forward off back-to-back forwards), on unless FASTELBO_PDL=0. The kernel reads
+// weights and biases before griddepcontrol.wait, so a launch may overlap its predecessor on
+// the stream only if that kernel cannot have written them. Only the fast kernel triggers
+// early (any other kernel completes before a dependent starts), it does so only once its own
+// predecessor has completed (so no grid older than the previous one still runs), and it writes
+// its outputs and eps_out alone: the last fast launch's output ranges are kept per stream, and
+// a launch whose weights overlap them (or on a stream without a record) goes without PDL.
+bool pdl_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("FASTELBO_PDL");
-    return v != nullptr && v[0] == '1';
+    return v == nullptr || v[0] != '0';
   }();
   return on;
+}
+
+struct Span {
+  uintptr_t lo, hi;  // [lo, hi) bytes
+};
+
+Span span_of(const float* p, long long n) {
+  const auto lo = reinterpret_cast<uintptr_t>(p);
+  return {lo, lo + static_cast<uintptr_t>(n) * sizeof(float)};
+}
+
+struct FastOutputs {
+  cudaStream_t stream;
+  Span out[4];  // elbo, recon, kl, eps_out (empty without an in-kernel draw)
+};
+
+std::atomic<long long> g_pdl_launches{0};  // fast launches made with PDL (tests read it)
+
+long long pdl_launches() { return g_pdl_launches.load(); }
+
+// Whether this fast launch may be a programmatic dependent; records its outputs for the next.
+bool pdl_launch_allowed(cudaStream_t stream, const fastelbo::FastParams& f) {
+  if (!pdl_enabled()) return false;
+  const long long B = f.B, D = f.D, H = f.H, L = f.L;
+  const Span reads[] = {span_of(f.w1, H * D), span_of(f.b1, H), span_of(f.wmu, L * H),
+                        span_of(f.bmu, L), span_of(f.wlv, L * H), span_of(f.blv, L),
+                        span_of(f.wd1, H * L), span_of(f.bd1, H), span_of(f.wd2, D * H),
+                        span_of(f.bd2, D)};
+  const FastOutputs now{stream, {span_of(f.elbo, B), span_of(f.recon, B), span_of(f.kl, B),
+                                 f.draw ? span_of(f.eps_out, B * L) : Span{0, 0}}};
+  static std::mutex mutex;
+  static std::vector<FastOutputs> last;  // one entry per stream, the most recent first
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = std::find_if(last.begin(), last.end(),
+                         [&](const FastOutputs& o) { return o.stream == stream; });
+  bool allowed = it != last.end();
+  if (allowed)
+    for (const Span& w : it->out)
+      for (const Span& r : reads)
+        if (w.lo < w.hi && r.lo < w.hi && w.lo < r.hi) allowed = false;
+  if (it != last.end()) last.erase(it);
+  last.insert(last.begin(), now);
+  if (last.size() > 16) last.pop_back();  // a stream forgotten launches once without PDL
+  if (allowed) ++g_pdl_launches;
+  return allowed;
 }
 
 // Reserves one torch.randn(n) float32 draw from the device's default CUDA generator, as
@@ -431,7 +483,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
       } else if (draw) {
         eps.normal_(0.0, 1.0);
       }
-      f.pdl = pdl_requested() ? 1 : 0;
+      f.pdl = pdl_launch_allowed(stream, f) ? 1 : 0;
       check_launch(fastelbo::elbo_fast_launch(f, stream), "fast cluster kernel");
       return out;
     }
@@ -846,6 +898,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw_randn", &draw_randn,
         "torch.randn(n) on the device's default generator, reproduced in a kernel",
         pybind11::arg("n"), pybind11::arg("device"));
+  m.def("pdl_launches", &pdl_launches,
+        "how many fast-kernel launches so far were programmatic dependents (tests)");
   m.def("iwae_plan", &iwae_plan_info,
         "IWAE tile {samples per tile, smem_bytes, 0} or {0, 0, status}",
         pybind11::arg("device"), pybind11::arg("D"), pybind11::arg("H"), pybind11::arg("L"));

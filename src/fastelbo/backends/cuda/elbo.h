@@ -124,10 +124,10 @@ struct FastParams : ForwardArgs {
   // w1k's space) instead of its hidden columns and the d exchange; where that space holds it.
   int local_d, ldz, ldw, wd1f_box, off_wd1f, off_bd1f;
   int smem_bytes;
-  // pdl != 0 (experiment, FASTELBO_PDL=1): launched as a programmatic dependent of the previous
-  // kernel on the stream. Before griddepcontrol.wait the kernel reads only weights and biases
-  // (which no kernel that triggers early writes: only this kernel triggers, and it writes its
-  // outputs and eps_out alone); x, eps, the RNG state and every global write come after it.
+  // pdl != 0: launched as a programmatic dependent of the previous kernel on the stream (set
+  // by binding.cpp pdl_launch_allowed). Before griddepcontrol.wait the kernel reads only weights
+  // and biases; x, eps, the RNG state and every global write come after it, and so does its
+  // griddepcontrol.launch_dependents (the only early trigger of any kernel here).
   int pdl;
 };
 

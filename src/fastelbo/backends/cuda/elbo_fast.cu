@@ -174,9 +174,6 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   // the TMA unit takes ~20 cycles per copy (cuda_trace). The exchange barriers expect one
   // chunk from every block of the cluster.
   const int nbox = cdiv(H, p.w1_box);
-  // PDL (p.pdl): let the next forward launch now; its blocks take SMs as ours leave and stage
-  // their weights while we finish. Until griddepcontrol.wait, only weights are read here.
-  if (p.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if (tid == 0) {
 #pragma unroll
     for (int g = 0; g < 8; ++g) mbar_init(&bar[g], 1);
@@ -211,8 +208,14 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   __syncthreads();  // barriers initialised (and the tiles queued) before the row copies
   for (int i = tid; i < ncd; i += kFastThreads)
     bulk_copy(wd2s + i * ldd, p.wd2 + static_cast<size_t>(n0d + i) * H, 4u * H, &bar[3]);
-  if (p.pdl) {  // the previous grid has completed and its writes are visible
+  // PDL (p.pdl, binding.cpp pdl_launch_allowed): until griddepcontrol.wait only weights and
+  // biases are read. After it the previous grid has completed and its writes are visible, and
+  // only then may the next forward launch (its blocks take SMs as ours leave and stage their
+  // weights while we finish): so at most one of our grids runs ahead of another, and the
+  // binding's check against the previous launch's outputs covers every overlap.
+  if (p.pdl) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (tid == 0) {
       tma_load_2d(xk, &p.tm_x, 4 * qa, row0, &bar[0]);
       if (!p.draw) tma_load_2d(epk, &p.tm_eps, sl0, row0, &bar[1]);
