@@ -394,6 +394,19 @@ fastelbo::TorchRandn reserve_randn(int64_t n, c10::DeviceIndex device) {
   return r;
 }
 
+// The forward's noise for a cluster kernel: drawn inside it (draw, rng, eps_out) where one
+// normal_ launch would draw it (randn_in_one_launch), else by normal_ into eps before it.
+void set_draw(fastelbo::ForwardArgs& a, const at::Tensor& eps, int64_t n,
+              c10::DeviceIndex device) {
+  if (randn_in_one_launch(n)) {
+    a.draw = 1;
+    a.rng = reserve_randn(n, device);
+    a.eps_out = eps.data_ptr<float>();
+  } else {
+    eps.normal_(0.0, 1.0);
+  }
+}
+
 // Returns {elbo, recon, kl}, each (B,) float32. path: 0 auto, 1 cluster, 2 rows, 3 fast
 // (elbo_fast.cu; see the crossovers above for what auto takes). rows / cluster
 // > 0 and staged >= 0 force the cluster plan (tuning; -1 / 0 = automatic) and imply path 1;
@@ -476,13 +489,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
              cudaGetErrorString(ferr));
     if (fst == fastelbo::kElboOk) {
       if (await_check && !range_check_finish(dev.index())) return {};
-      if (draw && randn_in_one_launch(B * L)) {
-        f.draw = 1;
-        f.rng = reserve_randn(B * L, dev.index());
-        f.eps_out = eps.data_ptr<float>();
-      } else if (draw) {
-        eps.normal_(0.0, 1.0);
-      }
+      if (draw) set_draw(f, eps, B * L, dev.index());
       f.pdl = pdl_launch_allowed(stream, f) ? 1 : 0;
       check_launch(fastelbo::elbo_fast_launch(f, stream), "fast cluster kernel");
       return out;
@@ -528,13 +535,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   FE_CHECK(st == fastelbo::kElboOk, "planning the launch failed: ", cudaGetErrorString(err));
 
   if (await_check && !range_check_finish(dev.index())) return {};
-  if (draw && randn_in_one_launch(B * L)) {
-    p.draw = 1;
-    p.rng = reserve_randn(B * L, dev.index());
-    p.eps_out = eps.data_ptr<float>();
-  } else if (draw) {
-    eps.normal_(0.0, 1.0);
-  }
+  if (draw) set_draw(p, eps, B * L, dev.index());
   err = fastelbo::elbo_launch(p, stream);
   FE_CHECK(err == cudaSuccess, "kernel launch failed (R=", p.R, ", C=", p.C, ", smem=",
            p.smem_bytes, " B, staged=", p.staged, "): ", cudaGetErrorString(err));
@@ -560,7 +561,7 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
   const at::Tensor* all[] = {&x, &eps, &enc_w, &enc_b, &mu_w, &mu_b, &lv_w, &lv_b, &dec_w1,
                              &dec_b1, &dec_w2, &dec_b2, &g_elbo, &g_recon, &g_kl};
   for (const at::Tensor* t : all) FE_CHECK_TENSOR(*t, "every backward input", dev);
-  const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
+  const int64_t B = x.size(0), D = x.size(1), L = mu_w.size(0);
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
   const auto opts = x.options();
