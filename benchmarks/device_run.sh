@@ -37,7 +37,7 @@ for stage in "$@"; do case $stage in
     pytest_gpu test_triton_gpu "${T_TRITON:-110}" tests/test_triton_gpu.py
     pytest_gpu test_triton_iwae "${T_IWAE:-90}" tests/test_triton_iwae.py
     pytest_gpu test_cuda_iwae "${T_CUDA_IWAE:-120}" tests/test_cuda_iwae.py
-    pytest_gpu other_gpu "${T_OTHER:-90}" tests --ignore=tests/test_cuda_backend.py \
+    pytest_gpu other_gpu "${T_OTHER:-150}" tests --ignore=tests/test_cuda_backend.py \
       --ignore=tests/test_cuda_backward.py --ignore=tests/test_cuda_iwae.py \
       --ignore=tests/test_triton_gpu.py --ignore=tests/test_triton_iwae.py ;;
   cuda-noise) pytest_gpu test_cuda_noise "${T_NOISE:-120}" tests/test_cuda_noise.py ;;
@@ -47,7 +47,7 @@ for stage in "$@"; do case $stage in
       -k "known_answers or follow_curand or philox" ;;
   triton-tests) pytest_gpu test_triton_gpu "${T_TRITON:-110}" tests/test_triton_gpu.py ;;
   triton-iwae) pytest_gpu test_triton_iwae "${T_IWAE:-90}" tests/test_triton_iwae.py ;;
-  other-gpu) pytest_gpu other_gpu "${T_OTHER:-90}" tests --ignore=tests/test_cuda_backend.py \
+  other-gpu) pytest_gpu other_gpu "${T_OTHER:-150}" tests --ignore=tests/test_cuda_backend.py \
       --ignore=tests/test_cuda_backward.py --ignore=tests/test_cuda_iwae.py \
       --ignore=tests/test_triton_gpu.py --ignore=tests/test_triton_iwae.py ;;
   cuda-iwae) pytest_gpu test_cuda_iwae "${T_CUDA_IWAE:-120}" tests/test_cuda_iwae.py ;;
