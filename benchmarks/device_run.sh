@@ -52,7 +52,7 @@ for stage in "$@"; do case $stage in
       --ignore=tests/test_triton_gpu.py --ignore=tests/test_triton_iwae.py ;;
   cuda-iwae) pytest_gpu test_cuda_iwae "${T_CUDA_IWAE:-120}" tests/test_cuda_iwae.py ;;
   memcheck) run memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
-  racecheck) run racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
+  racecheck) run racecheck "${T_RACE:-300}" compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
   check)
     for c in cuda triton auto; do
       run "check_$c" 300 $FE check vae_elbo "fastelbo:$c" --device cuda --batch-sizes 1,7,128,1000,65536 --trials 3
