@@ -1,10 +1,11 @@
-"""Does programmatic dependent launch (PDL) shorten back-to-back fast-kernel forwards? (#3: the
-10 us graph target; NOTES "Next, from the tenth session's evidence".)
+"""Does programmatic dependent launch (PDL) shorten back-to-back cluster-kernel forwards? (#3:
+the 10 us graph target; NOTES "Next, from the tenth session's evidence". B <= 80 runs elbo.cu's
+general kernel, larger B elbo_fast.cu's.)
 
-    FASTELBO_PDL=0|1 python benchmarks/pdl_probe.py [--batches 128 256 384] [--forwards 100]
+    FASTELBO_PDL=0|1 python benchmarks/pdl_probe.py [--batches 32 128 256 384] [--forwards 100]
 
-The binding launches elbo_fast.cu's kernel as a programmatic dependent of the previous one
-(unless FASTELBO_PDL=0, or a weight is the previous fast launch's output): it stages its
+The binding launches either cluster kernel as a programmatic dependent of the previous one
+(unless FASTELBO_PDL=0, or a weight is the previous launch's output): it stages its
 weights, waits for the previous grid (griddepcontrol.wait), lets the next forward launch
 (griddepcontrol.launch_dependents), and only then reads x, eps or the RNG state or writes
 anything. Per batch: `forwards` forwards (backend cuda, in-kernel noise) captured in
@@ -25,7 +26,7 @@ from fastelbo.model import ModelNew
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[128, 256, 384])
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 128, 256, 384])
     ap.add_argument("--forwards", type=int, default=100)
     args = ap.parse_args()
     dev = torch.device("cuda")

@@ -1,6 +1,7 @@
-"""Programmatic dependent launch of the fast kernel (binding.cpp pdl_launch_allowed): a forward
-may start staging its weights while the previous forward finishes, never when those weights
-are that forward's outputs, and every result stays the spec's."""
+"""Programmatic dependent launch of the cluster kernels, the fast one (elbo_fast.cu) and the
+general one (elbo.cu), through binding.cpp pdl_launch_allowed: a forward may start staging its
+weights while the previous forward finishes, never when those weights are that forward's
+outputs, and every result stays the spec's."""
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,7 @@ def _params(seed: int = 0) -> VAEParams:
     return VAEParams(*(t.detach().cuda() for t in Model(*DIMS).state_dict().values()))
 
 
-@pytest.mark.parametrize("batch", [81, 128, 384])
+@pytest.mark.parametrize("batch", [7, 32, 81, 128, 384])  # auto: general kernel up to 80
 def test_back_to_back_forwards_in_a_graph_are_the_spec(cuda, batch):
     """Ten forwards captured in one graph (each a programmatic dependent of the one before,
     x changing between them through a copy) equal the torch backend's forwards after the same
@@ -62,7 +63,8 @@ def test_back_to_back_forwards_in_a_graph_are_the_spec(cuda, batch):
                 x = xs[(i + 1) % 10]
 
 
-def test_no_pdl_where_a_weight_is_the_previous_forwards_output(cuda):
+@pytest.mark.parametrize("path", ["fast", "cluster"])
+def test_no_pdl_where_a_weight_is_the_previous_forwards_output(cuda, path):
     """dec_b1 of the second forward IS the first forward's kl output (B = H = 256): the second
     launch goes without PDL and reads the finished values, bit for bit those of the same
     forward with a copy of them."""
@@ -70,16 +72,16 @@ def test_no_pdl_where_a_weight_is_the_previous_forwards_output(cuda):
     params = _params()
     x = torch.rand(256, DIMS[0], device="cuda")
     eps1, eps2 = torch.randn(256, DIMS[2], device="cuda"), torch.randn(256, DIMS[2], device="cuda")
-    cuda.forward(x, params, eps1, path="fast")  # this stream has a fast launch on record
-    first = cuda.forward(x, params, eps1, path="fast")
+    cuda.forward(x, params, eps1, path=path)  # this stream has a launch on record
+    first = cuda.forward(x, params, eps1, path=path)
     aliased = params._replace(dec_b1=first[2])
     before = ext.pdl_launches()
-    got = cuda.forward(x, aliased, eps2, path="fast")
+    got = cuda.forward(x, aliased, eps2, path=path)
     assert ext.pdl_launches() == before, "PDL with a weight that the previous launch writes"
     torch.cuda.synchronize()
-    want = cuda.forward(x, params._replace(dec_b1=first[2].clone()), eps2, path="fast")
+    want = cuda.forward(x, params._replace(dec_b1=first[2].clone()), eps2, path=path)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     before = ext.pdl_launches()
-    cuda.forward(x, params, eps2, path="fast")  # weights apart from the outputs: PDL again
+    cuda.forward(x, params, eps2, path=path)  # weights apart from the outputs: PDL again
     assert ext.pdl_launches() == before + 1

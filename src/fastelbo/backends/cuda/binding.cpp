@@ -291,14 +291,15 @@ int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
   return 1;
 }
 
-// Programmatic dependent launch of the fast kernel (elbo.h FastParams::pdl; NOTES run 76: ~0.9
-// us per forward off back-to-back forwards), on unless FASTELBO_PDL=0. The kernel reads
+// Programmatic dependent launch of the two cluster kernels (elbo.h ForwardArgs::pdl; NOTES run
+// 76: ~0.9 us per forward off back-to-back forwards), on unless FASTELBO_PDL=0. A kernel reads
 // weights and biases before griddepcontrol.wait, so a launch may overlap its predecessor on
-// the stream only if that kernel cannot have written them. Only the fast kernel triggers
-// early (any other kernel completes before a dependent starts), it does so only once its own
-// predecessor has completed (so no grid older than the previous one still runs), and it writes
-// its outputs and eps_out alone: the last fast launch's output ranges are kept per stream, and
-// a launch whose weights overlap them (or on a stream without a record) goes without PDL.
+// the stream only if that kernel cannot have written them. Only these kernels trigger early
+// (any other kernel completes before a dependent starts), each does so only once its own
+// predecessor has completed (so no grid older than the previous one still runs), and each
+// writes its outputs and eps_out alone: the last such launch's output ranges are kept per
+// stream, and a launch whose weights overlap them (or on a stream without a record) goes
+// without PDL.
 bool pdl_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("FASTELBO_PDL");
@@ -316,30 +317,31 @@ Span span_of(const float* p, long long n) {
   return {lo, lo + static_cast<uintptr_t>(n) * sizeof(float)};
 }
 
-struct FastOutputs {
+struct LaunchOutputs {
   cudaStream_t stream;
   Span out[4];  // elbo, recon, kl, eps_out (empty without an in-kernel draw)
 };
 
-std::atomic<long long> g_pdl_launches{0};  // fast launches made with PDL (tests read it)
+std::atomic<long long> g_pdl_launches{0};  // cluster-kernel launches made with PDL (tests)
 
 long long pdl_launches() { return g_pdl_launches.load(); }
 
-// Whether this fast launch may be a programmatic dependent; records its outputs for the next.
-bool pdl_launch_allowed(cudaStream_t stream, const fastelbo::FastParams& f) {
+// Whether this cluster-kernel launch may be a programmatic dependent; records its outputs for
+// the next.
+bool pdl_launch_allowed(cudaStream_t stream, const fastelbo::ForwardArgs& f) {
   if (!pdl_enabled()) return false;
   const long long B = f.B, D = f.D, H = f.H, L = f.L;
   const Span reads[] = {span_of(f.w1, H * D), span_of(f.b1, H), span_of(f.wmu, L * H),
                         span_of(f.bmu, L), span_of(f.wlv, L * H), span_of(f.blv, L),
                         span_of(f.wd1, H * L), span_of(f.bd1, H), span_of(f.wd2, D * H),
                         span_of(f.bd2, D)};
-  const FastOutputs now{stream, {span_of(f.elbo, B), span_of(f.recon, B), span_of(f.kl, B),
-                                 f.draw ? span_of(f.eps_out, B * L) : Span{0, 0}}};
+  const LaunchOutputs now{stream, {span_of(f.elbo, B), span_of(f.recon, B), span_of(f.kl, B),
+                                    f.draw ? span_of(f.eps_out, B * L) : Span{0, 0}}};
   static std::mutex mutex;
-  static std::vector<FastOutputs> last;  // one entry per stream, the most recent first
+  static std::vector<LaunchOutputs> last;  // one entry per stream, the most recent first
   const std::lock_guard<std::mutex> lock(mutex);
   auto it = std::find_if(last.begin(), last.end(),
-                         [&](const FastOutputs& o) { return o.stream == stream; });
+                         [&](const LaunchOutputs& o) { return o.stream == stream; });
   bool allowed = it != last.end();
   if (allowed)
     for (const Span& w : it->out)
@@ -536,6 +538,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
 
   if (await_check && !range_check_finish(dev.index())) return {};
   if (draw) set_draw(p, eps, B * L, dev.index());
+  p.pdl = pdl_launch_allowed(stream, p) ? 1 : 0;
   err = fastelbo::elbo_launch(p, stream);
   FE_CHECK(err == cudaSuccess, "kernel launch failed (R=", p.R, ", C=", p.C, ", smem=",
            p.smem_bytes, " B, staged=", p.staged, "): ", cudaGetErrorString(err));
@@ -900,7 +903,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "torch.randn(n) on the device's default generator, reproduced in a kernel",
         pybind11::arg("n"), pybind11::arg("device"));
   m.def("pdl_launches", &pdl_launches,
-        "how many fast-kernel launches so far were programmatic dependents (tests)");
+        "how many cluster-kernel launches so far were programmatic dependents (tests)");
   m.def("iwae_plan", &iwae_plan_info,
         "IWAE tile {samples per tile, smem_bytes, 0} or {0, 0, status}",
         pybind11::arg("device"), pybind11::arg("D"), pybind11::arg("H"), pybind11::arg("L"));

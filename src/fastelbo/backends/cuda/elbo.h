@@ -56,6 +56,12 @@ struct ForwardArgs {
   int draw;
   TorchRandn rng;
   float* eps_out;
+  // pdl != 0: launched as a programmatic dependent of the previous kernel on the stream (set
+  // by binding.cpp pdl_launch_allowed; the two cluster kernels only). Before griddepcontrol.wait
+  // the kernel reads only weights and biases; x, eps, the RNG state and every global write come
+  // after it, and so does its griddepcontrol.launch_dependents (cluster.cuh pdl_wait: the only
+  // early trigger of any kernel here).
+  int pdl;
 };
 
 struct ElboParams : ForwardArgs {
@@ -124,11 +130,6 @@ struct FastParams : ForwardArgs {
   // w1k's space) instead of its hidden columns and the d exchange; where that space holds it.
   int local_d, ldz, ldw, wd1f_box, off_wd1f, off_bd1f;
   int smem_bytes;
-  // pdl != 0: launched as a programmatic dependent of the previous kernel on the stream (set
-  // by binding.cpp pdl_launch_allowed). Before griddepcontrol.wait the kernel reads only weights
-  // and biases; x, eps, the RNG state and every global write come after it, and so does its
-  // griddepcontrol.launch_dependents (the only early trigger of any kernel here).
-  int pdl;
 };
 
 // Plans the fast path for this device (cluster > 0 forces C; one_wave: only if all clusters are
