@@ -79,6 +79,7 @@ def quick() -> int:
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} value check, offset {v.data_ptr() % 16} B", flush=True)
     failures += quick_checked_forward()
+    failures += quick_back_to_back()
     failures += quick_backward_and_adam()
     failures += quick_iwae()
     print(f"{failures} failure(s)")
@@ -114,6 +115,28 @@ def quick_checked_forward() -> int:
                 pass
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} checked forward B={batch}", flush=True)
+    return failures
+
+
+def quick_back_to_back() -> int:
+    """Cluster-kernel forwards with nothing between them (validation off), so every later one
+    runs as a programmatic dependent of the one before (binding.cpp pdl_launch_allowed): four
+    of the fast kernel at B=128, then four of the general one at B=32."""
+    import fastelbo
+
+    torch.manual_seed(0)
+    params = VAEParams(*(t.detach().cuda() for t in Model(784, 256, 32).state_dict().values()))
+    failures = 0
+    for path, batch in (("fast", 128), ("cluster", 32)):
+        xs = [torch.rand(batch, 784, device="cuda") for _ in range(4)]
+        eps = [torch.randn(batch, 32, device="cuda") for _ in range(4)]
+        with fastelbo.validation(False):
+            outs = [backend.forward(x, params, e, path=path) for x, e in zip(xs, eps)]
+        torch.cuda.synchronize()
+        ok = all(_close(g, w) for o, x, e in zip(outs, xs, eps)
+                 for g, w in zip(o, torch_ref.forward(x, params, e)))
+        print(f"{'ok  ' if ok else 'FAIL'} four {path} forwards back to back (PDL)", flush=True)
+        failures += not ok
     return failures
 
 

@@ -2,7 +2,7 @@
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
 # Stages: build env tests cuda-tests cuda-noise cuda-validation compile-host other-gpu triton-tests triton-iwae host-triton host-cuda profile-triton ncu-triton probe-saturated memcheck racecheck check check-cuda export-test check-auto bench cuda-plans cuda-paths
-#         trace tma-ingest mma-l4 repro profile threads512 triton-ws triton-sweep cuda-iwae iwae iwae-variants iwae-sweep train train-epochs
+#         trace tma-ingest mma-l4 repro profile threads512 pdl triton-ws triton-sweep cuda-iwae iwae iwae-variants iwae-sweep train train-epochs
 #         multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
 set -uo pipefail
@@ -52,7 +52,7 @@ for stage in "$@"; do case $stage in
       --ignore=tests/test_triton_gpu.py --ignore=tests/test_triton_iwae.py ;;
   cuda-iwae) pytest_gpu test_cuda_iwae "${T_CUDA_IWAE:-120}" tests/test_cuda_iwae.py ;;
   memcheck) run memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
-  racecheck) run racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
+  racecheck) run racecheck "${T_RACE:-300}" compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick ;;
   check)
     for c in cuda triton auto; do
       run "check_$c" 300 $FE check vae_elbo "fastelbo:$c" --device cuda --batch-sizes 1,7,128,1000,65536 --trials 3
@@ -129,6 +129,9 @@ torch.cuda.synchronize()" ;;
       -p no:cacheprovider -x /tmp/t512/tests/test_cuda_backend.py -k "every_launch_plan or cluster" ;;
   host-triton) run host_triton 120 python3 benchmarks/triton_host_profile.py ;;
   host-cuda) run host_cuda 120 python3 benchmarks/cuda_host_profile.py ;;
+  pdl)  # programmatic dependent launch of the fast kernel, off and on (benchmarks/pdl_probe.py)
+    run pdl_off 90 env FASTELBO_PDL=0 python3 benchmarks/pdl_probe.py
+    run pdl_on 90 env FASTELBO_PDL=1 python3 benchmarks/pdl_probe.py ;;
   triton-ws) run triton_ws "${T_WS:-300}" python3 benchmarks/triton_ws_probe.py ;;
   triton-sweep) run triton_sweep 240 python3 benchmarks/triton_forward_sweep.py --batches 4096 65536 ;;
   iwae) run iwae "${T_IWAE_BENCH:-120}" python3 benchmarks/iwae_bench.py --out "$LOGS/iwae.jsonl" ;;

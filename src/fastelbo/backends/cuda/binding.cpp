@@ -25,8 +25,10 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -289,6 +291,69 @@ int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
   return 1;
 }
 
+// Programmatic dependent launch of the two cluster kernels (elbo.h ForwardArgs::pdl; NOTES run
+// 76: ~0.9 us per forward off back-to-back forwards), on unless FASTELBO_PDL=0. A kernel reads
+// weights and biases before griddepcontrol.wait, so a launch may overlap its predecessor on
+// the stream only if that kernel cannot have written them. Only these kernels trigger early
+// (any other kernel completes before a dependent starts), each does so only once its own
+// predecessor has completed (so no grid older than the previous one still runs), and each
+// writes its outputs and eps_out alone: the last such launch's output ranges are kept per
+// stream, and a launch whose weights overlap them (or on a stream without a record) goes
+// without PDL.
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("FASTELBO_PDL");
+    return v == nullptr || v[0] != '0';
+  }();
+  return on;
+}
+
+struct Span {
+  uintptr_t lo, hi;  // [lo, hi) bytes
+};
+
+Span span_of(const float* p, long long n) {
+  const auto lo = reinterpret_cast<uintptr_t>(p);
+  return {lo, lo + static_cast<uintptr_t>(n) * sizeof(float)};
+}
+
+struct LaunchOutputs {
+  cudaStream_t stream;
+  Span out[4];  // elbo, recon, kl, eps_out (empty without an in-kernel draw)
+};
+
+std::atomic<long long> g_pdl_launches{0};  // cluster-kernel launches made with PDL (tests)
+
+long long pdl_launches() { return g_pdl_launches.load(); }
+
+// Whether this cluster-kernel launch may be a programmatic dependent; records its outputs for
+// the next.
+bool pdl_launch_allowed(cudaStream_t stream, const fastelbo::ForwardArgs& f) {
+  if (!pdl_enabled()) return false;
+  const long long B = f.B, D = f.D, H = f.H, L = f.L;
+  const Span reads[] = {span_of(f.w1, H * D), span_of(f.b1, H), span_of(f.wmu, L * H),
+                        span_of(f.bmu, L), span_of(f.wlv, L * H), span_of(f.blv, L),
+                        span_of(f.wd1, H * L), span_of(f.bd1, H), span_of(f.wd2, D * H),
+                        span_of(f.bd2, D)};
+  const LaunchOutputs now{stream, {span_of(f.elbo, B), span_of(f.recon, B), span_of(f.kl, B),
+                                    f.draw ? span_of(f.eps_out, B * L) : Span{0, 0}}};
+  static std::mutex mutex;
+  static std::vector<LaunchOutputs> last;  // one entry per stream, the most recent first
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = std::find_if(last.begin(), last.end(),
+                         [&](const LaunchOutputs& o) { return o.stream == stream; });
+  bool allowed = it != last.end();
+  if (allowed)
+    for (const Span& w : it->out)
+      for (const Span& r : reads)
+        if (w.lo < w.hi && r.lo < w.hi && w.lo < r.hi) allowed = false;
+  if (it != last.end()) last.erase(it);
+  last.insert(last.begin(), now);
+  if (last.size() > 16) last.pop_back();  // a stream forgotten launches once without PDL
+  if (allowed) ++g_pdl_launches;
+  return allowed;
+}
+
 // Reserves one torch.randn(n) float32 draw from the device's default CUDA generator, as
 // PyTorch's normal_ does (ATen/native/cuda/DistributionTemplates.h: calc_execution_policy with
 // curand_normal4's 4 outputs per call, then philox_cuda_state under the generator's mutex),
@@ -329,6 +394,19 @@ fastelbo::TorchRandn reserve_randn(int64_t n, c10::DeviceIndex device) {
   }
   r.threads = static_cast<unsigned long long>(kBlock * grid);
   return r;
+}
+
+// The forward's noise for a cluster kernel: drawn inside it (draw, rng, eps_out) where one
+// normal_ launch would draw it (randn_in_one_launch), else by normal_ into eps before it.
+void set_draw(fastelbo::ForwardArgs& a, const at::Tensor& eps, int64_t n,
+              c10::DeviceIndex device) {
+  if (randn_in_one_launch(n)) {
+    a.draw = 1;
+    a.rng = reserve_randn(n, device);
+    a.eps_out = eps.data_ptr<float>();
+  } else {
+    eps.normal_(0.0, 1.0);
+  }
 }
 
 // Returns {elbo, recon, kl}, each (B,) float32. path: 0 auto, 1 cluster, 2 rows, 3 fast
@@ -413,13 +491,8 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
              cudaGetErrorString(ferr));
     if (fst == fastelbo::kElboOk) {
       if (await_check && !range_check_finish(dev.index())) return {};
-      if (draw && randn_in_one_launch(B * L)) {
-        f.draw = 1;
-        f.rng = reserve_randn(B * L, dev.index());
-        f.eps_out = eps.data_ptr<float>();
-      } else if (draw) {
-        eps.normal_(0.0, 1.0);
-      }
+      if (draw) set_draw(f, eps, B * L, dev.index());
+      f.pdl = pdl_launch_allowed(stream, f) ? 1 : 0;
       check_launch(fastelbo::elbo_fast_launch(f, stream), "fast cluster kernel");
       return out;
     }
@@ -464,13 +537,8 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   FE_CHECK(st == fastelbo::kElboOk, "planning the launch failed: ", cudaGetErrorString(err));
 
   if (await_check && !range_check_finish(dev.index())) return {};
-  if (draw && randn_in_one_launch(B * L)) {
-    p.draw = 1;
-    p.rng = reserve_randn(B * L, dev.index());
-    p.eps_out = eps.data_ptr<float>();
-  } else if (draw) {
-    eps.normal_(0.0, 1.0);
-  }
+  if (draw) set_draw(p, eps, B * L, dev.index());
+  p.pdl = pdl_launch_allowed(stream, p) ? 1 : 0;
   err = fastelbo::elbo_launch(p, stream);
   FE_CHECK(err == cudaSuccess, "kernel launch failed (R=", p.R, ", C=", p.C, ", smem=",
            p.smem_bytes, " B, staged=", p.staged, "): ", cudaGetErrorString(err));
@@ -496,7 +564,7 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
   const at::Tensor* all[] = {&x, &eps, &enc_w, &enc_b, &mu_w, &mu_b, &lv_w, &lv_b, &dec_w1,
                              &dec_b1, &dec_w2, &dec_b2, &g_elbo, &g_recon, &g_kl};
   for (const at::Tensor* t : all) FE_CHECK_TENSOR(*t, "every backward input", dev);
-  const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
+  const int64_t B = x.size(0), D = x.size(1), L = mu_w.size(0);
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
   const auto opts = x.options();
@@ -834,6 +902,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw_randn", &draw_randn,
         "torch.randn(n) on the device's default generator, reproduced in a kernel",
         pybind11::arg("n"), pybind11::arg("device"));
+  m.def("pdl_launches", &pdl_launches,
+        "how many cluster-kernel launches so far were programmatic dependents (tests)");
   m.def("iwae_plan", &iwae_plan_info,
         "IWAE tile {samples per tile, smem_bytes, 0} or {0, 0, status}",
         pybind11::arg("device"), pybind11::arg("D"), pybind11::arg("H"), pybind11::arg("L"));

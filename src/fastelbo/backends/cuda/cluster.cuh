@@ -110,6 +110,18 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
+// Programmatic dependent launch (ForwardArgs::pdl; binding.cpp pdl_launch_allowed): wait until
+// the previous grid on the stream has completed and its writes are visible, and only then let
+// the next forward launch (its blocks take SMs as ours leave and stage their weights while we
+// finish). So at most one of our grids runs ahead of another, and the binding's check against
+// the previous launch's outputs covers every overlap. Without pdl: nothing (the launch waited).
+__device__ __forceinline__ void pdl_wait(const ForwardArgs& p) {
+  if (p.pdl) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
+}
+
 // Block 0's last step in both cluster kernels: block q of the cluster left row r's partial BCE
 // and KL sums and a bad-row flag at [q * stride + r] of these arrays (block 0's shared memory);
 // rows row0 + r < B of the tile get their recon, kl and elbo (NaN for a bad row).

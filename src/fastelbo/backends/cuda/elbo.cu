@@ -247,11 +247,14 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
 
   // Issue every staged copy now, one commit group per layer (groups are committed even when
   // empty, so the wait counts below hold either way).
-  if (staged) {
-    stage_rows(xs, ldx, [&](int r) { return p.x + static_cast<size_t>(grow(r)) * D; }, R, D, v1);
+  // With p.pdl only the w1 slice is read before pdl_wait (the previous grid may still run);
+  // x joins its commit group after it, and nothing else before.
+  if (staged)
     stage_rows(w1s, ldx, [&](int c) { return p.w1 + static_cast<size_t>(n0h + c) * D; },
                ncol_h, D, v1);
-  }
+  pdl_wait(p);
+  if (staged)
+    stage_rows(xs, ldx, [&](int r) { return p.x + static_cast<size_t>(grow(r)) * D; }, R, D, v1);
   cp_async_commit();
   if (staged) {
     stage_rows(wms, ldh, [&](int c) { return p.wmu + static_cast<size_t>(j0 + c) * H; },
@@ -507,19 +510,21 @@ cudaError_t cluster_fit(const void* kernel, int device, int C, int threads, int 
 }
 
 cudaError_t cluster_launch(const void* kernel, int blocks, int C, int threads, int smem,
-                           void** args, cudaStream_t stream) noexcept {
+                           void** args, cudaStream_t stream, bool pdl) noexcept {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
   cfg.blockDim = dim3(static_cast<unsigned>(threads));
   cfg.dynamicSmemBytes = static_cast<size_t>(smem);
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = static_cast<unsigned>(C);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = pdl ? 2 : 1;
   const cudaError_t e = cudaLaunchKernelExC(&cfg, kernel, args);
   const cudaError_t last = cudaGetLastError();
   return e != cudaSuccess ? e : last;
@@ -601,7 +606,8 @@ ElboStatus elbo_plan(ElboParams& p, int device, int rows, int cluster, int stage
 cudaError_t elbo_launch(const ElboParams& p, cudaStream_t stream) noexcept {
   void* args[] = {const_cast<ElboParams*>(&p)};
   return cluster_launch(reinterpret_cast<const void*>(kernel_for(p.variant)),
-                        cdiv(p.B, p.R) * p.C, p.C, kClusterThreads, p.smem_bytes, args, stream);
+                        cdiv(p.B, p.R) * p.C, p.C, kClusterThreads, p.smem_bytes, args, stream,
+                        p.pdl != 0);
 }
 
 }  // namespace fastelbo

@@ -56,6 +56,12 @@ struct ForwardArgs {
   int draw;
   TorchRandn rng;
   float* eps_out;
+  // pdl != 0: launched as a programmatic dependent of the previous kernel on the stream (set
+  // by binding.cpp pdl_launch_allowed; the two cluster kernels only). Before griddepcontrol.wait
+  // the kernel reads only weights and biases; x, eps, the RNG state and every global write come
+  // after it, and so does its griddepcontrol.launch_dependents (cluster.cuh pdl_wait: the only
+  // early trigger of any kernel here).
+  int pdl;
 };
 
 struct ElboParams : ForwardArgs {
@@ -145,8 +151,10 @@ cudaError_t cluster_device(int device, ClusterDevice* out) noexcept;
 cudaError_t cluster_fit(const void* kernel, int device, int C, int threads, int smem,
                         int* clusters) noexcept;
 // cudaLaunchKernelEx with a cluster dimension of C; the launch's error (cudaGetLastError folded in).
+// pdl: also cudaLaunchAttributeProgrammaticStreamSerialization (the kernel must then call
+// griddepcontrol.wait before touching anything the previous kernel may write).
 cudaError_t cluster_launch(const void* kernel, int blocks, int C, int threads, int smem,
-                           void** args, cudaStream_t stream) noexcept;
+                           void** args, cudaStream_t stream, bool pdl = false) noexcept;
 
 // ---- rows path (large batches; rows.cu): cuBLAS GEMMs in binding.cpp, these in between ----
 // reparam_kl_kernel: z = mu + exp(0.5 lv) * eps (n, L) and, when kl != nullptr,

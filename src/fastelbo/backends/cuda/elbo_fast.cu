@@ -108,6 +108,21 @@ __device__ __forceinline__ void tile_dot(const float* const (&a)[TR], const floa
   }
 }
 
+// One pass of L1's 5 x 4 register tiles (L1 itself and local d): acc[i][j] += sum over float4
+// columns q < nq of row rt + 4 i of a (stride lda) . row min(n0 + ct + 64 j, H - 1) of w
+// (stride ldw); columns at and past H repeat the last row (the caller skips them).
+__device__ __forceinline__ void l1_pass(const float* a, int lda, const float* w, int ldw, int n0,
+                                        int H, int nq, int rt, int ct,
+                                        float (&acc)[kRowsPerThread][kL1Cols]) {
+  const float* ap[kRowsPerThread];
+  const float* wp[kL1Cols];
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) ap[i] = a + (rt + kRowLanes * i) * lda;
+#pragma unroll
+  for (int j = 0; j < kL1Cols; ++j) wp[j] = w + min(n0 + ct + kL1ColLanes * j, H - 1) * ldw;
+  tile_dot(ap, wp, 0, nq, acc);
+}
+
 __global__ void __launch_bounds__(kFastThreads, 1)
     elbo_fast_kernel(const __grid_constant__ FastParams p) {
   extern __shared__ __align__(128) float4 smem4[];
@@ -187,13 +202,13 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     mbar_arrive_expect(&bar[5], 4u * (C - 1) * ch2);
     mbar_arrive_expect(&bar[6], 4u * (C - 1) * ch3);
     if (!local_d) mbar_arrive_expect(&bar[7], 4u * (C - 1) * ch1);
-    tma_load_2d(xk, &p.tm_x, 4 * qa, row0, &bar[0]);
+    if (!p.pdl) tma_load_2d(xk, &p.tm_x, 4 * qa, row0, &bar[0]);
     for (int b = 0; b < nbox; ++b)
       tma_load_2d(w1k + b * p.w1_box * ldk, &p.tm_w1, 4 * qa, b * p.w1_box, &bar[0]);
     bulk_copy(b1k, p.b1 + h0, 4u * hs, &bar[0]);
     tma_load_2d(wmus, &p.tm_wmu, h0, 0, &bar[1]);
     tma_load_2d(wlvs, &p.tm_wlv, h0, 0, &bar[1]);
-    if (!p.draw) tma_load_2d(epk, &p.tm_eps, sl0, row0, &bar[1]);
+    if (!p.draw && !p.pdl) tma_load_2d(epk, &p.tm_eps, sl0, row0, &bar[1]);
     if (nsl > 0) {
       bulk_copy(bl, p.bmu + sl0, 4u * nsl, &bar[1]);
       bulk_copy(bl + lds_l, p.blv + sl0, 4u * nsl, &bar[1]);
@@ -202,12 +217,19 @@ __global__ void __launch_bounds__(kFastThreads, 1)
       tma_load_2d(wd1s, &p.tm_wd1, 0, h0, &bar[2]);
       bulk_copy(bd1k, p.bd1 + h0, 4u * hs, &bar[2]);
     }
-    tma_load_2d(xd, &p.tm_xd, sd0, row0, &bar[3]);
+    if (!p.pdl) tma_load_2d(xd, &p.tm_xd, sd0, row0, &bar[3]);
     if (nsd > 0) bulk_copy(bd2k, p.bd2 + sd0, 4u * nsd, &bar[3]);
   }
   __syncthreads();  // barriers initialised (and the tiles queued) before the row copies
   for (int i = tid; i < ncd; i += kFastThreads)
     bulk_copy(wd2s + i * ldd, p.wd2 + static_cast<size_t>(n0d + i) * H, 4u * H, &bar[3]);
+  // PDL (p.pdl): until here only weights and biases were read; x and eps after pdl_wait.
+  pdl_wait(p);
+  if (p.pdl && tid == 0) {
+    tma_load_2d(xk, &p.tm_x, 4 * qa, row0, &bar[0]);
+    if (!p.draw) tma_load_2d(epk, &p.tm_eps, sl0, row0, &bar[1]);
+    tma_load_2d(xd, &p.tm_xd, sd0, row0, &bar[3]);
+  }
   cluster_arrive();  // this block's barriers exist: others may send once everyone arrived
   if (p.draw) {
     // The noise in the kernel: this block's window of torch.randn(B, L) (rows and columns
@@ -253,13 +275,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     const int rt = tid % kRowLanes, ct = tid / kRowLanes;
     for (int n0 = 0; n0 < H; n0 += kL1Pass) {
       float acc[kRowsPerThread][kL1Cols] = {};
-      const float* a[kRowsPerThread];
-      const float* w[kL1Cols];
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) a[i] = xk + (rt + kRowLanes * i) * ldk;
-#pragma unroll
-      for (int j = 0; j < kL1Cols; ++j) w[j] = w1k + min(n0 + ct + kL1ColLanes * j, H - 1) * ldk;
-      tile_dot(a, w, 0, nqk, acc);
+      l1_pass(xk, ldk, w1k, ldk, n0, H, nqk, rt, ct, acc);
 #pragma unroll
       for (int j = 0; j < kL1Cols; ++j) {
         const int n = n0 + ct + kL1ColLanes * j;
@@ -370,14 +386,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     const int rt = tid % kRowLanes, ct = tid / kRowLanes;
     for (int n0 = 0; n0 < H; n0 += kL1Pass) {
       float acc[kRowsPerThread][kL1Cols] = {};
-      const float* a[kRowsPerThread];
-      const float* w[kL1Cols];
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) a[i] = zs + (rt + kRowLanes * i) * ldz;
-#pragma unroll
-      for (int j = 0; j < kL1Cols; ++j)
-        w[j] = wd1f + min(n0 + ct + kL1ColLanes * j, H - 1) * p.ldw;
-      tile_dot(a, w, 0, L / 4, acc);
+      l1_pass(zs, ldz, wd1f, p.ldw, n0, H, L / 4, rt, ct, acc);
 #pragma unroll
       for (int j = 0; j < kL1Cols; ++j) {
         const int n = n0 + ct + kL1ColLanes * j;
@@ -646,7 +655,7 @@ ElboStatus elbo_fast_plan(FastParams& p, int device, int cluster, bool one_wave,
 cudaError_t elbo_fast_launch(const FastParams& p, cudaStream_t stream) noexcept {
   void* args[] = {const_cast<FastParams*>(&p)};
   return cluster_launch(reinterpret_cast<const void*>(elbo_fast_kernel), cdiv(p.B, p.R) * p.C,
-                        p.C, kFastThreads, p.smem_bytes, args, stream);
+                        p.C, kFastThreads, p.smem_bytes, args, stream, p.pdl != 0);
 }
 
 }  // namespace fastelbo
