@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(const __grid_constant__ 
   bool bad = false;
   for (int c = lane; c < p.D; c += 32) {
     const float v = __ldg(p.x + base + c);
-    bad |= !(v >= 0.0f && v <= 1.0f);
+    bad |= outside_unit(v);
   }
   bad = __any_sync(0xffffffffu, bad);
   for (int c = lane; c < p.D; c += 32) p.xc[base + c] = bad ? 0.0f : __ldg(p.x + base + c);

@@ -473,7 +473,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     for (int c = lane; c < ncd; c += 32) {
       s += bce[r * ns_d + c];
       const float xv = xd[r * lds_d + shd + c];
-      bad |= !(xv >= 0.0f && xv <= 1.0f);
+      bad |= outside_unit(xv);
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);

@@ -27,12 +27,14 @@ __device__ __forceinline__ float kl_term(float mu, float lv) {
 }
 // sigmoid as PyTorch's CUDA kernel: 1 / (1 + exp(-a)).
 __device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
+// The value check's predicate (torch_ref.invalid_rows, validation.py): x outside [0, 1], or NaN.
+__device__ __forceinline__ bool outside_unit(float v) { return !(v >= 0.0f && v <= 1.0f); }
 // BCE as PyTorch: (x - 1) * max(log1p(-p), -100) - x * max(log(p), -100), p = sigmoid(a);
 // x outside [0, 1] or NaN -> NaN and *bad set.
 __device__ __forceinline__ float bce_term(float a, float xv, bool* bad) {
   const float pr = sigmoid(a);
   const float lp = nan_max(logf(pr), -100.0f), l1p = nan_max(log1pf(-pr), -100.0f);
-  const bool ok = xv >= 0.0f && xv <= 1.0f;
+  const bool ok = !outside_unit(xv);
   *bad |= !ok;
   return ok ? __fsub_rn(__fmul_rn(xv - 1.0f, l1p), __fmul_rn(xv, lp))
             : __int_as_float(0x7fc00000);

@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1) iwae_kernel(const IwaeParams p) {
                    const int col = c0 + h;
                    if (col >= p.D) continue;
                    const float bias = p.b2[col], xv = xr[col];
-                   const bool ok = xv >= 0.0f && xv <= 1.0f;
+                   const bool ok = !outside_unit(xv);
                    const float w1 = ok ? xv : __int_as_float(0x7fc00000), w0 = w1 - 1.0f;
 #pragma unroll
                    for (int m = 0; m < MT; ++m)

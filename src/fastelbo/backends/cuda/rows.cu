@@ -84,7 +84,6 @@ __global__ void __launch_bounds__(kThreads) randn_fill_kernel(float* out, long l
 
 // flags[block] = 1 where the block saw an element outside [0, 1] or NaN, else 0 (every block
 // writes its flag: no zero-fill launch). vec: x 16-byte aligned (float4 loads, then the tail).
-__device__ __forceinline__ bool outside_unit(float v) { return !(v >= 0.0f && v <= 1.0f); }
 
 __global__ void __launch_bounds__(kThreads) range_flags_kernel(const float* x, long long n,
                                                                int vec, int* flags) {
