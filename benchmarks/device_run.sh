@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one GPU session needs, in one call on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...
-# Stages: build env tests cuda-tests cuda-noise cuda-validation compile-host other-gpu triton-tests triton-iwae host-triton host-cuda profile-triton ncu-triton probe-saturated memcheck racecheck check check-cuda export-test check-auto bench cuda-plans cuda-paths
+# Stages: build env tests cuda-tests cuda-noise cuda-validation compile-host other-gpu triton-tests triton-iwae host-triton host-cuda profile-triton ncu-triton probe-saturated memcheck racecheck check check-cuda check-cuda-all export-test check-auto bench cuda-plans cuda-paths
 #         trace tma-ingest mma-l4 repro profile threads512 pdl triton-ws triton-sweep cuda-iwae iwae iwae-variants iwae-sweep train train-epochs
 #         multi crossover. Each stage's log lands in $LOGS; at the end everything is packed into
 #         $OUT/results.tgz (the device tool brings back at most 8 files) beside summary.txt.
@@ -59,6 +59,10 @@ for stage in "$@"; do case $stage in
     done
     for c in cuda triton; do run "check_odd_$c" 300 $FE check benchmarks/problems/vae_elbo_odd.py "fastelbo:$c" --device cuda --batch-sizes 1,7,1000; done
     $FE export --kernelbench "$LOGS/solution.py" && run check_export 400 $FE check vae_elbo "$LOGS/solution.py" --device cuda ;;
+  check-cuda-all)  # #3's acceptance: cuda in every regime, odd dims, the exported single file
+    run check_cuda "${T_CHECK:-200}" $FE check vae_elbo fastelbo:cuda --device cuda --batch-sizes 1,7,128,1000,65536 --trials 3
+    run check_odd_cuda 150 $FE check benchmarks/problems/vae_elbo_odd.py fastelbo:cuda --device cuda --batch-sizes 1,7,1000
+    $FE export --kernelbench "$LOGS/solution.py" && run check_export "${T_EXPORT:-200}" $FE check vae_elbo "$LOGS/solution.py" --device cuda ;;
   check-cuda) run check_cuda "${T_CHECK:-200}" $FE check vae_elbo fastelbo:cuda --device cuda --batch-sizes 1,7,128,1000,65536 --trials 3 ;;
   export-test) pytest_gpu test_export "${T_EXPORT:-200}" tests/test_cuda_backend.py -k exported ;;
   check-auto) run check_auto "${T_CHECK:-100}" $FE check vae_elbo fastelbo:auto --device cuda --batch-sizes 1,7,128,1000,65536 --trials 2 ;;
