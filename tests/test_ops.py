@@ -257,7 +257,7 @@ def test_compile_under_no_grad_still_traces_the_op(op_calls):
 
 class _Verdict:
     """A value check, as validation.start_checks returns: logs its wait, may fail."""
-    in_flight = plain = False
+    in_flight = plain = checked = False
 
     def __init__(self, log, bad):
         self.log, self.bad = log, bad

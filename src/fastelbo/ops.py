@@ -168,7 +168,7 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
     else:
         eps = eps.contiguous()
     if name == "torch":
-        return torch_ref.forward(x, params, eps)
+        return torch_ref.forward(x, params, eps, valid=verdict.checked)
     if _needs_op(x, eps, params, plain):  # a plain verdict covered eps too
         return _elbo_forward(name, x, eps, list(params))
     return _prepared_forward(name)(x, params, eps)

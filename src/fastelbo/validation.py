@@ -79,19 +79,21 @@ def check_params(params: VAEParams) -> None:
 
 # A verdict's `plain`: the cuda lane (cuda.checked_start) found every tensor contiguous
 # float32 on a GPU the cuda backend runs on, so callers may skip .contiguous() and re-checks.
+# Its `checked`: once wait() has returned, every value of x is known to be in [0, 1] (a value
+# check ran), so no row needs the NaN-row masking of validation-off calls.
 class _Done:
     """A verdict already given (no value check, or one that ran synchronously)."""
-    __slots__ = ("plain",)
+    __slots__ = ("checked", "plain")
     in_flight = False
 
-    def __init__(self, plain: bool = False):
-        self.plain = plain
+    def __init__(self, plain: bool = False, checked: bool = False):
+        self.plain, self.checked = plain, checked
 
     def wait(self) -> None:
         pass
 
 
-_DONE, _DONE_PLAIN = _Done(), _Done(plain=True)
+_DONE, _DONE_PLAIN, _CHECKED = _Done(), _Done(plain=True), _Done(checked=True)
 
 
 class _Pending:
@@ -100,6 +102,7 @@ class _Pending:
     if it did not pass."""
     __slots__ = ("plain", "x")
     in_flight = True
+    checked = True
 
     def __init__(self, x: torch.Tensor, plain: bool = False):
         self.x, self.plain = x, plain
@@ -164,7 +167,7 @@ def start_checks(x, params: VAEParams, eps):
         if cuda.start_range_check(x):
             return _Pending(x)
     _check_values_eagerly(x)
-    return _DONE
+    return _CHECKED
 
 
 def _capturing(x: torch.Tensor) -> bool:

@@ -22,6 +22,14 @@ def invalid_rows(x: torch.Tensor) -> torch.Tensor:
     return ~((x >= 0) & (x <= 1)).all(dim=-1)
 
 
+def _none(rows: torch.Tensor) -> bool:
+    """True when the row mask is known to be all False for free: a CPU tensor outside tracing
+    (asking a GPU would sync, and a data-dependent branch would break a traced graph). The
+    masking steps it lets callers skip change no value where no row is masked."""
+    return (rows.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not bool(rows.any()))
+
+
 def _forward_rows(x: torch.Tensor, p: VAEParams, eps: torch.Tensor, linear=F.linear):
     # The problem's Model.forward, line for line, with eps injected for randn_like. `linear`
     # (a, w, b): benchmarks/tf32x3_emulation.py swaps in emulated tensor-core arithmetic.
@@ -32,25 +40,35 @@ def _forward_rows(x: torch.Tensor, p: VAEParams, eps: torch.Tensor, linear=F.lin
     z = mu + std * eps
     x_recon = torch.sigmoid(linear(F.relu(linear(z, p.dec_w1, p.dec_b1)), p.dec_w2, p.dec_b2))
     # BCE raises (CPU) or device-asserts (CUDA) on a NaN probability, which overflowing weights
-    # produce (exp(logvar) = inf): compute those rows on 0.5 and hand back NaN instead.
-    nan_rows = torch.isnan(x_recon).any(-1)
-    x_recon = torch.where(nan_rows[:, None], torch.full_like(x_recon[:1], 0.5), x_recon)
-    recon = F.binary_cross_entropy(x_recon, x, reduction="none").sum(-1)
-    recon = torch.where(nan_rows, torch.full_like(recon, float("nan")), recon)
+    # produce (exp(logvar) = inf): compute those rows on 0.5 and hand back NaN instead. A row's
+    # sum of probabilities (each in [0, 1] or NaN) is NaN exactly when one of them is.
+    nan_rows = torch.isnan(x_recon.sum(-1))
+    if _none(nan_rows):
+        recon = F.binary_cross_entropy(x_recon, x, reduction="none").sum(-1)
+    else:
+        x_recon = torch.where(nan_rows[:, None], torch.full_like(x_recon[:1], 0.5), x_recon)
+        recon = F.binary_cross_entropy(x_recon, x, reduction="none").sum(-1)
+        recon = torch.where(nan_rows, torch.full_like(recon, float("nan")), recon)
     kl = -0.5 * (1 + logvar - mu.pow(2) - logvar.exp()).sum(-1)
     return -(recon + kl), recon, kl
 
 
-def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor):
-    """(elbo, recon, kl), each (B,). Inputs are validated by `fastelbo.ops`."""
-    bad = invalid_rows(x)
-    # Invalid rows are computed on zeros (BCE would raise or device-assert on them) and then
-    # overwritten with NaN, so a bad row can never yield a plausible number.
-    x = torch.where(bad[:, None], torch.zeros((), dtype=x.dtype, device=x.device), x)
+def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, valid: bool = False):
+    """(elbo, recon, kl), each (B,). Inputs are validated by `fastelbo.ops`; valid=True: it
+    has also checked every value of x (in [0, 1], no NaN), so no row is invalid."""
+    bad = None if valid else invalid_rows(x)
+    if bad is not None and _none(bad):
+        bad = None
+    if bad is not None:
+        # Invalid rows are computed on zeros (BCE would raise or device-assert on them) and
+        # then overwritten with NaN, so a bad row can never yield a plausible number.
+        x = torch.where(bad[:, None], torch.zeros((), dtype=x.dtype, device=x.device), x)
     rows = max(1, CHUNK_ELEMS // max(1, x.shape[1]))
     parts = [_forward_rows(x[i:i + rows], params, eps[i:i + rows])
              for i in range(0, x.shape[0], rows)]
-    outs = [torch.cat(o) if len(parts) > 1 else o[0] for o in zip(*parts)]
+    outs = tuple(torch.cat(o) if len(parts) > 1 else o[0] for o in zip(*parts))
+    if bad is None:
+        return outs
     nan = torch.full((), float("nan"), dtype=x.dtype, device=x.device)
     return tuple(torch.where(bad, nan, o) for o in outs)
 
