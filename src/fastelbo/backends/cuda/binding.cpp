@@ -354,17 +354,17 @@ bool pdl_launch_allowed(cudaStream_t stream, const fastelbo::ForwardArgs& f) {
   return allowed;
 }
 
-// Reserves one torch.randn(n) float32 draw from the device's default CUDA generator, as
-// PyTorch's normal_ does (ATen/native/cuda/DistributionTemplates.h: calc_execution_policy with
-// curand_normal4's 4 outputs per call, then philox_cuda_state under the generator's mutex),
-// and returns what a kernel needs to reproduce it (philox.cuh). Graph capture: the generator
-// hands out device pointers and an intra-graph offset, as it does to PyTorch's own kernels.
 // Whether torch.randn(n) (float32, contiguous) is one launch of normal_'s kernel, which is what
 // reserve_randn and philox.cuh reproduce: TensorIterator's can_use_32bit_indexing (element
 // count, and the largest byte offset 4 (n - 1) + 1, within int32); beyond it PyTorch splits the
 // draw into sub-iterators with counters of their own, and the kernels leave the draw to it.
 bool randn_in_one_launch(int64_t n) { return n >= 1 && n <= (int64_t{1} << 29); }
 
+// Reserves one torch.randn(n) float32 draw from the device's default CUDA generator, as
+// PyTorch's normal_ does (ATen/native/cuda/DistributionTemplates.h: calc_execution_policy with
+// curand_normal4's 4 outputs per call, then philox_cuda_state under the generator's mutex),
+// and returns what a kernel needs to reproduce it (philox.cuh). Graph capture: the generator
+// hands out device pointers and an intra-graph offset, as it does to PyTorch's own kernels.
 fastelbo::TorchRandn reserve_randn(int64_t n, c10::DeviceIndex device) {
   // The two device properties PyTorch reads (attribute queries: no cudaGetDeviceProperties).
   int sms = 0, threads_per_sm = 0;
