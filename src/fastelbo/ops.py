@@ -17,7 +17,7 @@ import torch
 
 from . import backends
 from .backends import torch_ref
-from .params import VAEParams
+from .params import PLAIN_TYPES, VAEParams
 from .validation import start_checks
 
 
@@ -120,9 +120,6 @@ def resolve_backend(backend: str, x: torch.Tensor, verdict=None) -> str:
     return backend
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def _needs_op(x: torch.Tensor, eps: torch.Tensor | None, params: VAEParams,
               plain: bool = False) -> bool:
     """Whether a GPU backend's call must go through the custom op: autograd has to record it
@@ -139,7 +136,7 @@ def _needs_op(x: torch.Tensor, eps: torch.Tensor | None, params: VAEParams,
     if plain and not grad:
         return False
     for t in (x, *params) if eps is None else (x, eps, *params):
-        if type(t) not in _PLAIN or (grad and t.requires_grad):
+        if type(t) not in PLAIN_TYPES or (grad and t.requires_grad):
             return True
     return False
 

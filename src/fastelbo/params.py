@@ -13,6 +13,10 @@ from typing import NamedTuple
 
 import torch
 
+# The tensor types that need no dispatch of their own: a plain tensor or a Parameter (fastelbo.ops
+# and the cuda backend's checked_start take their fast lanes only for these).
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
 
 class VAEParams(NamedTuple):
     enc_w: torch.Tensor

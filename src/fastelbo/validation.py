@@ -194,8 +194,13 @@ def check_values(x: torch.Tensor) -> None:
         _raise_outside(x)
 
 
+def unit_mask(x: torch.Tensor) -> torch.Tensor:
+    """True where x lies in [0, 1] (NaN does not): the value check's predicate, elementwise."""
+    return (x >= 0) & (x <= 1)
+
+
 def _raise_outside(x: torch.Tensor):
-    bad = ~((x >= 0) & (x <= 1))
+    bad = ~unit_mask(x)
     r, c = (int(i) for i in bad.nonzero()[0])
     raise ValueError(
         f"x must lie in [0, 1] (Bernoulli targets); {int(bad.sum())} value(s) do not, first "

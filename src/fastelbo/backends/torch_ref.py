@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..params import VAEParams
+from ..validation import unit_mask
 
 # Rows per chunk: 4096 x 784 x 4 B = 12.8 MB per (rows, D) intermediate, a handful of which are
 # alive at once; small enough to stay out of the way, large enough that launch costs vanish.
@@ -19,7 +20,7 @@ CHUNK_ELEMS = 4096 * 784
 
 def invalid_rows(x: torch.Tensor) -> torch.Tensor:
     """Rows of x holding a value outside [0, 1] or NaN: their outputs are NaN by contract."""
-    return ~((x >= 0) & (x <= 1)).all(dim=-1)
+    return ~unit_mask(x).all(dim=-1)
 
 
 def _none(rows: torch.Tensor) -> bool:

@@ -27,7 +27,7 @@ import torch
 # The dtypes this backend computes in: fastelbo.ops refuses others before drawing any noise.
 DTYPES = (torch.float32,)
 
-from ...params import VAEParams
+from ...params import PLAIN_TYPES, VAEParams
 
 HERE = Path(__file__).resolve().parent
 KERNEL_SOURCES = ("elbo_fast.cu", "elbo.cu", "rows.cu", "backward.cu", "adam.cu", "iwae.cu")
@@ -145,9 +145,6 @@ def start_range_check(x: torch.Tensor) -> bool:
     return False
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def checked_start(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None,
                   validate: bool) -> int | None:
     """fastelbo.validation.start_checks' fast lane: its checks in one binding call for the
@@ -156,11 +153,11 @@ def checked_start(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None,
     value check in flight (finish_range_check); 0: passed, no value check (validate off or a
     graph being captured); None: not the plain case or a check failed: the caller's own checks
     decide (and raise the precise error). Never builds the extension."""
-    if (type(x) not in _PLAIN or x.device not in _RUNS_ON or len(params) != 10
-            or (eps is not None and type(eps) not in _PLAIN)):
+    if (type(x) not in PLAIN_TYPES or x.device not in _RUNS_ON or len(params) != 10
+            or (eps is not None and type(eps) not in PLAIN_TYPES)):
         return None
     for p in params:
-        if type(p) not in _PLAIN:
+        if type(p) not in PLAIN_TYPES:
             return None
     status = extension().checked_start(x, eps, *params, validate)
     return None if status < 0 else status
