@@ -1,12 +1,10 @@
 """Pieces every Triton kernel here shares: float32-accurate tensor-core dots from TF32 halves,
 the clamped BCE epilogue, libdevice or interpreter math, and the pre-split weight workspace.
 
-elbo_forward.py (slab forward), elbo_fused.py (one-kernel forward) and iwae.py import these, so
-there is one definition of "float32-accurate decoder + BCE" in the backend.
+elbo_forward.py (slab forward) and iwae.py import these, so there is one definition of
+"float32-accurate decoder + BCE" in the backend.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -257,11 +255,6 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _check(x: torch.Tensor, params: VAEParams, eps: torch.Tensor) -> None:
     for name, t in [("x", x), ("eps", eps), *zip(VAEParams._fields, params)]:
         if t.dtype != torch.float32:
@@ -317,10 +310,3 @@ def stacked_descriptor(hi: torch.Tensor, lo: torch.Tensor, block: tuple[int, int
         raise ValueError("stacked_descriptor needs lo right after hi, with the same row stride")
     return TensorDescriptor(hi, [2 * rows, cols], [stride, 1], list(block))
 
-
-def device_sms(x: torch.Tensor) -> int:
-    """Multiprocessors of x's GPU; 1 for CPU tensors (the interpreter)."""
-    if not x.is_cuda:
-        return 1
-    return _sm_count(x.device.index if x.device.index is not None
-                     else torch.cuda.current_device())
