@@ -35,15 +35,14 @@ DIMS = [(64, 48, 2), (33, 20, 5), (40, 32, 1)]
 BATCHES = [1, 3, 17]
 # The slab path with the tile table's choice; the slab path with small hidden chunks that walk H
 # in several pieces with a ragged last one (48 = 3 x 16, 20 = 16 + 4), D in ragged column tiles,
-# and slabs of 5 rows so that B = 17 crosses three slab boundaries (the last slab partial); and
-# the one-kernel fused path with the same small chunks. "slab-tiny-fp16" runs the tiny slab tiles
-# with scaled float16 halves (fp16x3.py): the interpreter multiplies them exactly, so it checks
-# that split's accuracy (22 bits per operand), scales and exponent bookkeeping on the CPU too.
+# and slabs of 5 rows so that B = 17 crosses three slab boundaries (the last slab partial).
+# "slab-tiny-fp16" runs the tiny slab tiles with scaled float16 halves (fp16x3.py): the
+# interpreter multiplies them exactly, so it checks that split's accuracy (22 bits per operand),
+# scales and exponent bookkeeping on the CPU too.
 CONFIGS = {
     "slab-table": None,
     "slab-tiny": ("slab", (16, 16, 16, 16, 4, 1), (16, 16, 16, 4, 1), 5),
     "slab-tiny-fp16": ("slab", (16, 16, 16, 16, 4, 1), (16, 16, 16, 4, 1), 5, "fp16x3"),
-    "fused-split-h": ("fused", (16, 16, 16, 16, 4, 2)),
 }
 
 
@@ -74,11 +73,9 @@ def _assert_close(got, want, atol=1e-4, rtol=1e-4, what=""):
 def _run(x, p, eps, config):
     if config is None:
         return fwd.launch(x, p, eps)
-    if config[0] == "fused":
-        return fwd.launch(x, p, eps, fwd.FusedConfig(*config[1]))
     _, enc, dec, rows, *operands = config
     cfg = fwd.SlabConfig(fwd.EncodeTiles(*enc), fwd.DecodeTiles(*dec), rows, *operands)
-    return fwd.launch(x, p, eps, cfg, path="slab")
+    return fwd.launch(x, p, eps, cfg)
 
 
 @child_only
@@ -128,7 +125,7 @@ def test_fp16_halves_follow_torchs_float32_matmul_precision():
         for precision, operands in (("highest", "tf32x3"), ("high", "fp16x3"),
                                     ("medium", "fp16x3")):
             torch.set_float32_matmul_precision(precision)
-            assert fwd.pick_config(7, dims, 1).operands == operands, precision
+            assert fwd.pick_config().operands == operands, precision
             _assert_close(fwd.launch(x, p, eps), want, what=precision)
     finally:
         torch.set_float32_matmul_precision(before)
@@ -191,8 +188,9 @@ def test_slab_rows_are_capped():
     assert fwd.slab_rows(cfg, 65536, (784, 256, 32)) == 16384   # the 32 MiB workspace budget
     assert fwd.slab_rows(cfg, 100, (784, 256, 32)) == 100
     assert fwd.slab_rows(cfg, 10**7, (2**20, 1, 1)) == (2**31 - 1) // 2**20   # int32 offsets
-    with pytest.raises(ValueError, match="path"):
-        fwd.launch(torch.rand(2, 40), _params((40, 32, 1)), torch.randn(2, 1), path="nope")
+    with pytest.raises(ValueError, match="operands must be one of"):
+        fwd.launch(torch.rand(2, 40), _params((40, 32, 1)), torch.randn(2, 1),
+                   fwd.SlabConfig(cfg.encode, cfg.decode, 5, operands="nope"))
 
 
 @child_only

@@ -1,12 +1,10 @@
 """Pieces every Triton kernel here shares: float32-accurate tensor-core dots from TF32 halves,
 the clamped BCE epilogue, libdevice or interpreter math, and the pre-split weight workspace.
 
-elbo_forward.py (slab forward), elbo_fused.py (one-kernel forward) and iwae.py import these, so
-there is one definition of "float32-accurate decoder + BCE" in the backend.
+elbo_forward.py (slab forward) and iwae.py import these, so there is one definition of
+"float32-accurate decoder + BCE" in the backend.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -81,8 +79,8 @@ else:
     @triton.jit
     def _rcp_den(den):
         """1 / den for den in [1, inf] or NaN, bit-exact to IEEE division below 2^100
-        (rcp.approx + one Newton FMA, as cuda/iwae.cu's rcp_den; benchmarks/rcp_check.cu checks
-        every float); above, 1 / den < 2^-100 and only 1 - p = 1 matters, which holds."""
+        (rcp.approx + one Newton FMA, as cuda/iwae.cu's rcp_den; checked on every float,
+        benchmarks/PERF.md); above, 1 / den < 2^-100 and only 1 - p = 1 matters, which holds."""
         d = tl.minimum(den, 1.2676506002282294e30)  # 2^100; NaN stays NaN through the logs
         r = _asm1(d, "rcp.approx.ftz.f32 $0, $1;")
         return tl.fma(r, tl.fma(-d, r, 1.0), r)
@@ -140,8 +138,8 @@ def _encode_hidden(x_rows, row_ok, enc_hi, enc_lo, enc_exp, enc_b, hh, h_ok,
     whose operands are unscaled data. A tensor core adds each MMA's exact products
     to its accumulator and truncates the sum, so one accumulator carried over all of K drifts
     toward zero by up to ~1 ulp per k8 step, and the small hi * lo terms added into it drown:
-    that failed test_saturated_params (benchmarks/tf32x3_emulation.py reproduces it on a CPU,
-    and passes with this scheme at k tiles of 16 to 112). Here each k tile's three products
+    that failed test_saturated_params (a CPU emulation of the tensor core reproduced it, and
+    passed with this scheme at k tiles of 16 to 112). Here each k tile's three products
     start from zero (small terms first) and join the running sum through a float32
     round-to-nearest add. x is finite in every valid row (invalid rows end NaN anyway), so no
     NaN guard on the small terms: an infinite weight gives NaN here where float32 gives +-inf
@@ -188,7 +186,7 @@ def _log1p_small(u):
 def _bce_rowsum(logits, xv, mask):
     """Row sums of F.binary_cross_entropy(sigmoid(logits), x) with PyTorch's float32 numerics
     where they decide anything, in ~35 instructions per element instead of IEEE logf + log1pf
-    + division (~60, and 250 registers at a [128, 64] tile; benchmarks/triton_decode_variants.py).
+    + division (~60, and 250 registers at a [128, 64] tile; benchmarks/PERF.md).
 
     den = 1 + expf(-a) and p = 1 / den exactly as PyTorch rounds them (libdevice expf, _rcp_den),
     so 1 - p, and which elements the -100 clamps hit, are PyTorch's. Then
@@ -257,11 +255,6 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _check(x: torch.Tensor, params: VAEParams, eps: torch.Tensor) -> None:
     for name, t in [("x", x), ("eps", eps), *zip(VAEParams._fields, params)]:
         if t.dtype != torch.float32:
@@ -317,10 +310,3 @@ def stacked_descriptor(hi: torch.Tensor, lo: torch.Tensor, block: tuple[int, int
         raise ValueError("stacked_descriptor needs lo right after hi, with the same row stride")
     return TensorDescriptor(hi, [2 * rows, cols], [stride, 1], list(block))
 
-
-def device_sms(x: torch.Tensor) -> int:
-    """Multiprocessors of x's GPU; 1 for CPU tensors (the interpreter)."""
-    if not x.is_cuda:
-        return 1
-    return _sm_count(x.device.index if x.device.index is not None
-                     else torch.cuda.current_device())

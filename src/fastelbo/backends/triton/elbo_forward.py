@@ -55,11 +55,9 @@ from .common import (
     _exp,
     _pow2,
     _split,
-    device_sms,
     split_weights,
     stacked_descriptor,
 )
-from .elbo_fused import FusedConfig, launch_fused, pick_fused
 from .fp16x3 import (
     INV_LO_SCALE,
     _pow2f,
@@ -166,8 +164,8 @@ def _decode_bce_kernel(
     d and W2 arrive as TMA descriptors over their stacked halves (common.stacked_descriptor:
     d_hi rows [0, ws_rows), d_lo rows [ws_rows, 2 ws_rows); W2's hi rows [0, D), lo [D, 2D)),
     [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] blocks, zeros beyond H: no per-element pointers
-    or masks in registers (~8% of the pointer version's time on the H200, benchmarks/
-    triton_decode_variants.py). Blocks that run past a half's last row read the next half or
+    or masks in registers (~8% of the pointer version's time on the H200, benchmarks/PERF.md).
+    Blocks that run past a half's last row read the next half or
     zeros; those rows and columns are outside the slab or D, and masked below."""
     pid = tl.program_id(0)
     pid_m = pid // N_TILES  # column tiles of one row tile are neighbours: its d tile stays in L2
@@ -260,18 +258,16 @@ OPERANDS = ("tf32x3", "fp16x3")
 SLAB_BYTES = 2 * 16384 * 256 * 4
 FINISH_BLOCK = 256
 
-# Deterministic table (no autotuning, so nothing is timed during graph capture), from
-# benchmarks/triton_forward_sweep.py on the H200 (graph replay of one forward; NOTES, runs 41-42
-# and 46-50). Encode BM=64, BK=16, BH=128 at 4 warps (x read twice per row block); decode
-# BM=64, BN=64 at 4 warps and 2 stages (64 KB of shared memory: 3 blocks per SM), d and W2
-# through TMA. 1.0 ms at B = 65536 (the fifth session's 1.17), 0.13 ms at B = 4096. One entry
-# is best at both batches measured, so SMALL is LARGE until a sweep finds otherwise. Register
-# caps (maxnreg) measured: within 1% on the decoder, 10-40% slower on the encoder (spills).
-LARGE = SlabConfig(EncodeTiles(block_m=64, block_k=16, block_h=128, block_hd=32, num_warps=4,
-                               num_stages=4),
-                   DecodeTiles(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2),
-                   slab_rows=16384)
-SMALL = LARGE
+# Deterministic table (no autotuning, so nothing is timed during graph capture), from tile sweeps
+# on the H200 (graph replay of one forward; benchmarks/PERF.md). Encode BM=64, BK=16, BH=128 at
+# 4 warps (x read twice per row block); decode BM=64, BN=64 at 4 warps and 2 stages (64 KB of
+# shared memory: 3 blocks per SM), d and W2 through TMA. 1.03 ms at B = 65536, 0.13 ms at
+# B = 4096: one entry was best at every batch measured. Register caps (maxnreg) measured: within
+# 1% on the decoder, 10-40% slower on the encoder (spills).
+TF32 = SlabConfig(EncodeTiles(block_m=64, block_k=16, block_h=128, block_hd=32, num_warps=4,
+                              num_stages=4),
+                  DecodeTiles(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2),
+                  slab_rows=16384)
 # Scaled float16 halves (fp16x3.py), taken when the user allows reduced float32 matmul precision
 # (torch.set_float32_matmul_precision("high" or "medium"), as PyTorch takes TF32 then): 0.77 ms
 # at B = 65536 and 0.106 at 4096 (graph replay, run 67; 0.74 and 0.099 in run 56, before the
@@ -290,13 +286,9 @@ def _regcap(maxnreg: int | None) -> dict:
     return {} if maxnreg is None else {"maxnreg": maxnreg}
 
 
-def pick_config(batch: int, dims: tuple[int, int, int], sm_count: int) -> SlabConfig:
-    """FP16 where torch's float32 matmul precision is not "highest"; else LARGE once kernel B
-    has two row tiles per SM, else SMALL (equal today: kept so that a sweep can split them
-    again; test_triton_gpu runs every distinct entry)."""
-    if torch.get_float32_matmul_precision() != "highest":
-        return FP16
-    return LARGE if triton.cdiv(batch, LARGE.decode.block_m) >= 2 * sm_count else SMALL
+def pick_config() -> SlabConfig:
+    """FP16 where torch's float32 matmul precision is not "highest", else TF32."""
+    return FP16 if torch.get_float32_matmul_precision() != "highest" else TF32
 
 
 def slab_rows(config: SlabConfig, batch: int, dims: tuple[int, int, int]) -> int:
@@ -308,23 +300,13 @@ def slab_rows(config: SlabConfig, batch: int, dims: tuple[int, int, int]) -> int
 
 
 def launch(x: torch.Tensor, params: VAEParams, eps: torch.Tensor,
-           config: SlabConfig | FusedConfig | None = None, path: str | None = None):
-    """(elbo, recon, kl), each (B,) float32.
-
-    `path`: "slab" (the default, two kernels per slab) or "fused" (one kernel, elbo_fused.py);
-    `config` overrides the tile table of that path (tests, sweeps); a FusedConfig implies
-    path="fused"."""
+           config: SlabConfig | None = None):
+    """(elbo, recon, kl), each (B,) float32. `config` overrides the tile table (tests)."""
     params = VAEParams(*params)
     _check(x, params, eps)
-    if path is None:
-        path = "fused" if isinstance(config, FusedConfig) else "slab"
-    if path == "fused":
-        return launch_fused(x, params, eps, config or pick_fused(x.shape[0], device_sms(x)))
-    if path != "slab":
-        raise ValueError(f"path must be 'slab' or 'fused', got {path!r}")
     batch = x.shape[0]
     d, h, lat = params.dims
-    cfg = config or pick_config(batch, (d, h, lat), device_sms(x))
+    cfg = config or pick_config()
     enc, dec = cfg.encode, cfg.decode
     if cfg.operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}, got {cfg.operands!r}")

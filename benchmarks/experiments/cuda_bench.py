@@ -1,10 +1,10 @@
 """Latency of the cuda backend vs eager PyTorch, as CUDA-graph replays of 100 forwards.
 
-    python3 benchmarks/cuda_bench.py                 # reference dims, B in 128, 1024, 65536
-    python3 benchmarks/cuda_bench.py --sweep         # also every forced (rows, cluster) plan
-    python3 benchmarks/cuda_bench.py --plans         # B=128 cluster plans, kernel alone
-    python3 benchmarks/cuda_bench.py --paths         # cluster vs rows path vs eager, by B
-    python3 benchmarks/cuda_bench.py --all           # default table + --plans + --paths
+    python3 benchmarks/experiments/cuda_bench.py          # reference dims, B in 128, 1024, 65536
+    python3 benchmarks/experiments/cuda_bench.py --sweep  # also every forced (rows, cluster) plan
+    python3 benchmarks/experiments/cuda_bench.py --plans  # B=128 cluster plans, kernel alone
+    python3 benchmarks/experiments/cuda_bench.py --paths  # cluster vs rows path vs eager, by B
+    python3 benchmarks/experiments/cuda_bench.py --all    # default table + --plans + --paths
 
 --plans and --paths time the backend alone with a fixed eps (no randn), 100 launches per graph;
 eager_fixed_eps is the reference Model's math with the same fixed eps, for the same footing.
@@ -28,7 +28,7 @@ from fastelbo.harness.results import git_commit
 from fastelbo.harness.timing import graph_time
 from fastelbo.problems.vae_elbo import Model
 
-RESULTS = Path(__file__).resolve().parent / "results" / "cuda_bench.csv"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "cuda_bench.csv"
 FIELDS = ["time", "gpu", "torch", "commit", "impl", "batch", "dims", "rows", "cluster",
           "us_per_forward"]
 
