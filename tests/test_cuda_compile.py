@@ -104,11 +104,9 @@ def test_every_kernel_source_is_listed():
     assert on_disk == set(cuda_backend.KERNEL_SOURCES), on_disk
 
 
-# Standalone GPU tools in benchmarks/: the per-phase trace driver (includes both cluster kernels
-# with -DFASTELBO_TRACE), the DSMEM bulk-copy repro, the IWAE A/B driver and the staging
-# micro-benchmark. They build without torch.
-BENCH_CU = ("cuda_trace.cu", "dsmem_bulk_repro.cu", "iwae_variants.cu", "mma_l4.cu",
-            "rcp_check.cu", "tma_ingest.cu")
+# The standalone GPU tool kept in benchmarks/experiments/: the per-phase trace driver (includes
+# both cluster kernels with -DFASTELBO_TRACE). It builds without torch.
+BENCH_CU = ("experiments/cuda_trace.cu",)
 
 
 @needs_nvcc
