@@ -1,9 +1,10 @@
-"""`fastelbo train`: fit the VAE by maximising the ELBO, on one device or under torchrun (DDP).
+"""`fastelbo train`: fit the VAE by maximising the ELBO, on one device or under torchrun.
 
-Loss -elbo.mean() through fastelbo.ModelNew (the fused op on GPU), Adam. On CUDA with one process
-the whole step runs as one CUDA graph (training/step.py); --no-graph runs it eagerly. Under
-`torchrun --nproc-per-node N` the global --batch-size is split over the ranks and the result equals
-a single process's run (same batches, same noise, same averaged gradient); only rank 0 writes.
+Loss -elbo.mean() through fastelbo.ModelNew (the fused op on GPU), Adam. On CUDA the whole step
+runs as one CUDA graph (training/step.py), under torchrun with its gradient all-reduce inside;
+--no-graph runs it eagerly. Under `torchrun --nproc-per-node N` (NCCL, or gloo on CPU) the global
+--batch-size is split over the ranks and the result equals a single process's run (same batches,
+same noise, same gradient up to the order of additions); only rank 0 writes.
 Outputs in --out: checkpoint.safetensors, summary.json, reconstructions.png, samples.png,
 curves.png.
 """
@@ -86,7 +87,7 @@ def train(args, world: dist.World, device: torch.device) -> dict:
                            generator=torch.Generator().manual_seed(
                                data.derive_seed(args.seed, "test-eps"))).to(device)
 
-    use_graph = device.type == "cuda" and not args.no_graph and not world.distributed
+    use_graph = device.type == "cuda" and not args.no_graph
     model, opt = build(dims, args.backend, device, args.lr, args.seed, use_graph)
     # epoch_sum/count: the current epoch's losses so far; window: steps since the last logged
     # point. Both are checkpointed, so a resumed run accumulates exactly as an unbroken one.
@@ -105,10 +106,6 @@ def train(args, world: dist.World, device: torch.device) -> dict:
         step, history = meta["step"], meta["history"]
     spe = batches.steps_per_epoch
     total = args.epochs * spe if args.max_steps is None else min(args.epochs * spe, args.max_steps)
-    stepper_model = model
-    if world.distributed:
-        stepper_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device] if device.type == "cuda" else None)
     backend = resolve_backend(args.backend, x_test[:args.batch_size // world.size])
 
     if world.main:
@@ -127,8 +124,9 @@ def train(args, world: dist.World, device: torch.device) -> dict:
             x, eps = batches.get(step)
             if stepper is None:
                 tc = time.perf_counter()
-                stepper = (GraphStep(model, opt, x, eps) if use_graph
-                           else EagerStep(stepper_model, opt))
+                group = dist.group_of(world)  # gradients all-reduced in one flat buffer
+                stepper = (GraphStep(model, opt, x, eps, group=group) if use_graph
+                           else EagerStep(model, opt, group=group))
                 capture_s = time.perf_counter() - tc
             window += stepper(x, eps)
             window_n += 1

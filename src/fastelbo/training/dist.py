@@ -1,4 +1,8 @@
-"""torchrun detection and the process group; a plain run is world size 1 and touches nothing."""
+"""torchrun detection, the process group, and the gradient all-reduce of data-parallel training.
+
+A plain run is world size 1 and touches nothing. `FlatGradients` is the one collective of a
+training step (why one flat buffer rather than DDP: training/step.py's docstring).
+"""
 from __future__ import annotations
 
 import os
@@ -68,6 +72,56 @@ def run(job, args) -> int:
     finally:
         shutdown(world)
     return 0
+
+
+def group_of(world: World):
+    """The process group a training step all-reduces over: None in a plain run."""
+    return dist.group.WORLD if world.distributed else None
+
+
+class FlatGradients:
+    """Every parameter's .grad is a view of one flat buffer; `reduce_(grads)` copies a step's
+    gradients into it (one cat) and sums them over `group` with one all-reduce, in place.
+
+    Nothing here syncs with the host or allocates after construction, so the copy and the
+    collective can be captured in a CUDA graph (ProcessGroupNCCL does; gloo runs it eagerly).
+    Construction broadcasts rank 0's parameters, as DDP's does: every rank then steps the same
+    parameters with the same summed gradient, and stays equal to the others."""
+
+    def __init__(self, params: list[torch.Tensor], group):
+        if not params:
+            raise ValueError("FlatGradients: params is empty")
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) != 1:
+            raise ValueError(f"FlatGradients: params must share one dtype and device, got "
+                             f"{sorted(map(str, kinds))}")
+        self.params, self.group = list(params), group
+        dtype, device = kinds.pop()
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        self.views, offset = [], 0
+        for p in self.params:
+            self.views.append(self.flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        with torch.no_grad():
+            for p in self.params:
+                dist.broadcast(p.detach(), src=dist.get_global_rank(group, 0), group=group)
+        self._bind()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def _bind(self) -> None:
+        # Host-side only (replays of a captured step never run it). Rebinding keeps the views
+        # in place after anything that reset .grad, e.g. optimizer.zero_grad(set_to_none=True).
+        for p, v in zip(self.params, self.views):
+            if p.grad is not v:
+                p.grad = v
+
+    def reduce_(self, grads) -> None:
+        self._bind()
+        torch.cat([g.reshape(-1) for g in grads], out=self.flat)
+        dist.all_reduce(self.flat, group=self.group)
 
 
 def barrier(world: World) -> None:

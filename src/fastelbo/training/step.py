@@ -9,12 +9,34 @@ Every rank draws the global (B, .) tensors and keeps its own B / world rows, so 
 ranks' batches and noise is exactly the single-process batch and noise, and a resumed run sees
 what an uninterrupted one would have seen. Incomplete last batches are dropped (fixed shapes are
 what the CUDA graph needs, and every rank then holds the same number of rows).
+
+Gradient: every rank weights each of its rows' ELBO by -1/B, B the global batch (not -1/(B/W)
+through a rank mean); the sum of the ranks' gradients is then the single process's gradient of
+-elbo.mean(), the same coefficient on every row, only the order of the additions differs.
+
+Data parallelism: one all-reduce of a flat gradient buffer (dist.FlatGradients), not DDP.
+  - The whole step is one CUDA graph, collective included. NCCL (>= 2.9) collectives can be
+    captured; ProcessGroupNCCL keeps work it sees launched during a capture off its watchdog
+    queue, so a plain dist.all_reduce inside torch.cuda.graph is safe.
+  - DDP's graph-safe configuration (PyTorch's CUDA-graph notes) asks for DDP built on a side
+    stream, at least 11 eager DDP iterations before capture, and NCCL async error handling off,
+    and then replays what its per-parameter autograd hooks and bucket logic did once at capture
+    time. That machinery exists to overlap bucketed all-reduces with a long backward; here the
+    fused op's backward produces all ten gradients (427K floats, 1.7 MB) at once at its end, so
+    there is nothing to overlap, and DDP would split them into two buckets (its first holds
+    1 MiB) where one collective does.
+  - The flat buffer costs one cat of the gradients into it per step, is the same code under gloo
+    (eager, the CPU tests) and NCCL (captured), and depends on no DDP internals.
+The all-reduce is ordered after the gradient copy and before Adam as in eager mode (it runs on
+the calling stream, or on NCCL's stream joined to it by events, which capture records as graph
+edges); every rank captures and replays the same graph, as NCCL requires.
 """
 from __future__ import annotations
 
 import torch
 
 from ..data import binarize, derive_seed, epoch_permutation
+from . import dist
 from .dist import World
 
 
@@ -56,59 +78,74 @@ class Batches:
         return x, eps[rows].contiguous()
 
 
-def loss_fn(model, x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    # Each rank holds B / W rows, so its mean is W / B times its row sum; DDP averages gradients
-    # over the W ranks, which makes the result the gradient of -elbo.mean() over the global batch.
-    elbo, _, _ = model(x, eps=eps)
-    return -elbo.mean()
-
-
 class EagerStep:
-    def __init__(self, model, optimizer):
+    """Forward, gradients, their sum over `group` (None: a single process), Adam; run when
+    called. The same calls are what GraphStep captures.
+
+    Gradients come from torch.autograd.grad and are bound to .grad (with a group: copied into
+    the FlatGradients buffer .grad views, then all-reduced); nothing accumulates, so no
+    zero_grad is needed between steps."""
+
+    def __init__(self, model, optimizer, *, group=None):
         self.model, self.opt = model, optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sync = dist.FlatGradients(self.params, group) if group is not None else None
+        self.world_size = self.sync.world_size if self.sync is not None else 1
+        self._weight = None  # (rows,) of -1 / global batch, made once for the fixed shape
+
+    def _row_weight(self, elbo: torch.Tensor) -> torch.Tensor:
+        w = self._weight
+        if w is None or w.shape != elbo.shape or w.device != elbo.device or w.dtype != elbo.dtype:
+            w = torch.full_like(elbo, -1.0 / (elbo.shape[0] * self.world_size))
+            self._weight = w
+        return w
 
     def __call__(self, x, eps) -> torch.Tensor:
-        self.opt.zero_grad(set_to_none=True)
-        loss = loss_fn(self.model, x, eps)
-        loss.backward()
+        elbo, _, _ = self.model(x, eps=eps)
+        grads = torch.autograd.grad(elbo, self.params, grad_outputs=self._row_weight(elbo))
+        if self.sync is None:
+            for p, g in zip(self.params, grads):
+                p.grad = g
+        else:
+            self.sync.reduce_(grads)
         self.opt.step()
-        return loss.detach()
+        return -elbo.detach().mean()  # this rank's mean loss (what the training loop logs)
 
 
 class GraphStep:
-    """Forward, backward and Adam step captured in one CUDA graph (optimizer built with
-    capturable=True), following the PyTorch "whole-network capture" recipe: warm up on a side
-    stream, zero grads to None, capture, then replay on static input buffers.
+    """EagerStep's forward, gradients, all-reduce (with a group) and Adam step captured in one
+    CUDA graph (optimizer built with capturable=True), following the PyTorch "whole-network
+    capture" recipe: warm up on a side stream, capture, then replay on static input buffers.
 
-    The warm-up iterations really step the optimizer; parameters and optimizer state are put
-    back in place afterwards (same storage, which the graph has recorded), so the first replay
-    is the run's first step and graph and eager runs agree step for step."""
+    The warm-up iterations really step the optimizer (and, with a group, all-reduce: NCCL's
+    communicator is set up before the capture); parameters and optimizer state are put back in
+    place afterwards (same storage, which the graph has recorded), so the first replay is the
+    run's first step and graph and eager runs agree step for step. With a group, every rank
+    must build its GraphStep at the same point of the run (warm-up and capture are collective)."""
 
     WARMUP = 3
 
-    def __init__(self, model, optimizer, x: torch.Tensor, eps: torch.Tensor):
+    def __init__(self, model, optimizer, x: torch.Tensor, eps: torch.Tensor, *, group=None):
         self.model, self.opt = model, optimizer
+        self.step = EagerStep(model, optimizer, group=group)
         self.static_x, self.static_eps = x.clone(), eps.clone()
         saved = _snapshot(model, optimizer)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self.WARMUP):
-                EagerStep(model, optimizer)(self.static_x, self.static_eps)
+                self.step(self.static_x, self.static_eps)
         torch.cuda.current_stream().wait_stream(side)
         _restore(model, optimizer, saved)
         self.graph = torch.cuda.CUDAGraph()
-        optimizer.zero_grad(set_to_none=True)
         with torch.cuda.graph(self.graph):
-            self.static_loss = loss_fn(model, self.static_x, self.static_eps)
-            self.static_loss.backward()
-            optimizer.step()
+            self.static_loss = self.step(self.static_x, self.static_eps)
 
     def __call__(self, x, eps) -> torch.Tensor:
         self.static_x.copy_(x)
         self.static_eps.copy_(eps)
         self.graph.replay()
-        return self.static_loss.detach().clone()
+        return self.static_loss.clone()
 
 
 def _snapshot(model, optimizer):
