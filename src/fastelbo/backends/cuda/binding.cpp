@@ -32,11 +32,38 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "elbo.h"
 
-#define FE_CHECK(cond, ...) TORCH_CHECK(cond, "fastelbo cuda backend: ", __VA_ARGS__)
+// Check messages are built without iostreams: on the H200 image (torch 2.11, gcc 13.3) an
+// extension exception whose message streamed a number killed the process, while one whose
+// message was a single string raised as it should. So numbers, devices, dtypes and shapes are
+// formatted here and TORCH_CHECK gets one std::string.
+namespace fe_msg {
+inline void put(std::string& s, const char* v) { s += v; }
+inline void put(std::string& s, const std::string& v) { s += v; }
+inline void put(std::string& s, const c10::Device& d) { s += d.str(); }  // no stream inside
+inline void put(std::string& s, at::ScalarType t) { s += c10::toString(t); }
+inline void put(std::string& s, at::IntArrayRef a) {
+  s += "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  s += "]";
+}
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+inline void put(std::string& s, T v) { s += std::to_string(v); }
+template <typename... A>
+std::string join(const A&... a) {
+  std::string s;
+  (put(s, a), ...);
+  return s;
+}
+}  // namespace fe_msg
+
+#define FE_CHECK(cond, ...) \
+  TORCH_CHECK(cond, fe_msg::join("fastelbo cuda backend: ", __VA_ARGS__))
 #define FE_CHECK_TENSOR(t, name, dev)                                                        \
   do {                                                                                       \
     FE_CHECK((t).defined(), name, " is undefined");                                          \
