@@ -1,8 +1,20 @@
-"""Shared test configuration: `gpu`-marked tests skip where CUDA is not available."""
+"""Shared test configuration.
+
+- `gpu`-marked tests skip where CUDA is not available. With FASTELBO_REQUIRE_GPU=1 (every
+  device run sets it) any skip or xfail, of any test, is a failure instead: a GPU machine
+  without nvcc, below compute capability 9.0 or with a broken triton cannot pass by skipping.
+- The Triton interpreter cases run in a child pytest (interpret.py); each process deselects
+  the other's cases rather than skipping them, so that a skip only ever means "no GPU here".
+"""
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from interpret import IN_CHILD
+
+REQUIRE_GPU = os.environ.get("FASTELBO_REQUIRE_GPU") == "1"
 
 # Kept out of tests/candidates/ as a .py file because ruff (rightly) refuses to parse it.
 SYNTAX_ERROR_SOURCE = '''"""A Python syntax error on line 6."""
@@ -22,13 +34,57 @@ def syntax_error_candidate(tmp_path_factory) -> Path:
     return path
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "interpreter_child: runs only in the TRITON_INTERPRET=1 "
+                                       "child pytest (interpret.py)")
+    config.addinivalue_line("markers", "interpreter_parent: launches that child; not run in it")
+
+
+def pytest_report_header(config):
+    if REQUIRE_GPU:
+        return "FASTELBO_REQUIRE_GPU=1: a skipped or xfailed test fails"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
+    other = "interpreter_parent" if IN_CHILD else "interpreter_child"
+    deselected = [item for item in items if other in item.keywords]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if other not in item.keywords]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _required(report) -> None:
+    """Under FASTELBO_REQUIRE_GPU=1, turn a skipped (or xfailed) report into a failure."""
+    if not (REQUIRE_GPU and report.skipped):
+        return
+    if hasattr(report, "wasxfail"):
+        why = f"xfailed: {report.wasxfail}"
+        del report.wasxfail
+    else:
+        why = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+    report.outcome = "failed"
+    report.longrepr = f"FASTELBO_REQUIRE_GPU=1, so this may not skip; it skipped: {why}"
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    _required(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    _required(report)  # a module that skips itself at import (importorskip, allow_module_level)
+    return report
 
 
 @pytest.fixture
@@ -46,7 +102,8 @@ def fake_gpu_backend(monkeypatch):
 
 @pytest.fixture(scope="module")
 def cuda():
-    """The cuda backend module, or a skip naming why it cannot run here."""
+    """The cuda backend module, or a skip naming why it cannot run here (a failure under
+    FASTELBO_REQUIRE_GPU=1)."""
     from fastelbo.backends import cuda as backend
 
     why = backend.unavailable_reason(torch.device("cuda"))

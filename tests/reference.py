@@ -83,11 +83,50 @@ def seeded(model, x, seed):
     return model(x)
 
 
-def assert_outputs_close(got, want, *, atol=1e-4, rtol=1e-4):
-    assert len(got) == len(want) == 3
-    for name, g, w in zip(("elbo", "recon", "kl"), got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype, name
-        torch.testing.assert_close(g, w, atol=atol, rtol=rtol, equal_nan=True, msg=lambda m, name=name: f"{name}: {m}")
+OUTPUTS = ("elbo", "recon", "kl")
+
+
+def assert_same_structure(got, want, names=OUTPUTS, what=""):
+    """As many tensors as `names`, each with want's shape, dtype and device."""
+    got, want = tuple(got), tuple(want)
+    assert len(got) == len(want) == len(names), (
+        f"{what}: {len(got)} outputs, want {len(want)} ({', '.join(names)})")
+    for name, g, w in zip(names, got, want):
+        assert isinstance(g, torch.Tensor), f"{what} {name}: a {type(g).__name__}, not a tensor"
+        assert (g.shape, g.dtype, g.device) == (w.shape, w.dtype, w.device), (
+            f"{what} {name}: got {tuple(g.shape)} {g.dtype} on {g.device}, want "
+            f"{tuple(w.shape)} {w.dtype} on {w.device}")
+
+
+def assert_outputs_close(got, want, *, atol=1e-4, rtol=1e-4, what="", names=OUTPUTS,
+                         mask=None, bits=False):
+    """The one comparison of a forward's outputs (elbo, recon, kl) for every backend test: the
+    count, each output's shape, dtype and device, then the values: allclose on finite ones, NaN
+    and +-inf exactly where want has them. atol = rtol = 0: equal values; bits=True: equal bit
+    patterns (-0.0 and NaN payloads included). mask: only those elements' values."""
+    got, want = tuple(got), tuple(want)
+    assert_same_structure(got, want, names, what)
+    for name, g, w in zip(names, got, want):
+        if mask is not None:
+            g, w = g[mask], w[mask]
+        if bits:
+            diff = (g.contiguous().view(torch.int32) != w.contiguous().view(torch.int32))
+            diff = diff.nonzero().flatten()
+            assert diff.numel() == 0, (
+                f"{what} {name}: {diff.numel()} of {g.numel()} elements differ in their bits, "
+                f"first at [{int(diff[0])}]: {g.flatten()[diff[0]]} vs {w.flatten()[diff[0]]}")
+            continue
+        torch.testing.assert_close(g, w, atol=atol, rtol=rtol, equal_nan=True,
+                                   msg=lambda m, g=g, w=w, name=name: _where(m, g, w, what, name,
+                                                                             atol, rtol))
+
+
+def _where(message, g, w, what, name, atol, rtol):
+    """torch.testing's message plus the worst element's two values."""
+    g, w = g.double().flatten(), w.double().flatten()
+    bad = ~torch.isclose(g, w, atol=atol, rtol=rtol, equal_nan=True)
+    i = int(torch.where(bad, (g - w).abs().nan_to_num(float("inf")), -1.0).argmax())
+    return f"{what} {name}: {message}\nworst at [{i}]: got {g[i].item()}, want {w[i].item()}"
 
 
 # ---- IWAE (test_iwae.py, test_triton_iwae.py, test_cuda_iwae.py) ----

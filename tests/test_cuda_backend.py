@@ -11,7 +11,7 @@ never hides a real bug.
 """
 from __future__ import annotations
 
-import math
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -24,6 +24,7 @@ from fastelbo import export
 from fastelbo.backends import torch_ref
 from fastelbo.params import VAEParams
 from fastelbo.problems.vae_elbo import Model
+from reference import assert_outputs_close, assert_same_structure
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,9 +43,20 @@ PATHS = ("fast", "cluster", "rows")
 FAST_DIMS = [(784, 256, 32), (100, 96, 12), (1000, 256, 32), (256, 512, 64), (16, 64, 4)]
 
 
-def skip_unless_fast_dims(path, dims):
-    if path == "fast" and (dims[0] % 4 or dims[1] % 32 or dims[2] % 4):
-        pytest.skip("path='fast' takes dims that are multiples of 4, hidden_dim of 32")
+def fast_dims(dims) -> bool:
+    """Dims path='fast' takes: multiples of 4, hidden_dim of 32 (others it refuses:
+    test_fast_path_refuses_what_it_cannot_run)."""
+    return not (dims[0] % 4 or dims[1] % 32 or dims[2] % 4)
+
+
+def cases(*axes, applies):
+    """The product of the parameter axes less the combinations `applies` rejects, so that no
+    case skips (on the GPU machine a skip is a failure: conftest.py)."""
+    return [c for c in itertools.product(*axes) if applies(*c)]
+
+
+def case_id(v) -> str:
+    return "x".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 def make_params(dims, seed=0, scale=1.0) -> VAEParams:
@@ -63,32 +75,12 @@ def make_inputs(batch, dims, seed=1, binary=False):
     return x, eps
 
 
-def assert_close(actual, expected, name, atol=ATOL, rtol=RTOL, mask=None):
-    """allclose with a report of where and by how much the tensors differ."""
-    assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
-    a, e = actual.double(), expected.double()
-    if mask is not None:
-        a, e = a[mask], e[mask]
-    ok = torch.isclose(a, e, atol=atol, rtol=rtol, equal_nan=True)
-    if not bool(ok.all()):
-        bad = (~ok).nonzero().flatten()
-        i = int(bad[0])
-        err = (a - e).abs()
-        err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
-        j = int(err.argmax())
-        raise AssertionError(
-            f"{name}: {bad.numel()}/{ok.numel()} elements differ (atol={atol}, rtol={rtol}); "
-            f"first at [{i}]: got {float(a[i])}, expected {float(e[i])}; "
-            f"worst at [{j}]: got {float(a[j])}, expected {float(e[j])}")
-
-
 def check_against_reference(backend, x, params, eps, f64=True, **kw):
     got = backend.forward(x, params, eps, _poison=True, **kw)
     want = torch_ref.forward(x, params, eps)
-    for g, w, n in zip(got, want, NAMES):
-        assert g.dtype == torch.float32 and g.device == x.device
+    assert_outputs_close(got, want, atol=ATOL, rtol=RTOL)
+    for g, n in zip(got, NAMES):
         assert bool(torch.isfinite(g).all()), f"{n}: non-finite output (element not written?)"
-        assert_close(g, w, n)
     if f64:
         p64 = VAEParams(*(p.double() for p in params))
         ref64 = torch_ref.forward(x.double(), p64, eps.double())
@@ -101,20 +93,18 @@ def check_against_reference(backend, x, params, eps, f64=True, **kw):
     return got
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("dims", DIMS, ids=lambda d: "x".join(map(str, d)))
-@pytest.mark.parametrize("batch", BATCHES)
+# path='fast' where it applies, up to B=1000 (B=65536, 3277 waves of clusters, is no use case).
+@pytest.mark.parametrize("batch,dims,path", cases(
+    BATCHES, DIMS, PATHS, applies=lambda b, d, p: p != "fast" or (fast_dims(d) and b <= 1000)),
+    ids=case_id)
 def test_matches_reference(cuda, batch, dims, path):
-    skip_unless_fast_dims(path, dims)
-    if path == "fast" and batch > 1000:
-        pytest.skip("the fast kernel at B=65536 (3277 waves of clusters) is not a use case")
     params = make_params(dims)
     x, eps = make_inputs(batch, dims)
     check_against_reference(cuda, x, params, eps, f64=batch <= 1000, path=path)
 
 
 @pytest.mark.parametrize("dims", [(784, 256, 32), (781, 250, 31), (33, 7, 5), (100, 1024, 1),
-                                  (65, 130, 67)], ids=lambda d: "x".join(map(str, d)))
+                                  (65, 130, 67)], ids=case_id)
 @pytest.mark.parametrize("batch", [513, 4096, 65536 + 7])
 def test_rows_path(cuda, batch, dims):
     """The large-batch path: ragged chunks (8192 rows each), odd dims (scalar loads)."""
@@ -123,7 +113,7 @@ def test_rows_path(cuda, batch, dims):
     check_against_reference(cuda, x, params, eps, f64=batch <= 4096, path="rows")
 
 
-@pytest.mark.parametrize("dims", FAST_DIMS, ids=lambda d: "x".join(map(str, d)))
+@pytest.mark.parametrize("dims", FAST_DIMS, ids=case_id)
 @pytest.mark.parametrize("batch", [1, 2, 19, 20, 21, 128, 140, 141, 1000])
 def test_fast_path(cuda, batch, dims):
     """Rows per cluster around the 20-row tile, one and several waves of clusters."""
@@ -175,19 +165,26 @@ def test_rows_path_misaligned_x(cuda):
 
 
 @pytest.mark.parametrize("dims", [(784, 256, 32), (33, 7, 5), (100, 1024, 1)],
-                         ids=lambda d: "x".join(map(str, d)))
+                         ids=case_id)
 @pytest.mark.parametrize("staged", [0, 1])
 @pytest.mark.parametrize("cluster", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("rows", [1, 5, 16, 64])
 def test_every_launch_plan(cuda, dims, cluster, rows, staged):
-    """Forced cluster sizes, row tiles and staging: the general paths behind the auto plan."""
+    """Forced cluster sizes, row tiles and staging: the general paths behind the auto plan.
+    Where staging does not fit this GPU's shared memory (on the H200: 29 of the 120 cases,
+    all staged=1, run 79), the planner must say so (status 1 or 4) and the same tile
+    unstaged must plan and run: that is what `staged=-1` falls back to."""
     params = make_params(dims)
     x, eps = make_inputs(203, dims)  # 203 rows: a ragged last tile for every R
     r, _, _, _, st = cuda.plan(x, params, rows=rows, cluster=cluster, staged=staged)
     if r <= 0:
-        pytest.skip(f"no plan with rows={rows}, cluster={cluster}, staged={staged} on this GPU "
-                    f"(status {-r})")
-    assert st == staged
+        assert staged == 1 and -r in (1, 4), (
+            f"no plan with rows={rows}, cluster={cluster}, staged={staged} (status {-r})")
+        r, _, _, _, st = cuda.plan(x, params, rows=rows, cluster=cluster)
+        assert r > 0 and st == 0, (r, st)
+        staged = -1
+    else:
+        assert st == staged
     check_against_reference(cuda, x, params, eps, rows=rows, cluster=cluster, staged=staged)
 
 
@@ -200,21 +197,18 @@ def test_plan_fills_the_gpu_at_batch_128(cuda):
     assert c >= 8 and blocks >= sms // 2, (r, c, smem, variant, staged, blocks, sms)
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("scale", [4.0, 16.0])
-@pytest.mark.parametrize("dims", [(784, 256, 32), (33, 7, 5)], ids=lambda d: "x".join(map(str, d)))
+@pytest.mark.parametrize("dims,scale,path", cases(
+    [(784, 256, 32), (33, 7, 5)], [4.0, 16.0], PATHS,
+    applies=lambda d, s, p: p != "fast" or fast_dims(d)), ids=case_id)
 def test_saturated_parameters(cuda, dims, scale, path):
     """Large weights drive sigmoid to 0/1 and the logs into the -100 clamp."""
-    skip_unless_fast_dims(path, dims)
     params = make_params(dims, scale=scale)
     x, eps = make_inputs(257, dims, binary=True)
     got = cuda.forward(x, params, eps, _poison=True, path=path)
     want = torch_ref.forward(x, params, eps)
-    for g, w, n in zip(got, want, NAMES):
-        finite = torch.isfinite(w)
-        assert bool(finite.any()), f"{n}: reference is nowhere finite; test is vacuous"
-        assert_close(g, w, n, mask=finite)
-        assert torch.equal(torch.isfinite(g), finite), f"{n}: finiteness differs"
+    for w, n in zip(want, NAMES):
+        assert bool(torch.isfinite(w).any()), f"{n}: reference is nowhere finite; test is vacuous"
+    assert_outputs_close(got, want, atol=ATOL, rtol=RTOL)  # NaN, inf where the reference's are
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -226,7 +220,7 @@ def test_binary_x(cuda, path):
 
 
 @pytest.mark.parametrize("batch", [300, 9000])  # cluster path (forced below) and rows path
-@pytest.mark.parametrize("dims", [(784, 256, 32), (33, 7, 5)], ids=lambda d: "x".join(map(str, d)))
+@pytest.mark.parametrize("dims", [(784, 256, 32), (33, 7, 5)], ids=case_id)
 def test_invalid_rows_are_nan(cuda, dims, batch):
     params = make_params(dims)
     x, eps = make_inputs(batch, dims)
@@ -242,15 +236,16 @@ def test_invalid_rows_are_nan(cuda, dims, batch):
         if batch == 300:
             for path in ("cluster", "fast") if dims == (784, 256, 32) else ("cluster",):
                 got_c = cuda.forward(x, params, eps, path=path)
+                assert_same_structure(got_c, got)
                 for g, c, n in zip(got, got_c, NAMES):
                     assert torch.equal(torch.isnan(g), torch.isnan(c)), (path, n)
     want = torch_ref.forward(x, params, eps)
     good = torch.ones(batch, dtype=torch.bool, device="cuda")
     good[bad_rows] = False
-    for g, w, n in zip(got, want, NAMES):
+    assert_outputs_close(got, want, mask=good)
+    for g, n in zip(got, NAMES):
         assert bool(torch.isnan(g[~good]).all()), f"{n}: a bad row is not NaN"
         assert bool(torch.isfinite(g[good]).all()), f"{n}: NaN leaked into a good row"
-        assert_close(g, w, n, mask=good)
 
 
 def test_validation_on_rejects_bad_x(cuda):
@@ -273,8 +268,7 @@ def test_rng_contract_matches_reference_model(cuda, batch):
         want = ref(x)
         torch.manual_seed(seed)
         got = new(x)
-        for g, w, n in zip(got, want, NAMES):
-            assert_close(g, w, n)
+        assert_outputs_close(got, want, what=f"seed {seed}")
 
 
 def test_cuda_graph_rows_path(cuda):
@@ -299,8 +293,7 @@ def test_cuda_graph_rows_path(cuda):
     torch.cuda.synchronize()
     want = torch_ref.forward(x2, params, eps2)
     for o in out:
-        for g, w, n in zip(o, want, NAMES):
-            assert_close(g, w, n)
+        assert_outputs_close(o, want)
 
 
 def test_cuda_graph_of_100_forwards(cuda):
@@ -323,9 +316,7 @@ def test_cuda_graph_of_100_forwards(cuda):
     static_eps.copy_(eps2)
     graph.replay()
     torch.cuda.synchronize()
-    want = torch_ref.forward(x2, params, eps2)
-    for g, w, n in zip(out, want, NAMES):
-        assert_close(g, w, n)
+    assert_outputs_close(out, torch_ref.forward(x2, params, eps2))
 
     # The module path, noise drawn inside the graph: replays give fresh, valid noise.
     model = fastelbo.ModelNew(*dims, backend="cuda").cuda()
@@ -359,8 +350,7 @@ def test_non_default_stream(cuda, path):
         done = torch.cuda.Event()
         done.record(s)
     done.synchronize()
-    for g, w, n in zip(got, want, NAMES):
-        assert_close(g, w, n)
+    assert_outputs_close(got, want)
 
 
 def test_autograd_through_cuda_forward(cuda):
@@ -372,8 +362,8 @@ def test_autograd_through_cuda_forward(cuda):
     out[0].sum().backward()
     leaves_ref = [p.clone().requires_grad_() for p in params]
     torch_ref.forward(x, VAEParams(*leaves_ref), eps)[0].sum().backward()
-    for a, b, n in zip(leaves, leaves_ref, VAEParams._fields):
-        assert_close(a.grad.flatten(), b.grad.flatten(), n)
+    assert_outputs_close([p.grad for p in leaves], [p.grad for p in leaves_ref],
+                         names=VAEParams._fields)
 
 
 class TestBadInputs:
@@ -464,11 +454,13 @@ class TestBadInputs:
         """)
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=600, check=False)
+        # Under FASTELBO_REQUIRE_GPU=1 (device runs) this xfail is a failure (conftest.py).
         if proc.returncode < 0 and not _extension_exceptions_work():
-            pytest.xfail("this torch build crashes on C++ extension exceptions whose message "
-                         "streams numbers (a 1-line load_inline TORCH_CHECK segfaults too: seen on "
-                         "the H200 image, torch 2.11 + gcc 13.3, 2026-11-29); fastelbo's "
-                         "Python-side checks run first")
+            pytest.xfail(f"this torch build crashes on C++ extension exceptions whose message "
+                         f"streams numbers (a 1-line load_inline TORCH_CHECK segfaults too: seen "
+                         f"on the H200 image, torch 2.11 + gcc 13.3, 2026-11-29); fastelbo's "
+                         f"Python-side checks run first. rc {proc.returncode}, stderr: "
+                         f"{proc.stderr[-1500:]}")
         assert proc.returncode == 0 and "all raised" in proc.stdout, (
             f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
 
@@ -507,8 +499,7 @@ def test_exported_solution_matches_reference(tmp_path):
         want = ref(x)
         torch.manual_seed(11)
         got = new(x)
-        for g, w, n in zip(got, want, NAMES):
-            assert_close(g, w, n)
+        assert_outputs_close(got, want, what=f"B={batch} binary={binary}")
 
 
 _PROBE = """

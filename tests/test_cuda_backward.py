@@ -17,6 +17,7 @@ import fastelbo
 from fastelbo.backends import torch_ref
 from fastelbo.params import VAEParams
 from fastelbo.problems.vae_elbo import Model
+from reference import assert_outputs_close, assert_same_structure
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,8 +70,8 @@ def test_backward_matches_float64_spec(cuda, batch, dims, used):
     f32 = flat(torch_ref.backward(x, params, eps, grads))
     f64 = flat(torch_ref.backward(x.double(), VAEParams(*(p.double() for p in params)),
                                   eps.double(), [None if g is None else g.double() for g in grads]))
+    assert_same_structure(got, f32, NAMES)
     for name, a, t, e in zip(NAMES, got, f32, f64):
-        assert a.shape == e.shape and a.dtype == torch.float32, name
         assert bool(torch.isfinite(a).all()), f"{name}: non-finite (unwritten?) elements"
         if not bool(e.abs().max() > 0):
             assert bool((a == 0).all()), f"{name}: the spec's gradient is zero, got nonzero"
@@ -84,13 +85,13 @@ def test_backward_skips_unwanted_gradients(cuda):
     g_x, g_eps, g_params = cuda.backward(x, params, eps, grads, need_x=False, need_eps=False)
     assert g_x is None and g_eps is None and len(g_params) == 10
     full = flat(cuda.backward(x, params, eps, grads))
-    for name, a, b in zip(NAMES[2:], g_params, full[2:]):
-        assert torch.equal(a, b), name
+    assert_outputs_close(g_params, full[2:], names=NAMES[2:], bits=True)
 
 
 def test_no_gradient_reaches_any_output(cuda):
     x, params, eps, _ = make_case(16, (33, 7, 5), 6)
     got = flat(cuda.backward(x, params, eps, [None, None, None]))
+    assert len(got) == len(NAMES)
     for name, a in zip(NAMES, got):
         assert bool((a == 0).all()), name
 
@@ -105,6 +106,7 @@ def test_invalid_rows_and_saturation_match_float32_spec(cuda, scale):
     x[299, -1] = -0.25
     got = flat(cuda.backward(x, params, eps, grads))
     want = flat(torch_ref.backward(x, params, eps, grads))
+    assert_same_structure(got, want, NAMES)
     for name, a, e in zip(NAMES, got, want):
         assert torch.equal(torch.isnan(a), torch.isnan(e)), f"{name}: NaN positions differ"
         fin = torch.isfinite(e)
@@ -132,7 +134,10 @@ def test_autograd_through_modelnew_equals_reference_model(cuda, batch):
     eps = torch.randn(batch, dims[2], device="cuda").requires_grad_()
     out_new = new(xn, eps=eps)
     (-out_new[0].mean()).backward()
-    for (name, a), b in zip(new.named_parameters(), ref.parameters()):
+    named = dict(new.named_parameters())
+    assert_same_structure([p.grad for p in named.values()], [p.grad for p in ref.parameters()],
+                          tuple(named))
+    for (name, a), b in zip(named.items(), ref.parameters()):
         err = scaled_error(a.grad, b.grad.double())
         assert err <= 1e-4, f"{name}: {err:.2e}"
     assert scaled_error(xn.grad, xr.grad.double()) <= 1e-4
@@ -165,5 +170,6 @@ def test_backward_is_capturable_in_a_cuda_graph(cuda):
             device="cuda").manual_seed(seed)))
         graph.replay()
         want = torch_ref.backward(static_x, params, eps, [grads[0], None, None])[2]
+        assert_same_structure(static_grads, want, VAEParams._fields)
         for name, a, b in zip(VAEParams._fields, static_grads, want):
             assert scaled_error(a, b.double()) <= 1e-4, name

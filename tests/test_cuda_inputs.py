@@ -7,6 +7,7 @@ only, so CUDA tensors are stood in for by FakeTensorMode ones (a device and a sh
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -63,11 +64,19 @@ def test_import_needs_no_gpu_and_builds_nothing():
 
 
 def test_valid_fake_cuda_inputs_pass(fake):
+    """Valid inputs pass (fake tensors have no memory, so the check read only metadata), and
+    the very same tensors with one of them swapped for a wrong one do not: the check looked."""
     x, params, eps = make(fake)
-    cuda.check_inputs(x, params, eps)
-    cuda.check_inputs(x, tuple(params), eps)  # a plain sequence of 10 tensors is fine
-    cuda.check_inputs(x, params, eps, rows=64, cluster=16, staged=1, path="cluster")
-    cuda.check_inputs(x, params, eps, path="rows")
+    for seq, kw in ((params, {}), (tuple(params), {}),  # a plain sequence of 10 tensors is fine
+                    (params, {"rows": 64, "cluster": 16, "staged": 1, "path": "cluster"}),
+                    (params, {"path": "rows"})):
+        assert cuda.check_inputs(x, seq, eps, **kw) is None
+    _, _, eps_wide = make(fake, dims=(D, H, L + 1))
+    with pytest.raises(ValueError, match=re.escape(f"eps must have shape ({B}, {L}), got "
+                                                   f"({B}, {L + 1})")):
+        cuda.check_inputs(x, params, eps_wide)
+    with pytest.raises(ValueError, match="cluster must be 0"):
+        cuda.check_inputs(x, params, eps, cluster=17)
 
 
 @pytest.mark.parametrize("name", ALL)

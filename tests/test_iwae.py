@@ -199,7 +199,6 @@ def test_explicit_cuda_on_cpu_says_why():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreter: triton runs")
 def test_explicit_triton_on_cpu_says_why():
-    pytest.importorskip("triton")
     _, params, x, _ = setup(k=4)
     with pytest.raises(RuntimeError, match="need a CUDA device.*backend='torch' runs everywhere"):
         iwae_log_likelihood(params, x, 4, seed=0, backend="triton")

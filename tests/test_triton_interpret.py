@@ -4,9 +4,10 @@ Triton decides between compiling and interpreting when a kernel is decorated, i.
 fastelbo.backends.triton is first imported, and TRITON_INTERPRET=1 set in this process would also
 turn every later Triton import (the GPU tests, on a GPU machine) into the interpreter. So the
 cases run in a child pytest with TRITON_INTERPRET=1 in its environment: in this process
-`test_in_interpreter` launches it and every case below skips; in the child the cases run and
-`test_in_interpreter` skips. The interpreter computes tl.dot in exact float32, so this checks the
-kernel's logic (tiling, masks, fusion, epilogue, NaN rows); tf32x3 accuracy is the GPU tests' job.
+`test_in_interpreter` launches it and every case below is deselected (conftest.py); in the
+child the cases run and `test_in_interpreter` is deselected. The interpreter computes tl.dot in
+exact float32, so this checks the kernel's logic (tiling, masks, fusion, epilogue, NaN rows);
+tf32x3 accuracy is the GPU tests' job.
 """
 from __future__ import annotations
 
@@ -14,17 +15,20 @@ import pytest
 import torch
 
 from interpret import IN_CHILD, child_only, parent_only, run_children
-from reference import bce_epilogue_cases, bce_probe_params, wide_range_case
+from reference import assert_outputs_close, bce_epilogue_cases, bce_probe_params, wide_range_case
+
+# The child's cases, every one of which must pass: 4 configs x 3 dims x 3 batches, 3 dims x 2
+# scales, the 3 wide-range ratios, the 5 BCE epilogue cases, 4 configs with invalid rows, and
+# the 6 single tests.
+CHILD_CASES = 4 * 3 * 3 + 3 * 2 + 3 + 5 + 4 + 6
 
 
 @parent_only
 def test_in_interpreter():
-    out = run_children(__file__, timeout=600)
-    assert " passed" in out and " skipped" in out, out
+    run_children(__file__, timeout=600, passed=CHILD_CASES)
 
 
 if IN_CHILD:
-    pytest.importorskip("triton")
     from fastelbo import ModelNew
     from fastelbo.backends import torch_ref
     from fastelbo.backends import triton as tb
@@ -52,24 +56,6 @@ def _params(dims, seed=0, scale=1.0):
     return VAEParams(*(p.detach() * scale for p in model.vae_params()))
 
 
-def _assert_close(got, want, atol=1e-4, rtol=1e-4, what=""):
-    """allclose that also demands the same NaN/inf pattern, and says where it fails."""
-    for name, g, w in zip(("elbo", "recon", "kl"), got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, g.dtype)
-        assert torch.equal(torch.isnan(g), torch.isnan(w)), (
-            f"{what} {name}: NaN rows differ: got {torch.isnan(g).nonzero().flatten().tolist()}, "
-            f"want {torch.isnan(w).nonzero().flatten().tolist()}")
-        fin = torch.isfinite(w)
-        assert torch.equal(g[~fin & ~torch.isnan(w)], w[~fin & ~torch.isnan(w)]), f"{what} {name}"
-        err = (g[fin] - w[fin]).abs()
-        tol = atol + rtol * w[fin].abs()
-        if (err > tol).any():
-            i = int((err - tol).argmax())
-            pytest.fail(f"{what} {name}: {int((err > tol).sum())} of {fin.sum()} rows off; worst "
-                        f"row {fin.nonzero().flatten()[i].item()}: got {g[fin][i].item()}, want "
-                        f"{w[fin][i].item()} (|diff| {err[i].item():.3g} > {tol[i].item():.3g})")
-
-
 def _run(x, p, eps, config):
     if config is None:
         return fwd.launch(x, p, eps)
@@ -93,7 +79,7 @@ def test_matches_torch_reference(batch, dims, config):
     gen = torch.Generator().manual_seed(batch)
     x = torch.rand(batch, dims[0], generator=gen)
     eps = torch.randn(batch, dims[2], generator=gen)
-    _assert_close(_run(x, p, eps, config), torch_ref.forward(x, p, eps), what=f"{dims} B={batch}")
+    assert_outputs_close(_run(x, p, eps, config), torch_ref.forward(x, p, eps), what=f"{dims} B={batch}")
 
 
 @child_only
@@ -108,7 +94,7 @@ def test_saturated_params_and_binary_x(dims, scale):
         eps = torch.randn(17, dims[2], generator=gen)
         want = torch_ref.forward(x, p, eps)
         for config in CONFIGS.values():
-            _assert_close(_run(x, p, eps, config), want, what=f"{dims} x{scale}")
+            assert_outputs_close(_run(x, p, eps, config), want, what=f"{dims} x{scale}")
 
 
 @child_only
@@ -126,7 +112,7 @@ def test_fp16_halves_follow_torchs_float32_matmul_precision():
                                     ("medium", "fp16x3")):
             torch.set_float32_matmul_precision(precision)
             assert fwd.pick_config().operands == operands, precision
-            _assert_close(fwd.launch(x, p, eps), want, what=precision)
+            assert_outputs_close(fwd.launch(x, p, eps), want, what=precision)
     finally:
         torch.set_float32_matmul_precision(before)
 
@@ -144,8 +130,8 @@ def test_operand_rows_of_wide_range(ratio):
     want64 = tuple(t.float() for t in torch_ref.forward(x.double(), p64, eps.double()))
     for name, config in CONFIGS.items():
         got = _run(x, p, eps, config)
-        _assert_close(got, torch_ref.forward(x, p, eps), what=f"{name} vs fp32")
-        _assert_close(got, want64, what=f"{name} vs fp64")
+        assert_outputs_close(got, torch_ref.forward(x, p, eps), what=f"{name} vs fp32")
+        assert_outputs_close(got, want64, what=f"{name} vs fp64")
 
 
 @child_only
@@ -158,7 +144,7 @@ def test_bce_epilogue_takes_pytorchs_clamps_and_rounding(case):
     x = torch.full((3, len(logits)), xval)
     eps = torch.randn(3, p.dims[2], generator=torch.Generator().manual_seed(1))
     got, want = _run(x, p, eps, None), torch_ref.forward(x, p, eps)
-    _assert_close(got, want)
+    assert_outputs_close(got, want)
     torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
 
 
@@ -178,7 +164,7 @@ def test_invalid_rows_are_nan_and_only_them(config):
     got = _run(x, p, eps, config)
     for out in got:
         assert torch.isnan(out).nonzero().flatten().tolist() == sorted(bad)
-    _assert_close(got, torch_ref.forward(x, p, eps))
+    assert_outputs_close(got, torch_ref.forward(x, p, eps))
 
 
 @child_only
@@ -237,6 +223,6 @@ def test_through_the_public_op():
         got = model(x)
         torch.manual_seed(5)
         want = ref(x)
-    _assert_close(got, want)
+    assert_outputs_close(got, want)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         fastelbo.elbo(x + 2, model.vae_params(), backend="triton")

@@ -104,8 +104,11 @@ def _backward_rows(x, p: VAEParams, eps, g_rec, g_kl):
         g_mu, g_lv = g_z, 0.5 * (g_z * eps * std)
     g_eps = g_mu * std if g_mu is not None else torch.zeros_like(eps)
     if g_kl is not None:
-        g_kl = g_kl[:, None]
-        kl_mu, kl_lv = g_kl * mu, -0.5 * g_kl * (1 - lv.exp())   # d kl/d mu = mu
+        # In autograd's order: kl = -0.5 * sum(1 + lv - mu^2 - exp(lv)) hands each term
+        # g_t = -0.5 g_kl, and lv gets g_t from `1 + lv` plus -g_t exp(lv) from exp: so
+        # g_t - g_t exp(lv), not g_t (1 - exp(lv)), which rounds differently.
+        g_t = -0.5 * g_kl[:, None]
+        kl_mu, kl_lv = g_kl[:, None] * mu, g_t - g_t * lv.exp()   # d kl/d mu = mu
         g_mu = kl_mu if g_mu is None else g_mu + kl_mu
         g_lv = kl_lv if g_lv is None else g_lv + kl_lv
     if g_mu is None:  # no gradient reaches any output
