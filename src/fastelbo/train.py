@@ -36,9 +36,12 @@ DATA_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError)  # data.lo
 def main(args) -> int:
     """The `fastelbo train` job: args checked against this machine, then dist.run(train)."""
     check_device(args.device)
-    if dist.detect().main and not args.no_plots:
+    on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    if on_gpu and dist.detect().main and not args.no_plots:
+        # matplotlib imports in a thread while the GPU trains (the host mostly waits on it); not
+        # on a CPU, where that thread would take a core from the run's own kernels.
         from .training import plots
-        plots.preload()  # matplotlib imports while the run trains
+        plots.preload()
     out = Path(args.out or default_out(args.data, args.dims, args.seed))
     try:
         return dist.run(train, args)
@@ -214,7 +217,10 @@ def train(args, world: dist.World, device: torch.device) -> dict:
     steady_n = step - steady[0] if steady else 0
     steady_s = t_end - steady[1] - (eval_s + ckpt_s - steady[2]) if steady_n else None
     bar.close()
-    final = test_elbo_of(model, x_test, test_eps)
+    last = history["epochs"][-1] if history["epochs"] else None
+    # A run ending on an epoch boundary has just evaluated these weights on this noise.
+    final = (last["test_elbo"] if last is not None and last["step"] == step
+             else test_elbo_of(model, x_test, test_eps))
     summary = {
         "args": _config(args), "version": __version__, "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -3,9 +3,8 @@
 The fused op returns only (elbo, recon, kl), so images come from the reference encoder/decoder
 math applied to the module's parameters (fastelbo.iwae.encode / decode). Figures are built with
 matplotlib's object API (Figure, no pyplot): no global backend switch in the caller's process,
-and ~0.1 s less to import. `preload()` imports matplotlib in a background thread while a run
-trains (most of a CPU step runs in torch kernels, which release the GIL), so the ~1 s import is
-not added to the run's wall time.
+and ~0.1 s less to import. `preload()` imports matplotlib in a background thread, for a GPU run
+to overlap its ~1 s import with training (the host thread mostly waits on the GPU then).
 """
 from __future__ import annotations
 
