@@ -23,14 +23,16 @@ during the run (a shared machine) touches every job alike. Jobs:
                                      in plain PyTorch (K samples per image in one batch)
 
 Rows (JSON lines, tagged with device name, torch version, commit and date) are appended to
---out when given; a table goes to stdout. "work s" is the job's own account of its useful part
-(train: summary.json's train_s, the plain loop's seconds; evaluate: timings.iwae_s).
+--out when given; a table goes to stdout. "CPU s" is the child's user + system time (all its
+threads): steadier than wall time on a shared machine. "work s" is the job's own account of its
+useful part (train: summary.json's train_s, the plain loop's seconds; evaluate: timings.iwae_s).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -139,16 +141,18 @@ def jobs(args, tmp: Path) -> list[dict]:
     return [
         {"job": "import torch", "argv": [py, "-c", "import torch"]},
         {"job": "import fastelbo", "argv": [py, "-c", "import fastelbo"]},
-        {"job": "import fastelbo.ModelNew", "argv": [py, "-c", "import fastelbo; fastelbo.ModelNew"]},
+        {"job": "import fastelbo.ModelNew",
+         "argv": [py, "-c", "import fastelbo; fastelbo.ModelNew"]},
         {"job": "fastelbo --help", "argv": [*cli, "--help"]},
         {"job": "fastelbo train", "work": "summary",
-         "argv": [*cli, "train", "--epochs", str(args.epochs), *dev, "--out", str(tmp / "train-{i}")]},
+         "argv": [*cli, "train", "--epochs", str(args.epochs), *dev,
+                  "--out", str(tmp / "train-{i}")]},
         {"job": "fastelbo train --no-plots", "work": "summary",
          "argv": [*cli, "train", "--epochs", str(args.epochs), *dev, "--no-plots",
                   "--out", str(tmp / "train-np-{i}")]},
         {"job": "plain train", "work": "stdout",
-         "argv": [py, str(tmp / "plain_train.py"), str(SPEC), args.device, str(args.epochs), "128",
-                  str(tmp / "plain-{i}.pt")]},
+         "argv": [py, str(tmp / "plain_train.py"), str(SPEC), args.device, str(args.epochs),
+                  "128", str(tmp / "plain-{i}.pt")]},
         {"job": "fastelbo evaluate", "work": "json",
          "argv": [*cli, "evaluate", str(run), "--samples", str(args.samples), *dev, *limit,
                   "--json", str(tmp / "eval-{i}.json")]},
@@ -158,11 +162,15 @@ def jobs(args, tmp: Path) -> list[dict]:
     ]
 
 
-def run_once(job: dict, i: str, env: dict) -> tuple[float, float | None, dict]:
+def run_once(job: dict, i: str, env: dict) -> tuple[float, float, float | None, dict]:
+    """(wall s, CPU s of the child: user + system, all threads, work s or None, extra)."""
     argv = [a.replace("{i}", i) for a in job["argv"]]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if proc.returncode != 0:
         sys.exit(f"jobs.py: {job['job']} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     work, extra = None, {}
@@ -177,7 +185,7 @@ def run_once(job: dict, i: str, env: dict) -> tuple[float, float | None, dict]:
     elif job.get("work") == "stdout":
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         work, extra = r.pop("work_s"), r
-    return wall, work, extra
+    return wall, cpu, work, extra
 
 
 def main(argv=None) -> int:
@@ -213,27 +221,28 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="fastelbo-jobs-") as d:
         todo = jobs(args, Path(d))
-        walls = {j["job"]: [] for j in todo}
-        works = {j["job"]: [] for j in todo}
+        walls, cpus, works = ({j["job"]: [] for j in todo} for _ in range(3))
         extras = {}
         for i in ["warm", *map(str, range(repeats))]:
             for job in todo:
-                wall, work, extra = run_once(job, i, env)
-                print(f"  {job['job']:<28} round {i:>4}: {wall:7.2f} s", file=sys.stderr,
-                      flush=True)
+                wall, cpu_s, work, extra = run_once(job, i, env)
+                print(f"  {job['job']:<28} round {i:>4}: {wall:7.2f} s wall, {cpu_s:7.2f} s CPU",
+                      file=sys.stderr, flush=True)
                 if i != "warm":
                     walls[job["job"]].append(wall)
+                    cpus[job["job"]].append(cpu_s)
                     if work is not None:
                         works[job["job"]].append(work)
                     extras[job["job"]] = extra
         for job in todo:
-            w = walls[job["job"]]
-            rows.append(dict(tag, job=job["job"], wall_s=w, median_s=statistics.median(w),
-                             min_s=min(w), work_s=statistics.median(works[job["job"]])
-                             if works[job["job"]] else None, loadavg_end=os.getloadavg()[0],
-                             argv=" ".join(a.replace(d, "$TMP").replace(sys.executable,
-                                                                        "python")
-                                           for a in job["argv"]), **extras.get(job["job"], {})))
+            name, w = job["job"], walls[job["job"]]
+            argv = " ".join(a.replace(d, "$TMP").replace(sys.executable, "python")
+                            for a in job["argv"])
+            rows.append(dict(tag, job=name, argv=argv, wall_s=w, median_s=statistics.median(w),
+                             min_s=min(w), cpu_s=cpus[name],
+                             median_cpu_s=statistics.median(cpus[name]),
+                             work_s=statistics.median(works[name]) if works[name] else None,
+                             loadavg_end=os.getloadavg()[0], **extras.get(name, {})))
     print_table(rows)
     if args.out:
         results.append_jsonl(args.out, rows)
@@ -247,18 +256,21 @@ def print_table(rows: list[dict]) -> None:
     print(f"\n{r0['device_name']}, torch {r0['torch']}, commit {r0['commit']}, "
           f"{r0['repeats']} runs each (median), load {r0['loadavg_start']:.1f} -> "
           f"{rows[-1]['loadavg_end']:.1f} on {r0['cpus']} CPUs")
-    print(f"{'job':<28} {'median s':>9} {'min s':>8} {'work s':>8}")
+    print(f"{'job':<28} {'median s':>9} {'min s':>8} {'CPU s':>8} {'work s':>8}")
     for r in rows:
         work = f"{r['work_s']:8.3f}" if r["work_s"] is not None else f"{'':>8}"
-        print(f"{r['job']:<28} {r['median_s']:9.2f} {r['min_s']:8.2f} {work}")
+        print(f"{r['job']:<28} {r['median_s']:9.2f} {r['min_s']:8.2f} "
+              f"{r['median_cpu_s']:8.2f} {work}")
     med = {k: v["median_s"] for k, v in by.items()}
-    print(f"\nimport fastelbo.ModelNew - import torch: {med['import fastelbo.ModelNew'] - med['import torch']:+.2f} s "
-          f"(target <= 0.3)")
+    model_import = med["import fastelbo.ModelNew"] - med["import torch"]
+    print(f"\nimport fastelbo.ModelNew - import torch: {model_import:+.2f} s (target <= 0.3)")
     print(f"fastelbo --help: {med['fastelbo --help']:.2f} s (target < 1 on a CPU)")
-    print(f"train --no-plots / plain train: {med['fastelbo train --no-plots'] / med['plain train']:.2f} "
-          f"(target <= 1); train: {med['fastelbo train']:.2f} s (H200 target <= 5 at 10 epochs)")
-    print(f"evaluate / plain IWAE: {med['fastelbo evaluate'] / med['plain IWAE']:.2f}; evaluate: "
-          f"{med['fastelbo evaluate']:.2f} s (H200 target <= 4 at K=5000, 1,000 images)")
+    ratio = med["fastelbo train --no-plots"] / med["plain train"]
+    print(f"train --no-plots / plain train: {ratio:.2f} (target <= 1); train: "
+          f"{med['fastelbo train']:.2f} s (H200 target <= 5 at 10 epochs)")
+    ratio = med["fastelbo evaluate"] / med["plain IWAE"]
+    print(f"evaluate / plain IWAE: {ratio:.2f}; evaluate: {med['fastelbo evaluate']:.2f} s "
+          f"(H200 target <= 4 at K=5000, 1,000 images)")
 
 
 if __name__ == "__main__":
