@@ -1,7 +1,7 @@
 """Whole jobs as a user runs them: wall time of fresh processes, fastelbo and plain PyTorch.
 
     PYTHONPATH=src python3 benchmarks/jobs.py [--device cpu|cuda] [--quick] [--repeats N]
-        [--epochs E] [--samples K] [--limit N] [--out benchmarks/results/jobs.jsonl]
+        [--epochs E] [--samples K] [--limit N] [--threads T] [--out benchmarks/results/jobs.jsonl]
 
 Each job is a new Python process (subprocess, wall clock from spawn to exit); the median of
 --repeats runs is reported, after one untimed warm-up run of every job (page cache, and on a
@@ -199,6 +199,9 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=5000, help="IWAE K (default 5000)")
     p.add_argument("--limit", type=int, default=None,
                    help="test images evaluated (default: all 1,000 on cuda, 20 on cpu)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="OMP_NUM_THREADS for every job (default: unset, torch's own choice); 1 "
+                        "steadies CPU timings on a shared machine")
     p.add_argument("--out", default=None, help="append the rows to this JSON-lines file")
     args = p.parse_args(argv)
 
@@ -215,9 +218,12 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     env.pop("FASTELBO_DEBUG", None)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     tag = dict(results.environment(args.device), bench="jobs", date=results.utc_now(),
                epochs=args.epochs, samples=args.samples, limit=args.limit, repeats=repeats,
-               quick=args.quick, cpus=os.cpu_count(), loadavg_start=os.getloadavg()[0])
+               quick=args.quick, threads=args.threads, cpus=os.cpu_count(),
+               loadavg_start=os.getloadavg()[0])
     rows = []
     with tempfile.TemporaryDirectory(prefix="fastelbo-jobs-") as d:
         todo = jobs(args, Path(d))
@@ -254,7 +260,8 @@ def print_table(rows: list[dict]) -> None:
     by = {r["job"]: r for r in rows}
     r0 = rows[0]
     print(f"\n{r0['device_name']}, torch {r0['torch']}, commit {r0['commit']}, "
-          f"{r0['repeats']} runs each (median), load {r0['loadavg_start']:.1f} -> "
+          f"{r0['repeats']} runs each (median), threads {r0['threads'] or 'default'}, load "
+          f"{r0['loadavg_start']:.1f} -> "
           f"{rows[-1]['loadavg_end']:.1f} on {r0['cpus']} CPUs")
     print(f"{'job':<28} {'median s':>9} {'min s':>8} {'CPU s':>8} {'work s':>8}")
     for r in rows:

@@ -51,7 +51,7 @@ def main(args) -> int:
 
 
 def default_out(data_spec: str, dims: str, seed: int) -> str:
-    return f"runs/{Path(data_spec).stem}-{'x'.join(dims.split(','))}-s{seed}"
+    return f"runs/{Path(data_spec).stem}-{'x'.join(map(str, parse_dims(dims)))}-s{seed}"
 
 
 def resume_note(out: Path) -> str:
