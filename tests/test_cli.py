@@ -273,3 +273,24 @@ def test_train_result_lines_go_to_stdout(files, tmp_path, capsys):
                         rf"final test ELBO -?\d+\.\d+ nats after 8 steps; wrote {out}\n", stdout)
     assert stderr == ""  # no bar without a terminal
     assert json.loads((out / "summary.json").read_text())["steps"] == 8
+
+
+def test_ctrl_c_stops_the_demo(capsys, monkeypatch, tmp_path):
+    """Ctrl-C in one demo step ends the demo with 130 (the step's own line says what was
+    kept); it does not go on to the next step."""
+    from fastelbo import demo, evaluate, train
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    def never(args):
+        raise AssertionError("the demo went on after Ctrl-C")
+
+    monkeypatch.setattr(train, "main", interrupted)
+    monkeypatch.setattr(evaluate, "main", never)
+    monkeypatch.setattr(demo, "steps", lambda device, out, epochs, samples: [
+        ("train", ["train", "--out", str(out / "train")]),
+        ("evaluate", ["evaluate", str(out / "train")])])
+    assert cli.main(["demo", "--device", "cpu", "--out", str(tmp_path)]) == 130
+    out, err = capsys.readouterr()
+    assert err == "fastelbo: interrupted\n" and "=== train" in out and "evaluate" not in out, out

@@ -1,8 +1,10 @@
 """Start-up: what `import fastelbo`, `fastelbo --help` and a CPU forward import (each in a fresh
 child process, read from sys.modules; never timed: a loaded machine must not fail these)."""
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +73,46 @@ def test_validation_stays_the_context_manager():
     assert sorted(fastelbo.__all__) == sorted(n for n in dir(fastelbo) if n in fastelbo.__all__)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         fastelbo.nope  # noqa: B018
+
+
+def test_cuda_extension_cache_path_is_torchs(monkeypatch, tmp_path):
+    """The cached-extension fast path looks where torch.utils.cpp_extension.load builds (its
+    own rule, written out so the fast path imports no cpp_extension), with and without
+    TORCH_EXTENSIONS_DIR; and a library there is imported without load()."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from fastelbo.backends import cuda
+
+    name = "fastelbo_cuda_pathcheck"
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert cuda._build_dir(name) == Path(_get_build_directory(name, verbose=False))
+    Path(_get_build_directory(name, verbose=False)).rmdir()  # made by torch's function
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert cuda._build_dir(name) == tmp_path / name == Path(_get_build_directory(name, False))
+    assert cuda._load_cached(name) is None  # nothing built there
+
+
+def test_loading_the_cached_extension_imports_no_build_machinery(tmp_path, monkeypatch):
+    """A stand-in library at the cached path of this build is what extension() returns, and
+    neither torch.utils.cpp_extension nor setuptools is imported to get it."""
+    import sysconfig
+
+    from fastelbo.backends import cuda
+
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        pytest.skip("no C compiler to build the stand-in library")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = f"fastelbo_cuda_{cuda._source_hash()}"
+    root = cuda._build_dir(name)
+    root.mkdir()
+    (root / "m.c").write_text(
+        "#include <Python.h>\n"
+        f"static struct PyModuleDef m = {{PyModuleDef_HEAD_INIT, \"{name}\", 0, -1, 0}};\n"
+        f"PyMODINIT_FUNC PyInit_{name}(void) {{ return PyModule_Create(&m); }}\n")
+    subprocess.run([gcc, "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
+                    str(root / "m.c"), "-o", str(root / f"{name}.so")], check=True)
+    loaded = modules_after("from fastelbo.backends import cuda\n"
+                           f"assert cuda.extension().__name__ == {name!r}\n")
+    assert name in loaded
+    assert "torch.utils.cpp_extension" not in loaded and "setuptools" not in loaded

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         if debug:
             traceback.print_exc()
-        print(f"fastelbo: {exc or 'interrupted'}", file=sys.stderr)
+        print(f"fastelbo: {str(exc) or 'interrupted'}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - a bug or an environment problem, still one line
         if debug:

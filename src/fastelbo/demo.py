@@ -33,6 +33,7 @@ def main(args) -> int:
     import torch
 
     from .cli import main as cli_main
+    from .errors import EXIT_INTERRUPTED
     from .train import check_device
 
     check_device(args.device)
@@ -45,6 +46,8 @@ def main(args) -> int:
     for name, argv in steps(device, out, args.epochs, samples):
         print(f"\n=== {name}: fastelbo {' '.join(argv)}", flush=True)
         code = cli_main(argv)
+        if code == EXIT_INTERRUPTED:  # Ctrl-C: the step has said what it kept; stop here
+            return code
         if code:
             failed.append(f"{name} (exit {code})")
     print(f"\nPictures: {out / 'train'}/*.png; timings: {out / 'bench.jsonl'}; "
