@@ -44,6 +44,11 @@ def files(tmp_path_factory):
     (root / "random.safetensors").write_bytes(np.random.default_rng(1).bytes(4096))
     from safetensors.numpy import save_file
     save_file({"w": np.zeros(3, np.float32)}, str(root / "foreign.safetensors"))
+    moved = root / "tiny_moved.npz"
+    moved.write_bytes((root / "tiny.npz").read_bytes())
+    assert cli.main(["train", "--data", str(moved), "--out", str(root / "moved_run"), *TINY,
+                     "--max-steps", "2"]) == 0
+    moved.unlink()  # the run's data is gone: evaluate must say so, and how to go on
     for name in ("truncated_header", "random"):
         (root / f"{name}_run").mkdir()
         (root / f"{name}_run" / checkpoint.NAME).write_bytes(
@@ -123,6 +128,7 @@ EVALUATE_MISTAKES = {
     "json into no dir": (["{root}/run", "--json", "{root}/no/dir/r.json"],
                          ["--json", "does not exist"]),
     "cuda backend on cpu": (["{root}/run", "--backend", "cuda"], ["--backend cuda", "cpu"]),
+    "its data gone": (["{root}/moved_run"], ["tiny_moved.npz", "was trained on", "pass --data"]),
     "no checkpoint given": ([], ["required", "RUN"]),
 }
 
@@ -262,6 +268,15 @@ def test_range_types():
             commands.positive_float(bad)
     assert commands.parse_dims("784,256,32") == (784, 256, 32)
     assert commands.device_text("cuda:1") == "cuda:1"
+
+
+def test_evaluate_result_line_goes_to_stdout(files, tmp_path, capsys):
+    assert cli.main(["evaluate", str(files / "run"), "--samples", "8", "--device", "cpu",
+                     "--json", str(tmp_path / "r.json")]) == 0
+    stdout, stderr = capsys.readouterr()
+    assert re.fullmatch(r"log p\(x\) ~= -?\d+\.\d+ \+- \d+\.\d+ nats \(IWAE, K=8, torch\); "
+                        r".* 44 test images; IWAE \d+\.\d+ s on 1 rank\(s\)\n", stdout), stdout
+    assert stderr == "" and json.loads((tmp_path / "r.json").read_text())["images"] == 44
 
 
 def test_train_result_lines_go_to_stdout(files, tmp_path, capsys):

@@ -10,14 +10,14 @@ passes their global indices) and rank 0 gathers the per-image values and reports
 else torch. torch draws different (each deterministic) noise for a seed than the fused kernels
 (which share theirs), so its estimates differ by Monte Carlo noise; the JSON records the backend
 that ran. timings.iwae_s is the IWAE section alone (after a compile warm-up, between barriers
-and device syncs, slowest rank), and
-images_per_s = images / iwae_s: the steady-state throughput, start-up excluded.
+and device syncs, slowest rank; the torch path compiles nothing and has no warm-up), and
+images_per_s = images / iwae_s: the steady-state throughput, start-up excluded. The options are
+defined (and range-checked) in fastelbo/commands.py.
 """
 from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -79,7 +79,13 @@ def evaluate(args, world: dist.World, device: torch.device) -> dict:
         raise UsageError(f"--backend {args.backend}: {exc}") from exc
     targs = meta["args"]
     spec = args.data or targs["data"]
-    ds = load_data(spec, targs["seed"])
+    try:
+        ds = load_data(spec, targs["seed"])
+    except UsageError as exc:
+        if args.data:
+            raise
+        raise UsageError(f"{exc} (the data {args.checkpoint} was trained on; pass --data to "
+                         f"evaluate on a copy of it)") from exc
     x = ds.test if args.split == "test" else ds.train
     if targs.get("binarize"):  # the same fixed binarization the training run's test ELBO used
         x = data.fixed_binarization(x, targs["seed"])
@@ -181,6 +187,6 @@ def _report(result: dict, json_path: str | None) -> None:
     if json_path == "-":
         print(json.dumps(result, indent=2))
         return
-    print(msg, file=sys.stderr if json_path else sys.stdout)
+    print(msg)
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
