@@ -27,7 +27,7 @@ backward, Adam) runs as one CUDA graph. Under `torchrun --nproc-per-node N -m fa
 train ...` the global --batch-size is split over the ranks and the run equals a
 single-process run; only rank 0 writes.
 
-On a 2-core CPU an epoch of the default data takes a few seconds; on a GPU, well under one.
+On a 2-core CPU the default 10 epochs take 10-15 s, about 5 s of it start-up (torch).
 """
 
 EVALUATE_DESCRIPTION = """\
@@ -36,8 +36,8 @@ importance samples per image), and its ELBO, in nats per image with standard err
 
 Noise is seeded per image, so batching and the number of ranks (torchrun) do not change
 the result. On a GPU the fused CUDA kernel runs (1,000 images at K=5000: well under a
-second); on a CPU the torch path takes about 1 s per image at K=5000 on 2 cores, so use
---samples 500 and --limit there.
+second of IWAE); on a 2-core CPU the torch path takes 0.1-0.2 s per image at K=5000 (the
+1,000 test images: a few minutes), so --samples 500 or --limit N are the quick choice there.
 """
 
 DEMO_DESCRIPTION = """\

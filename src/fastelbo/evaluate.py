@@ -33,7 +33,7 @@ from .train import check_device, load_data, read_checkpoint
 from .training import checkpoint, dist
 
 # The torch path's calls hold at most 1/PROGRESS_STEPS of the images by default, so that its
-# progress bar moves (K=5000 costs ~0.5 s per image on a 2-core CPU).
+# progress bar moves (K=5000 costs 0.1-0.2 s per image on a 2-core CPU).
 PROGRESS_STEPS = 50
 
 
