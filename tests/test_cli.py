@@ -93,6 +93,7 @@ TRAIN_MISTAKES = {
                              ["--resume", "random_run", "not a readable safetensors file"]),
     "resume, truncated": (["--resume", "--out", "{root}/truncated_header_run"],
                           ["--resume", "truncated_header_run", "not a readable"]),
+    "out is a file": (["--out", "{root}/tiny.npz"], ["--out", "tiny.npz", "not a directory"]),
     "resume, other settings": (["--resume", "--out", "{root}/run", "--seed", "3"],
                                ["--resume", "--seed 0 (now 3)"]),
 }

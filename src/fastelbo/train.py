@@ -43,6 +43,8 @@ def main(args) -> int:
         from .training import plots
         plots.preload()
     out = Path(args.out or default_out(args.data, args.dims, args.seed))
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
     try:
         return dist.run(train, args)
     except KeyboardInterrupt:
