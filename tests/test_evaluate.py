@@ -2,7 +2,9 @@
 backend switch; the Triton path runs in a TRITON_INTERPRET=1 child (as in test_triton_iwae.py:
 Triton picks interpreter or compiler at import)."""
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -11,7 +13,8 @@ import pytest
 import torch
 
 from fastelbo import cli, data
-from fastelbo.evaluate import load_model
+from fastelbo.commands import EVALUATE_BATCH as BATCH
+from fastelbo.evaluate import PROGRESS_STEPS, load_model
 from fastelbo.iwae import iwae_log_likelihood
 from interpret import IN_CHILD, child_only, parent_only, run_children
 from reference import twins
@@ -39,7 +42,9 @@ def test_report(run_dir, tmp_path):
     r = evaluate(run_dir, tmp_path / "r.json", "--samples", "300")
     assert r["images"] == 22 and r["samples"] == 300 and r["world_size"] == 1
     # auto is the fused kernel on CUDA only; on CPU it is torch, with torch's batch default
-    assert r["backend"] == "torch" and r["backend_requested"] == "auto" and r["batch_size"] == 100
+    # (capped so that its progress bar moves at least PROGRESS_STEPS times)
+    assert r["backend"] == "torch" and r["backend_requested"] == "auto"
+    assert r["batch_size"] == min(BATCH["torch"], math.ceil(22 / PROGRESS_STEPS)) == 1
     t = r["timings"]
     assert 0 < t["iwae_s"] < t["total_s"] and t["iwae_s_per_rank"] == [t["iwae_s"]]
     assert r["images_per_s"] == pytest.approx(22 / t["iwae_s"])
@@ -61,23 +66,29 @@ def test_matches_the_estimator_and_ignores_batch_size(run_dir, tmp_path):
     assert r1["log_likelihood"]["mean"] == pytest.approx(float(direct.double().mean()), rel=1e-6)
 
 
-def test_unknown_backend_is_refused(run_dir, tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        evaluate(run_dir, tmp_path / "x.json", "--backend", "mojo")
+def refused(capsys, argv) -> str:
+    """The one line `fastelbo` prints for a command it refuses with exit 2."""
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fastelbo: error: "), err
+    return err
+
+
+def test_unknown_backend_is_refused(run_dir, capsys):
+    err = refused(capsys, ["evaluate", str(run_dir), "--backend", "mojo"])
     assert "--backend: invalid choice: 'mojo'" in err and "triton" in err and "cuda" in err, err
 
 
-def test_cuda_off_gpu_says_why(run_dir, tmp_path):
-    with pytest.raises(RuntimeError, match="backend='cuda' cannot run on cpu.*CUDA devices only"):
-        evaluate(run_dir, tmp_path / "x.json", "--backend", "cuda")
+def test_cuda_off_gpu_says_why(run_dir, capsys):
+    err = refused(capsys, ["evaluate", str(run_dir), "--backend", "cuda", "--device", "cpu"])
+    assert re.search("--backend cuda: .*cannot run on cpu.*CUDA devices only", err), err
 
 
 @pytest.mark.skipif(IN_CHILD, reason="in the interpreter triton does run on CPU")
-def test_triton_off_gpu_says_why(run_dir, tmp_path):
+def test_triton_off_gpu_says_why(run_dir, capsys):
     pytest.importorskip("triton")
-    with pytest.raises(RuntimeError, match="CUDA device.*backend='torch' runs everywhere"):
-        evaluate(run_dir, tmp_path / "x.json", "--backend", "triton")
+    err = refused(capsys, ["evaluate", str(run_dir), "--backend", "triton", "--device", "cpu"])
+    assert re.search("--backend triton: .*CUDA device.*backend='torch' runs everywhere", err), err
 
 
 def test_per_image_values(run_dir, tmp_path):

@@ -5,6 +5,7 @@ images (noisy copies of four prototypes) with dims 16,8,2.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -93,13 +94,25 @@ def test_build_matches_the_reference_init():
     assert opt.param_groups[0]["lr"] == 0.01
 
 
-def test_resume_refuses_a_different_run(tiny_npz, tmp_path):
+def refused(capsys, argv) -> str:
+    """The one line `fastelbo` prints for a command it refuses with exit 2."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fastelbo: error: "), err
+    return err
+
+
+def test_resume_refuses_a_different_run(tiny_npz, tmp_path, capsys):
     train(tiny_npz, tmp_path / "r", "--max-steps", "3")
-    with pytest.raises(ValueError, match="batch_size"):
-        cli.main(["train", "--data", tiny_npz, "--out", str(tmp_path / "r"), *TINY,
-                  "--batch-size", "16", "--resume"])
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        train(tiny_npz, tmp_path / "none", "--resume")
+    capsys.readouterr()
+    common = ["train", "--data", tiny_npz, *TINY, "--resume"]
+    err = refused(capsys, [*common, "--out", str(tmp_path / "r"), "--batch-size", "16"])
+    assert "--batch-size 32 (now 16)" in err and str(tmp_path / "r") in err, err
+    err = refused(capsys, [*common, "--out", str(tmp_path / "none")])
+    assert f"--resume: no checkpoint at {tmp_path / 'none' / checkpoint.NAME}" in err, err
+    # A run that already reached its end: nothing to resume, said so (not 0 steps and exit 0).
+    err = refused(capsys, [*common, "--out", str(tmp_path / "r"), "--max-steps", "3"])
+    assert "is at step 3 (epoch 0.375)" in err and "raise --epochs or --max-steps" in err, err
 
 
 def test_binarized_run(tiny_npz, tmp_path):
@@ -108,9 +121,11 @@ def test_binarized_run(tiny_npz, tmp_path):
     assert checkpoint.read(tmp_path / "bin" / checkpoint.NAME)[1]["epoch"] == 0.5
 
 
-def test_dims_must_match_data(tiny_npz, tmp_path):
-    with pytest.raises(ValueError, match="--dims input 784 does not match.*16 values"):
-        cli.main(["train", "--data", tiny_npz, "--out", str(tmp_path), "--dims", "784,8,2"])
+def test_dims_must_match_data(tiny_npz, tmp_path, capsys):
+    err = refused(capsys, ["train", "--data", tiny_npz, "--out", str(tmp_path),
+                           "--dims", "784,8,2"])
+    assert re.search("--dims input 784 does not match.*16 values", err), err
+    assert not (tmp_path / checkpoint.NAME).exists()
 
 
 def test_shards_union_is_the_global_batch(tiny_npz):

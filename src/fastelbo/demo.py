@@ -10,18 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="verify, time, train and evaluate on this machine")
-    p.add_argument("--device", default="auto", help="cuda or cpu (default: cuda if present)")
-    p.add_argument("--out", default="runs/demo", help="where results and pictures go")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--samples", type=int, default=None,
-                   help="IWAE samples per image (default 5000 on a GPU, 500 on a CPU)")
-    p.set_defaults(func=main)
-
 
 def steps(device: str, out: Path, epochs: int, samples: int) -> list[tuple[str, list[str]]]:
     gpu = device == "cuda"
@@ -41,8 +29,14 @@ def steps(device: str, out: Path, epochs: int, samples: int) -> list[tuple[str, 
 
 
 def main(args) -> int:
-    from .cli import main as cli_main
+    """The demo job (options: fastelbo/commands.py); 1 if any step failed."""
+    import torch
 
+    from .cli import main as cli_main
+    from .errors import EXIT_INTERRUPTED
+    from .train import check_device
+
+    check_device(args.device)
     device = args.device if args.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")
     samples = args.samples or (5000 if device == "cuda" else 500)
@@ -52,6 +46,8 @@ def main(args) -> int:
     for name, argv in steps(device, out, args.epochs, samples):
         print(f"\n=== {name}: fastelbo {' '.join(argv)}", flush=True)
         code = cli_main(argv)
+        if code == EXIT_INTERRUPTED:  # Ctrl-C: the step has said what it kept; stop here
+            return code
         if code:
             failed.append(f"{name} (exit {code})")
     print(f"\nPictures: {out / 'train'}/*.png; timings: {out / 'bench.jsonl'}; "

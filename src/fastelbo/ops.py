@@ -99,7 +99,8 @@ def _randn(x: torch.Tensor, latent: int) -> torch.Tensor:
 # Under torch.compile the draw is kept out of the graph (a graph break), so a compiled model
 # draws the same noise as eager for the same seed; Inductor would otherwise substitute its own
 # generator. Eager calls skip the wrapper (it sets and restores dynamo's frame hook per call).
-_draw_noise = torch.compiler.disable(_randn)
+# torch._disable_dynamo: torch.compiler.disable, importing torch._dynamo (seconds) on first call.
+_draw_noise = torch._disable_dynamo(_randn)
 
 
 def resolve_backend(backend: str, x: torch.Tensor, verdict=None) -> str:

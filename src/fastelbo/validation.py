@@ -208,5 +208,14 @@ def _raise_outside(x: torch.Tensor):
         f"to get NaN in those rows instead.")
 
 
-# Under torch.compile the check runs eagerly (a graph break), so it still raises.
-_check_values_eagerly = torch.compiler.disable(check_values)
+def _check_values_eagerly(x: torch.Tensor) -> None:
+    """check_values, run eagerly even under torch.compile (a graph break), so it still raises."""
+    if torch.compiler.is_compiling():
+        _check_values_out_of_graph(x)
+    else:  # no tracer: the wrapper would only set and restore dynamo's frame hook
+        check_values(x)
+
+
+# torch._disable_dynamo is torch.compiler.disable with torch._dynamo imported on the first call,
+# not here: importing it costs ~2-3.6 s, and only a torch.compile'd caller ever reaches this.
+_check_values_out_of_graph = torch._disable_dynamo(check_values)

@@ -43,8 +43,12 @@ def save(path: str | Path, model, optimizer, meta: dict) -> None:
     meta = dict(meta, format=FORMAT, param_groups=groups, optim_scalars=scalars)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"fastelbo": json.dumps(meta)})
-    os.replace(tmp, path)
+    try:
+        save_file(tensors, str(tmp), metadata={"fastelbo": json.dumps(meta)})
+        os.replace(tmp, path)
+    except BaseException:  # Ctrl-C mid-write too: the previous checkpoint stays, whole
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -62,6 +66,17 @@ def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: not a fastelbo checkpoint (format {meta.get('format')!r})")
     return tensors, meta
+
+
+def read_meta(path: str | Path) -> dict | None:
+    """The metadata of a readable fastelbo checkpoint at `path` (the header only, no tensors),
+    else None: what a Ctrl-C message reports as the state a --resume continues from."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("fastelbo", "{}"))
+    except Exception:  # noqa: BLE001 - missing, partial or foreign: no checkpoint to report
+        return None
+    return meta if meta.get("format") == FORMAT else None
 
 
 def model_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

