@@ -5,6 +5,8 @@ import argparse
 import importlib
 import sys
 
+from .errors import EXIT_USAGE, UsageError
+
 # module path -> it defines `register(subparsers)`, which adds its subcommands with a `func`
 # default taking the parsed args and returning an exit code.
 SUBCOMMANDS = (
@@ -31,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        print(f"fastelbo: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":
