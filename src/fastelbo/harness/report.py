@@ -8,6 +8,7 @@ something could not run (build, exception, timeout, crash, reference), always wi
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 # Finding categories. "Could not run" ones make `check` exit 2, the others exit 1.
@@ -141,7 +142,8 @@ class CheckReport:
         return next(r for r in self.regimes if r.name == name)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The report as strict JSON data (schema.CHECK_REPORT): non-finite floats as strings."""
+        return _strict(asdict(self))
 
     def format(self) -> str:
         lines = [(f"check {self.candidate} against {self.problem} on {self.device} "
@@ -181,6 +183,16 @@ class CheckReport:
             lines.append("worker output (tail):")
             lines += ["  " + s for s in self.output_tail.strip().splitlines()[-15:]]
         return "\n".join(lines)
+
+
+def _strict(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strict(v) for v in obj]
+    return obj
 
 
 def _first_lines(text: str, n: int = 6) -> str:
