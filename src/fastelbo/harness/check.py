@@ -145,7 +145,9 @@ class _Check:
         if meta is None:
             return None
         self.pkey, self.meta = pkey, meta
-        return [g.name for g, key in self._planned() if self._entry(key) is None]
+        planned = self._planned()
+        missing = [g.name for g, key in planned if self._entry(key) is None]
+        return None if len(missing) == len(planned) else missing
 
     def _planned(self):
         o, meta = self.o, self.meta
