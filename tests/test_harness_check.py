@@ -360,3 +360,15 @@ def test_cli_unexpected_harness_error_exits_2(capsys, monkeypatch):
     code = main(["check", str(TINY), str(CANDIDATES / "wrong_shape.py")])
     err = capsys.readouterr().err
     assert code == 2 and "internal error" in err and "harness bug" in err
+
+
+def test_every_corpus_report_is_strict_json_of_the_documented_schema(reports):
+    jsonschema = pytest.importorskip("jsonschema")
+    from fastelbo.harness import check as check_module
+    from fastelbo.harness.compare import PERTURB_RUNS as RUNS
+    from fastelbo.harness.schema import CHECK_REPORT
+    assert check_module.PERTURB_RUNS == RUNS  # check.py holds its own copy (no torch import)
+    for name, report in reports.items():
+        data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
+        jsonschema.validate(data, CHECK_REPORT)
+        assert data["exit_code"] == CORPUS[name][0], name

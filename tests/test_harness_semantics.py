@@ -3,6 +3,7 @@ the reference itself cannot run are N/A (never "could not run"), a wrong answer 
 whatever else happened, and the report says what KernelBench's own eval would conclude."""
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -169,3 +170,11 @@ def test_kernelbench_note_names_each_difference():
     assert note.count(";") == 1 and "training mode, not .eval()" in note
     assert "tuple" not in note  # read from the first trial: the output type is the problem's
     assert kernelbench_note([], False) == ""
+
+
+def test_every_report_matches_the_documented_schema(reports):
+    jsonschema = pytest.importorskip("jsonschema")
+    from fastelbo.harness.schema import CHECK_REPORT
+    for report in reports.values():
+        jsonschema.validate(json.loads(json.dumps(report.to_dict(), allow_nan=False)),
+                            CHECK_REPORT)
