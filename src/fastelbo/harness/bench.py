@@ -69,7 +69,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     """
     dev = torch.device(device)
     mod = loader.problem_module(problem)
-    init = list(mod.get_init_inputs())
+    init = loader.init_inputs(mod, seed)
     default = getattr(mod, "batch_size", None)
     if batch_sizes is None:
         batch_sizes = sorted({1, default}) if isinstance(default, int) else [None]

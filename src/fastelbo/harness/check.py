@@ -202,6 +202,7 @@ class _Check:
                     return report.error("exception",
                                         "--device cuda, but CUDA is not available here")
             ref = threads.submit(self._reference, only) if only != [] else None
+            import torch  # now, while the workers start: reading their results needs it
             built = build.result()
             report.timings["build_s"] = built.result["build_s"] if built.ok else built.seconds
             if not built.ok:

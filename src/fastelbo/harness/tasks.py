@@ -81,7 +81,7 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
             "variants": list(variants()) if callable(variants) else [],
             "deps": refcache.source_deps(before, problem), "device_name": name}
     pkey = refcache.problem_key(problem, seed, device, name)
-    init_inputs = list(mod.get_init_inputs())
+    init_inputs = loader.init_inputs(mod, seed)
     ref, _ = loader.build_model(mod.Model, init_inputs, seed)
     state_dict = {k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}
     del ref
@@ -191,7 +191,7 @@ def build_candidate(candidate: str, problem: str, device: str, seed: int) -> dic
     module = loader.import_candidate(candidate)
     import_s = time.perf_counter() - start
     progress("build: loading the problem's get_init_inputs()", BUILD)
-    init_inputs = list(loader.problem_module(problem).get_init_inputs())
+    init_inputs = loader.init_inputs(loader.problem_module(problem), seed)
     progress("build: constructing ModelNew", BUILD)
     try:
         model, _ = loader.build_model(module.ModelNew, init_inputs, seed)
