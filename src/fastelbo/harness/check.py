@@ -163,9 +163,9 @@ class _Check:
     def _entry(self, key: str):
         return refcache.regime_entry(self.root, key, self.o.trials)
 
-    def _reference(self, only: list[str] | None):
+    def _reference(self, only: list[str] | None, worker: Worker | None = None):
         o = self.o
-        self.ref_w = self._worker()
+        self.ref_w = worker or self._worker()
         return self.ref_w.run(
             TASKS + "reference_pass",
             {"problem": str(self.prob), "device": o.device, "seed": o.seed,
@@ -201,13 +201,14 @@ class _Check:
                     cand_w.kill()
                     return report.error("exception",
                                         "--device cuda, but CUDA is not available here")
-            ref = threads.submit(self._reference, only) if only != [] else None
+            # Started here, not in the thread: a failed build must find it to kill it.
+            ref = None if only == [] else threads.submit(self._reference, only, self._worker())
             import torch  # now, while the workers start: reading their results needs it
             built = build.result()
             report.timings["build_s"] = built.result["build_s"] if built.ok else built.seconds
             if not built.ok:
-                if self.ref_w is not None:
-                    self.ref_w.kill()  # fail fast: the reference's work is moot
+                for w in self.workers[1:]:
+                    w.kill()  # fail fast: the reference's work is moot
                 return self._build_failed(built)
             if ref is not None and not self._adopt(ref.result()):
                 return report
@@ -274,7 +275,7 @@ class _Check:
                                                out.reason))
         self._envelopes(entries)
         if not out.ok:
-            return report.error(out.category, f"the candidate worker {out.reason}",
+            return report.error(out.category, f"candidate worker: {out.reason}",
                                 out.output_tail)
         return report.finish()
 

@@ -155,12 +155,19 @@ class Worker:
                 step_start = now
                 limit = {BUILD: build_timeout, FORWARD: forward_timeout}.get(step_cls)
                 step_end = now + limit if limit else None
-            elif kind == "B" and step_cls in (FORWARD, "fb") and build_timeout:
+            elif kind == "B" and step_cls in (FORWARD, "fb") and step_end is not None \
+                    and build_timeout:
                 # A build inside a forward: keep it alive, up to the build limit.
                 step_end = min(max(step_end, now + forward_timeout), step_start + build_timeout)
                 step_cls = "fb"
             elif kind == "R":
-                outcome.partials.append(_load(Path(rest)))
+                try:
+                    outcome.partials.append(_load(Path(rest)))
+                except Exception as exc:  # noqa: BLE001 - what the worker sent is its fault
+                    self.kill()
+                    outcome.category = "exception"
+                    outcome.reason = f"a partial result could not be read: {_load_error(exc)}"
+                    return
             elif kind == "D":
                 return _read_result(outcome, Path(rest))
 
