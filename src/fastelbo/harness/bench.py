@@ -60,7 +60,8 @@ def _unavailable(name: str, dev: torch.device) -> str | None:
 
 @torch.no_grad()
 def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
-                batch_sizes: list[int] | None, seed: int, quick: bool, graph_reps: int) -> dict:
+                batch_sizes: list[int] | None, seed: int, quick: bool, graph_reps: int,
+                eval_mode: bool = False) -> dict:
     """Worker side: outputs of one seeded forward and the metrics, per batch size.
 
     A batch size that raises gives a row with "error"; if the device is unusable afterwards,
@@ -68,7 +69,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     """
     dev = torch.device(device)
     mod = loader.problem_module(problem)
-    init = list(mod.get_init_inputs())
+    init = loader.init_inputs(mod, seed)
     default = getattr(mod, "batch_size", None)
     if batch_sizes is None:
         batch_sizes = sorted({1, default}) if isinstance(default, int) else [None]
@@ -80,7 +81,9 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
         del reference
     else:
         model = reference
-    model = model.to(dev).eval()
+    model = model.to(dev)
+    if eval_mode:  # else the mode the model was constructed in (training), as KernelBench
+        model.eval()
     if kind == COMPILED:
         import torch._inductor.config as inductor_config
         inductor_config.fallback_random = True  # draw noise as eager does, so outputs compare
@@ -144,7 +147,8 @@ def run_bench(problem: str, candidates: list[str] | None = None, *, device: str 
               batch_sizes: list[int] | None = None, out: str | None = None,
               compile_baseline: bool = True, graph_reps: int = 100, quick: bool = False,
               timeout: float = 600.0, seed: int = 0, atol: float = 1e-4,
-              rtol: float = 1e-4, validate: bool = True) -> tuple[list[dict], int]:
+              rtol: float = 1e-4, validate: bool = True,
+              eval_mode: bool = False) -> tuple[list[dict], int]:
     """Rows (one per entry and batch size) and an exit code: 0 all correct, 1 some row
     INCORRECT or flagged, 2 some entry could not run."""
     from ..problems import problem_path
@@ -158,13 +162,13 @@ def run_bench(problem: str, candidates: list[str] | None = None, *, device: str 
     base = {**environment(device), "date": utc_now(), "problem": str(problem),
             "quick": quick, "graph_reps": graph_reps if device.startswith("cuda") else None,
             # what the workers ran with: off by request or already off in this environment
-            "validate": validate and enabled_by_env()}
+            "validate": validate and enabled_by_env(), "mode": "eval" if eval_mode else "train"}
     results: dict[str, dict[int, dict]] = {}
     rows, code = [], 0
     for name, kind, path in entries:
         got, sizes = _entry_rows(batch_sizes, timeout, env, problem=prob, kind=kind,
                                  candidate=path, device=device, seed=seed, quick=quick,
-                                 graph_reps=graph_reps)
+                                 graph_reps=graph_reps, eval_mode=eval_mode)
         batch_sizes = batch_sizes or sizes
         results[name] = {r["batch_size"]: r for r in got if "error" not in r}
         for r in got:

@@ -1,82 +1,116 @@
-"""The harness subcommands: compile, check, bench, export. Each returns an exit code."""
+"""The harness subcommands: compile, check, bench, export. Each returns an exit code.
+
+Building the parsers imports nothing heavy (no torch): `fastelbo --help` stays instant. A
+user's mistake raises fastelbo.errors.UsageError (one line, exit 2, printed by fastelbo.cli).
+"""
 from __future__ import annotations
 
 import argparse
 import functools
 import json
+import re
 import sys
 import traceback
 
+from ..errors import UsageError
+
 EXIT_ERROR = 2  # "could not judge", as in report.EXIT_ERROR
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(v) for v in text.split(",") if v.strip())
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compile", help="import a candidate, show build errors or resource usage")
     p.add_argument("candidate", help="candidate file or fastelbo:<backend>")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds for the import and its builds (default: %(default)s)")
     p.set_defaults(func=_compile)
 
     p = sub.add_parser("check", help="judge a candidate against a problem's reference Model")
     p.add_argument("problem", help="built-in problem name (vae_elbo) or a problem file")
     p.add_argument("candidate", help="candidate file or fastelbo:<backend>")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--trials", type=int, default=3, help="trials per regime (default 3)")
-    p.add_argument("--atol", type=float, default=1e-4)
-    p.add_argument("--rtol", type=float, default=1e-4)
-    p.add_argument("--batch-sizes", type=_ints, default=None,
-                   help="extra batch sizes, e.g. 1,7,128 (default: 1 and 2*default+1)")
-    p.add_argument("--scales", type=_floats, default=(4.0, 16.0),
-                   help="parameter scalings for the saturation regimes (default 4,16)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--trials", type=int, default=3, help="trials per regime (default: %(default)s)")
+    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance "
+                   "(default: %(default)s)")
+    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance "
+                   "(default: %(default)s)")
+    p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
+                   help="extra batch sizes, e.g. 1,7,128; '' for none (default: %(default)s, "
+                        "meaning 1 and 2*batch_size+1)")
+    p.add_argument("--scales", default="4,16", metavar="S,S,...",
+                   help="parameter scalings for the saturation regimes; '' for none "
+                        "(default: %(default)s)")
+    p.add_argument("--eval-mode", action="store_true",
+                   help="put both models in .eval(); KernelBench keeps the training mode they "
+                        "are constructed in (default: %(default)s)")
+    p.add_argument("--forward-timeout", type=float, default=60.0,
+                   help="seconds per forward, or up to --build-timeout while it compiles "
+                        "(default: %(default)s)")
     p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds per worker (reference, candidate; default 300)")
+                   help="seconds for the reference pass and for the candidate's checking pass, "
+                        "each (default: %(default)s)")
     p.add_argument("--build-timeout", type=float, default=600.0,
-                   help="seconds for the warm-up run that builds the candidate (default 600)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+                   help="seconds to import the candidate, build its extensions and construct "
+                        "ModelNew (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and forwards "
+                   "(default: %(default)s)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="recompute the reference's outputs instead of reading them from the "
+                        "cache (FASTELBO_CACHE_DIR, else ~/.cache/fastelbo) (default: "
+                        "%(default)s)")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as JSON (schema fastelbo.check/2, "
+                        "fastelbo.harness.schema) (default: %(default)s)")
     p.set_defaults(func=_check)
 
     p = sub.add_parser("bench", help="time candidates against eager PyTorch and torch.compile")
-    p.add_argument("problem")
+    p.add_argument("problem", help="built-in problem name (vae_elbo) or a problem file")
     p.add_argument("candidates", nargs="*",
                    help="candidate files or fastelbo:<backend> (default: fastelbo:auto and "
                         "every built-in backend available on the device)")
-    p.add_argument("--device", default=None, help="cuda if available, else cpu")
-    p.add_argument("--batch-sizes", type=_ints, default=None,
-                   help="default: 1 and the problem's batch_size")
-    p.add_argument("--out", default="benchmarks/results/bench.jsonl",
-                   help="jsonl file the rows are appended to ('' for none)")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: %(default)s, meaning cuda if available, "
+                        "else cpu)")
+    p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
+                   help="batch sizes (default: %(default)s, meaning 1 and the problem's "
+                        "batch_size)")
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help="jsonl file to append the rows to (default: %(default)s, meaning the "
+                        "table only)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip the torch.compile baseline (default: %(default)s)")
     p.add_argument("--graph-reps", type=int, default=100,
-                   help="forwards captured in one CUDA graph (default 100)")
-    p.add_argument("--quick", action="store_true", help="few repetitions (tests, smoke runs)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per entry")
+                   help="forwards captured in one CUDA graph (default: %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="few repetitions, for tests and smoke runs (default: %(default)s)")
+    p.add_argument("--eval-mode", action="store_true",
+                   help="time the models in .eval() (default: %(default)s, meaning the "
+                        "training mode they are constructed in, as KernelBench)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds per entry (default: %(default)s)")
     p.add_argument("--no-validate", action="store_true",
                    help="run the workers with FASTELBO_VALIDATE=0: fastelbo candidates skip "
                         "their per-call value check (one device sync per forward); each row "
-                        "records validate=false")
+                        "records validate=false (default: %(default)s)")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("export", help="write a self-contained KernelBench solution file")
-    p.add_argument("--kernelbench", required=True, metavar="PATH", help="solution file to write")
+    p.add_argument("--kernelbench", required=True, metavar="PATH",
+                   help="solution file to write (required; default: %(default)s)")
     p.set_defaults(func=_export)
 
 
 def _never_raise(command: str):
     """Backstop: an unexpected exception in the harness itself is "could not judge" (exit 2),
-    with its reason, never a traceback with exit 1 (which means "incorrect")."""
+    with its reason, never a traceback with exit 1 (which means "incorrect"). A UsageError is
+    the user's mistake, not the harness's: it goes up to fastelbo.cli as it is."""
     def wrap(func):
         @functools.wraps(func)
         def run(args) -> int:
             try:
                 return func(args)
+            except UsageError:
+                raise
             except Exception as exc:  # noqa: BLE001 - the exit code must keep its meaning
                 tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
                 print(tb.rstrip(), file=sys.stderr)
@@ -87,8 +121,56 @@ def _never_raise(command: str):
     return wrap
 
 
+def _numbers(text: str | None, kind, option: str, positive: bool = True):
+    """'1,7,128' -> [1, 7, 128]; '' -> []; None stays None. UsageError on anything else."""
+    if text is None:
+        return None
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{option} takes comma-separated {kind.__name__}s, e.g. "
+                         f"{'1,7,128' if kind is int else '4,16'}; got {text!r}") from None
+    if positive and any(not v > 0 for v in values):
+        raise UsageError(f"{option} values must be > 0, got {text!r}")
+    return values
+
+
+def _positive(args, *options: str) -> None:
+    for opt in options:
+        value = getattr(args, opt.lstrip("-").replace("-", "_"))
+        if value is not None and not value > 0:
+            raise UsageError(f"{opt} must be > 0, got {value:g}")
+
+
+def _device(text: str | None, option: str = "--device") -> None:
+    if text is not None and not DEVICE.fullmatch(text):
+        raise UsageError(f"{option} must be cpu, cuda or cuda:N, got {text!r}")
+    if text is not None and text.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError(f"{option} {text}, but CUDA is not available here")
+
+
+def _candidate(name: str) -> str:
+    from .files import candidate_path
+    try:
+        return str(candidate_path(name))
+    except FileNotFoundError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _problem(name: str) -> str:
+    from ..problems import problem_path
+    try:
+        return str(problem_path(name))
+    except FileNotFoundError as exc:
+        raise UsageError(str(exc)) from None
+
+
 @_never_raise("compile")
 def _compile(args) -> int:
+    _positive(args, "--timeout")
+    _candidate(args.candidate)
     from .compile import run_compile
     report = run_compile(args.candidate, timeout=args.timeout)
     print(report.format())
@@ -97,31 +179,53 @@ def _compile(args) -> int:
 
 @_never_raise("check")
 def _check(args) -> int:
+    if args.trials < 1:
+        raise UsageError(f"--trials must be >= 1, got {args.trials}")
+    _positive(args, "--timeout", "--build-timeout", "--forward-timeout")
+    for opt in ("atol", "rtol"):
+        if not getattr(args, opt) >= 0:
+            raise UsageError(f"--{opt} must be >= 0, got {getattr(args, opt):g}")
+    batch_sizes = _numbers(args.batch_sizes, int, "--batch-sizes")
+    scales = _numbers(args.scales, float, "--scales")
+    _problem(args.problem)
+    _candidate(args.candidate)
+    _device(args.device)
     from .check import run_check
     report = run_check(args.problem, args.candidate, device=args.device, trials=args.trials,
-                       atol=args.atol, rtol=args.rtol, batch_sizes=args.batch_sizes,
-                       scales=args.scales, timeout=args.timeout, seed=args.seed,
-                       build_timeout=args.build_timeout)
+                       atol=args.atol, rtol=args.rtol, batch_sizes=batch_sizes,
+                       scales=tuple(scales), timeout=args.timeout, seed=args.seed,
+                       build_timeout=args.build_timeout, forward_timeout=args.forward_timeout,
+                       eval_mode=args.eval_mode, cache=not args.no_cache)
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
     return report.exit_code
 
 
 @_never_raise("bench")
 def _bench(args) -> int:
+    _positive(args, "--timeout", "--graph-reps")
+    batch_sizes = _numbers(args.batch_sizes, int, "--batch-sizes")
+    _problem(args.problem)
+    for c in args.candidates:
+        _candidate(c)
+    _device(args.device)
     from .bench import run_bench
     rows, code = run_bench(args.problem, args.candidates or None, device=args.device,
-                           batch_sizes=args.batch_sizes, out=args.out or None,
+                           batch_sizes=batch_sizes or None, out=args.out or None,
                            compile_baseline=not args.no_compile, graph_reps=args.graph_reps,
                            quick=args.quick, timeout=args.timeout,
-                           validate=not args.no_validate)
+                           validate=not args.no_validate, eval_mode=args.eval_mode)
     from .table import print_rows
     print_rows(rows)
     if args.out:
-        print(f"appended {len(rows)} row(s) to {args.out}")
+        print(f"appended {len(rows)} row(s) to {args.out}", file=sys.stderr)
     return code
 
 
 def _export(args) -> int:
+    from pathlib import Path
+    target = Path(args.kernelbench)
+    if target.is_dir():
+        raise UsageError(f"--kernelbench {args.kernelbench} is a directory; give a file path")
     try:
         from .. import export
     except ModuleNotFoundError as exc:
@@ -130,6 +234,6 @@ def _export(args) -> int:
         print("fastelbo export: fastelbo.export is not available in this build "
               "(src/fastelbo/export.py is missing)", file=sys.stderr)
         return 2
-    path = export.write_kernelbench(args.kernelbench)
+    path = export.write_kernelbench(target)
     print(f"wrote {path}")
     return 0

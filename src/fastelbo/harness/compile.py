@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .loader import candidate_path
+from .files import candidate_path, syntax_error
 from .worker import run_task
 
 # nvcc: "/x/cuda.cu(12): error: ..."; gcc/clang: "/x/main.cpp:12:5: error: ..."
@@ -165,6 +165,10 @@ def run_compile(candidate: str | Path, timeout: float = 600.0) -> CompileReport:
         report.reason = str(exc)
         return report
     report.candidate = str(path)
+    bad = syntax_error(path)
+    if bad is not None:  # no worker needed to say so
+        report.reason = bad
+        return report
     outcome = run_task("fastelbo.harness.tasks:import_only", timeout, candidate=str(path))
     report.output_tail = outcome.output_tail
     if not outcome.ok:

@@ -1,7 +1,6 @@
 """Find and import problems and candidates, build models with identical weights, draw inputs.
 
-These helpers run inside workers (they execute problem and candidate code), except
-`candidate_path`, which only resolves names.
+These helpers run inside workers: they execute problem and candidate code.
 """
 from __future__ import annotations
 
@@ -12,25 +11,10 @@ from types import ModuleType
 import torch
 
 from ..problems import load_module, load_problem
+from .files import candidate_path  # noqa: F401  (re-exported: bench and compile use it)
 from .worker import TaskError, traceback_tail
 
-BUILTIN_PREFIX = "fastelbo:"
 BUILD_LOG_CHARS = 20000
-
-
-def candidate_path(name: str | Path) -> Path:
-    """`fastelbo:<backend>` names a built-in candidate; anything else is a file path."""
-    text = str(name)
-    if text.startswith(BUILTIN_PREFIX):
-        from ..candidates import candidate_path as builtin
-        try:
-            return builtin(text[len(BUILTIN_PREFIX):])
-        except ValueError as exc:
-            raise FileNotFoundError(str(exc)) from None
-    path = Path(text)
-    if not path.is_file():
-        raise FileNotFoundError(f"candidate {text!r} is not a file (or fastelbo:<backend>)")
-    return path.resolve()
 
 
 def import_candidate(path: str | Path) -> ModuleType:
@@ -42,9 +26,9 @@ def import_candidate(path: str | Path) -> ModuleType:
                         f"{(exc.text or '').rstrip()}") from None
     except Exception as exc:  # noqa: BLE001 - any import-time failure is the candidate's
         if _is_build_error(exc):  # keep the compiler's whole output: it holds the line numbers
-            raise TaskError("build", f"{_where(exc, path)}building the candidate's extension "
+            raise TaskError("build", f"{where(exc, path)}building the candidate's extension "
                             f"failed:\n{str(exc)[-BUILD_LOG_CHARS:]}") from None
-        raise TaskError("import", f"{_where(exc, path)}importing the candidate raised:\n"
+        raise TaskError("import", f"{where(exc, path)}importing the candidate raised:\n"
                         f"{traceback_tail(exc)}") from None
     if not hasattr(mod, "ModelNew"):
         raise TaskError("import", f"{path}: defines no ModelNew")
@@ -56,7 +40,7 @@ def _is_build_error(exc: Exception) -> bool:
     return "Error building extension" in str(exc)
 
 
-def _where(exc: BaseException, path: str | Path) -> str:
+def where(exc: BaseException, path: str | Path) -> str:
     """`file:line: ` of the deepest traceback frame inside the candidate file, if any."""
     target, found = str(Path(path).resolve()), ""
     tb = exc.__traceback__
@@ -72,6 +56,12 @@ def problem_module(path: str | Path) -> ModuleType:
         return load_problem(path)
     except Exception as exc:  # noqa: BLE001
         raise TaskError("reference", f"cannot load the problem: {traceback_tail(exc)}") from None
+
+
+def init_inputs(mod: ModuleType, seed: int) -> list:
+    """get_init_inputs() after torch.manual_seed(seed), as KernelBench calls it."""
+    torch.manual_seed(seed)
+    return list(mod.get_init_inputs())
 
 
 def build_model(cls, init_inputs: list, seed: int,
@@ -161,11 +151,19 @@ def sync(device: torch.device) -> None:
 
 
 def release(device: torch.device) -> None:
-    """Return cached device memory between phases, so one phase's peak cannot starve the next."""
-    import gc
-    gc.collect()
+    """Return cached device memory between phases, so one phase's peak cannot starve the next.
+    Nothing to do on the CPU. On CUDA a full gc.collect() (which frees tensors held only by
+    reference cycles, e.g. a dropped model's) runs only while more than RELEASE_GC_BYTES stay
+    allocated: it costs ~0.1-0.5 s with torch._dynamo loaded, and small problems need none."""
     if device.type == "cuda":
+        import gc
+        gc.collect(1)
+        if torch.cuda.memory_allocated(device) > RELEASE_GC_BYTES:
+            gc.collect()
         torch.cuda.empty_cache()
+
+
+RELEASE_GC_BYTES = 1 << 30
 
 
 def rng_state(device: torch.device) -> dict:

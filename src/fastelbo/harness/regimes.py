@@ -7,7 +7,6 @@ or an odd batch (tail handling), with large weights that push sigmoid/exp into s
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from types import ModuleType
 
 DEFAULT_SCALES = (4.0, 16.0)
 
@@ -34,19 +33,19 @@ def default_batch_sizes(default: int) -> list[int]:
     return [1, 2 * default + 1]
 
 
-def plan(mod: ModuleType, batch_sizes: list[int] | None = None,
+def plan(default_batch: int | None, variants: list[str], batch_sizes: list[int] | None = None,
          scales: tuple[float, ...] = DEFAULT_SCALES) -> tuple[list[Regime], list[tuple[str, str]]]:
-    """The regimes to run, and (name, reason) for those that cannot apply to this problem."""
+    """The regimes to run for a problem whose module-level `batch_size` is `default_batch`
+    (None: it has none) and whose get_input_variants() names `variants`, and (name, reason)
+    for those that cannot apply to it. Plain data in, so the harness can plan from its cache
+    without running problem code."""
     regimes, skipped = [Regime("default")], []
-    default = getattr(mod, "batch_size", None)
-    if isinstance(default, int):
-        for n in batch_sizes if batch_sizes is not None else default_batch_sizes(default):
-            if n != default:
+    if isinstance(default_batch, int):
+        for n in batch_sizes if batch_sizes is not None else default_batch_sizes(default_batch):
+            if n != default_batch:
                 regimes.append(Regime(f"batch={n}", batch_size=n))
     else:
         skipped.append(("batch sizes", "the problem has no module-level int batch_size"))
     regimes += [Regime(f"scale={s:g}", scale=s) for s in scales if s != 1]
-    variants = getattr(mod, "get_input_variants", None)
-    if callable(variants):
-        regimes += [Regime(f"variant:{name}", variant=name) for name in variants()]
+    regimes += [Regime(f"variant:{name}", variant=name) for name in variants]
     return regimes, skipped

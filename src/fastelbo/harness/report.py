@@ -1,12 +1,50 @@
-"""The check's verdict as data (for --json and tests) and as a compact table per regime."""
+"""The check's verdict as data (for --json, the API and the MCP server) and as a table.
+
+`CheckReport.to_dict()` is the one documented schema (schema.py holds it as JSON Schema, and
+tests validate every report against it). The verdict: exit 0 when every applicable trial
+passed; 1 when some judged trial was wrong, whatever else happened (a failure found in one regime
+is not hidden by an exception, crash or timeout in another); 2 when nothing was found wrong but
+something could not run (build, exception, timeout, crash, reference), always with the reason.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
-from .compare import RUN_FAILURES, Finding, TensorDiff
+# Finding categories. "Could not run" ones make `check` exit 2, the others exit 1.
+RUN_FAILURES = ("import", "build", "exception", "timeout", "crash", "reference",
+                "nondeterministic_reference")
+WRONG = ("output_count", "output_type", "shape", "dtype", "nonfinite", "mismatch",
+         "zero_output", "constant_output", "cached", "input_mutated", "rng")
+
+
+@dataclass
+class Finding:
+    category: str
+    message: str
+
+
+@dataclass
+class TensorDiff:
+    """How one output tensor of the candidate differs from the reference's."""
+    index: int
+    ok: bool
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    n_bad: int = 0
+    n_envelope: int = 0   # outside allclose, accepted only through the perturbed-reference envelope
+    message: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 
 EXIT_PASS, EXIT_WRONG, EXIT_ERROR = 0, 1, 2
 MAX_FINDING_LINES = 3  # per regime in the table; the JSON report keeps every finding
+SCHEMA_ID = "fastelbo.check/2"
+RESEEDING = ("the CPU and CUDA generators are reseeded identically before every forward of the "
+             "reference and the candidate (KernelBench seeds only before building the inputs)")
 
 
 @dataclass
@@ -17,6 +55,7 @@ class TrialReport:
     diffs: list[TensorDiff] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     ill_conditioned: int = 0  # elements accepted only through the perturbed-reference envelope
+    envelope: bool = False    # the envelope was computed for this trial (it missed allclose)
 
 
 @dataclass
@@ -25,10 +64,20 @@ class RegimeReport:
     batch_size: int | None
     scale: float
     variant: str | None
-    status: str = ""   # PASS, FAIL, N/A, REF-NONDET, NOT RUN, INCOMPLETE
+    status: str = ""   # PASS, FAIL, ERROR, N/A, REF-NONDET, NOT RUN, INCOMPLETE
     note: str = ""
     trials: list[TrialReport] = field(default_factory=list)
-    envelope_runs: int = 0   # perturbed reference runs behind the envelope; 0: allclose only
+    envelope_runs: int = 0   # perturbed reference runs behind its envelope; 0: allclose only
+
+
+@dataclass
+class CompileError:
+    """A compiler diagnostic mapped to the candidate file (line None: not found in it)."""
+    file: str
+    line: int | None
+    message: str
+    generated: str = ""
+    generated_line: int | None = None
 
 
 @dataclass
@@ -39,40 +88,52 @@ class CheckReport:
     atol: float
     rtol: float
     trials: int
+    schema: str = SCHEMA_ID
+    mode: str = "train"       # train: modules as constructed (KernelBench); eval: --eval-mode
+    reseeding: str = RESEEDING
+    kernelbench: str = ""     # what KernelBench's own eval would conclude about this pair
     weights: str = ""
     status: str = ""          # pass, incorrect, error
     exit_code: int = EXIT_ERROR
     reasons: list[str] = field(default_factory=list)
     categories: list[str] = field(default_factory=list)
+    failures: list[Finding] = field(default_factory=list)  # what could not run, in order
     regimes: list[RegimeReport] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    compile_errors: list[CompileError] = field(default_factory=list)
+    reference: str = ""       # cached, computed, partly cached, or "" when it never ran
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, and total
     output_tail: str = ""
 
     def error(self, category: str, reason: str, output_tail: str = "") -> CheckReport:
-        """Could not run: exit 2, with the reason."""
-        self.finish()
-        self.status, self.exit_code = "error", EXIT_ERROR
-        self.categories = [category] + [c for c in self.categories if c != category]
-        self.reasons.insert(0, f"[{category}] {reason}")
-        self.output_tail = output_tail
-        return self
+        """Something could not run: exit 2 with the reason, unless a judged trial was wrong
+        (exit 1 stays, and the wrong answers' reasons come first)."""
+        self.failures.append(Finding(category, reason))
+        if output_tail:
+            self.output_tail = output_tail
+        return self.finish()
 
     def finish(self) -> CheckReport:
-        """Collect the first message per category over every failed trial; set the exit code."""
+        """Collect the first message per category over every trial, then the run failures;
+        set the exit code."""
         seen = {}
         for regime in self.regimes:
             if regime.status == "REF-NONDET":
                 seen.setdefault("nondeterministic_reference",
-                               f"[nondeterministic_reference] {regime.name}: {regime.note}")
+                                f"[nondeterministic_reference] {regime.name}: {regime.note}")
             for trial in regime.trials:
                 for f in trial.findings:
                     seen.setdefault(f.category, f"[{f.category}] {regime.name}, trial "
                                                 f"{trial.index}: {f.message}")
-        self.categories, self.reasons = list(seen), list(seen.values())
-        if any(c in RUN_FAILURES for c in seen):
-            self.status, self.exit_code = "error", EXIT_ERROR
-        elif seen:
+        wrong = [c for c in seen if c in WRONG]
+        runs = [(f.category, f"[{f.category}] {f.message}") for f in self.failures]
+        runs += [(c, seen[c]) for c in seen if c not in WRONG]
+        self.categories = wrong + list(dict.fromkeys(c for c, _ in runs))
+        self.reasons = [seen[c] for c in wrong] + [r for _, r in runs]
+        if wrong:
             self.status, self.exit_code = "incorrect", EXIT_WRONG
+        elif runs:
+            self.status, self.exit_code = "error", EXIT_ERROR
         else:
             self.status, self.exit_code = "pass", EXIT_PASS
         return self
@@ -81,27 +142,40 @@ class CheckReport:
         return next(r for r in self.regimes if r.name == name)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The report as strict JSON data (schema.CHECK_REPORT): non-finite floats as strings."""
+        return _strict(asdict(self))
 
     def format(self) -> str:
         lines = [(f"check {self.candidate} against {self.problem} on {self.device} "
                   f"(atol={self.atol:g}, rtol={self.rtol:g}, {self.trials} trial(s) per regime)")]
+        mode = ("training (as constructed, as KernelBench runs them; --eval-mode for .eval())"
+                if self.mode == "train" else "eval (--eval-mode)")
+        lines.append(f"modules: {mode}; {RESEEDING}")
+        if self.kernelbench:
+            lines.append(f"KernelBench: {self.kernelbench}")
         if self.weights:
             lines.append(f"weights: {self.weights}")
         lines += [f"skipped {s}" for s in self.skipped]
         if self.regimes:
             lines.append(f"{'regime':<18} {'batch':>6} {'scale':>5}  {'status':<10} detail")
         for r in self.regimes:
-            detail = _trial_summary(r) if r.trials else ""
+            detail = _trial_summary(r) if any(t.diffs for t in r.trials) else ""
             detail = f"{detail}  ({r.note})" if detail and r.note else (detail or r.note)
             lines.append(f"{r.name:<18} {r.batch_size!s:>6} {r.scale:>5g}  {r.status:<10} "
                          f"{detail}")
             found = [(t, f) for t in r.trials for f in t.findings]
             for t, f in found[:MAX_FINDING_LINES]:
                 lines.append(f"{'':<18}   trial {t.index} (seed {t.seed}): [{f.category}] "
-                             f"{f.message}")
+                             f"{_first_lines(f.message)}")
             if len(found) > MAX_FINDING_LINES:
                 lines.append(f"{'':<18}   (+{len(found) - MAX_FINDING_LINES} more; --json has all)")
+        for e in self.compile_errors:
+            where = f"{e.file}:{e.line}" if e.line else f"{e.generated}:{e.generated_line}"
+            lines.append(f"{where}: {e.message}")
+        if self.timings:
+            lines.append("time: " + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s"
+                                              for k, v in self.timings.items())
+                         + (f" (reference {self.reference})" if self.reference else ""))
         verdict = {"pass": "PASS", "incorrect": "INCORRECT", "error": "COULD NOT RUN"}
         lines.append(f"verdict: {verdict.get(self.status, self.status)} (exit {self.exit_code})")
         lines += [f"  - {r}" for r in self.reasons]
@@ -109,6 +183,21 @@ class CheckReport:
             lines.append("worker output (tail):")
             lines += ["  " + s for s in self.output_tail.strip().splitlines()[-15:]]
         return "\n".join(lines)
+
+
+def _strict(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strict(v) for v in obj]
+    return obj
+
+
+def _first_lines(text: str, n: int = 6) -> str:
+    lines = text.splitlines()
+    return "\n".join(lines[-n:]) if len(lines) > n else text
 
 
 def _trial_summary(regime: RegimeReport) -> str:
@@ -126,3 +215,28 @@ def _trial_summary(regime: RegimeReport) -> str:
     if regime.envelope_runs:  # per trial, in trial order
         text += "  ill-conditioned: " + ", ".join(str(t.ill_conditioned) for t in regime.trials)
     return text
+
+
+def kernelbench_note(default_trials: list[dict], eval_mode: bool) -> str:
+    """One line: what KernelBench's own eval (src/kernelbench/eval.py) would make of this pair,
+    from what the reference did on get_inputs(): it runs the modules in training mode, compares
+    `output.shape` (a tuple has none), seeds only before building the inputs (a forward that
+    draws random numbers then sees other noise in the candidate) and casts every input tensor
+    to float32."""
+    if not default_trials:
+        return ""
+    t = default_trials[0]
+    problems = []
+    if t.get("tuple"):
+        problems.append("the output is a tuple (it compares output.shape)")
+    if any(tr.get("draws") for tr in default_trials):
+        problems.append("the forward draws random numbers (it does not reseed before each "
+                        "forward, so reference and candidate see different noise)")
+    if t.get("cast_inputs"):
+        problems.append("it casts every input tensor to float32 (" +
+                        ", ".join(t["cast_inputs"]) + ")")
+    if eval_mode:
+        problems.append("it runs the modules in training mode, not .eval()")
+    if not problems:
+        return "its eval would judge this pair as this check does (allclose per trial)"
+    return "its eval would not judge this pair as this check does: " + "; ".join(problems)

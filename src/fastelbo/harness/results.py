@@ -13,8 +13,6 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
-import torch
-
 
 def git_commit(cwd: str | Path | None = None) -> str:
     """Short HEAD, with "-dirty" when the tree has changes; "unknown" outside a repository.
@@ -49,6 +47,7 @@ def cpu_name() -> str:
 @cache
 def environment(device: str) -> dict:
     """Fields shared by every row measured on `device` ("cpu" or "cuda[:i]")."""
+    import torch
     try:
         import triton
         triton_version = triton.__version__

@@ -1,19 +1,24 @@
-"""What the check's workers run: the reference pass, then the candidate pass, never together.
+"""What the check's workers run: the reference pass, the candidate's build and check, envelopes.
 
-The reference worker builds `Model`, draws every trial's inputs, runs each forward twice under
-the same seed (the determinism check) and returns inputs, outputs and generator states on the
-CPU. In the parameter-scaling regimes it also reruns each trial with perturbed parameters and
-returns the envelope of those runs (compare.py says why). It exits before the candidate worker
-starts, so the candidate gets a clean device and never sees the reference's outputs. The
-candidate worker replays the same inputs and seeds.
+The reference worker builds `Model`, draws every trial's inputs and runs each forward twice
+under the same seed (the determinism check; the module's buffers are restored between the two,
+so a BatchNorm in training mode advances once per trial, as in KernelBench), and writes inputs,
+outputs and generator states to the reference cache (refcache.py), on the CPU. The candidate
+worker first imports the candidate and constructs ModelNew (the build phase, reported as soon as
+it ends), then, once the reference is ready, replays the same inputs and seeds in every regime,
+handing each regime's result over as it finishes. It never sees the reference's outputs.
+Envelopes (compare.py) are computed afterwards, and only for trials of a scaled regime where
+the candidate misses the plain tolerance.
 """
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import torch
 
-from . import loader
+from . import loader, refcache
 from .compare import (
     PERTURB_RUNS,
     compare_outputs,
@@ -23,7 +28,7 @@ from .compare import (
     unsupported_type,
 )
 from .regimes import Regime, plan
-from .worker import TaskError, progress, traceback_tail
+from .worker import BUILD, FORWARD, TaskError, emit, progress, traceback_tail
 
 
 def _nonfinite(outs: tuple) -> int:
@@ -31,69 +36,124 @@ def _nonfinite(outs: tuple) -> int:
                if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
+def device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    from .results import cpu_name
+    return cpu_name()
+
+
+def _copies(values: list) -> list:
+    """Fresh copies of the inputs: on the CPU `.to(device)` returns the very tensor, and a
+    forward that writes into its inputs must not change what the next forward sees."""
+    return [t.clone() if isinstance(t, torch.Tensor) else t for t in values]
+
+
+def _buffers(model: torch.nn.Module) -> dict:
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def _restore(model: torch.nn.Module, state: dict) -> None:
+    for n, b in model.named_buffers():
+        if n in state:
+            b.copy_(state[n])
+
+
+def _prepare(model: torch.nn.Module, scale: float, dev: torch.device, eval_mode: bool):
+    loader.scale_parameters(model, scale)
+    model = model.to(dev)
+    return model.eval() if eval_mode else model  # else as constructed: KernelBench's mode
+
+
 @torch.no_grad()
-def reference_pass(problem: str, device: str, trials: int, seed: int, atol: float, rtol: float,
-                   batch_sizes: list[int] | None, scales: tuple[float, ...]) -> dict:
+def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: float,
+                   rtol: float, trials: int, root: str, batch_sizes: list[int] | None,
+                   scales: tuple[float, ...], only: list[str] | None = None) -> dict:
+    """Write the problem's entry and each planned regime's (all, or those named in `only`)."""
     dev = torch.device(device)
+    before = set(sys.modules)
+    progress("reference: loading the problem")
     mod = loader.problem_module(problem)
-    init_inputs = list(mod.get_init_inputs())
+    variants = getattr(mod, "get_input_variants", None)
+    default = getattr(mod, "batch_size", None)
+    name = device_name(dev)
+    meta = {"default_batch": default if isinstance(default, int) else None,
+            "variants": list(variants()) if callable(variants) else [],
+            "deps": refcache.source_deps(before, problem), "device_name": name}
+    pkey = refcache.problem_key(problem, seed, device, name)
+    init_inputs = loader.init_inputs(mod, seed)
     ref, _ = loader.build_model(mod.Model, init_inputs, seed)
     state_dict = {k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}
     del ref
-    regimes, skipped = plan(mod, batch_sizes, scales)
-    out = {"init_inputs": init_inputs, "state_dict": state_dict, "regimes": [],
-           "skipped": skipped, "default_batch": getattr(mod, "batch_size", None)}
+    refcache.save({"init_inputs": init_inputs, "state_dict": state_dict},
+                  refcache.path(root, pkey, "init.pt"))
+    refcache.save(meta, refcache.path(root, pkey, "meta.json"))
+    refcache.save_device_hint(root, device, name)
+    digest = refcache.deps_digest(meta["deps"])
+    regimes, _ = plan(meta["default_batch"], meta["variants"], batch_sizes, scales)
+    done = []
     for regime in regimes:
-        out["regimes"].append(_reference_regime(mod, regime, init_inputs, dev, trials, seed,
-                                                atol, rtol))
+        if only is not None and regime.name not in only:
+            continue
+        entry, inputs = _reference_regime(mod, regime, init_inputs, dev, trials, seed, atol,
+                                          rtol, eval_mode)
+        rkey = refcache.regime_key(pkey, digest, regime.to_dict(), eval_mode, atol, rtol)
+        inputs_file, ref_file = refcache.regime_files(root, rkey, trials)
+        refcache.save(inputs, inputs_file)
+        refcache.save(entry, ref_file)
+        refcache.save(trials, refcache.path(root, rkey, "count"))
+        done.append(regime.name)
         loader.release(dev)
-    return out
+    return {"pkey": pkey, "meta": meta, "computed": done}
 
 
-def _reference_regime(mod, regime: Regime, init_inputs, dev, trials, seed, atol, rtol) -> dict:
-    runs = PERTURB_RUNS if regime.perturbed_reference else 0
-    entry = {**regime.to_dict(), "applicable": True, "reason": "", "trials": [],
-             "envelope_runs": runs}
+def _reference_regime(mod, regime: Regime, init_inputs, dev, trials, seed, atol, rtol,
+                      eval_mode) -> tuple[dict, list]:
+    entry = {**regime.to_dict(), "applicable": True, "reason": "", "note": "", "trials": []}
+    inputs_all = []
     default = regime.name == "default"
     try:
         model, _ = loader.build_model(mod.Model, init_inputs, seed)
-        loader.scale_parameters(model, regime.scale)
-        model.to(dev).eval()
+        model = _prepare(model, regime.scale, dev, eval_mode)
+        entry["training"] = bool(model.training)
         for t in range(trials):
             progress(f"reference, regime {regime.name}, trial {t}")
             inputs = loader.draw_inputs(mod, 1000 * (t + 1) + seed, regime.batch_size,
                                         regime.variant)
-            trial = _reference_trial(model, inputs, seed + t, dev, atol, rtol)
-            if runs:
-                trial["envelope"], trial["fragile"] = _envelope(
-                    model, inputs, seed + t, dev, runs, f"regime {regime.name}, trial {t}",
-                    trial["outputs"])
-            entry["trials"].append(trial)
+            entry["trials"].append(_reference_trial(model, inputs, seed + t, dev, atol, rtol))
+            inputs_all.append(inputs)
+    except TaskError:
+        raise
     except Exception as exc:  # noqa: BLE001 - a reference that raises makes the regime moot
         if default:
             raise TaskError("reference", f"the reference raised on get_inputs():\n"
                                          f"{traceback_tail(exc)}") from None
-        entry.update(applicable=False, reason=f"reference raised {type(exc).__name__}: {exc}")
-        return entry
+        entry.update(applicable=False, trials=[],
+                     reason=f"the reference itself raised {type(exc).__name__}: "
+                            f"{str(exc).strip().splitlines()[0][:300] if str(exc) else ''}")
+        return entry, []
     bad = sum(_nonfinite(tr["outputs"]) for tr in entry["trials"])
-    if bad and runs:
+    if bad and regime.perturbed_reference:
         # Overflow is part of what a scale regime tests: NaN/inf positions must match the
-        # reference's, except where the perturbed runs disagree on finiteness (fragile).
-        fragile = sum(int(m.sum()) for tr in entry["trials"] for m in tr["fragile"]
-                      if m is not None)
-        entry["note"] = (f"reference gives {bad} non-finite output element(s): positions "
-                         f"judged, {fragile} fragile (finite in only some perturbed runs) "
-                         f"excluded")
+        # reference's, except where perturbed runs disagree on finiteness (fragile).
+        entry["note"] = f"reference gives {bad} non-finite output element(s): positions judged"
     elif bad and not default:
-        entry.update(applicable=False,
+        entry.update(applicable=False, trials=[],
                      reason=f"reference gives {bad} non-finite output element(s)")
-    return entry
+        return entry, []
+    return entry, inputs_all
+
+
+def _rng_equal(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _reference_trial(model, inputs, seed, dev, atol, rtol) -> dict:
-    x = loader.to_device(inputs, dev)
+    state = _buffers(model)
     torch.manual_seed(seed)  # seeds the CPU and every CUDA generator
-    first = loader.to_host(model(*x))
+    seeded = loader.rng_state(dev)
+    raw = model(*loader.to_device(_copies(inputs), dev))
+    first = loader.to_host(raw)
     bad = [f"output {i} is a {name}" for i, o in enumerate(first)
            if (name := unsupported_type(o)) is not None]
     if bad:
@@ -101,21 +161,153 @@ def _reference_trial(model, inputs, seed, dev, atol, rtol) -> dict:
                         f"(tensors and plain Python numbers only): {'; '.join(bad)}")
     loader.sync(dev)
     rng = loader.rng_state(dev)
+    after = _buffers(model)
+    _restore(model, state)
     torch.manual_seed(seed)
-    second = loader.to_host(model(*x))
+    second = loader.to_host(model(*loader.to_device(_copies(inputs), dev)))
+    _restore(model, after)
     same = compare_outputs(first, second, atol, rtol)
-    return {"seed": seed, "inputs": inputs, "outputs": first, "rng": rng,
-            "deterministic": same.ok, "bitwise": identical(first, second),
-            "determinism_note": "; ".join(f.message for f in same.findings)}
+    return {"seed": seed, "outputs": first, "rng": rng, "deterministic": same.ok,
+            "bitwise": identical(first, second),
+            "determinism_note": "; ".join(f.message for f in same.findings),
+            # What KernelBench's own eval would make of this trial (report.kernelbench_note).
+            "tuple": isinstance(raw, (tuple, list)), "draws": not _rng_equal(seeded, rng),
+            "cast_inputs": [f"input {i} is {str(t.dtype).replace('torch.', '')}"
+                            for i, t in enumerate(inputs)
+                            if isinstance(t, torch.Tensor) and t.dtype != torch.float32]}
+
+
+# ---- The candidate worker: build first (fail fast), check once the reference is ready. ----
+
+_built: dict = {}  # candidate path -> its module, imported by build_candidate
+
+
+def build_candidate(candidate: str, problem: str, device: str, seed: int) -> dict:
+    """Import the candidate (building what it compiles at import) and construct ModelNew once
+    on the device (building what its constructor compiles), before any reference work ends."""
+    dev = torch.device(device)
+    start = time.perf_counter()
+    progress("build: importing the candidate (building its extensions)", BUILD)
+    module = loader.import_candidate(candidate)
+    import_s = time.perf_counter() - start
+    progress("build: loading the problem's get_init_inputs()", BUILD)
+    init_inputs = loader.init_inputs(loader.problem_module(problem), seed)
+    progress("build: constructing ModelNew", BUILD)
+    try:
+        model, _ = loader.build_model(module.ModelNew, init_inputs, seed)
+        model.to(dev)
+        loader.sync(dev)
+    except Exception as exc:  # noqa: BLE001 - the candidate's failure, not the harness's
+        raise TaskError("exception", f"{loader.where(exc, candidate)}ModelNew(*get_init_inputs()) "
+                        f"raised:\n{traceback_tail(exc)}") from None
+    del model
+    loader.release(dev)
+    _built[candidate] = module
+    return {"build_s": time.perf_counter() - start, "import_s": import_s,
+            "device_name": device_name(dev)}
+
+
+@torch.no_grad()
+def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, init_file: str,
+                    regimes: list[dict]) -> dict:
+    """Replay each regime ({name, scale, inputs: file, seeds}) on ModelNew, handing over each
+    regime's {name, weights, trials, error} as it ends. An exception ends its regime only;
+    after one that leaves the device unusable (a sticky CUDA error), the check stops."""
+    dev = torch.device(device)
+    module = _built.get(candidate)
+    if module is None:
+        progress("importing the candidate", BUILD)
+        module = loader.import_candidate(candidate)
+    progress("candidate: loading the reference's weights")
+    init = refcache.load(Path(init_file))
+    for regime in regimes:
+        name = regime["name"]
+        progress(f"candidate, regime {name}: loading its inputs")
+        inputs = refcache.load(Path(regime["inputs"]))
+        done = {"name": name, "weights": "", "trials": [], "error": None}
+        where, model = f"regime {name}", None
+        try:
+            progress(f"candidate, regime {name}, constructing ModelNew", BUILD)
+            model, done["weights"] = loader.build_model(module.ModelNew, init["init_inputs"],
+                                                        seed, init["state_dict"])
+            model = _prepare(model, regime["scale"], dev, eval_mode)
+            for t, s in enumerate(regime["seeds"]):
+                where = f"regime {name}, trial {t}"
+                progress(f"candidate, {where}", FORWARD)
+                done["trials"].append(_candidate_trial(model, inputs[t], s, dev))
+        except Exception as exc:  # noqa: BLE001 - reported as the candidate's failure
+            done["error"] = {"where": where, "message": traceback_tail(exc)}
+        emit(done)
+        del model
+        loader.release(dev)
+        if done["error"] and not _usable(dev):
+            break
+    return {}
+
+
+def _usable(dev: torch.device) -> bool:
+    """False after a sticky CUDA error (an illegal address): every later call would fail."""
+    if dev.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(dev)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _candidate_trial(model, inputs: list, seed: int, dev) -> dict:
+    x = loader.to_device(inputs, dev)
+    saved = [t.clone() if isinstance(t, torch.Tensor) else t for t in x]
+    torch.manual_seed(seed)
+    outputs = loader.to_host(model(*x))
+    loader.sync(dev)
+    rng = loader.rng_state(dev)
+    mutated = [i for i, (a, b) in enumerate(zip(x, saved))
+               if isinstance(a, torch.Tensor) and not identical((a,), (b,))]
+    return {"outputs": outputs, "rng": rng, "mutated": mutated}
+
+
+# ---- Envelopes: only for the trials where a candidate missed the plain tolerance. ----
+
+@torch.no_grad()
+def envelope_pass(problem: str, device: str, seed: int, eval_mode: bool, init_file: str,
+                  requests: list[dict]) -> dict:
+    """Per request ({regime, inputs, ref, trials: {t: output file}}): rebuild the regime's
+    reference model, replay its trials in order (so module state evolves as in the reference
+    pass) and write the envelope of each requested trial."""
+    dev = torch.device(device)
+    mod = loader.problem_module(problem)
+    init_inputs = refcache.load(Path(init_file))["init_inputs"]
+    for req in requests:
+        regime = Regime(**req["regime"])
+        inputs = refcache.load(Path(req["inputs"]))
+        ref = refcache.load(Path(req["ref"]))
+        wanted = {int(t): Path(f) for t, f in req["trials"].items()}
+        model, _ = loader.build_model(mod.Model, init_inputs, seed)
+        model = _prepare(model, regime.scale, dev, eval_mode)
+        last = max(wanted)
+        for t in range(last + 1):
+            if t in wanted:
+                (lo, hi), fragile = _envelope(model, inputs[t], seed + t, dev, PERTURB_RUNS,
+                                              f"regime {regime.name}, trial {t}",
+                                              ref["trials"][t]["outputs"])
+                refcache.save({"lo": lo, "hi": hi, "fragile": fragile}, wanted[t])
+            if t < last:  # the trial's plain forward: module state moves on as it did
+                torch.manual_seed(seed + t)
+                model(*loader.to_device(_copies(inputs[t]), dev))
+        del model
+        loader.release(dev)
+    return {}
 
 
 @torch.no_grad()
 def _envelope(model, inputs, seed, dev, runs: int, where: str = "",
               ref_outputs: tuple = ()) -> tuple[list[tuple], list]:
     """([lo, hi], fragile): elementwise min and max of the outputs of `runs` forwards with
-    perturbed parameters, each under the trial's seed (same noise as the plain run), and per
-    output of `ref_outputs` a bool mask of the elements whose finiteness differs between the
-    plain run and some perturbed run (None for non-float outputs).
+    perturbed parameters, each under the trial's seed (same noise as the plain run) and from
+    the same module state, and per output of `ref_outputs` a bool mask of the elements whose
+    finiteness differs between the plain run and some perturbed run (None for non-float ones).
 
     Only the bounds go back, not every run: envelope_accepts([ref, lo, hi]) equals it over all
     runs (torch.minimum/maximum propagate NaN and keep +-inf, so an element non-finite in any run
@@ -123,9 +315,9 @@ def _envelope(model, inputs, seed, dev, runs: int, where: str = "",
     """
     fragile = [torch.zeros(o.shape, dtype=torch.bool) if _is_float(o) else None
                for o in ref_outputs]
-    x = loader.to_device(inputs, dev)
     params = [p for p in model.parameters() if p.is_floating_point()]
     saved = [p.detach().clone() for p in params]
+    state = _buffers(model)
     gen = torch.Generator().manual_seed(seed)  # deterministic, and the global RNGs stay untouched
     lo = hi = None
     try:
@@ -133,8 +325,9 @@ def _envelope(model, inputs, seed, dev, runs: int, where: str = "",
             progress(f"reference, {where}, perturbed run {r}")
             for p, q in zip(params, perturbed(saved, gen)):
                 p.copy_(q)
+            _restore(model, state)
             torch.manual_seed(seed)
-            out = loader.to_host(model(*x))
+            out = loader.to_host(model(*loader.to_device(_copies(inputs), dev)))
             for i, (m, a, b) in enumerate(zip(fragile, ref_outputs, out)):
                 if m is not None and _is_float(b) and b.shape == a.shape:
                     fragile[i] = m | finiteness_differs(a, b)
@@ -143,6 +336,7 @@ def _envelope(model, inputs, seed, dev, runs: int, where: str = "",
     finally:
         for p, q in zip(params, saved):
             p.copy_(q)
+        _restore(model, state)
     return [lo, hi], fragile
 
 
@@ -160,64 +354,6 @@ def _fold(op):
     return fold
 
 
-@torch.no_grad()
-def candidate_pass(candidate: str, device: str, seed: int, init_inputs: list,
-                   state_dict: dict, regimes: list[dict]) -> dict:
-    """Replay every applicable regime's trials on ModelNew; stop at the first exception."""
-    dev = torch.device(device)
-    progress("importing the candidate")
-    cls = loader.import_candidate(candidate).ModelNew
-    out = {"weights": "", "regimes": [], "error": None}
-    for regime in regimes:
-        done = {"name": regime["name"], "trials": []}
-        out["regimes"].append(done)
-        where = f"regime {regime['name']}"
-        try:
-            progress(f"candidate, {where}, constructing ModelNew")
-            model, out["weights"] = loader.build_model(cls, init_inputs, seed, state_dict)
-            loader.scale_parameters(model, regime["scale"])
-            model.to(dev).eval()
-            for t, trial in enumerate(regime["trials"]):
-                where = f"regime {regime['name']}, trial {t}"
-                progress(f"candidate, {where}")
-                done["trials"].append(_candidate_trial(model, trial, dev))
-        except Exception as exc:  # noqa: BLE001 - reported as the candidate's failure
-            out["error"] = {"where": where, "message": traceback_tail(exc)}
-            return out
-        del model
-        loader.release(dev)
-    return out
-
-
-def _candidate_trial(model, trial: dict, dev) -> dict:
-    x = loader.to_device(trial["inputs"], dev)
-    saved = [t.clone() if isinstance(t, torch.Tensor) else t for t in x]
-    torch.manual_seed(trial["seed"])
-    outputs = loader.to_host(model(*x))
-    loader.sync(dev)
-    rng = loader.rng_state(dev)
-    mutated = [i for i, (a, b) in enumerate(zip(x, saved))
-               if isinstance(a, torch.Tensor) and not identical((a,), (b,))]
-    return {"outputs": outputs, "rng": rng, "mutated": mutated}
-
-
-def warm_up(candidate: str, device: str, init_inputs: list, inputs: list) -> dict:
-    """Import the candidate, construct ModelNew and run one forward, output discarded: whatever
-    the candidate compiles, at import or lazily on its first call (load_inline, Triton), is
-    built and cached before the timed candidate pass, so a cold build has its own budget."""
-    dev = torch.device(device)
-    progress("warm-up: importing the candidate (building its extensions)")
-    cls = loader.import_candidate(candidate).ModelNew
-    progress("warm-up: constructing ModelNew")
-    model, _ = loader.build_model(cls, init_inputs, 0)
-    model.to(dev).eval()
-    progress("warm-up: first forward (lazy builds)")
-    with torch.no_grad():
-        model(*loader.to_device(inputs, dev))
-    loader.sync(dev)
-    return {}
-
-
 def import_only(candidate: str) -> dict:
     """Import the candidate (building any inline extension) and list the extensions it loaded.
 
@@ -225,8 +361,6 @@ def import_only(candidate: str) -> dict:
     the extension build root (files written during the import) are searched as well.
     """
     import os
-    import sys
-    import time
     from types import ModuleType
 
     from torch.utils.cpp_extension import get_default_build_root

@@ -1,36 +1,61 @@
-"""Run one harness task in a fresh process, so that candidate code cannot hurt the harness.
+"""Run harness tasks in fresh worker processes, so that candidate code cannot hurt the harness.
 
-The parent writes a task (a dict naming a function `module:name` and its arguments) with
-torch.save, starts `python -m fastelbo.harness.worker TASK RESULT PROGRESS` in a new session,
-and waits with a timeout. A hang is killed with its whole process group (nvcc, ninja included);
-a crash shows up as a signal or exit code; an exception comes back as its traceback. Results are
-read back with `weights_only=True`, so a result cannot execute code in the harness.
+A `Worker` is one `python -m fastelbo.harness.worker` in its own session. The parent sends it
+tasks one at a time (a pickled dict naming a function `module:name` and its keyword arguments)
+over a pipe; the worker runs each and answers over a second pipe with short lines: a new step
+began (with the limit that applies to it), a heartbeat while its main thread is inside build
+machinery (cpp_extension, Triton, Inductor, or any child process such as nvcc or ptxas), a
+partial result, done. The parent enforces every limit, so a worker that hangs holding the GIL
+is still stopped: the task's total; each step's (a forward gets the forward limit, an import or
+a constructor the build limit), where a forward that is building gets the build limit. A hang
+is killed with the worker's whole process group (nvcc and ninja included); a crash shows as a
+signal or exit code; an exception comes back as its traceback. Results are read back with
+`weights_only=True`, so a result cannot execute code in the harness.
+
+The parent side imports no torch until it reads a result: the CLI starts its workers first,
+and they import torch while it does. A worker runs one candidate at most: `WorkerPool` keeps
+started spares so that a long-lived process (the server) never waits for an import.
 """
 from __future__ import annotations
 
 import importlib
 import os
+import pickle
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 TAIL_CHARS = 4000
+HEARTBEAT_S = 0.5
+STARTUP_TIMEOUT = 600.0  # from spawn to the task's first step: the worker's own imports
+# Code under these paths is a compiler at work, not the candidate: a forward inside it (a lazy
+# nvcc, Triton or Inductor build on first call) is held to the build limit, not the forward's.
+BUILD_MACHINERY = (f"{os.sep}torch{os.sep}utils{os.sep}cpp_extension.py",
+                   f"{os.sep}torch{os.sep}_inductor{os.sep}",
+                   f"{os.sep}torch{os.sep}_dynamo{os.sep}",
+                   f"{os.sep}triton{os.sep}")
+# Step limit classes, sent with each step: total only, the build limit, the forward limit.
+TOTAL, BUILD, FORWARD = "t", "b", "f"
 
 
 @dataclass
 class WorkerOutcome:
-    """`result` when the task returned; otherwise `category` and `reason` say what happened."""
+    """`result` when the task returned; otherwise `category` and `reason` say what happened.
+    `partials` holds what the task emitted before it ended, however it ended."""
     result: dict | None
     category: str = ""
     reason: str = ""
     output_tail: str = ""
     progress: str = ""
+    partials: list = field(default_factory=list)
+    seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -46,60 +71,234 @@ def _describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the worker's own session: it and its children (nvcc, ninja, compile workers)."""
+class Worker:
+    """One started worker process; `run` sends it a task and waits under the task's limits."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        self.tmp = Path(tempfile.mkdtemp(prefix="fastelbo-worker-"))
+        cmd_r, self._cmd = os.pipe()
+        self._msg, msg_w = os.pipe()
+        self._log_path = self.tmp / "output.log"
+        with open(self._log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "fastelbo.harness.worker", str(cmd_r), str(msg_w),
+                 str(self.tmp)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, pass_fds=(cmd_r, msg_w),
+                env={**os.environ, **env} if env else None)
+        os.close(cmd_r)
+        os.close(msg_w)  # the worker holds the only write end: EOF means it is gone
+        self._buf = b""
+        self._tasks = 0
+        self.progress = ""
+
+    def run(self, func: str, kwargs: dict, *, timeout: float, forward_timeout: float | None = None,
+            build_timeout: float | None = None) -> WorkerOutcome:
+        """Run `func(**kwargs)` in the worker. `timeout` bounds the whole task from its first
+        message (a worker still starting has STARTUP_TIMEOUT); a step the task marks as a
+        forward gets `forward_timeout` (while it builds, up to `build_timeout`), a step marked
+        as a build gets `build_timeout`. On a timeout or crash the worker is gone."""
+        self._tasks += 1
+        task = self.tmp / f"task{self._tasks}.pkl"
+        task.write_bytes(pickle.dumps({"func": func, "kwargs": kwargs}))
+        start = time.monotonic()
+        outcome = WorkerOutcome(None)
+        try:
+            os.write(self._cmd, f"{task}\n".encode())
+            self._wait(outcome, start, timeout, forward_timeout, build_timeout)
+        except BrokenPipeError:
+            self._died(outcome)
+        except BaseException:
+            # Ctrl-C (or any error) here: the worker runs in its own session, so the
+            # terminal's SIGINT never reaches it; without this it would run on, orphaned.
+            self.kill()
+            raise
+        outcome.seconds = time.monotonic() - start
+        outcome.progress = self.progress
+        if not outcome.ok:
+            outcome.output_tail = self.output_tail()
+        return outcome
+
+    def _wait(self, outcome: WorkerOutcome, start: float, timeout: float,
+              forward_timeout: float | None, build_timeout: float | None) -> None:
+        # Until the task's first step the worker may still be starting (importing torch on a
+        # loaded machine): that has its own limit, and the task's limits start after it.
+        total_end, total_why = start + STARTUP_TIMEOUT, (f"the worker did not start within "
+                                                         f"{STARTUP_TIMEOUT:g} s")
+        step_start, step_end, step_cls, started = start, None, TOTAL, False
+        while True:
+            now = time.monotonic()
+            ends = [(total_end, total_why)]
+            if step_end is not None:
+                ends.append((step_end, _step_reason(step_cls, forward_timeout, build_timeout,
+                                                    step_end - step_start)))
+            end, why = min(ends)
+            if now >= end:
+                self.kill()
+                outcome.category = "timeout"
+                outcome.reason = why + (f" (during {self.progress})" if self.progress else "")
+                return
+            line = self._next_line(min(end - now, 1.0))
+            if line is None:  # nothing yet
+                if self.proc.poll() is not None:
+                    return self._died(outcome)
+                continue
+            if line == "":
+                return self._died(outcome)
+            kind, _, rest = line.partition(" ")
+            now = time.monotonic()
+            if not started:
+                started = True
+                total_end, total_why = now + timeout, f"timeout after {timeout:g} s"
+            if kind == "P":
+                step_cls, _, self.progress = rest.partition(" ")
+                step_start = now
+                limit = {BUILD: build_timeout, FORWARD: forward_timeout}.get(step_cls)
+                step_end = now + limit if limit else None
+            elif kind == "B" and step_cls in (FORWARD, "fb") and step_end is not None \
+                    and build_timeout:
+                # A build inside a forward: keep it alive, up to the build limit.
+                step_end = min(max(step_end, now + forward_timeout), step_start + build_timeout)
+                step_cls = "fb"
+            elif kind == "R":
+                try:
+                    outcome.partials.append(_load(Path(rest)))
+                except Exception as exc:  # noqa: BLE001 - what the worker sent is its fault
+                    self.kill()
+                    outcome.category = "exception"
+                    outcome.reason = f"a partial result could not be read: {_load_error(exc)}"
+                    return
+            elif kind == "D":
+                return _read_result(outcome, Path(rest))
+
+    def _next_line(self, wait: float) -> str | None:
+        """The next message line; None when none came within `wait` s; "" at end of file."""
+        while b"\n" not in self._buf:
+            ready, _, _ = _select([self._msg], wait)
+            if not ready:
+                return None
+            chunk = os.read(self._msg, 65536)
+            if not chunk:
+                return ""
+            self._buf += chunk
+            wait = 0.0
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line.decode(errors="replace")
+
+    def _died(self, outcome: WorkerOutcome) -> None:
+        code = self.proc.wait()
+        self.kill()
+        outcome.category = "crash"
+        outcome.reason = f"crashed: {_describe_exit(code)}" + (
+            f" (during {self.progress})" if self.progress else "")
+
+    def output_tail(self) -> str:
+        try:
+            return self._log_path.read_text(errors="replace")[-TAIL_CHARS:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the worker's own session: it and its children (nvcc, ninja, compile workers)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def close(self) -> None:
+        self.kill()
+        for fd in (self._cmd, self._msg):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        import shutil
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _select(fds, wait):
+    return select.select(fds, [], [], max(wait, 0.0))
+
+
+def _step_reason(cls: str, forward_timeout, build_timeout, limit: float) -> str:
+    if cls == FORWARD:
+        return f"the forward did not return within {forward_timeout:g} s (the forward limit)"
+    if cls == "fb":
+        return (f"the forward was still building after {limit:g} s (the build limit, "
+                f"{build_timeout:g} s)")
+    return f"no progress within {build_timeout:g} s (the build limit)"
+
+
+def _load(path: Path):
+    import torch
+    return torch.load(path, weights_only=True)
+
+
+def _read_result(outcome: WorkerOutcome, path: Path) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+        data = _load(path)
+        if not isinstance(data, dict):
+            raise TypeError(f"the result is a {type(data).__name__}, not a dict")
+    except Exception as exc:  # noqa: BLE001 - a result we cannot read is the task's fault
+        outcome.category = "exception"
+        outcome.reason = ("the worker's result could not be read back safely (it holds objects "
+                          f"other than tensors and plain Python values): {_load_error(exc)}")
+        return
+    if "worker_error" in data:
+        outcome.category = data.get("category", "exception")
+        outcome.reason = data["worker_error"]
+        return
+    outcome.result = data
+
+
+class WorkerPool:
+    """Started spare workers: `take()` hands one out at once and starts its replacement, so a
+    long-lived caller pays a worker's start-up (importing torch, a CUDA context) off the clock.
+    `device` makes each spare create its CUDA context before it is taken. Each worker taken is
+    the caller's to close; it never goes back (a worker runs one candidate at most)."""
+
+    def __init__(self, spares: int = 1, *, env: dict[str, str] | None = None,
+                 device: str | None = None):
+        self.env = {**(env or {}), **({WARM_DEVICE_ENV: device} if device else {})}
+        self.spares = spares
+        self._idle: list[Worker] = []
+        self._lock = threading.Lock()
+        self.fill()
+
+    def fill(self) -> None:
+        with self._lock:
+            while len(self._idle) < self.spares:
+                self._idle.append(Worker(self.env))
+
+    def take(self) -> Worker:
+        with self._lock:
+            alive = [w for w in self._idle if w.proc.poll() is None]
+            for w in self._idle:
+                if w not in alive:
+                    w.close()
+            self._idle = alive
+            worker = self._idle.pop(0) if self._idle else Worker(self.env)
+        self.fill()
+        return worker
+
+    def close(self) -> None:
+        with self._lock:
+            for w in self._idle:
+                w.close()
+            self._idle = []
+            self.spares = 0
 
 
 def run_task(func: str, timeout: float, *, env: dict[str, str] | None = None,
              **kwargs) -> WorkerOutcome:
-    """Run `func(**kwargs)` (func = "module:name") in a spawned worker with a timeout; `env`
+    """Run `func(**kwargs)` (func = "module:name") in a fresh worker with a timeout; `env`
     adds to (or overrides) the worker's environment, which is otherwise the harness's own."""
-    with tempfile.TemporaryDirectory(prefix="fastelbo-worker-") as tmp:
-        tmp = Path(tmp)
-        task, result, progress, log = (tmp / n for n in ("task.pt", "result.pt", "progress",
-                                                         "output.log"))
-        torch.save({"func": func, "kwargs": kwargs}, task)
-        cmd = [sys.executable, "-m", "fastelbo.harness.worker", str(task), str(result),
-               str(progress)]
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env={**os.environ, **env} if env else None)
-            try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                code = None
-            except BaseException:
-                # Ctrl-C (or any error) here: the worker runs in its own session, so the
-                # terminal's SIGINT never reaches it; without this it would run on, orphaned.
-                _kill_group(proc)
-                raise
-        tail = log.read_text(errors="replace")[-TAIL_CHARS:]
-        where = progress.read_text() if progress.exists() else ""
-        if code is None:
-            return WorkerOutcome(None, "timeout", f"timeout after {timeout:g} s"
-                                 + (f" (during {where})" if where else ""), tail, where)
-        if result.exists():
-            try:
-                data = torch.load(result, weights_only=True)
-                if not isinstance(data, dict):
-                    raise TypeError(f"the result is a {type(data).__name__}, not a dict")
-            except Exception as exc:  # noqa: BLE001 - a result we cannot read is the task's fault
-                return WorkerOutcome(None, "exception", "the worker's result could not be read "
-                                     "back safely (it holds objects other than tensors and "
-                                     f"plain Python values): {_load_error(exc)}", tail, where)
-            if "worker_error" in data:
-                return WorkerOutcome(None, data.get("category", "exception"),
-                                     data["worker_error"], tail, where)
-            return WorkerOutcome(data, output_tail=tail, progress=where)
-        return WorkerOutcome(None, "crash", f"crashed: {_describe_exit(code)}"
-                             + (f" (during {where})" if where else ""), tail, where)
+    worker = Worker(env)
+    try:
+        return worker.run(func, kwargs, timeout=timeout)
+    finally:
+        worker.close()
 
 
 def _first_line(exc: BaseException, chars: int = 500) -> str:
@@ -116,6 +315,16 @@ def _load_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {_first_line(exc)}"
 
 
+def traceback_tail(exc: BaseException, lines: int = 12) -> str:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# ---- The worker side: everything below runs in the worker process. ----
+
+WARM_DEVICE_ENV = "FASTELBO_WORKER_DEVICE"
+
+
 class TaskError(Exception):
     """Raised inside a task to report a failure with a category (e.g. "import", "build")."""
 
@@ -124,23 +333,75 @@ class TaskError(Exception):
         self.category = category
 
 
-_progress_path: Path | None = None
+_channel: int | None = None
+_channel_lock = threading.Lock()
+_tmp: Path | None = None
+_emitted = 0
+_busy = threading.Event()
 
 
-def progress(message: str) -> None:
-    """Record what the worker is doing, so a timeout or crash can say where it happened."""
-    if _progress_path is not None:
-        _progress_path.write_text(message)
+def _send(line: str) -> None:
+    if _channel is None:
+        return
+    data = (line.replace("\n", " ")[:3000] + "\n").encode()
+    with _channel_lock:
+        try:
+            os.write(_channel, data)
+        except (BrokenPipeError, OSError):
+            os._exit(1)  # the harness is gone: nothing left to report to
 
 
-def traceback_tail(exc: BaseException, lines: int = 12) -> str:
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
-    return "\n".join(text.splitlines()[-lines:])
+def progress(message: str, limit: str = TOTAL) -> None:
+    """Say what the worker is doing (a timeout or crash names it) and start a step under
+    `limit`: TOTAL (the task's limit only), BUILD or FORWARD."""
+    _send(f"P {limit} {message}")
 
 
-def _save_result(out, path: Path) -> None:
-    """Write the result atomically (temp file, then os.replace): the parent sees a whole result
-    or none. A result torch.save cannot write (an unpicklable object) becomes an error result."""
+def emit(obj: dict) -> None:
+    """Hand a partial result to the parent now: kept even if the task later crashes or hangs."""
+    global _emitted
+    _emitted += 1
+    path = _save(obj, _tmp / f"partial{_emitted}.pt")
+    _send(f"R {path}")
+
+
+def in_build_machinery(frame) -> bool:
+    """Whether `frame` or one of its callers is compiler code (BUILD_MACHINERY)."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if any(part in name for part in BUILD_MACHINERY):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _has_children() -> bool:
+    """A child process alive (nvcc, ninja, ptxas): /proc lists each thread's children."""
+    try:
+        for task in os.scandir("/proc/self/task"):
+            with open(f"{task.path}/children") as f:
+                if f.read().strip():
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def _watchdog(main_ident: int) -> None:
+    while True:
+        time.sleep(HEARTBEAT_S)
+        if not _busy.is_set():
+            continue
+        frame = sys._current_frames().get(main_ident)
+        if (frame is not None and in_build_machinery(frame)) or _has_children():
+            _send("B")
+        del frame
+
+
+def _save(out, path: Path) -> Path:
+    """torch.save to a temp file, then os.replace: the parent sees a whole result or none. A
+    result torch.save cannot write (an unpicklable object) becomes an error result."""
+    import torch
     tmp = path.with_name(path.name + ".tmp")
     try:
         torch.save(out, tmp)
@@ -150,21 +411,44 @@ def _save_result(out, path: Path) -> None:
                "category": "exception"}
         torch.save(out, tmp)
     os.replace(tmp, path)
+    return path
 
 
-def main(argv: list[str]) -> int:
-    global _progress_path
-    task_path, result_path, _progress_path = argv[0], argv[1], Path(argv[2])
-    task = torch.load(task_path, weights_only=False)  # written by the harness itself
+def _run_one(task_path: Path) -> Path:
+    task = pickle.loads(task_path.read_bytes())  # written by the harness itself
     module, name = task["func"].split(":")
+    progress(f"starting {task['func']}")  # the task's own limits start here
+    _busy.set()
     try:
         out = getattr(importlib.import_module(module), name)(**task["kwargs"])
     except TaskError as exc:
         out = {"worker_error": str(exc), "category": exc.category}
     except BaseException as exc:  # noqa: BLE001 - the report must carry whatever went wrong
         out = {"worker_error": traceback_tail(exc), "category": "exception"}
-    _save_result(out, Path(result_path))
+    finally:
+        _busy.clear()
     sys.stdout.flush()
+    sys.stderr.flush()
+    return _save(out, task_path.with_suffix(".result.pt"))
+
+
+def main(argv: list[str]) -> int:
+    global _channel, _tmp
+    cmd_fd, _channel, _tmp = int(argv[0]), int(argv[1]), Path(argv[2])
+    import torch  # the start-up cost a spare worker pays before it is taken
+
+    from . import tasks  # noqa: F401  (the check's tasks, imported before the first one)
+    device = os.environ.get(WARM_DEVICE_ENV)
+    if device and device.startswith("cuda") and torch.cuda.is_available():
+        torch.empty(0, device=device)  # create the CUDA context now
+    threading.Thread(target=_watchdog, args=(threading.get_ident(),), daemon=True).start()
+    with os.fdopen(cmd_fd, "r") as commands:
+        for line in commands:
+            path = line.strip()
+            if not path:
+                break
+            result = _run_one(Path(path))
+            _send(f"D {result}")
     # Skip interpreter teardown: a candidate's atexit hooks or CUDA context must not change
     # the verdict once the result is on disk.
     os._exit(0)

@@ -1,0 +1,158 @@
+"""The harness's own timing: whole-process wall time of `fastelbo check`, against issue #21's targets.
+
+Each case runs `python -m fastelbo.cli check PROBLEM CANDIDATE --device D` as a new process and
+times it from spawn to exit (median of --repeats). "cold" gives every run an empty reference
+cache; "warm" fills the cache once, untimed, then times checks that read it. Cases: the VAE with
+fastelbo's plain-PyTorch candidate (cold and warm), a candidate with a syntax error, one whose
+forward hangs (reported at --forward-timeout), and KernelBench-style level-1 (ReLU) and level-2
+(Gemm + BatchNorm in training mode) pairs from tests/; `--pair PROBLEM CANDIDATE` adds any
+other (a KernelBench problem at its current size, on the GPU). Rows (JSON lines, tagged with the
+device, torch version, commit and date) are appended to --out; a table goes to stdout.
+
+    python benchmarks/harness_timing.py --device cpu --out benchmarks/results/harness_timing.jsonl
+    python benchmarks/harness_timing.py --device cuda --pair level1/19_ReLU.py relu_new.py
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+SYNTAX_ERROR = '"""A syntax error on line 3."""\n\nclass ModelNew(:\n    pass\n'
+HANG_FORWARD_S = 10.0
+
+# Issue #21's targets, in seconds (None: recorded, no target). Keyed by (case, device).
+TARGETS = {("vae_torch_cold", "cpu"): 15.0, ("syntax_error", "cpu"): 5.0,
+           ("hang", "cpu"): HANG_FORWARD_S + 10, ("hang", "cuda"): HANG_FORWARD_S + 10,
+           ("vae_torch_warm", "cuda"): 8.0, ("vae_torch_cold", "cuda"): 8.0,
+           ("kb_level1_relu_cold", "cuda"): 5.0, ("kb_level1_relu_warm", "cuda"): 5.0,
+           ("syntax_error", "cuda"): 5.0}
+
+
+def cases(device: str, pairs: list[tuple[str, str]], syntax_file: Path) -> list[dict]:
+    """(name, problem, candidate, cache, expected exit code, extra check options)."""
+    out = [
+        ("vae_torch_cold", "vae_elbo", "fastelbo:torch", "cold", 0, []),
+        ("vae_torch_warm", "vae_elbo", "fastelbo:torch", "warm", 0, []),
+        ("syntax_error", "vae_elbo", str(syntax_file), "cold", 2, []),
+        ("hang", "vae_elbo", str(TESTS / "candidates" / "hangs.py"), "warm", 2,
+         ["--forward-timeout", f"{HANG_FORWARD_S:g}"]),
+        ("kb_level1_relu_cold", str(TESTS / "problems" / "relu.py"),
+         str(TESTS / "candidates" / "relu_clamp.py"), "cold", 0, []),
+        ("kb_level1_relu_warm", str(TESTS / "problems" / "relu.py"),
+         str(TESTS / "candidates" / "relu_clamp.py"), "warm", 0, []),
+        ("kb_level2_gemm_bn_cold", str(TESTS / "problems" / "gemm_batchnorm.py"),
+         str(TESTS / "candidates" / "batchnorm_batch_stats.py"), "cold", 0, []),
+    ]
+    for i, (problem, candidate) in enumerate(pairs):
+        out += [(f"pair{i}_{Path(problem).stem}_cold", problem, candidate, "cold", None, []),
+                (f"pair{i}_{Path(problem).stem}_warm", problem, candidate, "warm", None, [])]
+    return [dict(zip(("case", "problem", "candidate", "cache", "expected_exit", "options"), c))
+            for c in out]
+
+
+def run_check(case: dict, device: str, cache_dir: Path, timeout: float,
+              src: Path) -> tuple[float, int, str]:
+    env = {**os.environ, "FASTELBO_CACHE_DIR": str(cache_dir),
+           "PYTHONPATH": os.pathsep.join([str(src),
+                                          *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [sys.executable, "-m", "fastelbo.cli", "check", case["problem"], case["candidate"],
+           "--device", device, *case["options"]]
+    start = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
+                         check=False)
+    wall = time.perf_counter() - start
+    verdict = next((line for line in res.stdout.splitlines() if line.startswith("verdict:")),
+                   (res.stderr.strip().splitlines() or [""])[-1])
+    return wall, res.returncode, verdict
+
+
+def measure(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
+            src: Path) -> dict:
+    warm_dir = tmp / f"{case['case']}-warm"
+    if case["cache"] == "warm":  # fill it once, untimed
+        run_check(case, device, warm_dir, timeout, src)
+    walls, codes, verdict = [], [], ""
+    for r in range(repeats):
+        cache_dir = warm_dir if case["cache"] == "warm" else tmp / f"{case['case']}-cold{r}"
+        wall, code, verdict = run_check(case, device, cache_dir, timeout, src)
+        walls.append(round(wall, 3))
+        codes.append(code)
+    target = TARGETS.get((case["case"], device))
+    med = statistics.median(walls)
+    ok = case["expected_exit"] is None or all(c == case["expected_exit"] for c in codes)
+    return {**case, "wall_s": round(med, 3), "runs_s": walls, "exit_codes": codes,
+            "verdict": verdict, "verdict_ok": ok, "target_s": target,
+            "met": None if target is None else bool(ok and med <= target)}
+
+
+def print_table(rows: list[dict]) -> None:
+    head = ["case", "cache", "wall s", "runs s", "exit", "target s", "met", "verdict"]
+    cells = [[r["case"], r["cache"], f"{r['wall_s']:.2f}",
+              " ".join(f"{w:.1f}" for w in r["runs_s"]), ",".join(map(str, r["exit_codes"])),
+              "-" if r["target_s"] is None else f"{r['target_s']:g}",
+              "-" if r["met"] is None else ("yes" if r["met"] else "NO"), r["verdict"][:60]]
+             for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    if rows:
+        r = rows[0]
+        print(f"fastelbo check, whole process, on {r['device']} ({r['device_name']}), torch "
+              f"{r['torch']}, commit {r['commit']}, load {r['load_avg']}")
+    for line in [head, *cells]:
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per case; the row keeps the median (default: %(default)s)")
+    p.add_argument("--pair", nargs=2, action="append", default=[], metavar=("PROBLEM", "CAND"),
+                   help="an extra problem/candidate pair, timed cold and warm "
+                        "(default: %(default)s)")
+    p.add_argument("--only", default=None, help="comma-separated case names (default: all)")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds per check process (default: %(default)s)")
+    p.add_argument("--src", default=str(REPO / "src"),
+                   help="the fastelbo source tree the checks run (default: %(default)s)")
+    p.add_argument("--note", default="", help="a note kept in every row (default: none)")
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help="jsonl file to append the rows to (default: %(default)s, table only)")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(REPO / "src"))
+    from fastelbo.harness.results import append_jsonl, environment, utc_now
+    base = {**environment(args.device), "date": utc_now(), "repeats": args.repeats,
+            "load_avg": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
+            "src": args.src, "note": args.note}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fastelbo-timing-") as tmp:
+        tmp = Path(tmp)
+        syntax_file = tmp / "syntax_error.py"
+        syntax_file.write_text(SYNTAX_ERROR)
+        only = set(args.only.split(",")) if args.only else None
+        for case in cases(args.device, [tuple(x) for x in args.pair], syntax_file):
+            if only and case["case"] not in only:
+                continue
+            row = {**base, **measure(case, args.device, args.repeats, args.timeout, tmp,
+                                     Path(args.src))}
+            if case["case"] == "syntax_error":
+                row["candidate"] = "<a file with a syntax error on line 3>"
+            print(f"{row['case']}: {row['wall_s']:.2f} s, exit {row['exit_codes']}",
+                  file=sys.stderr)
+            rows.append(row)
+    print_table(rows)
+    if args.out:
+        append_jsonl(args.out, rows)
+        print(f"appended {len(rows)} row(s) to {args.out}", file=sys.stderr)
+    return 0 if all(r["verdict_ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Candidate names to files, and the parse that catches a syntax error before any process
+starts. Imports no torch: the harness resolves and parses before its workers are up."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+BUILTIN_PREFIX = "fastelbo:"
+
+
+def candidate_path(name: str | Path) -> Path:
+    """`fastelbo:<backend>` names a built-in candidate; anything else is a file path."""
+    text = str(name)
+    if text.startswith(BUILTIN_PREFIX):
+        from ..candidates import candidate_path as builtin
+        try:
+            return builtin(text[len(BUILTIN_PREFIX):])
+        except ValueError as exc:
+            raise FileNotFoundError(str(exc)) from None
+    path = Path(text)
+    if not path.is_file():
+        raise FileNotFoundError(f"candidate {text!r} is not a file (or fastelbo:<backend>)")
+    return path.resolve()
+
+
+def syntax_error(path: str | Path) -> str | None:
+    """`file:line: SyntaxError: ...` when the file does not parse (milliseconds, no worker),
+    else None."""
+    try:
+        compile(Path(path).read_bytes(), str(path), "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+    except SyntaxError as exc:
+        return (f"{exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}\n"
+                f"{(exc.text or '').rstrip()}")
+    except (OSError, ValueError) as exc:
+        return f"{path}: cannot read it as Python: {exc}"
+    return None

@@ -1,0 +1,121 @@
+"""The harness's command line: every option shows its default, a user's mistake is one line
+`fastelbo: error: ...` with exit 2, `bench` writes rows only where --out says, and --json is the
+documented schema."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastelbo.cli import build_parser, main
+from fastelbo.errors import UsageError
+
+HERE = Path(__file__).parent
+TINY = str(HERE / "problems" / "tiny_vae.py")
+GOOD = str(HERE / "candidates" / "reference_as_candidate.py")
+REPO = HERE.parent
+
+MISTAKES = [
+    (["check", TINY, "nonesuch.py"], "candidate 'nonesuch.py' is not a file"),
+    (["check", "nonesuch_problem", GOOD], "problem 'nonesuch_problem' is neither a built-in"),
+    (["check", TINY, GOOD, "--trials", "0"], "--trials must be >= 1, got 0"),
+    (["check", TINY, GOOD, "--timeout", "-1"], "--timeout must be > 0, got -1"),
+    (["check", TINY, GOOD, "--forward-timeout", "0"], "--forward-timeout must be > 0, got 0"),
+    (["check", TINY, GOOD, "--build-timeout", "-3"], "--build-timeout must be > 0, got -3"),
+    (["check", TINY, GOOD, "--batch-sizes", "1,x"],
+     "--batch-sizes takes comma-separated ints, e.g. 1,7,128; got '1,x'"),
+    (["check", TINY, GOOD, "--batch-sizes", "0,4"], "--batch-sizes values must be > 0"),
+    (["check", TINY, GOOD, "--scales", "4,-1"], "--scales values must be > 0"),
+    (["check", TINY, GOOD, "--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+    (["compile", "nonesuch.py"], "candidate 'nonesuch.py' is not a file"),
+    (["compile", GOOD, "--timeout", "-5"], "--timeout must be > 0, got -5"),
+    (["bench", TINY, "nonesuch.py"], "candidate 'nonesuch.py' is not a file"),
+    (["bench", TINY, "--device", "gpu"], "--device must be cpu, cuda or cuda:N, got 'gpu'"),
+    (["bench", TINY, "--batch-sizes", "a"], "--batch-sizes takes comma-separated ints"),
+    (["bench", TINY, "--graph-reps", "0"], "--graph-reps must be > 0, got 0"),
+    (["export", "--kernelbench", str(HERE)], "is a directory; give a file path"),
+]
+if not torch.cuda.is_available():
+    MISTAKES.append((["check", TINY, GOOD, "--device", "cuda"],
+                     "--device cuda, but CUDA is not available here"))
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run([sys.executable, "-m", "fastelbo.cli", *argv], capture_output=True,
+                          text=True, env=env, timeout=600, check=False)
+
+
+@pytest.fixture(scope="module")
+def mistakes():
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return list(pool.map(_run, [argv for argv, _ in MISTAKES]))
+
+
+@pytest.mark.parametrize("index", range(len(MISTAKES)), ids=[" ".join(a[:1] + a[2:])
+                                                            for a, _ in MISTAKES])
+def test_a_mistake_is_one_line_and_exit_2(mistakes, index):
+    _, text = MISTAKES[index]
+    res = mistakes[index]
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fastelbo: error: "), res.stderr
+    assert text in lines[0], lines[0]
+    assert "Traceback" not in res.stderr and res.stdout == ""
+
+
+def test_every_harness_option_shows_its_default():
+    sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices)
+    for name in ("compile", "check", "bench", "export"):
+        for action in sub.choices[name]._actions:
+            if action.option_strings and action.dest != "help":
+                assert "%(default)s" in (action.help or ""), (name, action.option_strings)
+
+
+def test_never_raise_lets_a_usage_error_through(monkeypatch, capsys):
+    from fastelbo.harness import check
+
+    def mistake(*args, **kwargs):
+        raise UsageError("--atol is too large for this problem")
+    monkeypatch.setattr(check, "run_check", mistake)
+    assert main(["check", TINY, GOOD]) == 2
+    err = capsys.readouterr().err
+    assert err == "fastelbo: error: --atol is too large for this problem\n"
+
+
+def test_bench_prints_its_table_and_writes_rows_only_where_out_says(tmp_path, monkeypatch,
+                                                                   capsys):
+    record = REPO / "benchmarks" / "results" / "bench.jsonl"
+    before = record.stat().st_mtime_ns if record.exists() else None
+    monkeypatch.chdir(tmp_path)
+    code = main(["bench", TINY, "fastelbo:torch", "--device", "cpu", "--quick", "--no-compile",
+                 "--batch-sizes", "2"])
+    out = capsys.readouterr().out
+    assert code != 2 and "tiny_vae.py on cpu" in out and "fastelbo:torch" in out, out
+    assert list(tmp_path.iterdir()) == []
+    assert (record.stat().st_mtime_ns if record.exists() else None) == before
+    rows = tmp_path / "rows.jsonl"
+    main(["bench", TINY, "fastelbo:torch", "--device", "cpu", "--quick", "--no-compile",
+          "--batch-sizes", "2", "--out", str(rows)])
+    assert [json.loads(r)["candidate"] for r in rows.read_text().splitlines()] == \
+        ["eager", "fastelbo:torch"]
+    assert f"appended 2 row(s) to {rows}" in capsys.readouterr().err
+
+
+def test_check_json_is_strict_json_of_the_documented_schema(capsys):
+    jsonschema = pytest.importorskip("jsonschema")
+    from fastelbo.harness.schema import CHECK_REPORT
+    code = main(["check", TINY, str(HERE / "candidates" / "wrong_shape.py"), "--json",
+                 "--trials", "1", "--batch-sizes", "", "--scales", "", "--no-cache"])
+    text = capsys.readouterr().out
+    data = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON: {c}"))
+    jsonschema.validate(data, CHECK_REPORT)
+    assert code == 1 and data["schema"] == "fastelbo.check/2" and data["mode"] == "train"
+    assert data["categories"] == ["shape"] and data["reference"] == "computed"
