@@ -55,6 +55,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+# Workers started by run_task and not yet reaped, in any thread (see kill_all).
+_live: set[subprocess.Popen] = set()
+
+
+def kill_all() -> None:
+    """Kill every worker still running, with its children: for a long-lived caller (`fastelbo
+    serve`) that exits while tasks are in flight; each waiting run_task then reports a crash."""
+    for proc in list(_live):
+        _kill_group(proc)
+
+
 def run_task(func: str, timeout: float, *, env: dict[str, str] | None = None,
              **kwargs) -> WorkerOutcome:
     """Run `func(**kwargs)` (func = "module:name") in a spawned worker with a timeout; `env`
@@ -70,6 +81,7 @@ def run_task(func: str, timeout: float, *, env: dict[str, str] | None = None,
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                     env={**os.environ, **env} if env else None)
+            _live.add(proc)
             try:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -80,6 +92,8 @@ def run_task(func: str, timeout: float, *, env: dict[str, str] | None = None,
                 # terminal's SIGINT never reaches it; without this it would run on, orphaned.
                 _kill_group(proc)
                 raise
+            finally:
+                _live.discard(proc)
         tail = log.read_text(errors="replace")[-TAIL_CHARS:]
         where = progress.read_text() if progress.exists() else ""
         if code is None:
