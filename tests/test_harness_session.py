@@ -12,7 +12,8 @@ import pytest
 
 from conftest import SYNTAX_ERROR_SOURCE
 from fastelbo.harness import session as session_mod
-from fastelbo.harness.session import Session, third_party_imports
+from fastelbo.harness.compile import CompileReport, KernelResources, MappedError
+from fastelbo.harness.session import Session, compile_report_dict, third_party_imports
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"
@@ -144,6 +145,23 @@ def test_benchmark_rows(results):
     assert [(r["candidate"], r["batch_size"], r["status"]) for r in out["rows"]] == [
         ("eager", 3, "ok"), (str(CORRECT), 3, "ok")]
     assert out["rows"][1]["correct"] is True and out["rows"][1]["wall_ms"] > 0
+
+
+def test_compile_dict_maps_build_errors_and_lists_resources():
+    """The JSON form of a build failure and of a built extension (no compiler needed)."""
+    failed = CompileReport("/c/cand.py", exit_code=2, reason="building the extension failed",
+                           errors=[MappedError("/b/cuda.cu", 14, "error: undefined", 12),
+                                   MappedError("/b/main.cpp", 3, "error: lost", None)])
+    assert compile_report_dict(failed)["errors"] == [
+        {"file": "/c/cand.py", "line": 12, "message": "error: undefined", "in_candidate": True},
+        {"file": "/b/main.cpp", "line": 3, "message": "error: lost", "in_candidate": False}]
+    built = CompileReport("/c/cand.py", exit_code=0, extensions={
+        "/b/ext.so": ([KernelResources("scale_kernel", 40, 0, 16, 16)], "")})
+    out = compile_report_dict(built, 1.5)
+    assert out["status"] == "ok" and out["errors"] == [] and out["seconds"] == 1.5
+    assert out["extensions"] == [{"library": "/b/ext.so", "note": "", "kernels": [
+        {"name": "scale_kernel", "registers": 40, "shared_bytes": 0, "local_bytes": 16,
+         "stack_bytes": 16}]}]
 
 
 def test_third_party_imports():
