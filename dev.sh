@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 py=.venv/bin/python
-if ! "$py" -c "import fastelbo, pytest, hypothesis, triton, mlxtend, safetensors, tqdm, ruff" 2>/dev/null; then
+if ! "$py" -c "import fastelbo, pytest, hypothesis, triton, mlxtend, safetensors, tqdm, ruff, mcp" 2>/dev/null; then
   python3 -m venv .venv
   "$py" -m pip install -q --upgrade pip
   "$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "torch==2.13.0"

@@ -1,4 +1,4 @@
-"""The harness subcommands: compile, check, bench, export. Each returns an exit code.
+"""The harness subcommands: compile, check, bench, export, serve. Each returns an exit code.
 
 Building the parsers imports nothing heavy (no torch): `fastelbo --help` stays instant. A
 user's mistake raises fastelbo.errors.UsageError (one line, exit 2, printed by fastelbo.cli).
@@ -98,6 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kernelbench", required=True, metavar="PATH",
                    help="solution file to write (required; default: %(default)s)")
     p.set_defaults(func=_export)
+
+    _register_serve(sub)
 
 
 def _never_raise(command: str):
@@ -237,3 +239,53 @@ def _export(args) -> int:
     path = export.write_kernelbench(target)
     print(f"wrote {path}")
     return 0
+
+
+# -- serve: the agent-facing tools over MCP (harness/server.py; imports mcp only when run) ------
+
+def _register_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve compile_kernel, run_correctness, benchmark and "
+                                     "submit_kernel as MCP tools (for agents; stdio)")
+    p.add_argument("--problem", default="vae_elbo",
+                   help="built-in problem name or a problem file (default %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
+    p.add_argument("--trials", type=int, default=3,
+                   help="trials per regime of each check (default %(default)s)")
+    p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
+                   help="extra batch sizes of each check; '' for none (default: %(default)s, "
+                        "meaning 1 and 2*batch_size+1)")
+    p.add_argument("--scales", default="4,16", metavar="S,S,...",
+                   help="parameter scalings for the saturation regimes; '' for none "
+                        "(default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds per check worker (default %(default)s)")
+    p.add_argument("--build-timeout", type=float, default=600.0,
+                   help="seconds for a candidate's import and build (default %(default)s)")
+    p.add_argument("--submit-dir", default=None,
+                   help="directory that receives each accepted solution file (default: none; "
+                        "the solution's text is in submit_kernel's result)")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args) -> int:
+    if args.trials < 1:
+        raise UsageError(f"--trials must be >= 1, got {args.trials}")
+    _positive(args, "--timeout", "--build-timeout")
+    batch_sizes = _numbers(args.batch_sizes, int, "--batch-sizes")
+    scales = tuple(_numbers(args.scales, float, "--scales"))
+    _device(args.device)
+    try:
+        import mcp  # noqa: F401
+    except ModuleNotFoundError:
+        raise UsageError("fastelbo serve needs the MCP SDK: pip install 'fastelbo[mcp]' "
+                         "(or pip install 'mcp>=1.10')") from None
+    from .session import Session
+    try:
+        session = Session(args.problem, args.device, trials=args.trials,
+                          batch_sizes=batch_sizes, scales=scales,
+                          timeout=args.timeout, build_timeout=args.build_timeout,
+                          submit_dir=args.submit_dir)
+    except (ValueError, FileNotFoundError) as exc:
+        raise UsageError(str(exc)) from None
+    from .server import serve
+    return serve(session)

@@ -91,6 +91,7 @@ class Worker:
         self._buf = b""
         self._tasks = 0
         self.progress = ""
+        _live.add(self)
 
     def run(self, func: str, kwargs: dict, *, timeout: float, forward_timeout: float | None = None,
             build_timeout: float | None = None) -> WorkerOutcome:
@@ -207,6 +208,7 @@ class Worker:
         self.proc.wait()
 
     def close(self) -> None:
+        _live.discard(self)
         self.kill()
         for fd in (self._cmd, self._msg):
             try:
@@ -288,6 +290,17 @@ class WorkerPool:
                 w.close()
             self._idle = []
             self.spares = 0
+
+
+# Workers started and not yet closed, in any thread (see kill_all).
+_live: set[Worker] = set()
+
+
+def kill_all() -> None:
+    """Kill every worker still running, with its children: for a long-lived caller (`fastelbo
+    serve`) that exits while tasks are in flight; each waiting run reports a crash."""
+    for worker in list(_live):
+        worker.kill()
 
 
 def run_task(func: str, timeout: float, *, env: dict[str, str] | None = None,

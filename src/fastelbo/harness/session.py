@@ -1,0 +1,250 @@
+"""The harness as an agent's toolset: compile, check, time and submit candidates of one problem.
+
+    from fastelbo.harness.session import Session
+    with Session("vae_elbo", device="cuda") as s:
+        s.compile_kernel(source)       # import + build: line-mapped errors, registers, spills
+        s.run_correctness(source)      # CheckReport.to_dict(), as `fastelbo check --json`
+        s.benchmark(source)            # `fastelbo bench` rows: eager, torch.compile, candidate
+        s.submit_kernel(source)        # the full check plus the single-file solution
+
+`source` is Python source text of a module defining `ModelNew` (any text holding a newline), or
+a path to such a file, or `fastelbo:<backend>`. Source text is written to a file in the
+session's own temporary directory (never the user's tree), named by its hash, so errors name
+`.../<hash>/candidate.py:LINE`. Candidate code runs only in the harness's worker processes: a
+crash or hang comes back as a verdict and the session carries on. Jobs run one at a time: per
+session on the CPU, and per CUDA device across every session of the machine (a thread lock
+plus a lock file), so no two checks or timings share a GPU.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import fcntl
+import hashlib
+import inspect
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import asdict
+from pathlib import Path
+
+from ..problems import problem_path
+from .bench import run_bench
+from .check import run_check
+from .compile import CompileReport, run_compile
+from .loader import BUILTIN_PREFIX
+
+DEVICES = ("cpu", "cuda")
+# A Python-level failure (SyntaxError, an import that raises) is reported by the loader as
+# "FILE.py:LINE: message" on the reason's first line.
+_PY_LOCATION = re.compile(r"^(?P<file>\S+\.py):(?P<line>\d+): (?P<message>.*)$")
+
+_device_locks: dict[str, threading.Lock] = {}
+_device_locks_guard = threading.Lock()
+
+
+def _device_key(device: str) -> str:
+    """'cpu', or 'cuda:N' (a bare 'cuda' is the current device, index 0 for a new process)."""
+    import torch
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be one of {', '.join(DEVICES)} (or cuda:N), "
+                         f"got {device!r}") from None
+    if dev.type not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)} (or cuda:N), "
+                         f"got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available here")
+    return "cpu" if dev.type == "cpu" else f"cuda:{dev.index or 0}"
+
+
+@contextlib.contextmanager
+def _gpu_exclusive(key: str):
+    """Hold `key` (a CUDA device) alone: threads of this process queue on a lock, other
+    processes (a second `fastelbo serve` on the same GPU) on an flock of a per-user file."""
+    with _device_locks_guard:
+        lock = _device_locks.setdefault(key, threading.Lock())
+    with lock:
+        path = Path(tempfile.gettempdir()) / f"fastelbo-{os.getuid()}-{key.replace(':', '')}.lock"
+        with open(path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class Session:
+    """One problem, one device, one set of check settings, for many candidates.
+
+    `trials` and `check_options` (any keyword of `run_check`: atol, rtol, batch_sizes, scales,
+    timeout, build_timeout, seed, ...) apply to every check of the session; `submit_dir`, when
+    given, receives the solution file of each accepted submission.
+    """
+
+    def __init__(self, problem: str | os.PathLike = "vae_elbo", device: str = "cpu", *,
+                 trials: int = 3, submit_dir: str | os.PathLike | None = None,
+                 **check_options):
+        self.problem = problem_path(problem)  # FileNotFoundError naming it
+        self.device = device
+        self._key = _device_key(device)
+        if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+            raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
+        self.trials = trials
+        try:
+            inspect.signature(run_check).bind(problem, "", device=device, trials=trials,
+                                              **check_options)
+        except TypeError as exc:
+            raise TypeError(f"check_options: {exc}") from None
+        for name, value in check_options.items():
+            if name.endswith("timeout") and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        self.check_options = dict(check_options)
+        self.submit_dir = Path(submit_dir) if submit_dir is not None else None
+        self._dir = Path(tempfile.mkdtemp(prefix="fastelbo-session-"))
+        self._lock = threading.Lock()
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+
+    # -- the four tools ------------------------------------------------------------------------
+
+    def compile_kernel(self, source: str | os.PathLike) -> dict:
+        """Import the candidate in a worker (building any inline extension); no reference work.
+
+        Returns the candidate, `status` ("ok" / "error"), `exit_code` (0 / 2), `reason`,
+        `errors` (each {file, line, message}: compiler diagnostics mapped to candidate lines,
+        and a Python SyntaxError or import failure at its line), `extensions` (each loaded
+        library with its kernels' registers, shared, local (spill) and stack bytes), `seconds`
+        and the worker's `output_tail`."""
+        cand = self._candidate(source)
+        timeout = self.check_options.get("build_timeout", 600.0)
+        with self._exclusive():
+            start = time.perf_counter()
+            report = run_compile(cand, timeout=timeout)
+            return compile_report_dict(report, time.perf_counter() - start)
+
+    def run_correctness(self, source: str | os.PathLike, trials: int | None = None) -> dict:
+        """`fastelbo check --json`'s dict for this candidate: verdict, exit code, reasons and
+        per regime and trial the findings and per-output max abs / rel differences."""
+        return self._check(self._candidate(source), trials)
+
+    def benchmark(self, source: str | os.PathLike, *, batch_sizes: list[int] | None = None,
+                  quick: bool = False, compile_baseline: bool = True) -> dict:
+        """`fastelbo bench` for this candidate (rows for eager, torch.compile and the candidate;
+        nothing written to disk): {problem, candidate, device, exit_code, rows}. exit_code is
+        bench's: 0 all rows correct, 1 a row INCORRECT or flagged, 2 an entry could not run."""
+        cand = self._candidate(source)
+        opts = {k: self.check_options[k] for k in ("seed", "atol", "rtol")
+                if k in self.check_options}
+        with self._exclusive():
+            rows, code = run_bench(self.problem, [cand], device=self.device,
+                                   batch_sizes=batch_sizes, out=None,
+                                   compile_baseline=compile_baseline, quick=quick, **opts)
+        return {"problem": str(self.problem), "candidate": cand, "device": self.device,
+                "exit_code": code, "rows": rows}
+
+    def submit_kernel(self, source: str | os.PathLike) -> dict:
+        """The session's full check, plus `solution`: {path, text, sha256, imports}.
+
+        The solution is the candidate file itself, one file KernelBench can take; for
+        `fastelbo:<backend>` it is `fastelbo export --kernelbench`'s file (the fastelbo
+        candidates import the package), and that file is what gets checked. `imports` lists
+        the modules it imports beyond the standard library (a single-file solution needs no
+        more than torch). An accepted solution (exit 0) is also copied into `submit_dir`."""
+        if isinstance(source, str) and source.startswith(BUILTIN_PREFIX):
+            from .. import export
+            source = export.kernelbench_source()
+        cand = self._candidate(source)
+        result = self._check(cand, None)
+        text = Path(cand).read_text() if Path(cand).is_file() else ""
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        path = cand
+        if result["exit_code"] == 0 and self.submit_dir is not None:
+            self.submit_dir.mkdir(parents=True, exist_ok=True)
+            dest = self.submit_dir / f"{self.problem.stem}_solution_{digest[:12]}.py"
+            dest.write_text(text)
+            path = str(dest)
+        result["solution"] = {"path": path, "text": text, "sha256": digest,
+                              "imports": third_party_imports(text)}
+        return result
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _check(self, cand: str, trials: int | None) -> dict:
+        if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int)
+                                   or trials < 1):
+            raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
+        with self._exclusive():
+            report = run_check(self.problem, cand, device=self.device,
+                               trials=trials or self.trials, **self.check_options)
+        return report.to_dict()
+
+    def _candidate(self, source: str | os.PathLike) -> str:
+        """A path for `source`: text with a newline is written to the session's directory."""
+        if isinstance(source, os.PathLike):
+            return os.fspath(source)
+        if not isinstance(source, str):
+            raise TypeError("source must be Python source text or a path, got "
+                            f"{type(source).__name__}")
+        if "\n" not in source:
+            return source  # a path or fastelbo:<backend>; run_check says if it is neither
+        path = self._dir / hashlib.sha256(source.encode()).hexdigest()[:12] / "candidate.py"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(source)
+        return str(path)
+
+    def _exclusive(self):
+        return _gpu_exclusive(self._key) if self._key.startswith("cuda") else self._lock
+
+    def close(self) -> None:
+        """Remove the session's directory (candidate sources written from text)."""
+        self._cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def compile_report_dict(report: CompileReport, seconds: float | None = None) -> dict:
+    """`CompileReport` as JSON-able data, each error as {file, line, message}: the candidate's
+    line where it was found there, else the generated file's (`in_candidate` says which)."""
+    errors = []
+    first = report.reason.splitlines()[0] if report.reason else ""
+    if report.exit_code and (m := _PY_LOCATION.match(first)):
+        errors.append({"file": m["file"], "line": int(m["line"]), "message": m["message"],
+                       "in_candidate": True})
+    for e in report.errors:
+        found = e.candidate_line is not None
+        errors.append({"file": report.candidate if found else e.generated,
+                       "line": e.candidate_line if found else e.generated_line,
+                       "message": e.message, "in_candidate": found})
+    return {"candidate": report.candidate, "status": "error" if report.exit_code else "ok",
+            "exit_code": report.exit_code, "reason": report.reason, "errors": errors,
+            "extensions": [{"library": lib, "note": note, "kernels": [asdict(k) for k in ks]}
+                           for lib, (ks, note) in report.extensions.items()],
+            "seconds": seconds, "output_tail": report.output_tail}
+
+
+def third_party_imports(text: str) -> list[str]:
+    """Top-level modules `text` imports that are not in the standard library (relative imports
+    as '.name'); [] for text that does not parse (the check reports that)."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or "").split(".")[0])
+    return sorted(n for n in names if n.lstrip(".") not in sys.stdlib_module_names or
+                  n.startswith("."))

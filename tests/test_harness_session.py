@@ -1,0 +1,235 @@
+"""harness.session.Session on CPU: each tool's verdict for a correct, a wrong, a syntax-error and
+a hanging candidate, and that the session carries on after a hang."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import SYNTAX_ERROR_SOURCE
+from fastelbo.harness import session as session_mod
+from fastelbo.harness.compile import CompileReport, KernelResources, MappedError
+from fastelbo.harness.session import Session, compile_report_dict, third_party_imports
+
+HERE = Path(__file__).parent
+TINY = HERE / "problems" / "tiny_vae.py"
+CANDIDATES = HERE / "candidates"
+CORRECT = CANDIDATES / "reference_as_candidate.py"
+WRONG = CANDIDATES / "kl_sign_flipped.py"
+HANGS = CANDIDATES / "hangs.py"
+# Generous: a loaded 2-core machine needs seconds per worker start; the hang costs this much.
+TIMEOUT, HANG_TIMEOUT = 240.0, 45.0
+# Two trials, batch sizes 1 and 5, no saturation regimes (their perturbed-reference envelope
+# is most of a check's time, and none of these candidates needs them to show its defect).
+OPTIONS = {"trials": 2, "batch_sizes": [1, 5], "scales": ()}
+REGIMES = ["default", "batch=1", "batch=5", "variant:binary"]
+
+
+def _session(timeout: float = TIMEOUT, **kw) -> Session:
+    return Session(TINY, "cpu", timeout=timeout, build_timeout=timeout, **OPTIONS, **kw)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every job at once, one Session each (a session runs its own jobs one at a time)."""
+    submit_dir = tmp_path_factory.mktemp("submitted")
+    sessions = []
+
+    def job(name):
+        s = _session(HANG_TIMEOUT) if name == "hang_then_correct" else \
+            _session(submit_dir=submit_dir) if name == "submit" else _session()
+        sessions.append(s)
+        if name == "correct_text":
+            return s.run_correctness(CORRECT.read_text()), s
+        if name == "wrong_path":
+            return s.run_correctness(WRONG), s
+        if name == "syntax":
+            return (s.compile_kernel(SYNTAX_ERROR_SOURCE),
+                    s.run_correctness(SYNTAX_ERROR_SOURCE)), s
+        if name == "hang_then_correct":
+            return (s.run_correctness(str(HANGS)), s.run_correctness(str(CORRECT))), s
+        if name == "submit":
+            return (s.submit_kernel(str(CORRECT)), s.submit_kernel(WRONG.read_text())), s
+        if name == "compile_ok":
+            return s.compile_kernel(CORRECT.read_text()), s
+        if name == "bench":
+            return s.benchmark(CORRECT, batch_sizes=[3], quick=True, compile_baseline=False), s
+        raise AssertionError(name)
+
+    names = ["hang_then_correct", "correct_text", "wrong_path", "syntax", "submit",
+             "compile_ok", "bench"]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        out = dict(zip(names, pool.map(job, names)))
+    yield {name: value for name, (value, _) in out.items()} | {
+        "sessions": {name: s for name, (_, s) in out.items()}, "submit_dir": submit_dir}
+    for s in sessions:
+        s.close()
+
+
+def _regime_status(report: dict) -> dict[str, str]:
+    return {r["name"]: r["status"] for r in report["regimes"]}
+
+
+def test_correct_source_text_passes_every_regime(results):
+    report = results["correct_text"]
+    assert report["exit_code"] == 0 and report["status"] == "pass", report["reasons"]
+    assert _regime_status(report) == dict.fromkeys(REGIMES, "PASS")
+    assert all(len(r["trials"]) == 2 and all(t["passed"] for t in r["trials"])
+               for r in report["regimes"])
+    # per-output differences travel with every trial; the reference itself differs by 0
+    assert [d["max_abs"] for d in report["regimes"][0]["trials"][0]["diffs"]] == [0.0] * 3
+    json.dumps(report, allow_nan=False)  # plain JSON: what --json and the server hand out
+    # the text became a file in the session's own directory, not in the caller's tree
+    path = Path(report["candidate"])
+    session = results["sessions"]["correct_text"]
+    assert path.name == "candidate.py" and session._dir in path.parents
+    assert path.read_text() == CORRECT.read_text()
+
+
+def test_wrong_candidate_is_incorrect_with_its_reason(results):
+    report = results["wrong_path"]
+    assert report["exit_code"] == 1 and report["status"] == "incorrect"
+    assert report["categories"] == ["mismatch"]
+    assert _regime_status(report) == dict.fromkeys(REGIMES, "FAIL")
+    trial = report["regimes"][0]["trials"][0]
+    assert not trial["passed"] and trial["findings"][0]["category"] == "mismatch"
+    assert trial["diffs"][0]["max_abs"] > 1e-2  # elbo is off by 2 * kl
+
+
+def test_syntax_error_is_reported_at_its_line(results):
+    compiled, checked = results["syntax"]
+    assert compiled["status"] == "error" and compiled["exit_code"] == 2
+    [error] = compiled["errors"]
+    assert Path(error["file"]).name == "candidate.py" and error["line"] == 6
+    assert error["message"].startswith("SyntaxError") and error["in_candidate"]
+    assert checked["exit_code"] == 2 and checked["categories"] == ["import"]
+    assert "candidate.py:6: SyntaxError" in checked["reasons"][0]
+
+
+def test_a_hang_is_a_verdict_and_the_session_carries_on(results):
+    hung, after = results["hang_then_correct"]
+    assert hung["exit_code"] == 2 and hung["categories"][0] == "timeout"
+    assert f"timeout after {HANG_TIMEOUT:g} s" in hung["reasons"][0]
+    assert after["exit_code"] == 0 and _regime_status(after) == dict.fromkeys(REGIMES, "PASS")
+
+
+def test_compile_of_a_pure_pytorch_candidate(results):
+    report = results["compile_ok"]
+    assert report["status"] == "ok" and report["exit_code"] == 0
+    assert report["errors"] == [] and report["extensions"] == []
+    assert report["seconds"] > 0
+
+
+def test_submit_returns_the_check_and_the_solution_file(results):
+    accepted, rejected = results["submit"]
+    assert accepted["exit_code"] == 0 and _regime_status(accepted) == dict.fromkeys(REGIMES,
+                                                                                     "PASS")
+    solution = accepted["solution"]
+    assert solution["text"] == CORRECT.read_text()
+    assert solution["imports"] == ["fastelbo"]  # this one is not self-contained: it says so
+    written = Path(solution["path"])
+    assert written.parent == results["submit_dir"] and written.read_text() == solution["text"]
+    # a rejected submission comes back with its solution text, and is not written
+    assert rejected["exit_code"] == 1 and rejected["solution"]["text"] == WRONG.read_text()
+    assert Path(rejected["solution"]["path"]).parent != results["submit_dir"]
+    assert sorted(p.name for p in results["submit_dir"].iterdir()) == [written.name]
+
+
+def test_benchmark_rows(results):
+    out = results["bench"]
+    assert out["exit_code"] == 0 and out["device"] == "cpu"
+    assert [(r["candidate"], r["batch_size"], r["status"]) for r in out["rows"]] == [
+        ("eager", 3, "ok"), (str(CORRECT), 3, "ok")]
+    assert out["rows"][1]["correct"] is True and out["rows"][1]["wall_ms"] > 0
+
+
+def test_compile_dict_maps_build_errors_and_lists_resources():
+    """The JSON form of a build failure and of a built extension (no compiler needed)."""
+    failed = CompileReport("/c/cand.py", exit_code=2, reason="building the extension failed",
+                           errors=[MappedError("/b/cuda.cu", 14, "error: undefined", 12),
+                                   MappedError("/b/main.cpp", 3, "error: lost", None)])
+    assert compile_report_dict(failed)["errors"] == [
+        {"file": "/c/cand.py", "line": 12, "message": "error: undefined", "in_candidate": True},
+        {"file": "/b/main.cpp", "line": 3, "message": "error: lost", "in_candidate": False}]
+    built = CompileReport("/c/cand.py", exit_code=0, extensions={
+        "/b/ext.so": ([KernelResources("scale_kernel", 40, 0, 16, 16)], "")})
+    out = compile_report_dict(built, 1.5)
+    assert out["status"] == "ok" and out["errors"] == [] and out["seconds"] == 1.5
+    assert out["extensions"] == [{"library": "/b/ext.so", "note": "", "kernels": [
+        {"name": "scale_kernel", "registers": 40, "shared_bytes": 0, "local_bytes": 16,
+         "stack_bytes": 16}]}]
+
+
+def test_third_party_imports():
+    text = "import os, torch.nn\nfrom triton import language\nfrom . import x\nimport json\n"
+    assert third_party_imports(text) == [".", "torch", "triton"]
+    assert third_party_imports("def (") == []
+
+
+def test_jobs_of_one_session_run_one_at_a_time(monkeypatch):
+    """Two threads call one session at once: the second check starts after the first ends."""
+    active, seen = [], []
+
+    class Report:
+        def to_dict(self):
+            return {}
+
+    def fake_check(problem, candidate, **kw):
+        active.append(candidate)
+        seen.append(len(active))
+        time.sleep(0.2)  # long enough for the other thread to arrive, if it were let in
+        active.remove(candidate)
+        return Report()
+
+    monkeypatch.setattr(session_mod, "run_check", fake_check)
+    s = _session()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(s.run_correctness, ["a.py", "b.py"]))
+    assert seen == [1, 1]
+    s.close()
+
+
+def test_a_cuda_device_is_held_by_one_job_at_a_time():
+    """The device lock (used for cuda:N sessions) across threads; no GPU needed."""
+    inside, most = [0], [0]
+    lock = threading.Lock()
+
+    def job():
+        with session_mod._gpu_exclusive("cuda:7"):
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.1)
+            with lock:
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=job) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
+
+
+def test_bad_arguments_raise_before_any_work(tmp_path):
+    with pytest.raises(FileNotFoundError, match="problem 'nope.py'"):
+        Session("nope.py")
+    with pytest.raises(ValueError, match="device must be one of cpu, cuda"):
+        Session(TINY, "mps")
+    with pytest.raises(ValueError, match="trials must be an integer >= 1, got 0"):
+        Session(TINY, trials=0)
+    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+        Session(TINY, timeout=-1)
+    with pytest.raises(TypeError, match="check_options: .*'colour'"):
+        Session(TINY, colour="red")
+    with Session(TINY) as s:
+        with pytest.raises(TypeError, match="source must be Python source text or a path"):
+            s.run_correctness(42)
+        with pytest.raises(ValueError, match="trials must be an integer >= 1"):
+            s.run_correctness(str(CORRECT), trials=0)
+        tmp = s._dir
+    assert not tmp.exists()  # close() removes the session's directory
