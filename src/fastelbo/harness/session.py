@@ -37,7 +37,7 @@ from ..problems import problem_path
 from .bench import run_bench
 from .check import run_check
 from .compile import CompileReport, run_compile
-from .loader import BUILTIN_PREFIX
+from .files import BUILTIN_PREFIX
 
 DEVICES = ("cpu", "cuda")
 # A Python-level failure (SyntaxError, an import that raises) is reported by the loader as
