@@ -36,12 +36,6 @@ DATA_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError)  # data.lo
 def main(args) -> int:
     """The `fastelbo train` job: args checked against this machine, then dist.run(train)."""
     check_device(args.device)
-    on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-    if on_gpu and dist.detect().main and not args.no_plots:
-        # matplotlib imports in a thread while the GPU trains (the host mostly waits on it); not
-        # on a CPU, where that thread would take a core from the run's own kernels.
-        from .training import plots
-        plots.preload()
     out = Path(args.out or default_out(args.data, args.dims, args.seed))
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
