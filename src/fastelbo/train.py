@@ -42,7 +42,7 @@ def main(args) -> int:
     try:
         return dist.run(train, args)
     except KeyboardInterrupt:
-        _close_progress_bars()
+        close_progress_bars()
         raise Interrupted(f"train interrupted; {resume_note(out)}") from None
 
 
@@ -90,7 +90,7 @@ def load_data(spec: str, seed: int) -> data.Dataset:
         raise UsageError(msg if msg.startswith("--data") else f"--data {spec}: {msg}") from exc
 
 
-def _close_progress_bars() -> None:
+def close_progress_bars() -> None:
     """So that Ctrl-C's one line starts on a line of its own, not after a bar's carriage return."""
     from tqdm import tqdm
 
