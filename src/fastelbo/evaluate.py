@@ -29,7 +29,7 @@ from .errors import Interrupted, UsageError
 from .iwae import PerImageNoise, iwae_log_likelihood, resolve_backend
 from .model import ModelNew
 from .ops import elbo
-from .train import check_device, load_data, read_checkpoint
+from .train import check_device, close_progress_bars, load_data, read_checkpoint
 from .training import checkpoint, dist
 
 # The torch path's calls hold at most 1/PROGRESS_STEPS of the images by default, so that its
@@ -46,9 +46,7 @@ def main(args) -> int:
     try:
         return dist.run(evaluate, args)
     except KeyboardInterrupt:
-        from .train import _close_progress_bars
-
-        _close_progress_bars()
+        close_progress_bars()
         raise Interrupted("evaluate interrupted; nothing was written") from None
 
 

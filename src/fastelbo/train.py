@@ -37,19 +37,13 @@ DATA_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError)  # data.lo
 def main(args) -> int:
     """The `fastelbo train` job: args checked against this machine, then dist.run(train)."""
     check_device(args.device)
-    on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-    if on_gpu and dist.detect().main and not args.no_plots:
-        # matplotlib imports in a thread while the GPU trains (the host mostly waits on it); not
-        # on a CPU, where that thread would take a core from the run's own kernels.
-        from .training import plots
-        plots.preload()
     out = Path(args.out or default_out(args.data, args.dims, args.seed))
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
     try:
         return dist.run(train, args)
     except KeyboardInterrupt:
-        _close_progress_bars()
+        close_progress_bars()
         raise Interrupted(f"train interrupted; {resume_note(out)}") from None
 
 
@@ -97,7 +91,7 @@ def load_data(spec: str, seed: int) -> data.Dataset:
         raise UsageError(msg if msg.startswith("--data") else f"--data {spec}: {msg}") from exc
 
 
-def _close_progress_bars() -> None:
+def close_progress_bars() -> None:
     """So that Ctrl-C's one line starts on a line of its own, not after a bar's carriage return."""
     from tqdm import tqdm
 

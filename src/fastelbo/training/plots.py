@@ -3,13 +3,12 @@
 The fused op returns only (elbo, recon, kl), so images come from the reference encoder/decoder
 math applied to the module's parameters (fastelbo.iwae.encode / decode). Figures are built with
 matplotlib's object API (Figure, no pyplot): no global backend switch in the caller's process,
-and ~0.1 s less to import. `preload()` imports matplotlib in a background thread, for a GPU run
-to overlap its ~1 s import with training (the host thread mostly waits on the GPU then).
+and ~0.1 s less to import. (Importing matplotlib in a background thread was tried: it holds
+the GIL as the run's own imports do, so nothing overlapped.)
 """
 from __future__ import annotations
 
 import math
-import threading
 from pathlib import Path
 
 import torch
@@ -49,34 +48,24 @@ def _grid(ax, images: torch.Tensor, rows: int, cols: int, title: str) -> None:
     ax.axis("off")
 
 
-def _figure_class():
-    from matplotlib.figure import Figure
-
-    return Figure
-
-
-def preload() -> None:
-    """Start importing matplotlib in a daemon thread; save_all waits for it (import lock)."""
-    threading.Thread(target=_figure_class, name="fastelbo-plots-import", daemon=True).start()
-
-
 def save_all(out: Path, params: VAEParams, x_test: torch.Tensor, history: dict,
              seed: int) -> list[Path]:
-    figure = _figure_class()
+    from matplotlib.figure import Figure
+
     paths = []
     x = x_test[:16]
-    fig = figure(figsize=(10, 2.6))
+    fig = Figure(figsize=(10, 2.6))
     ax = fig.subplots()
     pairs = torch.cat([x, reconstruct(params, x)])  # first row images, second their recons
     _grid(ax, pairs, 2, x.shape[0], "test images (top) and reconstructions at z = mu (bottom)")
     paths.append(_save(fig, out / "reconstructions.png"))
 
-    fig = figure(figsize=(6, 6))
+    fig = Figure(figsize=(6, 6))
     ax = fig.subplots()
     _grid(ax, prior_samples(params, 64, seed), 8, 8, "64 samples, z ~ N(0, I)")
     paths.append(_save(fig, out / "samples.png"))
 
-    fig = figure(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     if history["loss_curve"]:
         s, v = zip(*history["loss_curve"])
