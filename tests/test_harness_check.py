@@ -162,12 +162,12 @@ def test_a_build_inside_a_forward_gets_the_build_limit_not_the_forward_limit(tmp
     cand = tmp_path / "slow_build.py"
     cand.write_text(SLOW_BUILD)
     monkeypatch.setenv("FASTELBO_TEST_BUILD_MARK", str(tmp_path / "built"))
-    report = run_check(TINY, cand, trials=1, batch_sizes=[], scales=(), forward_timeout=3.0,
+    report = run_check(TINY, cand, trials=1, batch_sizes=[], scales=(), forward_timeout=5.0,
                        build_timeout=120.0, timeout=300.0)
     assert report.exit_code == 0, report.format()
     assert (tmp_path / "built").read_text() == "built"
     (tmp_path / "built").unlink()
-    report = run_check(TINY, cand, trials=1, batch_sizes=[], scales=(), forward_timeout=3.0,
+    report = run_check(TINY, cand, trials=1, batch_sizes=[], scales=(), forward_timeout=5.0,
                        build_timeout=6.0, timeout=300.0)
     assert report.exit_code == 2 and report.categories == ["timeout"], report.format()
     assert "was still building after 6 s (the build limit" in report.reasons[0], report.reasons
