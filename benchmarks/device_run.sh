@@ -47,7 +47,7 @@ for stage in "$@"; do case $stage in
         triton.__version__, torch.cuda.get_device_name(), torch.cuda.device_count())"' ;;
   tests)  # one process per file: a device assert in one file cannot poison the others
     for f in $(gpu_test_files); do
-      run "$(basename "$f" .py)" "${T_TEST:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs "$f"
+      run "$(basename "$f" .py)" "${T_TEST:-300}" python3 -m pytest -q -m "gpu and not multi_gpu" -p no:cacheprovider -rfEs "$f"
     done
     # the host-side tests that want the device's toolkit (curand_kernel.h; skipped without it)
     run test_cuda_compile_host 180 python3 -m pytest -q -p no:cacheprovider -rs \
@@ -69,7 +69,8 @@ for stage in "$@"; do case $stage in
   iwae) run iwae "${T_IWAE:-200}" python3 benchmarks/iwae_bench.py --out "$LOGS/iwae.jsonl" ;;
   crossover) run crossover 300 python3 benchmarks/crossover.py  # rewrites backends/crossover.json
              cp src/fastelbo/backends/crossover.json "$LOGS/" ;;
-  multi) run multi "${T_MULTI:-300}" env OUT="$LOGS/multi" bash benchmarks/multi_gpu.sh "${GPUS:-2}" ;;
+  multi) run test_multi_gpu 300 python3 -m pytest -q -m multi_gpu -p no:cacheprovider -rfEs tests/test_dist.py
+         run multi "${T_MULTI:-300}" env OUT="$LOGS/multi" bash benchmarks/multi_gpu.sh "${GPUS:-2}" ;;
   jobs) run jobs "${T_JOBS:-300}" python3 benchmarks/jobs.py --device cuda --out "$LOGS/jobs.jsonl" ;;
   harness) run harness "${T_HARNESS:-300}" python3 benchmarks/harness_timing.py --device cuda \
              --out "$LOGS/harness_timing.jsonl" ;;

@@ -140,7 +140,9 @@ GPU = {"device": "cuda", "backend": "auto", "dims": (784, 256, 32), "rows": 4096
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("size", [1, 2])
+# World 2 needs two GPUs: marked multi_gpu, run by device_run.sh's `multi` stage on a machine of
+# several GPUs, deselected (-m "not multi_gpu") by its one-GPU `tests` stage.
+@pytest.mark.parametrize("size", [1, pytest.param(2, marks=pytest.mark.multi_gpu)])
 def test_nccl_graph_step_equals_one_process(size, tmp_path):
     """The captured step with its NCCL all-reduce, per-GPU batch 128, 100 steps, against one
     process's captured step over the same global batch."""
