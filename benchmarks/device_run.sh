@@ -71,7 +71,7 @@ for stage in "$@"; do case $stage in
              cp src/fastelbo/backends/crossover.json "$LOGS/" ;;
   multi) run test_multi_gpu 300 python3 -m pytest -q -m multi_gpu -p no:cacheprovider -rfEs tests/test_dist.py
          run multi "${T_MULTI:-300}" env OUT="$LOGS/multi" bash benchmarks/multi_gpu.sh "${GPUS:-2}" ;;
-  jobs) run jobs "${T_JOBS:-300}" python3 benchmarks/jobs.py --device cuda --out "$LOGS/jobs.jsonl" ;;
+  jobs) run jobs "${T_JOBS:-450}" python3 benchmarks/jobs.py --device cuda --out "$LOGS/jobs.jsonl" ;;
   harness) run harness "${T_HARNESS:-300}" python3 benchmarks/harness_timing.py --device cuda \
              --out "$LOGS/harness_timing.jsonl" ;;
 esac; done
