@@ -102,24 +102,13 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
         except Exception as exc:  # noqa: BLE001 - one batch size failing is that row's result
             row = {**row, "error": traceback_tail(exc), "category": "exception"}
             inputs = None  # drop this size's device tensors before release()
-            if not _usable(dev):
+            if not loader.usable(dev):
                 rows.append(row)
                 unfinished = batch_sizes[i + 1:]
                 break
         rows.append(row)
         loader.release(dev)
     return {"batch_sizes": batch_sizes, "rows": rows, "unfinished": unfinished}
-
-
-def _usable(dev: torch.device) -> bool:
-    """False after a sticky CUDA error (e.g. an illegal address): every later call would fail."""
-    if dev.type != "cuda":
-        return True
-    try:
-        torch.cuda.synchronize(dev)
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def _entry_rows(sizes: list[int] | None, timeout: float, env: dict[str, str] | None,

@@ -150,6 +150,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def usable(dev: torch.device) -> bool:
+    """False after a sticky CUDA error (e.g. an illegal address): every later call would fail."""
+    if dev.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(dev)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def release(device: torch.device) -> None:
     """Return cached device memory between phases, so one phase's peak cannot starve the next.
     Nothing to do on the CPU. On CUDA a full gc.collect() (which frees tensors held only by

@@ -240,20 +240,9 @@ def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, ini
         emit(done)
         del model
         loader.release(dev)
-        if done["error"] and not _usable(dev):
+        if done["error"] and not loader.usable(dev):
             break
     return {}
-
-
-def _usable(dev: torch.device) -> bool:
-    """False after a sticky CUDA error (an illegal address): every later call would fail."""
-    if dev.type != "cuda":
-        return True
-    try:
-        torch.cuda.synchronize(dev)
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def _candidate_trial(model, inputs: list, seed: int, dev) -> dict:
