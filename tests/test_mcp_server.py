@@ -158,9 +158,9 @@ def test_stopping_the_server_kills_its_running_workers(tmp_path):
 
 
 def test_serve_usage_errors_name_the_argument():
-    for argv, text in ((["serve", "--device", "mps"], "device must be one of cpu, cuda"),
+    for argv, text in ((["serve", "--device", "mps"], "--device must be cpu, cuda or cuda:N"),
                        (["serve", "--problem", "nope.py"], "problem 'nope.py'"),
-                       (["serve", "--trials", "0"], "trials must be an integer >= 1")):
+                       (["serve", "--trials", "0"], "--trials must be >= 1")):
         args = build_parser().parse_args(argv)
         with pytest.raises(UsageError, match=text):
             args.func(args)
