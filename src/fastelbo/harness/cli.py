@@ -34,12 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default: %(default)s)")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance "
                    "(default: %(default)s)")
-    p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
-                   help="extra batch sizes, e.g. 1,7,128; '' for none (default: %(default)s, "
-                        "meaning 1 and 2*batch_size+1)")
-    p.add_argument("--scales", default="4,16", metavar="S,S,...",
-                   help="parameter scalings for the saturation regimes; '' for none "
-                        "(default: %(default)s)")
+    _regime_options(p)
     p.add_argument("--eval-mode", action="store_true",
                    help="put both models in .eval(); KernelBench keeps the training mode they "
                         "are constructed in (default: %(default)s)")
@@ -100,6 +95,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_export)
 
     _register_serve(sub)
+
+
+def _regime_options(p: argparse.ArgumentParser) -> None:
+    """The regimes beyond get_inputs(), for check and serve (parsed by _numbers)."""
+    p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
+                   help="extra batch sizes, e.g. 1,7,128; '' for none (default: %(default)s, "
+                        "meaning 1 and 2*batch_size+1)")
+    p.add_argument("--scales", default="4,16", metavar="S,S,...",
+                   help="parameter scalings for the saturation regimes; '' for none "
+                        "(default: %(default)s)")
 
 
 def _never_raise(command: str):
@@ -251,12 +256,7 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
     p.add_argument("--trials", type=int, default=3,
                    help="trials per regime of each check (default %(default)s)")
-    p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
-                   help="extra batch sizes of each check; '' for none (default: %(default)s, "
-                        "meaning 1 and 2*batch_size+1)")
-    p.add_argument("--scales", default="4,16", metavar="S,S,...",
-                   help="parameter scalings for the saturation regimes; '' for none "
-                        "(default: %(default)s)")
+    _regime_options(p)
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds per check worker (default %(default)s)")
     p.add_argument("--build-timeout", type=float, default=600.0,
