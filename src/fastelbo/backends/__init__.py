@@ -1,13 +1,8 @@
-"""Backend registry: names, lazy imports, availability and the `auto` choice.
+"""Backend registry and protocol: names, lazy imports, availability and the `auto` choice.
 
-Every backend module exposes
-    forward(x, params: VAEParams, eps) -> (elbo, recon, kl)   inputs already validated
-    unavailable_reason(device: torch.device) -> str | None    None when it can run there
-and may expose
-    forward_prepared(x, params, eps)   what fastelbo.ops calls instead of forward, once it has
-                                       validated, resolved this backend and made all contiguous
-                                       (cuda: its forward re-checks everything, this does not)
-Roles: torch = spec and CPU path; cuda = lowest latency; triton = throughput.
+Every backend is a module that provides the whole `Backend` protocol below (fastelbo.ops calls
+these names, never probes for them; tests/test_backends.py holds each module to it). Roles:
+torch = the spec and the CPU path; cuda = lowest latency; triton = throughput, testable on CPU.
 """
 from __future__ import annotations
 
@@ -15,9 +10,13 @@ import importlib
 import json
 from functools import cache
 from pathlib import Path
+from collections.abc import Sequence
 from types import ModuleType
+from typing import Protocol, runtime_checkable
 
 import torch
+
+from ..params import VAEParams
 
 NAMES = ("torch", "cuda", "triton")
 _MODULES = {"torch": ".torch_ref", "cuda": ".cuda", "triton": ".triton"}
@@ -25,6 +24,50 @@ _CROSSOVER = Path(__file__).with_name("crossover.json")
 
 
 _LOADED: dict[str, ModuleType] = {}
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What each backend module provides. The ops validate every input against
+    fastelbo.contract, resolve the backend and make every tensor contiguous before calling
+    `forward_prepared`, `forward_drawing`, `backward` or `iwae`: those see prepared inputs only.
+
+    `verdict` (forward_prepared, forward_drawing) is fastelbo.ops.checks' value check on x,
+    possibly still in flight: wait() on it (or, the cuda backend, let the binding wait) before
+    anything reads x; a backend that launches nothing before waiting may ignore where it waits.
+    """
+
+    DTYPES: tuple[torch.dtype, ...]
+    """The dtypes it computes in; the ops send any other dtype nowhere but 'torch'."""
+    DRAWS_NOISE: bool
+    """Whether forward_drawing draws the op's torch.randn itself (else the ops draw it)."""
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """None when this backend runs on `device`, else why not (a sentence)."""
+
+    def forward_prepared(self, x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
+                         verdict=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(elbo, recon, kl), each (B,), on the current stream."""
+
+    def forward_drawing(self, x: torch.Tensor, params: VAEParams, verdict=None):
+        """forward_prepared with eps = torch.randn(B, latent_dim) from x's device's default
+        generator, drawn by the backend (called only where DRAWS_NOISE)."""
+
+    def backward(self, x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads, *,
+                 need_x: bool = True, need_eps: bool = True):
+        """(g_x or None, g_eps or None, [10 parameter grads]) of <grads, forward(...)>, as
+        torch_ref.backward (the spec) gives them; grads = (g_elbo, g_recon, g_kl), None where
+        no gradient reaches that output."""
+
+    def iwae_unavailable_reason(self, device: torch.device,
+                                dims: tuple[int, int, int]) -> str | None:
+        """None when `iwae` runs on `device` for (input, hidden, latent) dims, else why not."""
+
+    def iwae(self, x: torch.Tensor, params: VAEParams, samples: int, *, seed: int | None = None,
+             eps: torch.Tensor | None = None, indices: Sequence[int] | None = None,
+             generator: torch.Generator | None = None, chunk: int | None = None
+             ) -> torch.Tensor:
+        """log p(x) estimates (B,), the importance-weighted bound over `samples` samples."""
 
 
 def module(name: str) -> ModuleType:
