@@ -3,11 +3,11 @@
     PYTHONPATH=src python3 benchmarks/iwae_bench.py [--data random|binary|mnist] [--sweep]
                                                    [--out benchmarks/results/iwae.jsonl]
 
-Target: <= 0.5 s for fastelbo.iwae.iwae_log_likelihood(..., backend="cuda") on one GPU (20.9
+Target: <= 0.5 s for fastelbo.iwae_log_likelihood(..., backend="cuda") on one GPU (20.9
 TFLOP of decoders; ~0.13 s is the tf32x3 floor, see src/fastelbo/backends/triton/iwae.py).
 Prints one table: seconds (median of --reps after an untimed compile call), images/s, peak memory
 beyond the inputs at K = --samples and at K = --samples / 10 (the kernel's memory must not grow
-with K), and the eager anchor: fastelbo.iwae's torch path one image at a time over
+with K), and the eager anchor: the torch backend's path one image at a time over
 --eager-images images, extrapolated to the batch. --sweep also times other tile configs (backend
 level: the public API takes no config). Rows go to --out as JSON lines, tagged by
 fastelbo.harness.results (GPU, torch, triton, commit with -dirty, UTC date).
@@ -24,7 +24,7 @@ import torch
 
 from fastelbo import ModelNew, VAEParams
 from fastelbo.harness import results
-from fastelbo.iwae import iwae_log_likelihood
+from fastelbo.ops.iwae import iwae_log_likelihood
 
 # (block_k, block_n, block_h, num_warps, num_stages): the ptxas-clean ones first.
 SWEEP = [(128, 64, 32, 8, 3), (128, 32, 64, 8, 2), (128, 32, 32, 8, 2), (64, 64, 32, 8, 2),
@@ -90,7 +90,7 @@ def main() -> int:
     ap.add_argument("--dims", type=int, nargs=3, default=[784, 256, 32])
     ap.add_argument("--data", choices=("random", "binary", "mnist"), default="binary")
     ap.add_argument("--backend", default="cuda,triton",
-                    help="fastelbo.iwae backends to time, comma-separated; the target verdict "
+                    help="fastelbo.iwae_log_likelihood backends to time, comma-separated; the target verdict "
                          "is the first's")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--eager-images", type=int, default=20)
@@ -108,12 +108,12 @@ def main() -> int:
     flop = args.batch * args.samples * 2 * (dims[2] * dims[1] + dims[1] * dims[0])
 
     def public(k: int, backend: str):
-        return lambda: iwae_log_likelihood(params, x, k, seed=0, backend=backend)
+        return lambda: iwae_log_likelihood(x, params, k, seed=0, backend=backend)
 
     table, rows = [], []
     with torch.no_grad():
         n = min(args.eager_images, args.batch)
-        eager = timed(lambda: [iwae_log_likelihood(params, x[i:i + 1], args.samples, seed=0,
+        eager = timed(lambda: [iwae_log_likelihood(x[i:i + 1], params, args.samples, seed=0,
                                                    indices=[i], backend="torch")
                                for i in range(n)], 1, dev)[0] * args.batch / n
         table.append(("eager torch, per image (extrapolated)", eager, None, None))

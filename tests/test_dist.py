@@ -18,7 +18,7 @@ from fastelbo.train import build
 from fastelbo.training import dist
 from fastelbo.training.dist import World
 from fastelbo.training.step import Batches, EagerStep, GraphStep
-from fastelbo.validation import validation
+from fastelbo.contract import validation
 
 CPU = {"device": "cpu", "backend": "torch", "dims": (16, 8, 2), "rows": 256, "batch": 32,
        "lr": 0.01, "steps": 20, "binarize": True, "graph": False}  # 8 steps an epoch

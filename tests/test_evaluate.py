@@ -15,7 +15,7 @@ import torch
 from fastelbo import cli, data
 from fastelbo.commands import EVALUATE_BATCH as BATCH
 from fastelbo.evaluate import PROGRESS_STEPS, load_model
-from fastelbo.iwae import iwae_log_likelihood
+from fastelbo.ops.iwae import iwae_log_likelihood
 from interpret import IN_CHILD, child_only, parent_only, run_children
 from reference import twins
 
@@ -62,7 +62,7 @@ def test_matches_the_estimator_and_ignores_batch_size(run_dir, tmp_path):
     assert r1["elbo"]["mean"] == pytest.approx(r2["elbo"]["mean"], rel=1e-6)
     model, _ = load_model(run_dir, "cpu")
     x = data.load(str(run_dir.parent / "tiny.npz")).test
-    direct = iwae_log_likelihood(model.vae_params(), x, 64, seed=0).detach()
+    direct = iwae_log_likelihood(x, model.vae_params(), 64, seed=0).detach()
     assert r1["log_likelihood"]["mean"] == pytest.approx(float(direct.double().mean()), rel=1e-6)
 
 
@@ -119,11 +119,11 @@ def test_interpreted_triton_equals_the_kernel_in_any_batch(run_dir, tmp_path):
     got = torch.tensor(r["per_image"]["log_likelihood"], dtype=torch.float64)
     torch.testing.assert_close(got, want.double(), rtol=1e-6, atol=0)
     with torch.no_grad():
-        public = iwae_log_likelihood(params, x, 40, seed=0, backend="triton")
+        public = iwae_log_likelihood(x, params, 40, seed=0, backend="triton")
         torch.testing.assert_close(public, want, rtol=1e-6, atol=0)
         # auto stays torch off CUDA even though the interpreter could run the kernel here
-        torch_ll = iwae_log_likelihood(params, x, 40, seed=0)
-    assert torch.equal(torch_ll, iwae_log_likelihood(params, x, 40, seed=0, backend="torch"))
+        torch_ll = iwae_log_likelihood(x, params, 40, seed=0)
+    assert torch.equal(torch_ll, iwae_log_likelihood(x, params, 40, seed=0, backend="torch"))
     assert not torch.equal(torch_ll, public)  # other noise stream: same estimator, other draw
 
 

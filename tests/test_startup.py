@@ -37,7 +37,7 @@ def test_a_cpu_forward_imports_nothing_heavy():
         "assert elbo.shape == (4,)\n"
         "with fastelbo.validation(False):\n"
         "    fastelbo.elbo(torch.rand(3, 16), m.vae_params())\n")
-    assert "fastelbo.ops" in loaded and "fastelbo.validation" in loaded
+    assert "fastelbo.ops.elbo" in loaded and "fastelbo.contract" in loaded
     assert not [m for m in HEAVY if m in loaded], [m for m in HEAVY if m in loaded]
 
 
@@ -60,13 +60,16 @@ def test_help_and_refused_arguments_import_no_torch(argv):
 
 
 def test_validation_stays_the_context_manager():
-    """fastelbo.validation is the function, also once the submodule of that name is imported
-    (the import system binds a submodule on its package; the package refuses that one)."""
+    """fastelbo.validation is the contract's context manager, and the public names are the
+    ops' functions, also once every module defining them is imported."""
     import fastelbo
-    import fastelbo.ops  # imports the submodule fastelbo.validation
-    from fastelbo import validation
+    import fastelbo.ops.elbo
+    import fastelbo.ops.iwae
+    from fastelbo import contract, validation
 
-    assert callable(fastelbo.validation) and fastelbo.validation is validation
+    assert fastelbo.validation is validation is contract.validation
+    assert fastelbo.elbo is fastelbo.ops.elbo.elbo and callable(fastelbo.elbo)
+    assert fastelbo.iwae_log_likelihood is fastelbo.ops.iwae.iwae_log_likelihood
     with fastelbo.validation(False):
         assert fastelbo.validation_enabled() is False
     assert fastelbo.validation_enabled() is True

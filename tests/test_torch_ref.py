@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastelbo.backends import torch_ref
-from fastelbo.validation import validation
+from fastelbo.contract import validation
 from reference import DIMS, assert_outputs_close, seeded, twins
 
 

@@ -5,9 +5,6 @@ costs and `fastelbo --help` (fastelbo.cli) imports no torch at all.
 """
 from __future__ import annotations
 
-import sys
-from types import ModuleType
-
 __version__ = "0.1.0"
 
 # public name -> the submodule that defines it
@@ -16,13 +13,14 @@ _LAZY = {
     "FusedVAE": "model",
     "ModelNew": "model",
     "VAEParams": "params",
-    "elbo": "ops",
-    "set_validation": "validation",
-    "validation": "validation",
-    "validation_enabled": "validation",
+    "elbo": "ops.elbo",
+    "iwae_log_likelihood": "ops.iwae",
+    "set_validation": "contract",
+    "validation": "contract",
+    "validation_enabled": "contract",
 }
 __all__ = ["STATE_DICT_KEYS", "FusedVAE", "ModelNew", "VAEParams", "__version__", "elbo",
-           "set_validation", "validation", "validation_enabled"]
+           "iwae_log_likelihood", "set_validation", "validation", "validation_enabled"]
 
 
 def __getattr__(name: str):
@@ -39,16 +37,3 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-
-class _Package(ModuleType):
-    """`fastelbo.validation` is the context manager `validation(enabled)`, as it was when this
-    file imported it eagerly; the import system binds every loaded submodule on its package,
-    which would replace it with the submodule fastelbo.validation. Refuse just that binding."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "validation" and isinstance(value, ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

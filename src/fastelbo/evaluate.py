@@ -1,6 +1,6 @@
 """`fastelbo evaluate CHECKPOINT`: importance-weighted log p(x) and the ELBO on the test split.
 
-log p(x) is the IWAE estimate with K = --samples (fastelbo.iwae); the ELBO is the reference's
+log p(x) is the IWAE estimate with K = --samples (fastelbo.ops.iwae); the ELBO is the reference's
 single-sample elbo. Both in nats per image, with standard errors std / sqrt(N) over images.
 Noise is seeded per image index, so batching and the number of ranks do not change the result:
 under `torchrun --nproc-per-node N` each rank evaluates a contiguous slice of the images (and
@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 from . import data
+from .backends.torch_ref import PerImageNoise
 from .commands import EVALUATE_BATCH as BATCH
 from .errors import Interrupted, UsageError
-from .iwae import PerImageNoise, iwae_log_likelihood, resolve_backend
 from .model import ModelNew
-from .ops import elbo
+from .ops.elbo import elbo
+from .ops.iwae import iwae_log_likelihood, resolve_backend
 from .train import check_device, close_progress_bars, load_data, read_checkpoint
 from .training import checkpoint, dist
 
@@ -106,7 +107,7 @@ def evaluate(args, world: dist.World, device: torch.device) -> dict:
     def iwae(idx: range, rows: int | None = None) -> torch.Tensor:
         idx = idx[:rows] if rows is not None else idx
         # Global image indices: the noise of image i is the same on any rank, in any batch.
-        return iwae_log_likelihood(params, xs[idx.start - lo:idx.stop - lo], args.samples,
+        return iwae_log_likelihood(xs[idx.start - lo:idx.stop - lo], params, args.samples,
                                    seed=args.seed, indices=idx, backend=backend)
 
     from tqdm import tqdm

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from . import backends
-from .ops import elbo
+from .ops.elbo import elbo
 from .params import VAEParams
 
 

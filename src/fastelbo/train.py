@@ -18,12 +18,12 @@ import torch
 
 from . import __version__, backends, data
 from .commands import parse_dims
+from .contract import validation
 from .errors import Interrupted, UsageError
 from .model import ModelNew
-from .ops import resolve_backend
+from .ops.elbo import resolve_backend
 from .training import checkpoint, dist
 from .training.step import Batches, EagerStep, GraphStep
-from .validation import validation
 
 LOG_EVERY = 25  # steps between reads of the loss (each read is one device sync)
 # Steps of this run left out of the steady-state rate (summary["steady"]): the first steps pay

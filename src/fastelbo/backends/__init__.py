@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from collections.abc import Sequence
 from types import ModuleType
 from typing import Protocol, runtime_checkable
 
@@ -61,7 +61,8 @@ class Backend(Protocol):
 
     def iwae_unavailable_reason(self, device: torch.device,
                                 dims: tuple[int, int, int]) -> str | None:
-        """None when `iwae` runs on `device` for (input, hidden, latent) dims, else why not."""
+        """Beyond unavailable_reason(device): None when `iwae` takes these (input, hidden,
+        latent) dims on `device`, else why not."""
 
     def iwae(self, x: torch.Tensor, params: VAEParams, samples: int, *, seed: int | None = None,
              eps: torch.Tensor | None = None, indices: Sequence[int] | None = None,

@@ -1,17 +1,27 @@
 """Plain-PyTorch backend: the CPU path and the semantic spec every GPU backend is tested against.
 
 Role: exact reference numerics (it calls the same torch functions as the problem's `Model`),
-any device and any floating dtype, autograd for free. It processes the batch in row chunks so the
-(B, input_dim) reconstruction is never held whole: at B=65536, D=784 in float32 the whole
-reconstruction would be 205 MB, and autograd keeps several such tensors alive.
+any device and any floating dtype, autograd for free. The spec's math is written here once:
+`encode` and `decode` (the ELBO's forward, its written-out backward and the IWAE estimator all
+use them). The ELBO processes the batch in row chunks so the (B, input_dim) reconstruction is
+never held whole: at B=65536, D=784 in float32 it would be 205 MB, and autograd keeps several
+such tensors alive. The IWAE estimator (`iwae`, the spec of the fused kernels) chunks over
+the K samples, folding each chunk into a running logsumexp, so its memory does not grow with K.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
+from ..contract import unit_mask
+from ..data import derive_seed
 from ..params import VAEParams
-from ..validation import unit_mask
+
+# Any floating dtype: the ops send every dtype the GPU backends do not take here.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DRAWS_NOISE = False
 
 # Rows per chunk: 4096 x 784 x 4 B = 12.8 MB per (rows, D) intermediate, a handful of which are
 # alive at once; small enough to stay out of the way, large enough that launch costs vanish.
@@ -31,15 +41,27 @@ def _none(rows: torch.Tensor) -> bool:
             and not bool(rows.any()))
 
 
-def _forward_rows(x: torch.Tensor, p: VAEParams, eps: torch.Tensor, linear=F.linear):
-    # The problem's Model.forward, line for line, with eps injected for randn_like. `linear`
-    # (a, w, b): benchmarks/tf32x3_emulation.py swaps in emulated tensor-core arithmetic.
-    h = F.relu(linear(x, p.enc_w, p.enc_b))
-    mu = linear(h, p.mu_w, p.mu_b)
-    logvar = linear(h, p.lv_w, p.lv_b)
+def unavailable_reason(device: torch.device) -> str | None:
+    return None  # runs wherever torch does
+
+
+def encode(p: VAEParams, x: torch.Tensor):
+    """(mu, logvar): the reference encoder's math."""
+    h = F.relu(F.linear(x, p.enc_w, p.enc_b))
+    return F.linear(h, p.mu_w, p.mu_b), F.linear(h, p.lv_w, p.lv_b)
+
+
+def decode(p: VAEParams, z: torch.Tensor) -> torch.Tensor:
+    """Bernoulli means sigmoid(decoder(z)): the reference decoder's math."""
+    return torch.sigmoid(F.linear(F.relu(F.linear(z, p.dec_w1, p.dec_b1)), p.dec_w2, p.dec_b2))
+
+
+def _forward_rows(x: torch.Tensor, p: VAEParams, eps: torch.Tensor):
+    # The problem's Model.forward, op for op, with eps injected for randn_like.
+    mu, logvar = encode(p, x)
     std = torch.exp(0.5 * logvar)
     z = mu + std * eps
-    x_recon = torch.sigmoid(linear(F.relu(linear(z, p.dec_w1, p.dec_b1)), p.dec_w2, p.dec_b2))
+    x_recon = decode(p, z)
     # BCE raises (CPU) or device-asserts (CUDA) on a NaN probability, which overflowing weights
     # produce (exp(logvar) = inf): compute those rows on 0.5 and hand back NaN instead. A row's
     # sum of probabilities (each in [0, 1] or NaN) is NaN exactly when one of them is.
@@ -72,6 +94,18 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, valid: boo
         return outs
     nan = torch.full((), float("nan"), dtype=x.dtype, device=x.device)
     return tuple(torch.where(bad, nan, o) for o in outs)
+
+
+def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, verdict=None):
+    """forward for the ops' prepared inputs: waits for the value check, then skips the NaN-row
+    masking when that check read every value of x."""
+    if verdict is not None:
+        verdict.wait()
+    return forward(x, params, eps, valid=verdict is not None and verdict.checked)
+
+
+def forward_drawing(x: torch.Tensor, params: VAEParams, verdict=None):
+    raise NotImplementedError("the torch backend does not draw the noise itself (DRAWS_NOISE)")
 
 
 def _backward_rows(x, p: VAEParams, eps, g_rec, g_kl):
@@ -149,3 +183,85 @@ def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads, *,
             acc += g
     g_x = torch.where(keep[:, None], torch.cat(g_x), zero) if need_x else None
     return g_x, (torch.cat(g_eps) if need_eps else None), g_params
+
+
+# ---- the IWAE bound ----------------------------------------------------------------------------
+# Elements of one (chunk, B, D) intermediate: 1M floats = 4 MB in float32; a handful are alive.
+IWAE_CHUNK_ELEMS = 1 << 20
+# Per-image noise is drawn in blocks of this many samples, each from its own seeded generator, so
+# the noise of image i depends only on (seed, i): not on batching, chunking or sharding.
+NOISE_BLOCK = 1024
+
+
+class PerImageNoise:
+    """eps for images `indices`: sample k of image i is element k of a stream seeded by
+    (seed, i, k // NOISE_BLOCK). take(k0, k1) must be called with increasing, contiguous ranges."""
+
+    def __init__(self, seed: int, indices, latent: int, device, dtype):
+        self.seed, self.indices = seed, [int(i) for i in indices]
+        self.latent, self.device, self.dtype = latent, torch.device(device), dtype
+        self.gen = torch.Generator(device=self.device)
+        self.block, self.cache = -1, None
+
+    def _load(self, block: int) -> torch.Tensor:
+        if block != self.block:
+            rows = []
+            for i in self.indices:
+                self.gen.manual_seed(derive_seed(self.seed, "iwae", i, block))
+                rows.append(torch.randn(NOISE_BLOCK, self.latent, generator=self.gen,
+                                        device=self.device, dtype=self.dtype))
+            self.block, self.cache = block, torch.stack(rows, dim=1)  # (NOISE_BLOCK, B, L)
+        return self.cache
+
+    def take(self, k0: int, k1: int) -> torch.Tensor:
+        parts, k = [], k0
+        while k < k1:
+            block, off = divmod(k, NOISE_BLOCK)
+            n = min(k1 - k, NOISE_BLOCK - off)
+            parts.append(self._load(block)[off:off + n])
+            k += n
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def log_weights(p: VAEParams, x, mu, logvar, eps) -> torch.Tensor:
+    """log p(x|z) + log p(z) - log q(z|x) for eps (k, B, L); returns (k, B)."""
+    z = mu + torch.exp(0.5 * logvar) * eps
+    probs = decode(p, z)
+    log_px_z = -F.binary_cross_entropy(probs, x.expand_as(probs), reduction="none").sum(-1)
+    # log N(z; 0, I) - log N(z; mu, sigma^2): the log(2 pi) terms cancel, and (z - mu) / sigma is
+    # eps exactly, so no division by a tiny sigma.
+    log_pz_qz = (0.5 * (eps.square() - z.square() + logvar)).sum(-1)
+    return log_px_z + log_pz_qz
+
+
+def iwae_unavailable_reason(device: torch.device, dims) -> str | None:
+    return None
+
+
+def iwae(x: torch.Tensor, params: VAEParams, samples: int, *, seed: int | None = None,
+         eps: torch.Tensor | None = None, indices=None, generator: torch.Generator | None = None,
+         chunk: int | None = None) -> torch.Tensor:
+    """log p(x) per row of x (B, D), shape (B,): logsumexp_k log_weights - log K, `chunk`
+    samples at a time. Noise: eps as given; seed (+ indices): PerImageNoise; else draws from
+    `generator` (the default generator when None). Inputs checked by fastelbo.ops.iwae."""
+    b, d = x.shape
+    lat = params.dims[2]
+    if chunk is None:
+        chunk = max(1, IWAE_CHUNK_ELEMS // (b * d))
+    if seed is not None:
+        noise = PerImageNoise(seed, range(b) if indices is None else indices, lat, x.device,
+                              x.dtype).take
+    elif eps is not None:
+        def noise(k0, k1):
+            return eps[k0:k1]
+    else:
+        def noise(k0, k1):
+            return torch.randn(k1 - k0, b, lat, generator=generator, device=x.device,
+                               dtype=x.dtype)
+    mu, logvar = encode(params, x)
+    acc = torch.full((b,), -math.inf, dtype=x.dtype, device=x.device)
+    for k0 in range(0, samples, chunk):
+        k1 = min(samples, k0 + chunk)
+        acc = torch.logaddexp(acc, torch.logsumexp(log_weights(params, x, mu, logvar,
+                                                               noise(k0, k1)), dim=0))
+    return acc - math.log(samples)

@@ -19,8 +19,8 @@ from functools import partial
 import torch
 
 from .. import backends
-from ..validation import ENV_VAR as VALIDATE_ENV
-from ..validation import enabled_by_env
+from ..contract import ENV_VAR as VALIDATE_ENV
+from ..contract import enabled_by_env
 from . import loader
 from .compare import compare_outputs
 from .results import append_jsonl, environment, utc_now

@@ -1,7 +1,7 @@
 """Pictures of a trained VAE: reconstructions, prior samples, loss curves (matplotlib, Agg).
 
 The fused op returns only (elbo, recon, kl), so images come from the reference encoder/decoder
-math applied to the module's parameters (fastelbo.iwae.encode / decode). Figures are built with
+math applied to the module's parameters (fastelbo.backends.torch_ref.encode / decode). Figures are built with
 matplotlib's object API (Figure, no pyplot): no global backend switch in the caller's process,
 and ~0.1 s less to import. (Importing matplotlib in a background thread was tried: it holds
 the GIL as the run's own imports do, so nothing overlapped.)
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..iwae import decode, encode
+from ..backends.torch_ref import decode, encode
 from ..params import VAEParams
 
 

@@ -16,11 +16,13 @@ import os
 
 import torch
 
+from ...params import VAEParams
+from .. import torch_ref
+from . import elbo_forward as _fwd
+
 # The dtypes this backend computes in: fastelbo.ops refuses others before drawing any noise.
 DTYPES = (torch.float32,)
-
-from ...params import VAEParams
-from . import elbo_forward as _fwd
+DRAWS_NOISE = False
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -44,3 +46,33 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor):
     """(elbo, recon, kl), each (B,) float32. Inputs validated and made contiguous by fastelbo.ops;
     float32 only (TypeError otherwise, before any launch)."""
     return _fwd.launch(x, params, eps)
+
+
+def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, verdict=None):
+    if verdict is not None:
+        verdict.wait()
+    return _fwd.launch(x, params, eps)
+
+
+def forward_drawing(x: torch.Tensor, params: VAEParams, verdict=None):
+    raise NotImplementedError("the triton backend does not draw the noise itself (DRAWS_NOISE)")
+
+
+def backward(x, params: VAEParams, eps, grads, *, need_x: bool = True, need_eps: bool = True):
+    """The spec's backward (torch_ref.backward): this backend has no fused backward."""
+    return torch_ref.backward(x, params, eps, grads, need_x=need_x, need_eps=need_eps)
+
+
+def iwae_unavailable_reason(device: torch.device, dims) -> str | None:
+    return None  # any dims, wherever the backend runs
+
+
+def iwae(x: torch.Tensor, params: VAEParams, samples: int, *, seed: int | None = None,
+         eps: torch.Tensor | None = None, indices=None, generator=None, chunk=None):
+    """The fused Triton IWAE kernel (iwae.py); generator / chunk are the torch backend's."""
+    if generator is not None or chunk is not None:
+        raise ValueError("the triton iwae draws its noise in-kernel from `seed` and has no "
+                         "`chunk`: use backend='torch' for generator / chunk")
+    from .iwae import iwae_log_likelihood  # its kernel is compiled on first use only
+
+    return iwae_log_likelihood(x, params, samples, seed=seed, eps=eps, indices=indices)

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ... import contract
 from ...params import VAEParams
 from .fp16x3 import INV_LO_SCALE, _pow2f, _split16
 
@@ -256,12 +257,11 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 
 def _check(x: torch.Tensor, params: VAEParams, eps: torch.Tensor) -> None:
-    for name, t in [("x", x), ("eps", eps), *zip(VAEParams._fields, params)]:
-        if t.dtype != torch.float32:
-            raise TypeError(f"the triton backend takes float32 only; {name} is {t.dtype}. "
-                            f"backend='torch' runs any floating dtype.")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (fastelbo.ops makes it so)")
+    """The kernels' terms beyond the op's contract: dense contiguous float32 on one device
+    (a CUDA one, or any under the interpreter), sizes in int32."""
+    contract.check_kernel_tensors(
+        "triton", [("x", x), ("eps", eps), *zip(VAEParams._fields, params)],
+        device_type=None if INTERPRET else "cuda")
 
 
 SPLIT_BLOCK = 1024

@@ -1,11 +1,11 @@
 """The importance-weighted bound (IWAE) in Triton: K decoders per image, fused, memory flat in K.
 
-Role: throughput. The estimator is fastelbo.iwae's (the torch spec and CPU path):
+Role: throughput. The estimator is fastelbo.backends.torch_ref.iwae's (the spec and CPU path):
 
     log p(x) ~= logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K,
     z_k = mu + exp(0.5 logvar) * eps_k,    log p(z) - log q(z|x) = sum_j 0.5 (eps^2 - z^2 + logvar)
 
-and log p(x|z) is minus the reference's clamped BCE sum, exactly `fastelbo.iwae.log_weights`.
+and log p(x|z) is minus the reference's clamped BCE sum, exactly `torch_ref.log_weights`.
 
 Plan. The encoder runs once per image, in float64 torch on the (B, L) level: 2 * 784 * 256 FLOP
 per image is 1/5000 of the decoders' work at K = 5000, and float64 makes mu, logvar exact to
@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...iwae import check_fused_call, fused_finish, fused_inputs, fused_splits
 from ...params import VAEParams
+from ..fused_iwae import check_fused_call, fused_finish, fused_inputs, fused_splits
 from .common import (
     _bce_rowsum,
     _decoder_hidden,
@@ -162,7 +162,7 @@ class IwaeConfig:
     block_h: int      # hidden units per d chunk
     num_warps: int
     num_stages: int
-    splits: int | None = None   # K-splits per image; None: fastelbo.iwae.fused_splits
+    splits: int | None = None   # K-splits per image; None: backends.fused_iwae.fused_splits
 
 
 # Timed on an H200 (benchmarks/iwae_bench.py --sweep, 2026-11-29, 10,000 images x K = 5000):
@@ -181,12 +181,12 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *, see
     Noise: `eps` (samples, B, L) injected (tests), else drawn in the kernel from Philox keyed by
     `seed`, with row b using image index indices[b] (default b); noise and K-splits depend on
     (seed, image index, K) only, so an image's estimate is bitwise the same in any batch. These streams are not
-    fastelbo.iwae's torch streams: same estimator, different noise. `config` overrides the tile
+    the torch backend's streams: same estimator, different noise. `config` overrides the tile
     choice (tests, sweeps). Peak memory: inputs + weight halves (2 x 1.7 MB at 784/256/32) +
     B * splits <= 32 B floats, independent of `samples`.
     """
-    params = VAEParams(*params)
-    check_fused_call("triton", x, params, samples, seed, eps, indices)
+    params = check_fused_call("triton", x, params, samples, seed, eps, indices,
+                              device_type=None if triton.knobs.runtime.interpret else "cuda")
     params = params.contiguous()
     batch = x.shape[0]
     d, h, lat = params.dims

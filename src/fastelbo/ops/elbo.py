@@ -1,4 +1,4 @@
-"""The one public op: `elbo(x, params, eps=None, backend=...)`.
+"""The ELBO op: `elbo(x, params, eps=None, backend=...)`.
 
 It validates, draws the noise, picks a backend and carries autograd. Backends see only
 validated, contiguous tensors and a given eps. A GPU backend's call goes through the custom op
@@ -7,24 +7,18 @@ the op's dispatch costs more host time than the whole launch.
 
 RNG contract: without `eps`, exactly one `torch.randn(B, latent_dim)` is drawn from the default
 generator of x's device, where the reference calls `randn_like`; equal seeds give equal results.
-A backend with `forward_drawing(x, params, verdict)` (cuda) may draw those same numbers inside
-its launch, for calls that no autograd or tracer sees (backends/cuda/noise.py); it waits for
-the value check's verdict before drawing or launching anything.
+A backend whose DRAWS_NOISE is set (cuda) draws those same numbers inside its launch
+(forward_drawing), for calls that no autograd or tracer sees (backends/cuda/noise.py); it waits
+for the value check's verdict before drawing or launching anything.
 """
 from __future__ import annotations
 
 import torch
 
-from . import backends
-from .backends import torch_ref
-from .params import PLAIN_TYPES, VAEParams
-from .validation import start_checks
-
-
-def _prepared_forward(backend: str):
-    """The backend's forward for inputs `elbo` has validated and made contiguous."""
-    mod = backends.module(backend)
-    return getattr(mod, "forward_prepared", mod.forward)
+from .. import backends
+from ..backends import torch_ref
+from ..params import PLAIN_TYPES, VAEParams
+from .checks import start_checks
 
 
 # The GPU backends run behind two torch.library custom ops, so autograd, torch.compile and
@@ -38,7 +32,7 @@ def _prepared_forward(backend: str):
 @torch.library.custom_op("fastelbo::elbo_forward", mutates_args=())
 def _elbo_forward(backend: str, x: torch.Tensor, eps: torch.Tensor,
                   params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tuple(_prepared_forward(backend)(x, VAEParams(*params), eps))
+    return tuple(backends.module(backend).forward_prepared(x, VAEParams(*params), eps))
 
 
 @_elbo_forward.register_fake
@@ -54,8 +48,7 @@ def _elbo_backward(backend: str, grads: list[torch.Tensor], used: list[bool],
     autograd would not visit that branch, and neither does the backward. `needs` = (x, eps):
     whether their gradients are wanted; an unwanted one comes back as an empty tensor."""
     grads = [g if u else None for g, u in zip(grads, used)]
-    impl = getattr(backends.module(backend), "backward", torch_ref.backward)
-    g_x, g_eps, g_params = impl(x, VAEParams(*params), eps, grads, need_x=needs[0],
+    g_x, g_eps, g_params = backends.module(backend).backward(x, VAEParams(*params), eps, grads, need_x=needs[0],
                                 need_eps=needs[1])
     g_x = g_x if needs[0] else x.new_empty(0)
     g_eps = g_eps if needs[1] else eps.new_empty(0)
@@ -114,8 +107,8 @@ def resolve_backend(backend: str, x: torch.Tensor, verdict=None) -> str:
     if reason is not None:
         raise RuntimeError(f"backend={backend!r} cannot run on {x.device}: {reason}. "
                            f"backend='torch' runs everywhere.")
-    dtypes = getattr(backends.module(backend), "DTYPES", None)
-    if dtypes is not None and x.dtype not in dtypes:
+    dtypes = backends.module(backend).DTYPES
+    if x.dtype not in dtypes:
         raise TypeError(f"backend={backend!r} computes in {', '.join(map(str, dtypes))}, x is "
                         f"{x.dtype}: use backend='torch' (or 'auto', which does)")
     return backend
@@ -156,10 +149,9 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
     plain = verdict.plain  # every tensor already contiguous, of a plain tensor type
     if not plain:  # .contiguous() returns the tensor itself when it already is
         x, params = x.contiguous(), VAEParams._make(map(torch.Tensor.contiguous, params))
-    if eps is None and name != "torch":
-        drawing = getattr(backends.module(name), "forward_drawing", None)
-        if drawing is not None and not _needs_op(x, None, params, plain):
-            return drawing(x, params, verdict)  # it waits just before drawing or launching
+    mod = backends.module(name)
+    if eps is None and mod.DRAWS_NOISE and not _needs_op(x, None, params, plain):
+        return mod.forward_drawing(x, params, verdict)  # it waits before drawing or launching
     verdict.wait()
     if eps is None:
         eps = (_draw_noise if torch.compiler.is_compiling() else _randn)(x, params[2].shape[0])
@@ -169,4 +161,4 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
         return torch_ref.forward(x, params, eps, valid=verdict.checked)
     if _needs_op(x, eps, params, plain):  # a plain verdict covered eps too
         return _elbo_forward(name, x, eps, list(params))
-    return _prepared_forward(name)(x, params, eps)
+    return mod.forward_prepared(x, params, eps)

@@ -1,6 +1,6 @@
 """The IWAE estimator against a float64, all-K-at-once implementation of the same formula.
 
-The reference here is written independently of fastelbo.iwae: the problem's Model supplies the
+The reference here is written independently of fastelbo's torch backend: the problem's Model supplies the
 encoder/decoder and the clamped BCE, torch.distributions supplies the Gaussian densities.
 """
 import math
@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributions import Normal
 
-from fastelbo import backends, iwae
-from fastelbo.iwae import iwae_log_likelihood, resolve_backend
+from fastelbo import backends
+from fastelbo.backends import torch_ref
+from fastelbo.ops.iwae import iwae_log_likelihood, resolve_backend
 from reference import twins
 
 DIMS = (20, 12, 3)
@@ -50,7 +51,7 @@ def test_float64_matches_reference_estimator(scale):
     ref, params, x, eps = setup(torch.float64, scale=scale)
     want = reference_iwae(ref, x, eps)
     for chunk in (1, 7, 50):
-        got = iwae_log_likelihood(params, x, 50, eps=eps, chunk=chunk)
+        got = iwae_log_likelihood(x, params, 50, eps=eps, chunk=chunk)
         torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-12)
 
 
@@ -61,17 +62,17 @@ def test_float32_error_is_rounding_sized():
     ref32, params32, x32, eps32 = setup(torch.float32, k=200)
     want = reference_iwae(ref64, x64, eps64)
     plain_err = (reference_iwae(ref32, x32, eps32).double() - want).abs().max()
-    got_err = (iwae_log_likelihood(params32, x32, 200, eps=eps32, chunk=9).double() - want).abs().max()
+    got_err = (iwae_log_likelihood(x32, params32, 200, eps=eps32, chunk=9).double() - want).abs().max()
     assert got_err <= 2 * plain_err + 4 * torch.finfo(torch.float32).eps * want.abs().max()
 
 
 @torch.no_grad()
 def test_chunking_is_invisible():
     _, params, x, eps = setup(k=37)
-    want = iwae_log_likelihood(params, x, 37, eps=eps, chunk=37)
+    want = iwae_log_likelihood(x, params, 37, eps=eps, chunk=37)
     for chunk in (1, 4, 36, 100):
         # Not bitwise: the GEMMs block differently at other row counts.
-        torch.testing.assert_close(iwae_log_likelihood(params, x, 37, eps=eps, chunk=chunk), want,
+        torch.testing.assert_close(iwae_log_likelihood(x, params, 37, eps=eps, chunk=chunk), want,
                                    atol=1e-5, rtol=1e-6)
 
 
@@ -85,7 +86,7 @@ def test_one_sample_likelihood_term_is_minus_recon():
     torch.manual_seed(4)  # the reference's randn_like(std) draws the same e[0]
     _, recon, _ = ref(x)
     _, rest = reference_log_weights(ref, x, e)
-    got = iwae_log_likelihood(params, x, 1, eps=e)
+    got = iwae_log_likelihood(x, params, 1, eps=e)
     torch.testing.assert_close(got - rest[0], -recon, atol=1e-4, rtol=1e-5)
 
 
@@ -97,8 +98,8 @@ def test_iwae_bound_tightens_above_the_elbo():
     xr = x.repeat(reps, 1)
     torch.manual_seed(0)
     elbo = ref(xr)[0].view(reps, 32).mean(0)
-    k1 = iwae_log_likelihood(params, xr, 1, seed=1).view(reps, 32).mean(0)
-    k1000 = iwae_log_likelihood(params, x, 1000, seed=2)
+    k1 = iwae_log_likelihood(xr, params, 1, seed=1).view(reps, 32).mean(0)
+    k1000 = iwae_log_likelihood(x, params, 1000, seed=2)
     # K=1 is an unbiased single-sample ELBO: means agree within a few standard errors.
     assert abs(float(k1.mean() - elbo.mean())) < 0.2
     assert float(k1000.mean()) > float(elbo.mean()) + 1.0
@@ -107,14 +108,14 @@ def test_iwae_bound_tightens_above_the_elbo():
 
 @torch.no_grad()
 def test_per_image_noise_ignores_batching_and_chunking(monkeypatch):
-    monkeypatch.setattr(iwae, "NOISE_BLOCK", 16)  # cross several noise blocks cheaply
+    monkeypatch.setattr(torch_ref, "NOISE_BLOCK", 16)  # cross several noise blocks cheaply
     _, params, x, _ = setup(batch=7)
     idx = [10, 11, 12, 13, 14, 15, 16]
-    whole = iwae_log_likelihood(params, x, 40, seed=3, indices=idx, chunk=40)
-    parts = torch.cat([iwae_log_likelihood(params, x[:3], 40, seed=3, indices=idx[:3], chunk=5),
-                       iwae_log_likelihood(params, x[3:], 40, seed=3, indices=idx[3:], chunk=17)])
+    whole = iwae_log_likelihood(x, params, 40, seed=3, indices=idx, chunk=40)
+    parts = torch.cat([iwae_log_likelihood(x[:3], params, 40, seed=3, indices=idx[:3], chunk=5),
+                       iwae_log_likelihood(x[3:], params, 40, seed=3, indices=idx[3:], chunk=17)])
     torch.testing.assert_close(parts, whole, atol=1e-5, rtol=1e-6)
-    other = iwae_log_likelihood(params, x, 40, seed=3, indices=[i + 1 for i in idx])
+    other = iwae_log_likelihood(x, params, 40, seed=3, indices=[i + 1 for i in idx])
     assert not torch.allclose(other, whole)
 
 
@@ -122,15 +123,15 @@ def test_errors():
     _, params, x, eps = setup(k=4)
     for bad in ("CUDA", "Triton", ""):
         with pytest.raises(ValueError, match=r"one of \('auto', 'torch', 'triton', 'cuda'\)"):
-            iwae_log_likelihood(params, x, 4, backend=bad)
+            iwae_log_likelihood(x, params, 4, backend=bad)
     with pytest.raises(ValueError, match=r"eps must have shape \(5, 6, 3\)"):
-        iwae_log_likelihood(params, x, 5, eps=eps)
+        iwae_log_likelihood(x, params, 5, eps=eps)
     with pytest.raises(ValueError, match="at most one"):
-        iwae_log_likelihood(params, x, 4, eps=eps, seed=0)
+        iwae_log_likelihood(x, params, 4, eps=eps, seed=0)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        iwae_log_likelihood(params, x * 2, 4, eps=eps)
+        iwae_log_likelihood(x * 2, params, 4, eps=eps)
     with pytest.raises(ValueError, match="samples"):
-        iwae_log_likelihood(params, x, 0)
+        iwae_log_likelihood(x, params, 0)
 
 
 CUDA = torch.device("cuda")
@@ -155,7 +156,10 @@ def test_auto_is_cuda_on_cuda_when_available(triton_available):
 
 
 def test_auto_is_triton_where_the_cuda_kernel_does_not_apply(triton_available, monkeypatch):
-    monkeypatch.setattr(iwae, "_cuda_iwae_reason", lambda device, dims: "too wide")
+    from fastelbo.ops import iwae as iwae_op
+
+    monkeypatch.setattr(iwae_op, "_fused_reason",
+                        lambda name, device, dims: "too wide" if name == "cuda" else None)
     assert resolve_backend("auto", CUDA, dims=(784, 4096, 32)) == "triton"
     with pytest.raises(RuntimeError, match="backend='cuda' cannot run.*too wide"):
         resolve_backend("cuda", CUDA, dims=(784, 4096, 32))
@@ -194,19 +198,19 @@ def test_unknown_backend_is_refused():
 def test_explicit_cuda_on_cpu_says_why():
     _, params, x, _ = setup(k=4)
     with pytest.raises(RuntimeError, match="backend='cuda' cannot run on cpu.*CUDA devices only"):
-        iwae_log_likelihood(params, x, 4, seed=0, backend="cuda")
+        iwae_log_likelihood(x, params, 4, seed=0, backend="cuda")
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreter: triton runs")
 def test_explicit_triton_on_cpu_says_why():
     _, params, x, _ = setup(k=4)
     with pytest.raises(RuntimeError, match="need a CUDA device.*backend='torch' runs everywhere"):
-        iwae_log_likelihood(params, x, 4, seed=0, backend="triton")
+        iwae_log_likelihood(x, params, 4, seed=0, backend="triton")
 
 
 @torch.no_grad()
 def test_auto_on_cpu_is_the_torch_estimate():
     _, params, x, _ = setup(k=4)
-    torch.testing.assert_close(iwae_log_likelihood(params, x, 30, seed=5),
-                               iwae_log_likelihood(params, x, 30, seed=5, backend="torch"),
+    torch.testing.assert_close(iwae_log_likelihood(x, params, 30, seed=5),
+                               iwae_log_likelihood(x, params, 30, seed=5, backend="torch"),
                                rtol=0, atol=0)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import fastelbo
-from fastelbo.validation import validation, validation_enabled
+from fastelbo.contract import validation, validation_enabled
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_malformed_parameters_are_named(field, value, exc, match):
 
 
 def test_parameters_on_two_devices_or_dtypes(model):
-    from fastelbo.validation import check_params
+    from fastelbo.contract import check_params
 
     params = model.vae_params()
     with pytest.raises(ValueError, match="dec_b2 is on meta"):
@@ -115,7 +115,7 @@ def test_the_cuda_value_check_stays_out_of_cpu_tensors():
 def test_start_checks_on_cpu_gives_its_verdict_at_once(model):
     """Off the GPU the value check runs inside start_checks: a bad x raises there, a good one
     comes back with a verdict whose wait() passes; the other checks raise as check_inputs'."""
-    from fastelbo.validation import start_checks
+    from fastelbo.ops.checks import start_checks
 
     params = model.vae_params()
     x = torch.rand(5, 16)

@@ -3,10 +3,11 @@ opaque torch.library op that torch.compile traces (forward and backward)."""
 import pytest
 import torch
 
-from fastelbo import backends, ops
+from fastelbo import backends
+from fastelbo.ops import elbo as elbo_op
 from fastelbo.backends import torch_ref
 from fastelbo.params import VAEParams
-from fastelbo.validation import validation
+from fastelbo.contract import validation
 from reference import assert_outputs_close, assert_same_structure, twins
 
 
@@ -65,7 +66,7 @@ def test_op_is_registered_with_a_fake_kernel():
                                            (8,), (16, 8), (16,)]]
         outs = torch.ops.fastelbo.elbo_forward("triton", x, eps, params)
     assert [tuple(o.shape) for o in outs] == [(5,)] * 3
-    assert ops._elbo_forward is not None
+    assert elbo_op._elbo_forward is not None
 
 
 @pytest.mark.parametrize("used", [(0,), (1,), (2,), (1, 2)], ids=["elbo", "recon", "kl", "both"])
@@ -82,7 +83,7 @@ def test_custom_op_gradients_when_only_some_outputs_are_used(fake_gpu_backend, u
     eps = torch.randn(5, 4, dtype=torch.float64)
 
     def grads(backend):
-        outs = ops.elbo(x, p, eps, backend=backend)
+        outs = elbo_op.elbo(x, p, eps, backend=backend)
         return torch.autograd.grad(sum(outs[i].sum() for i in used), [x, *p], allow_unused=True)
 
     with validation(False):
@@ -112,14 +113,15 @@ def test_compiled_model_keeps_the_rng_contract_and_the_value_check():
 def test_gpu_backend_dtype_error_comes_before_the_noise_draw(monkeypatch):
     """A backend's DTYPES are enforced before the draw: the generator is left untouched."""
     import types
-    fake = types.SimpleNamespace(DTYPES=(torch.float32,), forward=torch_ref.forward)
+    fake = types.SimpleNamespace(DTYPES=(torch.float32,), DRAWS_NOISE=False,
+                                 forward_prepared=torch_ref.forward_prepared)
     monkeypatch.setattr(backends, "module", lambda name: fake)
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
     _, new = twins((16, 8, 3), dtype=torch.float64)
     x = torch.rand(4, 16, dtype=torch.float64)
     state = torch.get_rng_state()
     with pytest.raises(TypeError, match="computes in torch.float32"):
-        ops.elbo(x, new.vae_params(), backend="triton")
+        elbo_op.elbo(x, new.vae_params(), backend="triton")
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -131,7 +133,7 @@ def op_calls(fake_gpu_backend, monkeypatch):
     routes run the same arithmetic on a CPU."""
     import types
     calls = {"op": 0, "backend": 0}
-    real_op = ops._elbo_forward
+    real_op = elbo_op._elbo_forward
 
     def op(*args):
         calls["op"] += 1
@@ -144,12 +146,12 @@ def op_calls(fake_gpu_backend, monkeypatch):
     def forward(*args, **kwargs):
         raise AssertionError("ops calls forward_prepared where a backend has it")
 
-    fake = types.SimpleNamespace(DTYPES=(torch.float32,), forward=forward,
-                                 forward_prepared=forward_prepared)
+    fake = types.SimpleNamespace(DTYPES=(torch.float32,), DRAWS_NOISE=False, forward=forward,
+                                 forward_prepared=forward_prepared, backward=torch_ref.backward)
     real_module = backends.module
     monkeypatch.setattr(backends, "module",
                         lambda name: fake if name == "cuda" else real_module(name))
-    monkeypatch.setattr(ops, "_elbo_forward", op)
+    monkeypatch.setattr(elbo_op, "_elbo_forward", op)
     return calls
 
 
@@ -179,6 +181,7 @@ def test_eps_none_without_autograd_lets_the_backend_draw(op_calls, monkeypatch):
         return torch_ref.forward(x, params, torch.randn(x.shape[0], params[2].shape[0]))
 
     monkeypatch.setattr(fake, "forward_drawing", forward_drawing, raising=False)
+    monkeypatch.setattr(fake, "DRAWS_NOISE", True)
     ref, new = twins((16, 8, 3), backend="cuda")
     x = torch.rand(6, 16)
     with torch.no_grad():
@@ -200,10 +203,10 @@ def test_grad_mode_alone_does_not_need_the_op(op_calls):
     _, new = twins((16, 8, 3), backend="cuda")
     p = [t.detach() for t in new.vae_params()]
     x, eps = torch.rand(6, 16), torch.randn(6, 3)
-    out = ops.elbo(x, p, eps, backend="cuda")
+    out = elbo_op.elbo(x, p, eps, backend="cuda")
     assert op_calls == {"op": 0, "backend": 1} and not out[0].requires_grad
-    ops.elbo(x.requires_grad_(), p, eps, backend="cuda")  # a gradient wanted for x only
-    ops.elbo(x.detach(), p, eps.requires_grad_(), backend="cuda")  # ... for eps only
+    elbo_op.elbo(x.requires_grad_(), p, eps, backend="cuda")  # a gradient wanted for x only
+    elbo_op.elbo(x.detach(), p, eps.requires_grad_(), backend="cuda")  # ... for eps only
     assert op_calls == {"op": 2, "backend": 3}
 
 
@@ -257,7 +260,7 @@ def test_compile_under_no_grad_still_traces_the_op(op_calls):
 
 
 class _Verdict:
-    """A value check, as validation.start_checks returns: logs its wait, may fail."""
+    """A value check, as ops.checks.start_checks returns: logs its wait, may fail."""
     in_flight = plain = checked = False
 
     def __init__(self, log, bad):
@@ -273,7 +276,7 @@ class _Verdict:
 @pytest.mark.parametrize("given_eps", [False, True], ids=["draw", "eps"])
 def test_the_value_verdict_comes_before_any_draw_or_launch(op_calls, monkeypatch, grad,
                                                            given_eps):
-    """ops.elbo starts the value check, prepares the call, and waits for the verdict before
+    """elbo_op.elbo starts the value check, prepares the call, and waits for the verdict before
     drawing noise or calling the backend: a failing verdict raises with nothing launched and
     the generator untouched."""
     log = []
@@ -284,6 +287,7 @@ def test_the_value_verdict_comes_before_any_draw_or_launch(op_calls, monkeypatch
         return torch_ref.forward(x, p, torch.randn(x.shape[0], p[2].shape[0]))
 
     monkeypatch.setattr(fake, "forward_drawing", forward_drawing, raising=False)
+    monkeypatch.setattr(fake, "DRAWS_NOISE", True)
     real_prepared = fake.forward_prepared
     monkeypatch.setattr(fake, "forward_prepared",
                         lambda *a: log.append("backend") or real_prepared(*a))
@@ -292,7 +296,7 @@ def test_the_value_verdict_comes_before_any_draw_or_launch(op_calls, monkeypatch
     eps = torch.randn(6, 3) if given_eps else None
     for bad in (False, True):
         log.clear()
-        monkeypatch.setattr(ops, "start_checks", lambda *a, b=bad: _Verdict(log, b))
+        monkeypatch.setattr(elbo_op, "start_checks", lambda *a, b=bad: _Verdict(log, b))
         state = torch.get_rng_state()
         with torch.set_grad_enabled(grad):
             if bad:
@@ -319,14 +323,15 @@ def test_a_plain_verdict_hands_the_tensors_over_as_they_are(op_calls, monkeypatc
         return torch_ref.forward(x, p, torch.randn(x.shape[0], p[2].shape[0]))
 
     monkeypatch.setattr(fake, "forward_drawing", forward_drawing, raising=False)
+    monkeypatch.setattr(fake, "DRAWS_NOISE", True)
     verdict = _Verdict([], bad=False)
     verdict.plain = plain
-    monkeypatch.setattr(ops, "start_checks", lambda *a: verdict)
+    monkeypatch.setattr(elbo_op, "start_checks", lambda *a: verdict)
     _, new = twins((16, 8, 3), backend="cuda")
     params = VAEParams(*(t.detach() for t in new.vae_params()))
     x = torch.rand(16, 6).t()  # (6, 16), not contiguous
     with torch.no_grad():
-        ops.elbo(x, params, backend="cuda")
+        elbo_op.elbo(x, params, backend="cuda")
     (got_x, got_p), = seen
     if plain:  # taken at its word: the lane never says plain for such an x
         assert got_x is x and all(a is b for a, b in zip(got_p, params))
@@ -345,7 +350,7 @@ def test_auto_asks_cuda_about_capture_only_without_a_check_in_flight(monkeypatch
                         or "torch")
     verdict = _Verdict([], bad=False)
     verdict.in_flight = in_flight
-    monkeypatch.setattr(ops, "start_checks", lambda *a: verdict)
+    monkeypatch.setattr(elbo_op, "start_checks", lambda *a: verdict)
     _, new = twins((16, 8, 3), backend="auto")
     with torch.no_grad():
         new(torch.rand(6, 16))
