@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fastelbo.validation import check_values
 
 import fastelbo
-from fastelbo.validation import check_values
 from reference import assert_outputs_close
 
 pytestmark = [

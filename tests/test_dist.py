@@ -14,11 +14,11 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
+from fastelbo.contract import validation
 from fastelbo.train import build
 from fastelbo.training import dist
 from fastelbo.training.dist import World
 from fastelbo.training.step import Batches, EagerStep, GraphStep
-from fastelbo.contract import validation
 
 CPU = {"device": "cpu", "backend": "torch", "dims": (16, 8, 2), "rows": 256, "batch": 32,
        "lr": 0.01, "steps": 20, "binarize": True, "graph": False}  # 8 steps an epoch

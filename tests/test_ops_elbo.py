@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from fastelbo import backends
-from fastelbo.ops import elbo as elbo_op
 from fastelbo.backends import torch_ref
-from fastelbo.params import VAEParams
 from fastelbo.contract import validation
+from fastelbo.ops import elbo as elbo_op
+from fastelbo.params import VAEParams
 from reference import assert_outputs_close, assert_same_structure, twins
 
 

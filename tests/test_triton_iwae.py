@@ -176,7 +176,7 @@ def test_validation_before_launch():
         tb.iwae_log_likelihood(x, VAEParams(*(t.double() for t in p)), 4)
     with pytest.raises(ValueError, match="x must have shape"):
         tb.iwae_log_likelihood(x[:, :-1], p, 4)
-    with pytest.raises(ValueError, match="x must have shape"):
+    with pytest.raises(ValueError, match="x must hold at least one row"):
         tb.iwae_log_likelihood(x[:0], p, 4)
     with pytest.raises(ValueError, match="contiguous"):
         tb.iwae_log_likelihood(torch.rand(dims[0], 3).t(), p, 4)

@@ -143,6 +143,11 @@ def _positive_int(name: str, v) -> None:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
+def check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
+
+
 def check_iwae_call(x, params, samples, *, eps=None, seed=None, indices=None,
                     generator=None, chunk=None) -> VAEParams:
     """iwae_log_likelihood(x, params, samples, ...): every metadata check of the call."""
@@ -153,9 +158,8 @@ def check_iwae_call(x, params, samples, *, eps=None, seed=None, indices=None,
         raise ValueError("give at most one of eps, seed, generator")
     if eps is not None:
         check_eps(eps, (samples, x.shape[0], params.dims[2]), params)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not 0 <= seed < 2**63):
-        raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
+    if seed is not None:
+        check_seed(seed)
     if indices is not None and len(indices) != x.shape[0]:
         raise ValueError(f"indices must have one entry per row of x ({x.shape[0]}), "
                          f"got {len(indices)}")

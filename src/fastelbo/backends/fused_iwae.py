@@ -29,19 +29,19 @@ def fused_splits(samples: int, block_k: int, splits: int | None = None) -> tuple
 
 def check_fused_call(name: str, x, params, samples, seed, eps, indices,
                      device_type: str | None = "cuda") -> VAEParams:
-    """The op's contract for this call, then the kernel's own terms: float32 tensors on x's
-    device (of `device_type`; None: any, for Triton's interpreter), x contiguous, an int seed.
-    Values of x are not read (no host sync): an image with a target outside [0, 1] comes out
-    NaN."""
-    params = contract.check_iwae_call(x, params, samples, eps=eps, seed=seed, indices=indices)
+    """The kernel's own terms first (float32 tensors on x's device, of `device_type`; None:
+    any, for Triton's interpreter), then the op's contract for this call, x contiguous and an
+    int seed (unused where eps is given). Values of x are not read (no host sync): an image
+    with a target outside [0, 1] comes out NaN."""
+    params = contract.as_params(params)
     tensors = [("x", x), *zip(VAEParams._fields, params)]
     if eps is not None:
         tensors.append(("eps", eps))
     contract.check_kernel_tensors(name, tensors, device_type=device_type, contiguous=False)
+    params = contract.check_iwae_call(x, params, samples, eps=eps, indices=indices)
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
-    if seed is None:
-        raise ValueError("seed must be an int in [0, 2^63), got None")
+    contract.check_seed(seed)
     return params
 
 

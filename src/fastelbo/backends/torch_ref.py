@@ -238,9 +238,10 @@ def iwae_unavailable_reason(device: torch.device, dims) -> str | None:
     return None
 
 
-def iwae(x: torch.Tensor, params: VAEParams, samples: int, *, seed: int | None = None,
-         eps: torch.Tensor | None = None, indices=None, generator: torch.Generator | None = None,
-         chunk: int | None = None) -> torch.Tensor:
+def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *,
+                        seed: int | None = None, eps: torch.Tensor | None = None, indices=None,
+                        generator: torch.Generator | None = None,
+                        chunk: int | None = None) -> torch.Tensor:
     """log p(x) per row of x (B, D), shape (B,): logsumexp_k log_weights - log K, `chunk`
     samples at a time. Noise: eps as given; seed (+ indices): PerImageNoise; else draws from
     `generator` (the default generator when None). Inputs checked by fastelbo.ops.iwae."""

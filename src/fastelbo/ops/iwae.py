@@ -90,9 +90,9 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *,
                            needs_grad=needs_grad, dims=params.dims)
     mod = backends.module(name)
     if name == "torch":
-        return mod.iwae(x, params, samples, seed=seed, eps=eps, indices=indices,
+        return mod.iwae_log_likelihood(x, params, samples, seed=seed, eps=eps, indices=indices,
                         generator=generator, chunk=chunk)
     if eps is None and seed is None:
         seed = int(torch.randint(0, 2**62, ()))
-    return mod.iwae(x.contiguous(), params, samples, seed=0 if seed is None else seed,
+    return mod.iwae_log_likelihood(x.contiguous(), params, samples, seed=0 if seed is None else seed,
                     eps=None if eps is None else eps.contiguous(), indices=indices)

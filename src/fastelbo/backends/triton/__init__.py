@@ -67,12 +67,13 @@ def iwae_unavailable_reason(device: torch.device, dims) -> str | None:
     return None  # any dims, wherever the backend runs
 
 
-def iwae(x: torch.Tensor, params: VAEParams, samples: int, *, seed: int | None = None,
-         eps: torch.Tensor | None = None, indices=None, generator=None, chunk=None):
+def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *,
+                        seed: int | None = None, eps: torch.Tensor | None = None, indices=None,
+                        generator=None, chunk=None):
     """The fused Triton IWAE kernel (iwae.py); generator / chunk are the torch backend's."""
     if generator is not None or chunk is not None:
         raise ValueError("the triton iwae draws its noise in-kernel from `seed` and has no "
                          "`chunk`: use backend='torch' for generator / chunk")
-    from .iwae import iwae_log_likelihood  # its kernel is compiled on first use only
+    from . import iwae  # its kernel is compiled on first use only
 
-    return iwae_log_likelihood(x, params, samples, seed=seed, eps=eps, indices=indices)
+    return iwae.iwae_log_likelihood(x, params, samples, seed=seed, eps=eps, indices=indices)
