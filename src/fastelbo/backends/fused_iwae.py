@@ -30,9 +30,9 @@ def fused_splits(samples: int, block_k: int, splits: int | None = None) -> tuple
 def check_fused_call(name: str, x, params, samples, seed, eps, indices,
                      device_type: str | None = "cuda") -> VAEParams:
     """The op's contract for this call, then the kernel's own terms: float32 tensors on x's
-    device (of `device_type`; None: any, for Triton's interpreter), x contiguous, an int seed.
-    Values of x are not read (no host sync): an image with a target outside [0, 1] comes out
-    NaN."""
+    device (of `device_type`; None: any, for Triton's interpreter), x contiguous, an int seed
+    unless eps is given. Values of x are not read (no host sync): an image with a target
+    outside [0, 1] comes out NaN."""
     params = contract.check_iwae_call(x, params, samples, eps=eps, seed=seed, indices=indices)
     tensors = [("x", x), *zip(VAEParams._fields, params)]
     if eps is not None:
@@ -40,7 +40,7 @@ def check_fused_call(name: str, x, params, samples, seed, eps, indices,
     contract.check_kernel_tensors(name, tensors, device_type=device_type, contiguous=False)
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
-    if seed is None:
+    if seed is None and eps is None:  # the contract allows neither; the kernel needs one
         raise ValueError("seed must be an int in [0, 2^63), got None")
     return params
 

@@ -1,4 +1,5 @@
-// The rows path's kernels (large batches): what runs between binding.cpp's cuBLAS GEMMs.
+// The rows path's kernels (large batches): what runs between binding_forward.cpp's cuBLAS
+// GEMMs.
 //
 // Per row the work outside the GEMMs is small and memory- or special-function-bound, so both
 // kernels are one warp per row, lanes over the row's columns in a fixed order and a butterfly
