@@ -364,3 +364,25 @@ def test_a_device_found_able_is_not_asked_again(monkeypatch):
         assert cuda.unavailable_reason(torch.device("cuda:0")) is None
         assert "compute capability 9.0+" in cuda.unavailable_reason(torch.device("cuda:1"))
     assert asked == [0, 1, 1, 1]
+
+
+def test_iwae_checks_pass_injected_eps_without_a_seed(fake):
+    """The ops hand the fused IWAE injected eps with seed None (or 0): the call's checks pass
+    and the call goes on to ask whether the kernel runs here (it cannot), not for a seed."""
+    x, params, _ = make(fake)
+    with fake:
+        eps = torch.empty(3, B, L, device="cuda:0")
+    for seed in (None, 0):
+        with pytest.raises(ValueError, match="; use the triton or torch iwae backend$"):
+            cuda.iwae(x, params, 3, eps=eps, seed=seed)
+    with pytest.raises(ValueError, match=r"eps must have shape \(4, 4, 5\)"):
+        cuda.iwae(x, params, 4, eps=eps)
+
+
+def test_iwae_refuses_the_torch_backends_options():
+    x = torch.rand(B, D)
+    params = VAEParams(*(torch.empty(SHAPES[n]) for n in VAEParams._fields))
+    for kw in ({"generator": torch.Generator()}, {"chunk": 8}):
+        with pytest.raises(ValueError, match=f"cuda iwae does not take {next(iter(kw))}"):
+            cuda.iwae(x, params, 4, **kw)
+    assert "CUDA devices only" in cuda.iwae_unavailable_reason(torch.device("cpu"), (D, H, L))

@@ -8,7 +8,7 @@ the tuning tools use. The package, in the order a call flows:
                  ops' fast lanes: checked_start, the value check on x in one launch
     elbo.py      forward (tuning entry), forward_prepared (the ops'), backward, plan
     noise.py     forward_drawing: the forward's torch.randn drawn inside the cluster kernels
-    iwae_kernel.py  the IWAE kernel (iwae.cu); the protocol's iwae and iwae_unavailable_reason
+    iwae_kernel.py  the IWAE kernel (iwae.cu): iwae_log_likelihood, iwae_unavailable_reason
     launch.py    one keyword-only wrapper per binding entry (the only caller of the extension)
 
 and in C++: the kernels (*.cu, no torch types; elbo.h their params structs, elbo_math.cuh the
@@ -31,7 +31,7 @@ from .checks import (
     x_in_unit_range,
 )
 from .elbo import backward, check_fast_path, forward, forward_prepared, plan
-from .iwae_kernel import iwae, iwae_unavailable_reason
+from .iwae_kernel import iwae_log_likelihood, iwae_unavailable_reason
 from .launch import PATHS
 from .noise import forward_drawing, randn_matches
 
@@ -39,11 +39,13 @@ from .noise import forward_drawing, randn_matches
 DTYPES = (torch.float32,)
 # forward_drawing draws the op's torch.randn inside the launch (noise.py).
 DRAWS_NOISE = True
+# The Backend protocol's IWAE entry, by both names the ops have used for it.
+iwae = iwae_log_likelihood
 
 __all__ = [
     "DRAWS_NOISE", "DTYPES", "PATHS", "CudaInputError", "backward", "check_fast_path",
     "check_inputs", "check_options", "checked_start", "extension", "finish_range_check",
-    "forward", "forward_drawing", "forward_prepared", "iwae", "iwae_unavailable_reason", "plan",
-    "randn_matches", "source_files", "start_range_check", "unavailable_reason",
-    "x_in_unit_range",
+    "forward", "forward_drawing", "forward_prepared", "iwae", "iwae_log_likelihood",
+    "iwae_unavailable_reason", "plan", "randn_matches", "source_files", "start_range_check",
+    "unavailable_reason", "x_in_unit_range",
 ]

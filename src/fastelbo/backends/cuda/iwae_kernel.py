@@ -58,17 +58,28 @@ def iwae_unavailable_reason(device: torch.device, dims: tuple[int, int, int]) ->
     return plan(device, tuple(dims))[1]
 
 
-def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *, seed: int = 0,
-                        eps: torch.Tensor | None = None,
+def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *,
+                        seed: int | None = None, eps: torch.Tensor | None = None,
                         indices: Sequence[int] | torch.Tensor | None = None,
+                        generator: torch.Generator | None = None, chunk: int | None = None,
                         splits: int | None = None) -> torch.Tensor:
     """log p(x) estimate in nats per row of x (B, D) float32 on a CUDA device; (B,) float32.
+    The Backend protocol's entry (the package exports it as `iwae` too).
 
-    As backends.triton.iwae.iwae_log_likelihood (noise from `seed` and the image `indices`, or
-    injected `eps` (samples, B, L), and then seed is unused); `splits` forces the number of
-    K-splits (tests)."""
-    params = check_fused_call("cuda", x, params, samples, None if eps is not None else seed, eps,
-                              indices)
+    Noise as backends.triton.iwae.iwae_log_likelihood's: injected `eps` (samples, B, L), and
+    then seed is unused; else drawn in the kernel from `seed` and the image `indices`, a seed
+    drawn from torch's default CPU generator when none is given (torch.manual_seed keeps runs
+    repeatable). generator and chunk are the torch backend's only (noise from a generator,
+    memory by K-chunks): a ValueError here. `splits` forces the number of K-splits (tests)."""
+    for name, v in (("generator", generator), ("chunk", chunk)):
+        if v is not None:
+            raise ValueError(f"the cuda iwae does not take {name} (it draws its noise in-kernel "
+                             f"from `seed`, its memory is flat in K); use the torch backend")
+    if eps is not None:
+        seed = None  # the ops pass seed=0 with eps; the contract takes one of the two
+    elif seed is None:
+        seed = int(torch.randint(0, 2**62, ()))
+    params = check_fused_call("cuda", x, params, samples, seed, eps, indices)
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
                                or splits < 1):
         raise ValueError(f"splits must be a positive int or None, got {splits!r}")
@@ -85,23 +96,5 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *, see
         build.extension(), x=x, mu=mu, logvar=logvar,
         eps=None if eps is None else eps.contiguous(), image=idx,
         decoder=(params.dec_w1, params.dec_b1, params.dec_w2, params.dec_b2), samples=samples,
-        k_per_split=k_per, splits=n_splits, seed=0 if eps is not None else seed)
+        k_per_split=k_per, splits=n_splits, seed=0 if seed is None else seed)
     return fused_finish(part, samples)
-
-
-def iwae(x: torch.Tensor, params: VAEParams, samples: int, *, seed: int | None = None,
-         eps: torch.Tensor | None = None, indices: Sequence[int] | torch.Tensor | None = None,
-         generator: torch.Generator | None = None, chunk: int | None = None,
-         splits: int | None = None) -> torch.Tensor:
-    """The Backend protocol's iwae: iwae_log_likelihood with the op's noise rule. Neither seed
-    nor eps: a seed drawn from torch's default CPU generator (torch.manual_seed keeps runs
-    repeatable). generator and chunk are the torch backend's only (noise from a generator,
-    memory by K-chunks): a ValueError here."""
-    for name, v in (("generator", generator), ("chunk", chunk)):
-        if v is not None:
-            raise ValueError(f"the cuda iwae does not take {name} (it draws its noise in-kernel "
-                             f"from `seed`, its memory is flat in K); use the torch backend")
-    if seed is None:
-        seed = 0 if eps is not None else int(torch.randint(0, 2**62, ()))
-    return iwae_log_likelihood(x, params, samples, seed=seed, eps=eps, indices=indices,
-                               splits=splits)

@@ -24,15 +24,17 @@ def forward_options(ext, *, rows=0, cluster=0, staged=-1, poison=False, path="au
 _PRESETS = {}  # extension module -> ((plain, awaits), (draw, draw + awaits))
 
 
+def _presets(ext):
+    _PRESETS[ext] = tuple(tuple(forward_options(ext, draw=d, awaits=a) for a in (False, True))
+                          for d in (False, True))
+    return _PRESETS[ext]
+
+
 def default_forward_options(ext, *, draw=False, awaits=False):
-    """The product's forward options (no tuning, no poison): one of four objects built once per
-    extension module, so the hot path builds nothing. Shared: never modify one."""
-    presets = _PRESETS.get(ext)
-    if presets is None:
-        presets = _PRESETS[ext] = tuple(
-            tuple(forward_options(ext, draw=d, awaits=a) for a in (False, True))
-            for d in (False, True))
-    return presets[bool(draw)][bool(awaits)]
+    """The product's forward options (no tuning, no poison) for bools draw and awaits: one of
+    four objects built once per extension module, so the hot path builds nothing. Shared:
+    never modify one."""
+    return (_PRESETS.get(ext) or _presets(ext))[draw][awaits]
 
 
 def forward(ext, *, x, eps, params, options):
