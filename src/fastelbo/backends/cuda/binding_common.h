@@ -3,8 +3,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
