@@ -120,8 +120,9 @@ def quick_checked_forward() -> int:
 
 def quick_back_to_back() -> int:
     """Cluster-kernel forwards with nothing between them (validation off), so every later one
-    runs as a programmatic dependent of the one before (binding.cpp pdl_launch_allowed): four
-    of the fast kernel at B=128, then four of the general one at B=32."""
+    runs as a programmatic dependent of the one before (binding_forward.cpp
+    pdl_launch_allowed): four of the fast kernel at B=128, then four of the general one at
+    B=32."""
     import fastelbo
 
     torch.manual_seed(0)
@@ -179,7 +180,7 @@ def quick_iwae() -> int:
     valid and NaN exactly where it is not."""
     import math
 
-    from fastelbo.backends.cuda import iwae
+    from fastelbo.backends.cuda import iwae_kernel as iwae
 
     failures = 0
     for dims, batch, samples in (((784, 256, 32), 2, 130), ((33, 20, 5), 3, 70),

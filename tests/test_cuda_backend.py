@@ -172,7 +172,7 @@ def test_rows_path_misaligned_x(cuda):
 def test_every_launch_plan(cuda, dims, cluster, rows, staged):
     """Forced cluster sizes, row tiles and staging: the general paths behind the auto plan.
     Where staging does not fit this GPU's shared memory (on the H200: 29 of the 120 cases,
-    all staged=1, run 79), the planner must say so (status 1 or 4) and the same tile
+    all staged=1), the planner must say so (status 1 or 4) and the same tile
     unstaged must plan and run: that is what `staged=-1` falls back to."""
     params = make_params(dims)
     x, eps = make_inputs(203, dims)  # 203 rows: a ragged last tile for every R
@@ -397,16 +397,16 @@ class TestBadInputs:
             fastelbo.elbo(x.cpu(), VAEParams(*(p.cpu() for p in params)), backend="cuda")
 
     def test_wrong_shapes(self, cuda):
-        """Caught in Python before anything reaches C++."""
+        """Caught in Python (fastelbo.contract's messages) before anything reaches C++."""
         params = make_params(self.dims)
         x, eps = make_inputs(4, self.dims)
         with pytest.raises(ValueError, match="eps must have shape"):
             cuda.forward(x, params, eps[:, :3].contiguous())
-        with pytest.raises(ValueError, match="enc_w must have shape"):
+        with pytest.raises(ValueError, match=r"x must have shape \(batch, 33\), got \(4, 20\)"):
             cuda.forward(x[:, :20].contiguous(), params, eps)
         with pytest.raises(ValueError, match="dec_b2 must have shape"):
             cuda.forward(x, params._replace(dec_b2=params.dec_b2[:-1].contiguous()), eps)
-        with pytest.raises(ValueError, match="x must be 2-D"):
+        with pytest.raises(ValueError, match=r"x must have shape \(batch, 33\), got \(33,\)"):
             cuda.forward(x[0].contiguous(), params, eps)
         with pytest.raises(ValueError, match="path must be"):
             cuda.forward(x, params, eps, path="turbo")
@@ -424,19 +424,26 @@ class TestBadInputs:
             ps = [t.detach().cuda() for t in Model(33, 7, 5).state_dict().values()]
             x = torch.rand(4, 33, device="cuda")
             eps = torch.randn(4, 5, device="cuda")
+
+            def opts(**fields):  # the binding's own range checks see any value
+                o = ext.ForwardOptions()
+                for k, v in fields.items():
+                    setattr(o, k, v)
+                return o
+
             cases = [
-                ("eps must have shape", (x, eps[:, :3].contiguous(), *ps), ()),
-                ("enc_w must have shape", (x[:, :20].contiguous(), eps, *ps), ()),
-                ("dec_b2 must have shape", (x, eps, *ps[:-1], ps[-1][:-1].contiguous()), ()),
-                ("x must be 2-D", (x[0].contiguous(), eps, *ps), ()),
-                ("path must be", (x, eps, *ps), (0, 0, -1, False, 7)),
-                ("conflict with path=rows", (x, eps, *ps), (5, 0, -1, False, 2)),
-                ("cluster must be", (x, eps, *ps), (0, 17, -1, False, 1)),
+                ("eps must have shape", (x, eps[:, :3].contiguous(), *ps), opts()),
+                ("enc_w must have shape", (x[:, :20].contiguous(), eps, *ps), opts()),
+                ("dec_b2 must have shape", (x, eps, *ps[:-1], ps[-1][:-1].contiguous()), opts()),
+                ("x must be 2-D", (x[0].contiguous(), eps, *ps), opts()),
+                ("path must be", (x, eps, *ps), opts(path=7)),
+                ("conflict with path=rows", (x, eps, *ps), opts(rows=5, path=2)),
+                ("cluster must be", (x, eps, *ps), opts(cluster=17, path=1)),
             ]
-            for want, args, extra in cases:
+            for want, args, options in cases:
                 print("case:", want, flush=True)
                 try:
-                    ext.forward(*args, *extra)
+                    ext.forward(*args, options)
                 except RuntimeError as e:
                     assert want in str(e), (want, str(e)[:300])
                 else:
@@ -445,7 +452,7 @@ class TestBadInputs:
             xb, eb = torch.rand(2, 4, device="cuda"), torch.randn(2, 2, device="cuda")
             print("case: hidden_dim=65536 on the forced cluster path", flush=True)
             try:
-                ext.forward(xb, eb, *big, 0, 0, -1, False, 1)
+                ext.forward(xb, eb, *big, opts(path=1))
             except RuntimeError as e:
                 assert "backend='torch' or backend='triton'" in str(e), str(e)[:300]
             else:

@@ -23,7 +23,8 @@ import pytest
 import torch.utils.cpp_extension as cpp_ext
 
 from fastelbo import export
-from fastelbo.backends import cuda as cuda_backend
+from fastelbo.backends.cuda import build as cuda_backend
+from fastelbo.backends.cuda import launch
 
 
 def _nvcc() -> str | None:
@@ -142,8 +143,9 @@ def test_sources_are_package_data():
         assert f.suffix in (".cu", ".cpp", ".h", ".cuh"), f  # pyproject package-data patterns
 
 
-@needs_nvcc
-def test_binding_compiles_with_torch_headers(tmp_path):
+def _host_compile(source: Path, obj: Path) -> None:
+    """`source` compiled by the host compiler as cpp_extension.load compiles a .cpp (the
+    torch, Python and CUDA headers; the backend's CXX_FLAGS)."""
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
@@ -152,10 +154,38 @@ def test_binding_compiles_with_torch_headers(tmp_path):
     import torch
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    _run([cxx, "-std=c++20", "-O1", "-c", str(cuda_backend.HERE / cuda_backend.BINDING_SOURCE),
-          "-o", str(tmp_path / "binding.o"), *TORCH_INCLUDES, f"-I{py_include}",
-          f"-I{cuda_include}", f"-I{cuda_backend.HERE}", "-DTORCH_EXTENSION_NAME=fastelbo_test",
-          f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"])
+    _run([cxx, "-std=c++20", *cuda_backend.CXX_FLAGS, "-c", str(source), "-o", str(obj),
+          *TORCH_INCLUDES, f"-I{py_include}", f"-I{cuda_include}", f"-I{cuda_backend.HERE}",
+          "-DTORCH_EXTENSION_NAME=fastelbo_test", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+          "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"])
+
+
+def _binding_symbols(obj: Path) -> tuple[set[str], set[str]]:
+    """(defined in text, undefined) fastelbo::binding functions of an object file, demangled."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm (binutils) to read the objects' symbols")
+    defined, undefined = set(), set()
+    for line in _run([nm, "-C", str(obj)]).splitlines():
+        m = re.match(r"^[0-9a-fA-F]*\s+([A-Za-z])\s+(fastelbo::binding::.*)$", line)
+        if m and m.group(1) in "TU":
+            (undefined if m.group(1) == "U" else defined).add(m.group(2))
+    return defined, undefined
+
+
+@needs_nvcc
+def test_binding_compiles_with_torch_headers_and_links_up(tmp_path):
+    """Each binding file compiles alone, and every entry point binding_module.cpp binds is
+    defined by exactly one of the others (what the extension's link needs)."""
+    objs = {}
+    for name in (*cuda_backend.BINDING_SOURCES, cuda_backend.BINDING_MODULE):
+        objs[name] = tmp_path / f"{name}.o"
+        _host_compile(cuda_backend.HERE / name, objs[name])
+    _, needed = _binding_symbols(objs[cuda_backend.BINDING_MODULE])
+    defined = [_binding_symbols(objs[n])[0] for n in cuda_backend.BINDING_SOURCES]
+    assert len(needed) >= 13, needed  # every entry point of binding.h
+    for sym in needed:
+        assert sum(sym in d for d in defined) == 1, sym
 
 
 def _load_solution(path: Path):
@@ -192,11 +222,13 @@ def test_export_is_self_contained_python(tmp_path):
     ref = Model(784, 256, 32)
     for (k, a), (k2, b) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert k == k2 and torch.equal(a, b), k
-    for header in cuda_backend.HEADERS:
-        assert f'#include "{header}"' not in mod.CUDA_SOURCE
-    assert "PYBIND11_MODULE" in mod.CUDA_SOURCE  # present, but compiled out by FASTELBO_INLINE
-    assert mod.CUDA_SOURCE.index("#define FASTELBO_INLINE") < mod.CUDA_SOURCE.index(
-        "PYBIND11_MODULE")
+    for header in (*cuda_backend.HEADERS, *cuda_backend.BINDING_HEADERS):
+        assert f'#include "{header}"' not in mod.CUDA_SOURCE + mod.CPP_SOURCE
+    # The pybind11 module goes to cpp_sources (the host compiler), the rest to nvcc.
+    assert "PYBIND11_MODULE" in mod.CPP_SOURCE and "PYBIND11_MODULE" not in mod.CUDA_SOURCE
+    assert "elbo_forward(" in mod.CUDA_SOURCE and "struct ForwardOptions" in mod.CPP_SOURCE
+    # The package's keyword-only wrappers, verbatim: the file calls the binding as it does.
+    assert launch.__file__ and Path(launch.__file__).read_text() in text
     # Bad input is refused in Python, before any build or launch (no C++ exception path).
     with pytest.raises(ValueError, match="CUDA device"):
         model(torch.rand(2, 784))
@@ -204,24 +236,39 @@ def test_export_is_self_contained_python(tmp_path):
         model([[0.5] * 784])
 
 
-def test_export_declaration_is_the_bindings_signature():
-    binding = (cuda_backend.HERE / cuda_backend.BINDING_SOURCE).read_text()
-    decl = export.CPP_DECLARATION
-    assert decl.endswith(");\n") and decl.startswith("std::vector<at::Tensor> elbo_forward(")
-    assert decl[:-2] + " {" in binding  # the definition, word for word
+def test_export_holds_every_binding_file_once():
+    """Each source and header of the build is in the exported texts (a file added to the
+    build but not to the export would leave the single file unable to build)."""
+    texts = {"cuda": export.cuda_source(), "cpp": export.cpp_source()}
+    where = {n: "cuda" for n in (*cuda_backend.HEADERS, *cuda_backend.KERNEL_SOURCES,
+                                 *cuda_backend.BINDING_SOURCES, "binding_common.h")}
+    where.update({cuda_backend.BINDING_MODULE: "cpp"})
+    assert set(where) | {"binding.h"} == {f.name for f in cuda_backend.source_files()}
+    for name, part in where.items():
+        assert texts[part].count(f"// ---- {name} ----") == 1, name
+        assert f"// ---- {name} ----" not in texts["cpp" if part == "cuda" else "cuda"], name
+    for part in texts.values():  # both translation units declare the API
+        assert part.count("// ---- binding.h ----") == 1
 
 
 @needs_nvcc
 @pytest.mark.slow
 def test_export_inline_source_compiles(tmp_path):
-    """The exported cuda_sources, with load_inline's prelude, compile with nvcc for sm_90."""
+    """The exported cuda_sources, with load_inline's prelude, compile with nvcc for sm_90; its
+    cpp_sources with the host compiler; and the module's entry points are all defined in the
+    CUDA unit (what load_inline's link needs)."""
     mod = _load_solution(export.write_kernelbench(tmp_path / "solution.py"))
-    cu = tmp_path / "inline.cu"
+    cu, cpp = tmp_path / "inline.cu", tmp_path / "main.cpp"
     cu.write_text(export.LOAD_INLINE_CUDA_PRELUDE + mod.CUDA_SOURCE)
+    cpp.write_text(export.LOAD_INLINE_CPP_PRELUDE + mod.CPP_SOURCE)
     out = _run([NVCC, *NVCC_FLAGS, *TORCH_NVCC_DEFINES, *TORCH_INCLUDES, "-c", str(cu),
                 "-o", str(tmp_path / "inline.o")])
     _check_kernels(_ptxas_report(out),
                    {k: n for per in EXPECTED_KERNELS.values() for k, n in per.items()})
+    _host_compile(cpp, tmp_path / "main.o")
+    defined, _ = _binding_symbols(tmp_path / "inline.o")
+    _, needed = _binding_symbols(tmp_path / "main.o")
+    assert len(needed) >= 13 and needed <= defined, needed - defined
 
 
 if __name__ == "__main__":

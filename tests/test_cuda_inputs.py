@@ -1,8 +1,9 @@
 """The cuda backend's Python-side input checks, on CPU (no GPU, no nvcc, no build).
 
-binding.cpp's FE_CHECKs must never fire: on some images any C++ exception kills the process
-(benchmarks/NOTES.md, run 8), so `check_inputs` mirrors each of them. It reads tensor metadata
-only, so CUDA tensors are stood in for by FakeTensorMode ones (a device and a shape, no memory).
+The binding's FE_CHECKs must never fire: on the H200 image a C++ exception whose message
+streamed a number killed the process, so `check_inputs` (checks.py, built from
+fastelbo.contract) raises first. It reads tensor metadata only, so CUDA tensors are stood in for
+by FakeTensorMode ones (a device and a shape, no memory).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fastelbo.backends import cuda
+from fastelbo.backends.cuda import build, launch
 from fastelbo.params import VAEParams
 
 B, D, H, L = 4, 33, 7, 5
@@ -53,8 +55,9 @@ def replaced(args, name, fn):
 
 
 def test_import_needs_no_gpu_and_builds_nothing():
-    code = ("import fastelbo.backends.cuda as c\n"
-            "assert c._build.cache_info().currsize == 0, 'built at import'\n"
+    code = ("import fastelbo.backends.cuda\n"
+            "from fastelbo.backends.cuda import build\n"
+            "assert build._build.cache_info().currsize == 0, 'built at import'\n"
             "print('ok')")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "CUDA_HOME": "/nonexistent",
            "PATH": "/usr/bin:/bin"}
@@ -70,7 +73,7 @@ def test_valid_fake_cuda_inputs_pass(fake):
     for seq, kw in ((params, {}), (tuple(params), {}),  # a plain sequence of 10 tensors is fine
                     (params, {"rows": 64, "cluster": 16, "staged": 1, "path": "cluster"}),
                     (params, {"path": "rows"})):
-        assert cuda.check_inputs(x, seq, eps, **kw) is None
+        assert cuda.check_inputs(x, seq, eps, **kw) == VAEParams(*seq)  # as the binding takes them
     _, _, eps_wide = make(fake, dims=(D, H, L + 1))
     with pytest.raises(ValueError, match=re.escape(f"eps must have shape ({B}, {L}), got "
                                                    f"({B}, {L + 1})")):
@@ -168,7 +171,7 @@ def test_dims_and_shapes(fake):
         x0 = torch.empty(0, D, device="cuda:0")
         e0 = torch.empty(0, L, device="cuda:0")
         w3 = torch.empty(1, H, D, device="cuda:0")
-    with pytest.raises(ValueError, match="x must be 2-D"):
+    with pytest.raises(ValueError, match=re.escape(f"x must have shape (batch, {D}), got ({D},)")):
         cuda.check_inputs(x1, params, eps)
     with pytest.raises(ValueError, match="enc_w must be 2-D"):
         cuda.check_inputs(x, params._replace(enc_w=w3), eps)
@@ -181,7 +184,10 @@ def test_dims_and_shapes(fake):
             with fake:
                 return torch.empty(*t.shape[:-1], t.shape[-1] + 1, device=t.device)
         args = replaced((x, params, eps), name, shrink)
-        with pytest.raises(ValueError, match=f"{name} (must have shape|must be 2-D)"):
+        # The contract reads the dims off enc_w and mu_w: a wider enc_w makes dec_w2 the
+        # parameter that disagrees (and x, were the parameters consistent).
+        blamed = "dec_w2" if name == "enc_w" else name
+        with pytest.raises(ValueError, match=f"{blamed} must have shape"):
             cuda.check_inputs(*args)
 
 
@@ -223,7 +229,7 @@ def test_forced_plan_conflicts_with_rows_path(fake, forced):
 def test_forward_checks_before_touching_the_extension(fake, monkeypatch):
     def no_extension():
         raise AssertionError("the extension was reached")
-    monkeypatch.setattr(cuda, "extension", no_extension)
+    monkeypatch.setattr(build, "extension", no_extension)
     x, params, eps = make(fake)
     with pytest.raises(ValueError, match="rows must be"):
         cuda.forward(x, params, eps, rows=99)
@@ -237,30 +243,61 @@ def test_forward_checks_before_touching_the_extension(fake, monkeypatch):
         cuda.forward(x, params, eps, cluster=8, path="fast")
 
 
-def _recording_extension(monkeypatch):
+class _Options:
+    """Stands in for the extension's ForwardOptions (binding.h's defaults)."""
+
+    def __init__(self):
+        self.rows, self.cluster, self.staged, self.poison = 0, 0, -1, False
+        self.path, self.draw, self.awaits = 0, False, False
+
+    def fields(self):
+        return dict(vars(self))
+
+
+def _recording_extension(monkeypatch, answer=None):
+    """A stand-in extension whose forward records its positional arguments."""
     calls = []
 
     def forward(*args):
         calls.append(args)
         b = args[0].shape[0]
-        return [args[0].new_empty(b) for _ in range(3)]
+        return [args[0].new_empty(b) for _ in range(3)] if answer is None else answer
 
-    monkeypatch.setattr(cuda, "extension", lambda: type("Ext", (), {"forward": forward}))
+    ext = type("Ext", (), {"forward": staticmethod(forward), "ForwardOptions": _Options})
+    monkeypatch.setattr(build, "extension", lambda: ext)
     return calls
 
 
 def test_forward_prepared_launches_with_the_default_options(fake, monkeypatch):
+    """Tensors in binding order, then one options object: the defaults (each tuning field at
+    its binding.h default), pre-built (the same object call after call: nothing is built or
+    parsed per call), and forward's defaults equal to them."""
     calls = _recording_extension(monkeypatch)
     x, params, eps = make(fake)
     cuda.forward_prepared(x, params, eps)
+    cuda.forward_prepared(x, params, eps)
     cuda.forward(x, params, eps)
     cuda.forward_prepared(x, params, eps, draw=True)
-    (args_prepared, args_forward, args_drawing) = calls
-    assert len(args_prepared) == 2 + 10 + 7
-    assert all(a is b for a, b in zip(args_prepared[:12], (x, eps, *params)))
-    assert args_prepared[12:] == args_forward[12:] == (0, 0, -1, False, cuda.PATHS["auto"],
-                                                       False, False)
-    assert args_drawing[12:] == (0, 0, -1, False, cuda.PATHS["auto"], True, False)
+    prepared, again, forward, drawing = calls
+    assert len(prepared) == 2 + 10 + 1
+    assert all(a is b for a, b in zip(prepared[:12], (x, eps, *params)))
+    assert prepared[12] is again[12] and forward[12] is not prepared[12]
+    assert prepared[12].fields() == forward[12].fields() == _Options().fields()
+    assert drawing[12].fields() == {**_Options().fields(), "draw": True}
+    assert launch.PATHS["auto"] == _Options().path
+
+
+def test_forward_options_by_name(fake, monkeypatch):
+    """forward's tuning arguments reach the binding as the options' named fields."""
+    calls = _recording_extension(monkeypatch)
+    x, params, eps = make(fake)
+    cuda.forward(x, params, eps, rows=5, cluster=4, staged=1, path="cluster", _poison=True)
+    cuda.forward(x, params, eps, path="rows", draw=True)
+    assert calls[0][12].fields() == {"rows": 5, "cluster": 4, "staged": 1, "poison": True,
+                                     "path": launch.PATHS["cluster"], "draw": False,
+                                     "awaits": False}
+    assert calls[1][12].fields() == {**_Options().fields(), "path": launch.PATHS["rows"],
+                                     "draw": True}
 
 
 class _Verdict:
@@ -279,20 +316,19 @@ class _Verdict:
 
 def test_forward_prepared_hands_a_check_in_flight_to_the_binding(fake, monkeypatch):
     """A verdict still in flight on the GPU (the cuda value check) is waited for inside the
-    binding (await_check=True); an empty answer means it failed, and the verdict's error is
+    binding (options.awaits); an empty answer means it failed, and the verdict's error is
     raised. Any other verdict is waited for before the call."""
     calls = _recording_extension(monkeypatch)
     x, params, eps = make(fake)
     log = []
     cuda.forward_prepared(x, params, eps, draw=True, verdict=_Verdict(True, log))
-    assert log == [] and calls[-1][-2:] == (True, True)
+    assert log == [] and calls[-1][-1].draw and calls[-1][-1].awaits
     cuda.forward_prepared(x, params, eps, verdict=_Verdict(False, log))
-    assert log == ["wait"] and calls[-1][-1] is False
-    monkeypatch.setattr(cuda, "extension",
-                        lambda: type("Ext", (), {"forward": lambda *a: calls.append(a) or []}))
+    assert log == ["wait"] and not calls[-1][-1].awaits
+    calls = _recording_extension(monkeypatch, answer=[])
     with pytest.raises(ValueError, match="stand-in"):
         cuda.forward_prepared(x, params, eps, draw=True, verdict=_Verdict(True, log))
-    assert log == ["wait", "fail"] and calls[-1][-1] is True
+    assert log == ["wait", "fail"] and calls[-1][-1].awaits
 
 
 def test_forward_prepared_refuses_what_ops_does_not_check(fake, monkeypatch):
@@ -319,12 +355,34 @@ def test_a_device_found_able_is_not_asked_again(monkeypatch):
         asked.append(index)
         return (9, 0) if index == 0 else (8, 0)
 
-    monkeypatch.setattr(cuda, "_RUNS_ON", set())
+    monkeypatch.setattr(build, "RUNS_ON", set())
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
-    monkeypatch.setattr(cuda, "_build", lambda: (object(), None))
+    monkeypatch.setattr(build, "_build", lambda: (object(), None))
     for _ in range(3):
         assert cuda.unavailable_reason(torch.device("cuda:0")) is None
         assert "compute capability 9.0+" in cuda.unavailable_reason(torch.device("cuda:1"))
     assert asked == [0, 1, 1, 1]
+
+
+def test_iwae_checks_pass_injected_eps_without_a_seed(fake):
+    """The ops hand the fused IWAE injected eps with seed None (or 0): the call's checks pass
+    and the call goes on to ask whether the kernel runs here (it cannot), not for a seed."""
+    x, params, _ = make(fake)
+    with fake:
+        eps = torch.empty(3, B, L, device="cuda:0")
+    for seed in (None, 0):
+        with pytest.raises(ValueError, match="; use the triton or torch iwae backend$"):
+            cuda.iwae(x, params, 3, eps=eps, seed=seed)
+    with pytest.raises(ValueError, match=r"eps must have shape \(4, 4, 5\)"):
+        cuda.iwae(x, params, 4, eps=eps)
+
+
+def test_iwae_refuses_the_torch_backends_options():
+    x = torch.rand(B, D)
+    params = VAEParams(*(torch.empty(SHAPES[n]) for n in VAEParams._fields))
+    for kw in ({"generator": torch.Generator()}, {"chunk": 8}):
+        with pytest.raises(ValueError, match=f"cuda iwae does not take {next(iter(kw))}"):
+            cuda.iwae(x, params, 4, **kw)
+    assert "CUDA devices only" in cuda.iwae_unavailable_reason(torch.device("cpu"), (D, H, L))

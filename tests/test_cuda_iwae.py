@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from fastelbo import iwae as public
+from fastelbo.ops import iwae as public
 from fastelbo.params import VAEParams
 from reference import (
     EXTREME_LOGITS,
@@ -37,7 +37,7 @@ DIMS = [MNIST, (33, 20, 5), (100, 96, 1), (781, 250, 31), (200, 500, 12)]
 @pytest.fixture(scope="module")
 def ci(cuda):
     """The cuda backend's IWAE module (conftest's `cuda` fixture skips where it cannot run)."""
-    from fastelbo.backends.cuda import iwae as mod
+    from fastelbo.backends.cuda import iwae_kernel as mod
     return mod
 
 
@@ -105,7 +105,7 @@ def test_saturated_params_binary_x(ci):
     g = torch.Generator(device="cuda").manual_seed(2)
     x = torch.bernoulli(torch.rand(3, dims[0], generator=g, device="cuda"))
     eps = torch.randn(40, 3, dims[2], generator=g, device="cuda")
-    want = public.iwae_log_likelihood(p, x, 40, eps=eps, backend="torch")
+    want = public.iwae_log_likelihood(x, p, 40, eps=eps, backend="torch")
     torch.testing.assert_close(ci.iwae_log_likelihood(x, p, 40, eps=eps), want,
                                atol=1e-4, rtol=1e-5)
 
@@ -120,7 +120,7 @@ def test_extreme_logits_take_pytorchs_clamps(ci):
     x = torch.tensor([0.0, 1.0, 0.3], device="cuda")[:, None].expand(3, dims[0]).contiguous()
     eps = torch.randn(5, 3, dims[2], generator=torch.Generator(device="cuda").manual_seed(5),
                       device="cuda")
-    want = public.iwae_log_likelihood(p, x, 5, eps=eps, backend="torch")
+    want = public.iwae_log_likelihood(x, p, 5, eps=eps, backend="torch")
     torch.testing.assert_close(ci.iwae_log_likelihood(x, p, 5, eps=eps), want,
                                atol=1e-4, rtol=1e-5)
 
@@ -194,8 +194,10 @@ def test_validation_before_launch(ci):
     dims = (33, 20, 5)
     p = iwae_params(dims, device="cuda")
     x = torch.rand(3, dims[0], device="cuda")
-    with pytest.raises(TypeError, match="the cuda iwae takes float32 only; x is torch.float64"):
+    with pytest.raises(TypeError, match="x has dtype torch.float64 but the parameters are"):
         ci.iwae_log_likelihood(x.double(), p, 4)
+    with pytest.raises(TypeError, match="cuda backend computes in float32 only; x is torch.float64"):
+        ci.iwae_log_likelihood(x.double(), VAEParams(*(t.double() for t in p)), 4)
     with pytest.raises(ValueError, match="x must have shape"):
         ci.iwae_log_likelihood(x[:, :-1], p, 4)
     with pytest.raises(ValueError, match="x is on cpu"):
@@ -224,5 +226,26 @@ def test_public_auto_runs_cuda_and_falls_back(ci):
         public.resolve_backend("cuda", dev, dims=big)
     p = iwae_params(MNIST, device="cuda")
     x, eps = _inputs(MNIST, 4, 64)
-    torch.testing.assert_close(public.iwae_log_likelihood(p, x, 64, eps=eps),
+    torch.testing.assert_close(public.iwae_log_likelihood(x, p, 64, eps=eps),
                                ci.iwae_log_likelihood(x, p, 64, eps=eps), atol=0, rtol=0)
+
+
+def test_the_protocol_entry(cuda, ci):
+    """The backend's iwae (what the ops call, with seed=0 beside injected eps): eps decides
+    whatever the seed; neither given: a seed drawn from torch's default CPU generator
+    (torch.manual_seed repeats it); the torch backend's own options refused;
+    iwae_unavailable_reason is plan's."""
+    assert cuda.iwae is cuda.iwae_log_likelihood is ci.iwae_log_likelihood
+    p = iwae_params(MNIST, device="cuda")
+    x, eps = _inputs(MNIST, 4, 64)
+    assert torch.equal(cuda.iwae(x, p, 64, eps=eps, seed=0), cuda.iwae(x, p, 64, eps=eps))
+    torch.manual_seed(5)
+    a = cuda.iwae(x, p, 64)
+    torch.manual_seed(5)
+    assert torch.equal(a, cuda.iwae(x, p, 64)) and not torch.equal(a, cuda.iwae(x, p, 64))
+    for kw in ({"generator": torch.Generator()}, {"chunk": 8}):
+        with pytest.raises(ValueError, match="torch backend"):
+            cuda.iwae(x, p, 64, **kw)
+    dev = torch.device("cuda")
+    assert cuda.iwae_unavailable_reason(dev, MNIST) is None
+    assert "shared memory" in cuda.iwae_unavailable_reason(dev, (784, 4096, 32))

@@ -1,7 +1,7 @@
 """Programmatic dependent launch of the cluster kernels, the fast one (elbo_fast.cu) and the
-general one (elbo.cu), through binding.cpp pdl_launch_allowed: a forward may start staging its
-weights while the previous forward finishes, never when those weights are that forward's
-outputs, and every result stays the spec's."""
+general one (elbo.cu), through binding_forward.cpp pdl_launch_allowed: a forward may start
+staging its weights while the previous forward finishes, never when those weights are that
+forward's outputs, and every result stays the spec's."""
 from __future__ import annotations
 
 import pytest

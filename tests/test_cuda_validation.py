@@ -1,11 +1,11 @@
-"""fastelbo.validation's value check on CUDA: the cuda backend's one-launch range check."""
+"""The ops' value check on CUDA (fastelbo.ops.checks): the cuda backend's one-launch range check."""
 from __future__ import annotations
 
 import pytest
 import torch
-from fastelbo.validation import check_values
 
 import fastelbo
+from fastelbo.ops.checks import check_values
 from reference import assert_outputs_close
 
 pytestmark = [
@@ -194,7 +194,7 @@ _MUTATIONS = {
 def test_checked_start_leaves_everything_else_to_the_python_checks(cuda, name, mutation):
     """Any tensor off the plain case gives None (nothing started), so that start_checks' own
     checks decide: they raise their precise error, or accept it for another path."""
-    from fastelbo.validation import check_inputs
+    from fastelbo.ops.checks import check_inputs
 
     cuda = runs(cuda)
     x, params, eps = _plain_inputs()

@@ -84,7 +84,7 @@ def test_cuda_extension_cache_path_is_torchs(monkeypatch, tmp_path):
     TORCH_EXTENSIONS_DIR; and a library there is imported without load()."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    from fastelbo.backends import cuda
+    from fastelbo.backends.cuda import build as cuda
 
     name = "fastelbo_cuda_pathcheck"
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
@@ -100,7 +100,7 @@ def test_loading_the_cached_extension_imports_no_build_machinery(tmp_path, monke
     neither torch.utils.cpp_extension nor setuptools is imported to get it."""
     import sysconfig
 
-    from fastelbo.backends import cuda
+    from fastelbo.backends.cuda import build as cuda
 
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:

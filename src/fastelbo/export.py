@@ -1,9 +1,11 @@
 """Export the CUDA backend as one self-contained KernelBench solution file.
 
-`write_kernelbench(path)` writes a Python file that imports torch only: the kernels (headers
-and .cu files) and the binding (binding.cpp, with FASTELBO_INLINE defined so torch generates the
-Python binding) are inlined as text and built with torch.utils.cpp_extension.load_inline on
-first use. Its ModelNew has the reference Model's constructor, submodules and parameter names,
+`write_kernelbench(path)` writes a Python file that imports torch only: the kernels and the
+binding are inlined as text and built with torch.utils.cpp_extension.load_inline on first use
+(cuda_sources: the headers, the .cu files and the binding's .cpp files, compiled by nvcc as one
+unit; cpp_sources: binding.h and binding_module.cpp, the pybind11 module), and the backend's
+launch.py is inlined verbatim, so the file calls the extension through the package's own
+wrappers. Its ModelNew has the reference Model's constructor, submodules and parameter names,
 draws torch.randn(B, latent_dim) exactly where the reference calls randn_like, then runs the
 backend's forward (one fused launch at small batch, the cuBLAS-based rows path at large batch).
 """
@@ -13,29 +15,19 @@ import hashlib
 import re
 from pathlib import Path
 
-from .backends import cuda as cuda_backend
+from .backends.cuda import build, launch
 
-# The package's own headers (elbo.h, elbo_math.cuh): inlined once, their #include lines dropped.
+# The package's own headers: inlined once, their #include lines dropped.
 _INCLUDE_HEADER = re.compile(
-    r'^\s*#\s*include\s+"(' + "|".join(map(re.escape, cuda_backend.HEADERS)) + r')"\s*$',
+    r'^\s*#\s*include\s+"('
+    + "|".join(map(re.escape, (*build.HEADERS, *build.BINDING_HEADERS))) + r')"\s*$',
     re.MULTILINE)
 
-# What load_inline puts in front of cuda_sources (tests compile the text with it).
+# What load_inline puts in front of cuda_sources and cpp_sources (tests compile the texts
+# with them).
 LOAD_INLINE_CUDA_PRELUDE = ("#include <torch/types.h>\n#include <cuda.h>\n"
                             "#include <cuda_runtime.h>\n")
-
-def _cpp_declaration() -> str:
-    """binding.cpp's elbo_forward signature as a declaration: load_inline's cpp_sources need it
-    to generate the Python binding, and reading it from the source keeps the two in step."""
-    text = (cuda_backend.HERE / cuda_backend.BINDING_SOURCE).read_text()
-    m = re.search(r"^std::vector<at::Tensor> elbo_forward\(.*?\)(?=\s*\{)", text,
-                  re.MULTILINE | re.DOTALL)
-    if m is None:
-        raise RuntimeError(f"elbo_forward's definition not found in {cuda_backend.BINDING_SOURCE}")
-    return m.group(0) + ";\n"
-
-
-CPP_DECLARATION = _cpp_declaration()
+LOAD_INLINE_CPP_PRELUDE = "#include <torch/extension.h>\n"
 
 _TEMPLATE = '''\
 """Fused VAE ELBO forward in CUDA C++ (sm_90+): one cluster-kernel launch at small batch,
@@ -52,6 +44,10 @@ CUDA_SOURCE = {cuda_source}
 
 CPP_SOURCE = {cpp_source}
 
+# ---- fastelbo/backends/cuda/launch.py, verbatim: the binding's keyword-only wrappers ----
+{launch_source}
+# ---- end of launch.py ----
+
 _EXTENSION = None
 
 
@@ -62,7 +58,6 @@ def _extension():
             name={name!r},
             cpp_sources=CPP_SOURCE,
             cuda_sources=CUDA_SOURCE,
-            functions=["elbo_forward"],
             extra_cflags={cxx_flags!r},
             extra_cuda_cflags={nvcc_flags!r},
         )
@@ -116,9 +111,10 @@ class ModelNew(nn.Module):
         # The reference draws randn_like(std), std being (B, latent_dim) like x's dtype/device:
         # the same generator call, so equal seeds give equal noise.
         eps = torch.randn(x.shape[0], self.fc_mu.out_features, device=x.device, dtype=x.dtype)
-        elbo, recon, kl = _extension().elbo_forward(
-            x, eps, *[p.detach().contiguous() for p in params], 0, 0, -1, False, 0, False,
-            False)
+        ext = _extension()
+        elbo, recon, kl = forward(ext, x=x, eps=eps,
+                                  params=[p.detach().contiguous() for p in params],
+                                  options=default_forward_options(ext))
         return elbo, recon, kl
 
 
@@ -144,28 +140,40 @@ def _raw_literal(text: str) -> str:
     return "r'''" + text + "'''"
 
 
+def _inlined(names) -> str:
+    here = build.HERE
+    return "".join(f"\n// ---- {name} ----\n" + _INCLUDE_HEADER.sub("", (here / name).read_text())
+                   for name in names)
+
+
 def cuda_source() -> str:
-    """The headers, the kernel sources and binding.cpp as one translation unit."""
-    here = cuda_backend.HERE
-    parts = []
-    for name in cuda_backend.HEADERS:
-        parts += [f"\n// ---- {name} ----\n", _INCLUDE_HEADER.sub("", (here / name).read_text())]
-    for name in cuda_backend.KERNEL_SOURCES:
-        parts += [f"\n// ---- {name} ----\n", _INCLUDE_HEADER.sub("", (here / name).read_text())]
-    parts += [f"\n// ---- {cuda_backend.BINDING_SOURCE} ----\n#define FASTELBO_INLINE 1\n",
-              _INCLUDE_HEADER.sub("", (here / cuda_backend.BINDING_SOURCE).read_text())]
-    return "".join(parts)
+    """load_inline's cuda_sources: the headers, the kernels and the binding's entry points as
+    one translation unit (no pybind11 module: that is cpp_source's)."""
+    return _inlined((*build.HEADERS, *build.BINDING_HEADERS, *build.KERNEL_SOURCES,
+                     *build.BINDING_SOURCES))
+
+
+def cpp_source() -> str:
+    """load_inline's cpp_sources: binding.h (what the module binds) and the pybind11 module."""
+    return _inlined(("binding.h", build.BINDING_MODULE))
+
+
+def launch_source() -> str:
+    """backends/cuda/launch.py as it stands: the wrappers the exported file calls."""
+    return Path(launch.__file__).read_text()
 
 
 def kernelbench_source() -> str:
-    src = cuda_source()
-    digest = hashlib.sha256((src + CPP_DECLARATION).encode()).hexdigest()[:12]
+    cuda, cpp = cuda_source(), cpp_source()
+    digest = hashlib.sha256(repr((cuda, cpp, build.CXX_FLAGS, build.NVCC_FLAGS)).encode()
+                            ).hexdigest()[:12]
     return _TEMPLATE.format(
-        cuda_source=_raw_literal(src),
-        cpp_source=_raw_literal(CPP_DECLARATION),
+        cuda_source=_raw_literal(cuda),
+        cpp_source=_raw_literal(cpp),
+        launch_source=launch_source(),
         name=f"fastelbo_kb_{digest}",
-        cxx_flags=list(cuda_backend.CXX_FLAGS),
-        nvcc_flags=list(cuda_backend.NVCC_FLAGS),
+        cxx_flags=list(build.CXX_FLAGS),
+        nvcc_flags=list(build.NVCC_FLAGS),
     )
 
 

@@ -62,6 +62,7 @@ class Adam(torch.optim.Adam):
             if ext is None:
                 fallback.append(group)
                 continue
+            from ..backends.cuda import launch  # imported by _extension already
             steps, exp_avgs, exp_avg_sqs = [], [], []
             for p in params:
                 st = self.state[p]
@@ -76,8 +77,10 @@ class Adam(torch.optim.Adam):
                 exp_avg_sqs.append(st["exp_avg_sq"])
             torch._foreach_add_(steps, 1.0)
             beta1, beta2 = group["betas"]
-            ext.adam_step(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, steps,
-                          group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            launch.adam_step(ext, params=params, grads=[p.grad for p in params],
+                             exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps,
+                             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                             weight_decay=group["weight_decay"])
         if fallback:
             kept = self.param_groups
             try:

@@ -1,7 +1,7 @@
-// The backward's elementwise kernels. binding.cpp's elbo_backward recomputes the activations
-// (cuBLAS GEMMs + reparam_kl_kernel) and runs every GEMM of the gradient with cuBLAS; these
-// four kernels fuse everything else, which eager autograd (and torch_ref.backward, the spec
-// they follow op by op) spreads over ~60 small kernels:
+// The backward's elementwise kernels. binding_backward.cpp's elbo_backward recomputes the
+// activations (cuBLAS GEMMs + reparam_kl_kernel) and runs every GEMM of the gradient with
+// cuBLAS; these four kernels fuse everything else, which eager autograd (and
+// torch_ref.backward, the spec they follow op by op) spreads over ~60 small kernels:
 //   prep_kernel        invalid-row mask, x with invalid rows zeroed, the incoming gradients
 //                      folded into one per branch (elbo = -(recon + kl))
 //   bce_grad_kernel    sigmoid, the NaN-row rule, BCE's and sigmoid's backward, in place over

@@ -1,6 +1,6 @@
 // Device helpers shared by the two cluster kernels (elbo.cu, elbo_fast.cu): Ampere-style
-// asynchronous global -> shared copies, and the phase stamps of benchmarks/cuda_trace.cu.
-// No torch types; included by .cu files only.
+// asynchronous global -> shared copies, and the phase stamps of
+// benchmarks/experiments/cuda_trace.cu. No torch types; included by .cu files only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -110,11 +110,11 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-// Programmatic dependent launch (ForwardArgs::pdl; binding.cpp pdl_launch_allowed): wait until
-// the previous grid on the stream has completed and its writes are visible, and only then let
+// Programmatic dependent launch (ForwardArgs::pdl; binding_forward.cpp pdl_launch_allowed): wait
+// until the previous grid on the stream has completed and its writes are visible, and only then let
 // the next forward launch (its blocks take SMs as ours leave and stage their weights while we
-// finish). So at most one of our grids runs ahead of another, and the binding's check against
-// the previous launch's outputs covers every overlap. Without pdl: nothing (the launch waited).
+// finish). So at most one of our grids runs ahead of another, and the binding's check against the
+// previous launch's outputs covers every overlap. Without pdl: nothing (the launch waited).
 __device__ __forceinline__ void pdl_wait(const ForwardArgs& p) {
   if (p.pdl) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -148,8 +148,8 @@ __device__ __forceinline__ void write_rows(const ForwardArgs& p, int row0, int R
 
 }  // namespace fastelbo
 
-// Phase timestamps for benchmarks/cuda_trace.cu (built with -DFASTELBO_TRACE only): thread 0
-// of each block records clock64() at FE_TRACE(i); the package build compiles none of this.
+// Phase timestamps for benchmarks/experiments/cuda_trace.cu (built with -DFASTELBO_TRACE only):
+// thread 0 of each block records clock64() at FE_TRACE(i); the package build compiles none of it.
 #ifdef FASTELBO_TRACE
 constexpr int kTracePoints = 24;
 constexpr int kTraceBlocks = 1024;

@@ -1,8 +1,8 @@
 // Fused VAE ELBO forward: encoder, latent heads, reparameterisation, decoder, BCE and KL in ONE
 // kernel launch, no intermediate tensor in global memory. Role: the lowest-latency backend.
 //
-// Which path runs (binding.cpp decides; `path` forces one for tests and tuning):
-//   B <= kClusterMaxBatch (binding.cpp; elbo_fast.cu's kernel takes over above it where the
+// Which path runs (binding_forward.cpp decides; `path` forces one for tests and tuning):
+//   B <= kClusterMaxBatch (binding_forward.cpp; elbo_fast.cu's kernel takes over above it where the
 //     dims allow): the cluster path below, ONE launch per forward. At
 //     small B the forward is latency-bound (launches, barriers, L2 round trips), and one launch
 //     beats eager's ~20.

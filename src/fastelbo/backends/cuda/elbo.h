@@ -4,14 +4,15 @@
 //   cluster paths (small batches): the whole forward after the noise draw is ONE launch of
 //     elbo_kernel (any dims; elbo.cu) or elbo_fast_kernel (dims multiples of 4, 80 < B <= 384;
 //     elbo_fast.cu), thread-block clusters + DSMEM.
-//   rows path (large batches): binding.cpp runs every GEMM with cuBLAS (ATen, as F.linear does)
-//     and the two ReLUs in place, and two small kernels of rows.cu do
-//     the rest: reparam_kl_kernel (reparameterisation, KL) and bce_kernel (sigmoid, clamped BCE,
-//     row sums, NaN-row rule, elbo).
+//   rows path (large batches): binding_forward.cpp runs every GEMM with cuBLAS (ATen, as
+//     F.linear does) and the two ReLUs in place, and two small kernels of rows.cu do the rest:
+//     reparam_kl_kernel (reparameterisation, KL) and bce_kernel (sigmoid, clamped BCE, row
+//     sums, NaN-row rule, elbo).
 //   backward (any batch; backward.cu): the same recomputation, cuBLAS for every GEMM and four
 //     fused elementwise kernels for everything else.
-// binding.cpp is the only file that sees torch. Every host function here is noexcept: failures
-// come back as an ElboStatus / cudaError_t, which binding.cpp turns into a Python exception.
+// Only the binding files (binding_*.cpp) see torch. Every host function here is noexcept:
+// failures come back as an ElboStatus / cudaError_t, which the binding turns into a Python
+// exception.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -20,7 +21,7 @@
 namespace fastelbo {
 
 // One torch.randn(n) float32 draw from a CUDA generator, for a kernel that reproduces it
-// (philox.cuh, torch_randn_*): binding.cpp fills it from PyTorch's PhiloxCudaState after
+// (philox.cuh, torch_randn_*): binding_forward.cpp fills it from PyTorch's PhiloxCudaState after
 // reserving the draw's counter range exactly as PyTorch's normal_ does.
 struct TorchRandn {
   unsigned long long seed, offset;         // captured == 0
@@ -31,7 +32,7 @@ struct TorchRandn {
   int captured;
 };
 
-// One forward's tensors and dims, the common part of both cluster kernels' params (binding.cpp
+// One forward's tensors and dims, the common part of both cluster kernels' params (the binding
 // fills it once). Shapes (nn.Linear layout, out x in), all row-major contiguous float32:
 //   x (B, D), eps (B, L), w1 (H, D), wmu/wlv (L, H), wd1 (H, L), wd2 (D, H); biases (out).
 struct ForwardArgs {
@@ -57,10 +58,10 @@ struct ForwardArgs {
   TorchRandn rng;
   float* eps_out;
   // pdl != 0: launched as a programmatic dependent of the previous kernel on the stream (set
-  // by binding.cpp pdl_launch_allowed; the two cluster kernels only). Before griddepcontrol.wait
-  // the kernel reads only weights and biases; x, eps, the RNG state and every global write come
-  // after it, and so does its griddepcontrol.launch_dependents (cluster.cuh pdl_wait: the only
-  // early trigger of any kernel here).
+  // by binding_forward.cpp pdl_launch_allowed; the two cluster kernels only). Before
+  // griddepcontrol.wait the kernel reads only weights and biases; x, eps, the RNG state and
+  // every global write come after it, and so does its griddepcontrol.launch_dependents
+  // (cluster.cuh pdl_wait: the only early trigger of any kernel here).
   int pdl;
 };
 
@@ -156,7 +157,7 @@ cudaError_t cluster_fit(const void* kernel, int device, int C, int threads, int 
 cudaError_t cluster_launch(const void* kernel, int blocks, int C, int threads, int smem,
                            void** args, cudaStream_t stream, bool pdl = false) noexcept;
 
-// ---- rows path (large batches; rows.cu): cuBLAS GEMMs in binding.cpp, these in between ----
+// ---- rows path (large batches; rows.cu): cuBLAS GEMMs in binding_forward.cpp, these in between
 // reparam_kl_kernel: z = mu + exp(0.5 lv) * eps (n, L) and, when kl != nullptr,
 // kl = -0.5 sum_j (1 + lv - mu^2 - exp(lv)) (n,). One warp per row.
 struct ReparamParams {

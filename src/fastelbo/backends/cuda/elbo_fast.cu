@@ -1,10 +1,10 @@
 // The fast cluster path: the whole forward in ONE launch, the noise draw included when asked
 // (FastParams.draw: torch.randn's numbers from philox.cuh, see noise.py), for dims that
 // are multiples of 4 (float4 rows) and H a multiple of 4 * C. Role: the lowest latency for
-// 80 < B <= 384 (binding.cpp; one wave of 7 clusters of 16 blocks holds 140 rows on an H200);
-// elbo.cu's cluster kernel is the general path for small B and every other shape.
+// 80 < B <= 384 (binding_forward.cpp; one wave of 7 clusters of 16 blocks holds 140 rows on an
+// H200); elbo.cu's cluster kernel is the general path for small B and every other shape.
 //
-// Why a second kernel (benchmarks/cuda_trace.cu, H200, B=128; benchmarks/NOTES.md runs 17-21):
+// Why a second kernel (phase trace of benchmarks/experiments/cuda_trace.cu, H200, B=128):
 // elbo.cu's kernel spends 56K cycles, of which 26K in two 2x2-tile FFMA loops that are
 // shared-memory-bound (4 LDS.128 per 16 FMA), 7K issuing the cp.async staging of 165 KB per
 // block (x tile + weight slices), ~10K in small phases waiting on global loads (biases, eps, x)
@@ -35,7 +35,7 @@
 //       in smem), BCE against x, per-row sums and the bad-x flag -> rank 0            S
 //   rank 0 writes elbo, recon, kl (cluster.cuh write_rows); every block waits until its bulk
 //   sends have read their sources before it exits.
-// Measured (run 55, H200): 19.7 us per launch at B=128 (graph of 100; 36K cycles per block:
+// Measured (H200): 19.7 us per launch at B=128 (graph of 100; 36K cycles per block:
 // staging 6.7K, L4 + BCE 7.7K, L1 4.5K, the four exchanges 1-1.6K each); the CUDA tests pass
 // and compute-sanitizer memcheck and racecheck are clean (v5's bulk copies to the sending
 // block itself are what memcheck rejected: its own chunk is now a plain copy).
@@ -256,8 +256,8 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   // writer of the chunk ran fence_proxy_async() before the __syncthreads that precedes this.
   // The block's own chunk is copied with plain float4 loads and stores instead: a bulk copy to
   // its own CTA runs correctly, but compute-sanitizer's memcheck rejects it ("not located in
-  // remote CTA"; benchmarks/dsmem_bulk_repro.cu modes 3-6, NOTES run 46), so each exchange
-  // barrier expects C - 1 chunks. Called by all threads (the copy ends in __syncthreads).
+  // remote CTA", also in a standalone reproduction), so each exchange barrier expects C - 1
+  // chunks. Called by all threads (the copy ends in __syncthreads).
   auto send = [&](const float* src, int src_step, float* dst, int chunk, int b) {
     if (tid < C && tid != k)
       bulk_send(cluster_addr(dst + k * chunk, tid), src + tid * src_step, 4u * chunk,

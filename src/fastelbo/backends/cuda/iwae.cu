@@ -23,8 +23,8 @@
 // BCE (bce_bits): PyTorch's float32 p = 1 / (1 + expf(-a)) where it decides anything (1 - p and
 // which elements the -100 clamps hit); the two logs from the hardware log2, ~2^-22 per term.
 //
-// Where the time goes (H200, 10,000 images x K = 5000 = 400K tiles; NOTES runs 27-33 and the
-// fifth session's runs, A/B with benchmarks/iwae_variants.cu): issue-bound with 2 warps per
+// Where the time goes (H200, 10,000 images x K = 5000 = 400K tiles; A/B runs of kernel
+// variants): issue-bound with 2 warps per
 // scheduler, not tensor-bound, until the changes below; now more latency-bound (ncu: IPC 1.5,
 // 0.54 eligible warps per scheduler, tensor pipe 46%). What paid, in order: hardware-log2 logs instead of IEEE logf +
 // log1pf (0.71 -> 0.61 s with the one-LOP split below), 32-bit smem offsets (0.55), 64-wide
@@ -58,7 +58,7 @@ constexpr int kStageFloats = kNC * kLdw;
 // v = hi + lo with hi = v's top 11 significant bits (truncated: one LOP, NaN stays NaN, inf
 // stays inf) and lo = v - hi exactly (|lo| < 2^-10 |v|); the MMA reads lo's top 11 bits. Per
 // product hi*hi + hi*lo + lo*hi is within ~3 * 2^-20 of a*b (the lo*lo term and lo's dropped bits):
-// measured against the cvt.rna split, estimates move by ~1e-5 nats at K = 5000 (NOTES, run 28).
+// measured against the cvt.rna split, estimates move by ~1e-5 nats at K = 5000.
 __device__ __forceinline__ void split(float v, uint32_t* hi, uint32_t* lo) {
   *hi = __float_as_uint(v) & 0xFFFFE000u;
   *lo = __float_as_uint(v - __uint_as_float(*hi));
@@ -101,8 +101,8 @@ __device__ __forceinline__ float max_nan(float v, float c) {
 }
 // p = 1 / den for den in [1, inf] or NaN without __frcp_rn's out-of-line slow path: below 2^100
 // the reciprocal approximation plus one FMA Newton step is bit-exact to __frcp_rn; above, p is
-// below 2^-100 and 1 - p = 1 either way (benchmarks/rcp_check.cu checks both claims for every
-// float den on the GPU). A NaN den becomes 2^100 here; the term stays NaN through log2(den).
+// below 2^-100 and 1 - p = 1 either way (both claims were checked for every float den on the
+// GPU). A NaN den becomes 2^100 here; the term stays NaN through log2(den).
 __device__ __forceinline__ float rcp_den(float den) {
   const float d = fminf(den, 0x1p100f);
   float r;

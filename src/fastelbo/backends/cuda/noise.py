@@ -3,15 +3,15 @@
 The RNG contract (fastelbo.ops): without `eps`, a forward draws exactly one
 torch.randn(B, latent_dim) from the default generator of x's device. The cluster kernels (elbo.cu
 up to B = 80, elbo_fast.cu up to 384) can draw those numbers themselves: philox.cuh reproduces
-PyTorch's normal_ kernel (curand's Philox4x32-10 counters and Box-Muller), and binding.cpp reserves
-the generator's counters exactly as normal_ does, so both the numbers and the generator's state
-afterwards are torch.randn's. The rows path (and draws past PyTorch's 32-bit indexing) draws with
-at::normal_ first (torch.randn's own kernel). The integers are checked against curand on the host
-(tests/test_cuda_compile.py); the floats equal PyTorch's only with the same CUDA math (logf, sqrtf,
-__sincosf) as its build, so before the first such forward on a device `randn_matches` compares a
-reproduced draw with torch.randn bit for bit, with the generator's state saved and restored around
-it (the check consumes none of the caller's randomness). On a mismatch that device keeps drawing
-with torch.randn before the launch, with a warning.
+PyTorch's normal_ kernel (curand's Philox4x32-10 counters and Box-Muller), and binding_forward.cpp
+reserves the generator's counters exactly as normal_ does, so both the numbers and the generator's
+state afterwards are torch.randn's. The rows path (and draws past PyTorch's 32-bit indexing) draws
+with at::normal_ first (torch.randn's own kernel). The integers are checked against curand on the
+host (tests/test_cuda_compile.py); the floats equal PyTorch's only with the same CUDA math (logf,
+sqrtf, __sincosf) as its build, so before the first such forward on a device `randn_matches`
+compares a reproduced draw with torch.randn bit for bit, with the generator's state saved and
+restored around it (the check consumes none of the caller's randomness). On a mismatch that device
+keeps drawing with torch.randn before the launch, with a warning.
 
 Where it applies: fastelbo.ops takes `forward_drawing` for eager calls that autograd and
 tracers do not see (the latency path); under autograd or torch.compile the noise comes from
@@ -26,7 +26,8 @@ import warnings
 import torch
 
 from ...params import VAEParams
-from . import extension, forward_prepared
+from . import build, launch
+from .elbo import forward_prepared
 
 # Device index -> whether the reproduced draw matched torch.randn (absent: not checked yet).
 _MATCHES: dict[int, bool] = {}
@@ -42,7 +43,7 @@ def _check_sizes(index: int) -> tuple[int, ...]:
 
 def _same_draw(index: int, n: int, gen: torch.Generator) -> bool:
     start = gen.get_state()
-    ours = extension().draw_randn(n, index)
+    ours = launch.draw_randn(build.extension(), n=n, device=index)
     after = gen.get_state()
     gen.set_state(start)
     ref = torch.randn(n, device=torch.device("cuda", index))

@@ -1,4 +1,5 @@
-// The rows path's kernels (large batches): what runs between binding.cpp's cuBLAS GEMMs.
+// The rows path's kernels (large batches): what runs between binding_forward.cpp's cuBLAS
+// GEMMs.
 //
 // Per row the work outside the GEMMs is small and memory- or special-function-bound, so both
 // kernels are one warp per row, lanes over the row's columns in a fixed order and a butterfly
@@ -8,7 +9,7 @@
 // Also here, two small kernels outside the forward: randn_fill_kernel, torch.randn(n) from
 // philox.cuh's reproduction of it, which fastelbo.backends.cuda compares with torch.randn before
 // the fast kernel may draw its noise; range_flags_kernel, the value check on x
-// (fastelbo.validation) in one launch.
+// (fastelbo.ops.checks) in one launch.
 #include "elbo.h"
 #include "elbo_math.cuh"
 #include "philox.cuh"

@@ -1,6 +1,7 @@
 """The importance-weighted bound (IWAE) on the cuda backend: iwae.cu's tensor-core kernel.
 
-Same estimator, contract and call as backends/triton/iwae.py (fastelbo.iwae is the spec):
+(Named iwae_kernel, not iwae: the package's `iwae` is the Backend protocol's function.)
+Same estimator, contract and call as backends/triton/iwae.py (torch_ref.iwae is the spec):
 
     log p(x) ~= logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K
 
@@ -14,12 +15,12 @@ from the hardware log2 (a few float32 ulps per term; an estimate moves by up to 
 Noise: in-kernel Philox with Triton's tl.randn counters (offset = (image << 32) + k * L + j,
 key = seed), so for one seed this kernel and the Triton one draw the same integers, and their
 normals agree to a few ulp (IEEE logf / cosf here); `eps` (K, B, L) injects noise instead.
-The K-split rule is fastelbo.iwae.fused_splits with this kernel's tile, chosen from the dims and
+The K-split rule is fused_iwae.fused_splits with this kernel's tile, chosen from the dims and
 the device only: an image's estimate is bitwise the same alone or in any batch. Memory: the
 (B, splits <= 32) partials, independent of K.
 
 Applies where shared memory holds d for a 64-sample tile (hidden_dim up to ~600 at latent 32 on
-an H200); `plan` says, and fastelbo.iwae's `auto` falls back to Triton elsewhere.
+an H200); `plan` says, and the ops' `auto` falls back to Triton elsewhere.
 """
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ...iwae import check_fused_call, fused_finish, fused_inputs, fused_splits
 from ...params import VAEParams
-from . import extension, unavailable_reason
+from ..fused_iwae import check_fused_call, fused_finish, fused_inputs, fused_splits
+from . import build, launch
 
 # Why the kernel cannot take some dims (elbo.h ElboStatus, as iwae_plan returns it).
 _STATUS = {1: "its shared memory cannot hold the hidden layer of a 64-sample tile",
@@ -39,28 +40,46 @@ _STATUS = {1: "its shared memory cannot hold the hidden layer of a 64-sample til
 def plan(device: torch.device, dims: tuple[int, int, int]) -> tuple[int, str | None]:
     """(samples per tile, None) where the kernel applies to these dims on `device`,
     else (0, why)."""
-    why = unavailable_reason(device)
+    device = torch.device(device)
+    why = build.unavailable_reason(device)
     if why is not None:
         return 0, why
     d, h, lat = dims
     index = device.index if device.index is not None else torch.cuda.current_device()
-    tile, _, status = extension().iwae_plan(index, d, h, lat)
+    tile, _, status = launch.iwae_plan(build.extension(), device=index, dims=(d, h, lat))
     if status:
         return 0, (f"the cuda iwae kernel does not take input_dim={d} hidden_dim={h} "
                    f"latent_dim={lat}: {_STATUS.get(status, f'status {status}')}")
     return tile, None
 
 
-def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *, seed: int = 0,
-                        eps: torch.Tensor | None = None,
+def iwae_unavailable_reason(device: torch.device, dims: tuple[int, int, int]) -> str | None:
+    """None when the kernel runs on `device` for (input, hidden, latent) dims, else why not."""
+    return plan(device, tuple(dims))[1]
+
+
+def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *,
+                        seed: int | None = None, eps: torch.Tensor | None = None,
                         indices: Sequence[int] | torch.Tensor | None = None,
+                        generator: torch.Generator | None = None, chunk: int | None = None,
                         splits: int | None = None) -> torch.Tensor:
     """log p(x) estimate in nats per row of x (B, D) float32 on a CUDA device; (B,) float32.
+    The Backend protocol's entry (the package exports it as `iwae` too).
 
-    As backends.triton.iwae.iwae_log_likelihood (noise from `seed` and the image `indices`, or
-    injected `eps` (samples, B, L)); `splits` forces the number of K-splits (tests)."""
-    params = VAEParams(*params)
-    check_fused_call("cuda", x, params, samples, seed, eps, indices)
+    Noise as backends.triton.iwae.iwae_log_likelihood's: injected `eps` (samples, B, L), and
+    then seed is unused; else drawn in the kernel from `seed` and the image `indices`, a seed
+    drawn from torch's default CPU generator when none is given (torch.manual_seed keeps runs
+    repeatable). generator and chunk are the torch backend's only (noise from a generator,
+    memory by K-chunks): a ValueError here. `splits` forces the number of K-splits (tests)."""
+    for name, v in (("generator", generator), ("chunk", chunk)):
+        if v is not None:
+            raise ValueError(f"the cuda iwae does not take {name} (it draws its noise in-kernel "
+                             f"from `seed`, its memory is flat in K); use the torch backend")
+    if eps is not None:
+        seed = None  # the ops pass seed=0 with eps; the contract takes one of the two
+    elif seed is None:
+        seed = int(torch.randint(0, 2**62, ()))
+    params = check_fused_call("cuda", x, params, samples, seed, eps, indices)
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
                                or splits < 1):
         raise ValueError(f"splits must be a positive int or None, got {splits!r}")
@@ -73,7 +92,9 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *, see
                          f"evaluate fewer images per call")
     params = params.contiguous()
     mu, logvar, idx = fused_inputs(x, params, indices)
-    part = extension().iwae_partials(
-        x, mu, logvar, None if eps is None else eps.contiguous(), idx, params.dec_w1,
-        params.dec_b1, params.dec_w2, params.dec_b2, samples, k_per, n_splits, seed)
+    part = launch.iwae_partials(
+        build.extension(), x=x, mu=mu, logvar=logvar,
+        eps=None if eps is None else eps.contiguous(), image=idx,
+        decoder=(params.dec_w1, params.dec_b1, params.dec_w2, params.dec_b2), samples=samples,
+        k_per_split=k_per, splits=n_splits, seed=0 if seed is None else seed)
     return fused_finish(part, samples)

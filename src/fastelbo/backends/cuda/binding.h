@@ -1,0 +1,89 @@
+// The cuda backend's torch-facing API: every entry point the Python module binds
+// (binding_module.cpp) and the option structs they take, defined in binding_forward.cpp,
+// binding_backward.cpp and binding_iwae.cpp. Python calls these through backends/cuda/launch.py
+// only (one keyword-only wrapper per entry), which fastelbo/export.py inlines too.
+//
+// Every entry checks its inputs (FE_CHECK, binding_common.h) before it launches, and the Python
+// side checks the same first (backends/cuda/checks.py): on the H200 image a C++ exception whose
+// message streamed a number killed the process, so these checks are a second line only.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace fastelbo::binding {
+
+// The forward's path (ForwardOptions::path); launch.py's PATHS names them.
+enum Path : int64_t { kPathAuto = 0, kPathCluster = 1, kPathRows = 2, kPathFast = 3 };
+
+// How one forward launches. The defaults are the product's call; launch.py pre-builds the four
+// default objects (draw, awaits) once per extension, so the hot path parses no options.
+struct ForwardOptions {
+  int64_t rows = 0;      // > 0 forces the cluster plan's rows per cluster (1..64; tuning)
+  int64_t cluster = 0;   // > 0 forces blocks per cluster (1..16; tuning)
+  int64_t staged = -1;   // 0 / 1 forces the staged variant off / on (-1: the planner's choice)
+  bool poison = false;   // fill the outputs with NaN first (tests: every element is written)
+  int64_t path = kPathAuto;
+  bool draw = false;     // overwrite eps with one torch.randn(B, L) draw and compute with it
+  bool awaits = false;   // this thread's value check on x is in flight: wait for it first
+};
+
+// Which gradients one backward computes.
+struct BackwardOptions {
+  bool use_elbo = true;   // a gradient reaches elbo (else g_elbo is not read)
+  bool use_recon = true;  // ... recon
+  bool use_kl = true;     // ... kl
+  bool need_x = true;     // compute g_x (else an empty tensor in its place)
+  bool need_eps = true;   // compute g_eps (likewise)
+};
+
+// ---- forward, the value check, the noise (binding_forward.cpp) ----
+std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
+                                     const at::Tensor& enc_w, const at::Tensor& enc_b,
+                                     const at::Tensor& mu_w, const at::Tensor& mu_b,
+                                     const at::Tensor& lv_w, const at::Tensor& lv_b,
+                                     const at::Tensor& dec_w1, const at::Tensor& dec_b1,
+                                     const at::Tensor& dec_w2, const at::Tensor& dec_b2,
+                                     const ForwardOptions& opt);
+std::vector<int64_t> elbo_plan_info(int64_t device, int64_t B, int64_t D, int64_t H, int64_t L,
+                                    int64_t rows, int64_t cluster, int64_t staged);
+std::vector<int64_t> elbo_fast_plan_info(int64_t device, int64_t B, int64_t D, int64_t H,
+                                         int64_t L, bool one_wave);
+int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
+                      const at::Tensor& enc_w, const at::Tensor& enc_b, const at::Tensor& mu_w,
+                      const at::Tensor& mu_b, const at::Tensor& lv_w, const at::Tensor& lv_b,
+                      const at::Tensor& dec_w1, const at::Tensor& dec_b1,
+                      const at::Tensor& dec_w2, const at::Tensor& dec_b2, bool validate);
+void range_check_start(const at::Tensor& x);
+bool range_check_finish(int64_t device);
+bool x_in_unit_range(const at::Tensor& x);
+at::Tensor draw_randn(int64_t n, int64_t device);
+long long pdl_launches();
+
+// ---- backward and the optimizer (binding_backward.cpp) ----
+std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps,
+                                      const at::Tensor& enc_w, const at::Tensor& enc_b,
+                                      const at::Tensor& mu_w, const at::Tensor& mu_b,
+                                      const at::Tensor& lv_w, const at::Tensor& lv_b,
+                                      const at::Tensor& dec_w1, const at::Tensor& dec_b1,
+                                      const at::Tensor& dec_w2, const at::Tensor& dec_b2,
+                                      const at::Tensor& g_elbo, const at::Tensor& g_recon,
+                                      const at::Tensor& g_kl, const BackwardOptions& opt);
+void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+               const std::vector<at::Tensor>& steps, double lr, double beta1, double beta2,
+               double eps, double weight_decay);
+
+// ---- the importance-weighted bound (binding_iwae.cpp) ----
+at::Tensor iwae_partials(const at::Tensor& x, const at::Tensor& mu, const at::Tensor& lv,
+                         const std::optional<at::Tensor>& eps,
+                         const std::optional<at::Tensor>& image, const at::Tensor& dec_w1,
+                         const at::Tensor& dec_b1, const at::Tensor& dec_w2,
+                         const at::Tensor& dec_b2, int64_t samples, int64_t k_per_split,
+                         int64_t splits, int64_t seed);
+std::vector<int64_t> iwae_plan_info(int64_t device, int64_t D, int64_t H, int64_t L);
+
+}  // namespace fastelbo::binding

@@ -1,0 +1,90 @@
+// What the binding files (binding_*.cpp) share: the check macros and their messages, and the
+// few helpers more than one entry point uses. Host code; sees torch (the kernels never do).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "elbo.h"
+
+// Check messages are built without iostreams: on the H200 image (torch 2.11, gcc 13.3) an
+// extension exception whose message streamed a number killed the process, while one whose
+// message was a single string raised as it should. So numbers, devices, dtypes and shapes are
+// formatted here and TORCH_CHECK gets one std::string.
+namespace fe_msg {
+inline void put(std::string& s, const char* v) { s += v; }
+inline void put(std::string& s, const std::string& v) { s += v; }
+inline void put(std::string& s, const c10::Device& d) { s += d.str(); }  // no stream inside
+inline void put(std::string& s, at::ScalarType t) { s += c10::toString(t); }
+inline void put(std::string& s, at::IntArrayRef a) {
+  s += "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  s += "]";
+}
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+inline void put(std::string& s, T v) { s += std::to_string(v); }
+template <typename... A>
+std::string join(const A&... a) {
+  std::string s;
+  (put(s, a), ...);
+  return s;
+}
+}  // namespace fe_msg
+
+#define FE_CHECK(cond, ...) \
+  TORCH_CHECK(cond, fe_msg::join("fastelbo cuda backend: ", __VA_ARGS__))
+#define FE_CHECK_TENSOR(t, name, dev)                                                        \
+  do {                                                                                       \
+    FE_CHECK((t).defined(), name, " is undefined");                                          \
+    FE_CHECK((t).is_cuda(), name, " must be a CUDA tensor, got one on ", (t).device());      \
+    FE_CHECK((t).scalar_type() == at::kFloat, name, " must be float32, got ",               \
+             (t).scalar_type());                                                             \
+    FE_CHECK((t).is_contiguous(), name, " must be contiguous");                              \
+    FE_CHECK((t).device() == (dev), name, " is on ", (t).device(), " but x is on ", (dev));  \
+  } while (0)
+
+namespace fastelbo::binding {
+
+inline bool aligned16(const void* ptr) {
+  return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
+}
+
+// Shape check without temporaries in the message (the wanted shape lives in a named vector).
+inline void check_shape(const at::Tensor& t, const char* name, std::vector<int64_t> want) {
+  const at::IntArrayRef w(want);
+  FE_CHECK(t.sizes().equals(w), name, " must have shape ", w, ", got ", t.sizes());
+}
+
+inline void check_launch(cudaError_t err, const char* what) {
+  FE_CHECK(err == cudaSuccess, what, " launch failed: ", cudaGetErrorString(err));
+}
+
+
+// relu(a w^T + b) as F.relu(F.linear(...)): the GEMM, then an in-place ReLU that keeps NaN.
+// (at::_addmm_activation would fuse the ReLU into cuBLASLt's epilogue, one pass fewer, but
+// that epilogue's NaN rule is not documented: a NaN pre-activation, e.g. inf - inf once z
+// overflows, must stay NaN as in the reference.)
+inline at::Tensor relu_linear(const at::Tensor& a, const at::Tensor& w, const at::Tensor& b) {
+  return at::linear(a, w, b).relu_();
+}
+
+// z = mu + exp(0.5 lv) eps into z, and kl into `kl` unless it is nullptr (rows.cu).
+inline void reparam(const at::Tensor& mu, const at::Tensor& lv, const float* eps, at::Tensor& z,
+                    float* kl, cudaStream_t stream) {
+  fastelbo::ReparamParams rp{};
+  rp.mu = mu.data_ptr<float>();
+  rp.lv = lv.data_ptr<float>();
+  rp.eps = eps;
+  rp.z = z.data_ptr<float>();
+  rp.kl = kl;
+  rp.n = static_cast<int>(mu.size(0));
+  rp.L = static_cast<int>(mu.size(1));
+  check_launch(fastelbo::reparam_launch(rp, stream), "reparam_kl kernel");
+}
+
+}  // namespace fastelbo::binding

@@ -1,0 +1,557 @@
+// The forward's torch-facing half: checks, path and launch plan, the launch on PyTorch's current
+// stream (every status / CUDA error becomes an exception; the .cu host functions are noexcept
+// and return codes), plus the two things a forward waits on or draws: the value check on x and
+// torch.randn's noise. Declared in binding.h; elbo.cu and elbo_fast.cu never see torch.
+//
+// Which path (elbo.h, elbo_fast.cu, elbo.cu):
+//   cluster (B <= kClusterMaxBatch, any dims): one launch of the general cluster kernel.
+//   fast (kClusterMaxBatch < B <= kFastMaxBatch, dims multiples of 4): one launch of the fast
+//     cluster kernel (elbo_fast.cu); where it does not apply, the general one up to
+//     kClusterFallbackMax.
+//   rows (larger B, or dims the cluster kernel cannot hold in shared memory): cuBLAS for every
+//     GEMM (at::linear, the call eager F.linear makes, so TF32 only where
+//     torch.backends.cuda.matmul.allow_tf32 says so; in-place ReLU after the two hidden
+//     layers), reparam_kl_kernel and bce_kernel (rows.cu). Eager runs the same GEMMs plus ~15
+//     elementwise passes over (B, D) tensors.
+// All paths only launch on the current stream and allocate through the caching allocator:
+// CUDA-graph capturable.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "binding.h"
+#include "binding_common.h"
+#include "elbo.h"
+
+namespace fastelbo::binding {
+namespace {
+
+// Crossovers between the paths, from `benchmarks/experiments/cuda_bench.py --paths` on an H200
+// (2026-11-29, graph replays of 100 forwards, us per forward, fixed eps):
+//   B       1     16     64    128    192    256    384    512
+//   cluster 13.5  15.7   22.0   30.1   69.2   80.4  135    172
+//   fast    23.0  23.0   23.0   23.1   45.0   45.1   67.2   90.3
+//   rows    24.6  32.4   77.6   79.7   91.8   76.6   78.2   69.5
+// The general cluster kernel's time grows with its rows per cluster (~13 us + 0.13 us/row);
+// the fast one is flat up to 140 rows (one wave of 7 clusters of 16 blocks on an H200), then
+// grows a wave at a time; the rows path runs cuBLAS-rate GEMMs.
+constexpr int64_t kClusterMaxBatch = 80;   // general cluster kernel up to here
+constexpr int64_t kFastMaxBatch = 384;     // then the fast kernel (where it applies) up to here
+constexpr int64_t kClusterFallbackMax = 192;  // where it does not: the general one up to here
+// Rows per chunk of the rows path: intermediates h, d (chunk x H) and logits (chunk x D) are
+// 65536 * (256 + 256 + 784) * 4 B = 340 MB at the reference dims, vs ~490 MB eager allocates at
+// B=65536. Chunks of 8192 rows (42 MB) made cuBLAS pick smaller tiles: +37% GEMM time at
+// B=65536 on an H200 (an nsys profile), which made the path slower than eager.
+constexpr int64_t kRowsChunk = 65536;
+
+// The tensors and dims of one forward into either cluster kernel's params (checked by the caller).
+void fill_forward(fastelbo::ForwardArgs& a, const at::Tensor& x, const at::Tensor& eps,
+                  const at::Tensor& enc_w, const at::Tensor& enc_b, const at::Tensor& mu_w,
+                  const at::Tensor& mu_b, const at::Tensor& lv_w, const at::Tensor& lv_b,
+                  const at::Tensor& dec_w1, const at::Tensor& dec_b1, const at::Tensor& dec_w2,
+                  const at::Tensor& dec_b2, std::vector<at::Tensor>& out) {
+  a.x = x.data_ptr<float>();
+  a.eps = eps.data_ptr<float>();
+  a.w1 = enc_w.data_ptr<float>();
+  a.b1 = enc_b.data_ptr<float>();
+  a.wmu = mu_w.data_ptr<float>();
+  a.bmu = mu_b.data_ptr<float>();
+  a.wlv = lv_w.data_ptr<float>();
+  a.blv = lv_b.data_ptr<float>();
+  a.wd1 = dec_w1.data_ptr<float>();
+  a.bd1 = dec_b1.data_ptr<float>();
+  a.wd2 = dec_w2.data_ptr<float>();
+  a.bd2 = dec_b2.data_ptr<float>();
+  a.elbo = out[0].data_ptr<float>();
+  a.recon = out[1].data_ptr<float>();
+  a.kl = out[2].data_ptr<float>();
+  a.B = static_cast<int>(x.size(0));
+  a.D = static_cast<int>(x.size(1));
+  a.H = static_cast<int>(enc_w.size(0));
+  a.L = static_cast<int>(mu_w.size(0));
+}
+
+// The rows path (see the file comment); outputs already allocated.
+void rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& enc_w,
+                  const at::Tensor& enc_b, const at::Tensor& mu_w, const at::Tensor& mu_b,
+                  const at::Tensor& lv_w, const at::Tensor& lv_b, const at::Tensor& dec_w1,
+                  const at::Tensor& dec_b1, const at::Tensor& dec_w2, const at::Tensor& dec_b2,
+                  std::vector<at::Tensor>& out, cudaStream_t stream) {
+  const int64_t B = x.size(0), D = x.size(1), L = mu_w.size(0);
+  const int64_t chunk = std::min(B, kRowsChunk);
+  at::Tensor z = at::empty({chunk, L}, x.options());
+  for (int64_t s = 0; s < B; s += chunk) {
+    const int64_t n = std::min(chunk, B - s);
+    const at::Tensor xs = x.narrow(0, s, n);
+    const at::Tensor h = relu_linear(xs, enc_w, enc_b);
+    const at::Tensor mu = at::linear(h, mu_w, mu_b), lv = at::linear(h, lv_w, lv_b);
+    at::Tensor zs = z.narrow(0, 0, n);
+    reparam(mu, lv, eps.data_ptr<float>() + s * L, zs, out[2].data_ptr<float>() + s, stream);
+    const at::Tensor logits = at::linear(relu_linear(zs, dec_w1, dec_b1), dec_w2, dec_b2);
+    FE_CHECK(logits.is_contiguous(), "unexpected decoder output");
+    fastelbo::BceParams bp{};
+    bp.logits = logits.data_ptr<float>();
+    bp.x = xs.data_ptr<float>();
+    bp.elbo = out[0].data_ptr<float>() + s;
+    bp.recon = out[1].data_ptr<float>() + s;
+    bp.kl = out[2].data_ptr<float>() + s;
+    bp.n = static_cast<int>(n);
+    bp.D = static_cast<int>(D);
+    bp.vec = (D % 4 == 0 && aligned16(bp.logits) && aligned16(bp.x)) ? 1 : 0;
+    check_launch(fastelbo::bce_launch(bp, stream), "bce kernel");
+  }
+}
+
+// The ops' value check on x (every element in [0, 1], NaN not; fastelbo.contract) in two steps, so
+// that the host can prepare the forward while the check runs: range_check_start launches
+// rows.cu's flag kernel (a flag per block) writing straight into mapped pinned memory and
+// records an event; range_check_finish waits for that event and reads the flags. The flags
+// and the event belong to the calling thread and device (one check in flight per pair; a start
+// first waits out an unfinished one, so an abandoned check never races the next), allocated on
+// first use and kept: no allocation, copy or launch besides the kernel per check.
+struct RangeSlot {
+  int* flags = nullptr;       // mapped pinned host memory, fastelbo::kRangeFlagsMax ints
+  int* device_flags = nullptr;  // the same memory as the device sees it
+  cudaEvent_t done = nullptr;   // recorded after the kernel
+  int blocks = 0;               // > 0 while a check is in flight
+};
+
+struct RangeSlots {
+  std::vector<RangeSlot> by_device;
+  ~RangeSlots() {  // at thread exit; errors ignored (the context may already be gone)
+    for (RangeSlot& s : by_device) {
+      if (s.done != nullptr) (void)cudaEventDestroy(s.done);
+      if (s.flags != nullptr) (void)cudaFreeHost(s.flags);
+    }
+    (void)cudaGetLastError();
+  }
+};
+
+RangeSlot& range_slot(c10::DeviceIndex dev) {
+  thread_local RangeSlots slots;
+  if (slots.by_device.size() <= static_cast<size_t>(dev)) slots.by_device.resize(dev + 1);
+  RangeSlot& s = slots.by_device[dev];
+  if (s.flags == nullptr) {  // under the caller's device guard: the event is this device's
+    void* host = nullptr;
+    cudaError_t err = cudaHostAlloc(&host, sizeof(int) * fastelbo::kRangeFlagsMax,
+                                    cudaHostAllocMapped | cudaHostAllocPortable);
+    void* mapped = nullptr;
+    if (err == cudaSuccess) err = cudaHostGetDevicePointer(&mapped, host, 0);
+    cudaEvent_t ev = nullptr;
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      if (host != nullptr) (void)cudaFreeHost(host);
+      (void)cudaGetLastError();
+      FE_CHECK(false, "allocating the value check's flags failed: ", cudaGetErrorString(err));
+    }
+    s.flags = static_cast<int*>(host);
+    s.device_flags = static_cast<int*>(mapped);
+    s.done = ev;
+  }
+  return s;
+}
+
+// Wait for the slot's check in flight; whether every flag it wrote is 0.
+bool range_slot_wait(RangeSlot& s) {
+  const int blocks = s.blocks;
+  s.blocks = 0;
+  const cudaError_t err = cudaEventSynchronize(s.done);
+  FE_CHECK(err == cudaSuccess, "waiting for the value check failed: ", cudaGetErrorString(err));
+  return std::none_of(s.flags, s.flags + blocks, [](int f) { return f != 0; });
+}
+
+// Programmatic dependent launch of the two cluster kernels (elbo.h ForwardArgs::pdl: ~0.9 us
+// per forward off back-to-back forwards on an H200), on unless FASTELBO_PDL=0. A kernel reads
+// weights and biases before griddepcontrol.wait, so a launch may overlap its predecessor on
+// the stream only if that kernel cannot have written them. Only these kernels trigger early
+// (any other kernel completes before a dependent starts), each does so only once its own
+// predecessor has completed (so no grid older than the previous one still runs), and each
+// writes its outputs and eps_out alone: the last such launch's output ranges are kept per
+// stream, and a launch whose weights overlap them (or on a stream without a record) goes
+// without PDL.
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("FASTELBO_PDL");
+    return v == nullptr || v[0] != '0';
+  }();
+  return on;
+}
+
+struct Span {
+  uintptr_t lo, hi;  // [lo, hi) bytes
+};
+
+Span span_of(const float* p, long long n) {
+  const auto lo = reinterpret_cast<uintptr_t>(p);
+  return {lo, lo + static_cast<uintptr_t>(n) * sizeof(float)};
+}
+
+struct LaunchOutputs {
+  cudaStream_t stream;
+  Span out[4];  // elbo, recon, kl, eps_out (empty without an in-kernel draw)
+};
+
+std::atomic<long long> g_pdl_launches{0};  // cluster-kernel launches made with PDL (tests)
+
+// Whether this cluster-kernel launch may be a programmatic dependent; records its outputs for
+// the next.
+bool pdl_launch_allowed(cudaStream_t stream, const fastelbo::ForwardArgs& f) {
+  if (!pdl_enabled()) return false;
+  const long long B = f.B, D = f.D, H = f.H, L = f.L;
+  const Span reads[] = {span_of(f.w1, H * D), span_of(f.b1, H), span_of(f.wmu, L * H),
+                        span_of(f.bmu, L), span_of(f.wlv, L * H), span_of(f.blv, L),
+                        span_of(f.wd1, H * L), span_of(f.bd1, H), span_of(f.wd2, D * H),
+                        span_of(f.bd2, D)};
+  const LaunchOutputs now{stream, {span_of(f.elbo, B), span_of(f.recon, B), span_of(f.kl, B),
+                                    f.draw ? span_of(f.eps_out, B * L) : Span{0, 0}}};
+  static std::mutex mutex;
+  static std::vector<LaunchOutputs> last;  // one entry per stream, the most recent first
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = std::find_if(last.begin(), last.end(),
+                         [&](const LaunchOutputs& o) { return o.stream == stream; });
+  bool allowed = it != last.end();
+  if (allowed)
+    for (const Span& w : it->out)
+      for (const Span& r : reads)
+        if (w.lo < w.hi && r.lo < w.hi && w.lo < r.hi) allowed = false;
+  if (it != last.end()) last.erase(it);
+  last.insert(last.begin(), now);
+  if (last.size() > 16) last.pop_back();  // a stream forgotten launches once without PDL
+  if (allowed) ++g_pdl_launches;
+  return allowed;
+}
+
+// Whether torch.randn(n) (float32, contiguous) is one launch of normal_'s kernel, which is what
+// reserve_randn and philox.cuh reproduce: TensorIterator's can_use_32bit_indexing (element
+// count, and the largest byte offset 4 (n - 1) + 1, within int32); beyond it PyTorch splits the
+// draw into sub-iterators with counters of their own, and the kernels leave the draw to it.
+bool randn_in_one_launch(int64_t n) { return n >= 1 && n <= (int64_t{1} << 29); }
+
+// Reserves one torch.randn(n) float32 draw from the device's default CUDA generator, as
+// PyTorch's normal_ does (ATen/native/cuda/DistributionTemplates.h: calc_execution_policy with
+// curand_normal4's 4 outputs per call, then philox_cuda_state under the generator's mutex),
+// and returns what a kernel needs to reproduce it (philox.cuh). Graph capture: the generator
+// hands out device pointers and an intra-graph offset, as it does to PyTorch's own kernels.
+fastelbo::TorchRandn reserve_randn(int64_t n, c10::DeviceIndex device) {
+  // The two device properties PyTorch reads (attribute queries: no cudaGetDeviceProperties).
+  int sms = 0, threads_per_sm = 0;
+  FE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+               cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor,
+                                      device) == cudaSuccess,
+           "reading device ", static_cast<int>(device), "'s attributes failed");
+  constexpr int64_t kBlock = 256, kUnroll = 4;
+  const int64_t grid = std::min<int64_t>((n + kBlock - 1) / kBlock,
+                                         static_cast<int64_t>(sms) * (threads_per_sm / kBlock));
+  const uint64_t increment = static_cast<uint64_t>((n - 1) / (kBlock * grid * kUnroll) + 1) * 4;
+  at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(device);
+  at::PhiloxCudaState st;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    st = at::check_generator<at::CUDAGeneratorImpl>(gen)->philox_cuda_state(increment);
+  }
+  fastelbo::TorchRandn r{};
+  r.captured = st.captured_ ? 1 : 0;
+  if (st.captured_) {
+    r.seed_ptr = reinterpret_cast<const long long*>(st.seed_.ptr);
+    r.offset_ptr = reinterpret_cast<const long long*>(st.offset_.ptr);
+    r.offset_intragraph = static_cast<unsigned long long>(st.offset_intragraph_);
+  } else {
+    r.seed = st.seed_.val;
+    r.offset = st.offset_.val;
+  }
+  r.threads = static_cast<unsigned long long>(kBlock * grid);
+  return r;
+}
+
+// The forward's noise for a cluster kernel: drawn inside it (draw, rng, eps_out) where one
+// normal_ launch would draw it (randn_in_one_launch), else by normal_ into eps before it.
+void set_draw(fastelbo::ForwardArgs& a, const at::Tensor& eps, int64_t n,
+              c10::DeviceIndex device) {
+  if (randn_in_one_launch(n)) {
+    a.draw = 1;
+    a.rng = reserve_randn(n, device);
+    a.eps_out = eps.data_ptr<float>();
+  } else {
+    eps.normal_(0.0, 1.0);
+  }
+}
+
+}  // namespace
+
+void range_check_start(const at::Tensor& x) {
+  FE_CHECK_TENSOR(x, "x", x.device());
+  const int64_t n = x.numel();
+  FE_CHECK(n > 0, "x is empty");
+  const c10::cuda::CUDAGuard guard(x.device());
+  RangeSlot& s = range_slot(x.device().index());
+  if (s.blocks > 0) (void)range_slot_wait(s);  // abandoned: its kernel must not outlive it
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  check_launch(fastelbo::range_flags_launch(x.data_ptr<float>(), n, s.device_flags, stream),
+               "range check kernel");
+  const cudaError_t err = cudaEventRecord(s.done, stream);
+  FE_CHECK(err == cudaSuccess, "recording the value check failed: ", cudaGetErrorString(err));
+  s.blocks = fastelbo::range_flags_blocks(n);
+}
+
+// Whether the check range_check_start began on `device` (this thread) found every value of x
+// in [0, 1]; waits for it.
+bool range_check_finish(int64_t device) {
+  const auto dev = static_cast<c10::DeviceIndex>(device);
+  const c10::cuda::CUDAGuard guard(dev);
+  RangeSlot& s = range_slot(dev);
+  FE_CHECK(s.blocks > 0, "no value check in flight on this device for this thread");
+  return range_slot_wait(s);
+}
+
+// The ops' input checks (fastelbo.contract) for the common case, in one call that never throws:
+// 1 = every check passed and the value check on x is in flight (range_check_start); 0 = every
+// check passed and no value check runs (validate false, or the current stream is capturing a
+// graph); -1 = not the plain case (a check fails, or a dtype, layout, device or contiguity this
+// backend does not take): the caller runs its own checks, which raise the precise error or
+// take another path. The checks are the contract's (one device, one dtype, the parameters'
+// shapes from enc_w and mu_w, x (B >= 1, input_dim), eps (B, latent_dim)), narrowed to
+// contiguous float32 CUDA tensors on x's device with sizes within int32.
+int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
+                      const at::Tensor& enc_w, const at::Tensor& enc_b, const at::Tensor& mu_w,
+                      const at::Tensor& mu_b, const at::Tensor& lv_w, const at::Tensor& lv_b,
+                      const at::Tensor& dec_w1, const at::Tensor& dec_b1,
+                      const at::Tensor& dec_w2, const at::Tensor& dec_b2, bool validate) {
+  if (!x.defined() || !x.is_cuda() || x.dim() != 2 || enc_w.dim() != 2 || mu_w.dim() != 2)
+    return -1;
+  const auto dev = x.device();
+  const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  if (B < 1 || D < 1 || H < 1 || L < 1 || B > kIntMax || D > kIntMax || H > kIntMax ||
+      L > kIntMax)
+    return -1;
+  const auto plain = [&](const at::Tensor& t, std::initializer_list<int64_t> shape) {
+    return t.defined() && t.layout() == at::kStrided && t.device() == dev &&
+           t.scalar_type() == at::kFloat && t.is_contiguous() &&
+           t.sizes().equals(at::IntArrayRef(shape));
+  };
+  if (!(plain(x, {B, D}) && plain(enc_w, {H, D}) && plain(enc_b, {H}) && plain(mu_w, {L, H}) &&
+        plain(mu_b, {L}) && plain(lv_w, {L, H}) && plain(lv_b, {L}) && plain(dec_w1, {H, L}) &&
+        plain(dec_b1, {H}) && plain(dec_w2, {D, H}) && plain(dec_b2, {D}) &&
+        (!eps.has_value() || plain(*eps, {B, L}))))
+    return -1;
+  if (!validate) return 0;
+  const c10::cuda::CUDAGuard guard(dev);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;  // the caller's path asks torch instead
+  }
+  if (capture != cudaStreamCaptureStatusNone) return 0;  // as start_checks: no sync in a capture
+  range_check_start(x);
+  return 1;
+}
+
+// Returns {elbo, recon, kl}, each (B,) float32. opt.path: auto, cluster, rows or fast
+// (elbo_fast.cu; see the crossovers above for what auto takes). opt.rows / opt.cluster > 0 and
+// opt.staged >= 0 force the cluster plan (tuning; -1 / 0 = automatic) and imply the cluster
+// path; opt.poison fills the outputs with NaN before the launch (tests: every element is
+// written). opt.draw: eps's contents are not read but overwritten with one torch.randn(B, L)
+// draw from the default CUDA generator (the same numbers and the same generator advance as that
+// call): drawn inside the cluster kernels where they run (no separate launch), else by
+// at::normal_ first (the rows path).
+// opt.awaits: this thread's value check on x (range_check_start) is still in flight; it is
+// waited for once the launch is prepared, just before anything is drawn or launched, and if it
+// failed nothing is, and an empty list comes back (the caller raises the value error).
+std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
+                                     const at::Tensor& enc_w, const at::Tensor& enc_b,
+                                     const at::Tensor& mu_w, const at::Tensor& mu_b,
+                                     const at::Tensor& lv_w, const at::Tensor& lv_b,
+                                     const at::Tensor& dec_w1, const at::Tensor& dec_b1,
+                                     const at::Tensor& dec_w2, const at::Tensor& dec_b2,
+                                     const ForwardOptions& opt) {
+  const int64_t rows = opt.rows, cluster = opt.cluster, staged = opt.staged;
+  const bool poison = opt.poison, draw = opt.draw, await_check = opt.awaits;
+  int64_t path = opt.path;
+  FE_CHECK(x.defined(), "x is undefined");
+  const auto dev = x.device();
+  FE_CHECK_TENSOR(x, "x", dev);
+  FE_CHECK_TENSOR(eps, "eps", dev);
+  FE_CHECK_TENSOR(enc_w, "enc_w", dev);
+  FE_CHECK_TENSOR(enc_b, "enc_b", dev);
+  FE_CHECK_TENSOR(mu_w, "mu_w", dev);
+  FE_CHECK_TENSOR(mu_b, "mu_b", dev);
+  FE_CHECK_TENSOR(lv_w, "lv_w", dev);
+  FE_CHECK_TENSOR(lv_b, "lv_b", dev);
+  FE_CHECK_TENSOR(dec_w1, "dec_w1", dev);
+  FE_CHECK_TENSOR(dec_b1, "dec_b1", dev);
+  FE_CHECK_TENSOR(dec_w2, "dec_w2", dev);
+  FE_CHECK_TENSOR(dec_b2, "dec_b2", dev);
+  FE_CHECK(x.dim() == 2, "x must be 2-D (batch, input_dim), got shape ", x.sizes());
+  FE_CHECK(enc_w.dim() == 2, "enc_w must be 2-D (hidden_dim, input_dim), got ", enc_w.sizes());
+  FE_CHECK(mu_w.dim() == 2, "mu_w must be 2-D (latent_dim, hidden_dim), got ", mu_w.sizes());
+  const int64_t B = x.sizes()[0], D = x.sizes()[1];      // dims checked just above
+  const int64_t H = enc_w.sizes()[0], L = mu_w.sizes()[0];
+  FE_CHECK(B >= 1, "x must hold at least one row");
+  FE_CHECK(D >= 1 && H >= 1 && L >= 1, "dims must be positive, got input_dim=", D,
+           " hidden_dim=", H, " latent_dim=", L);
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  FE_CHECK(B <= kIntMax && D <= kIntMax && H <= kIntMax && L <= kIntMax,
+           "sizes must fit in int32, got B=", B, " D=", D, " H=", H, " L=", L);
+  check_shape(enc_w, "enc_w", {H, D});
+  check_shape(enc_b, "enc_b", {H});
+  check_shape(mu_w, "mu_w", {L, H});
+  check_shape(mu_b, "mu_b", {L});
+  check_shape(lv_w, "lv_w", {L, H});
+  check_shape(lv_b, "lv_b", {L});
+  check_shape(dec_w1, "dec_w1", {H, L});
+  check_shape(dec_b1, "dec_b1", {H});
+  check_shape(dec_w2, "dec_w2", {D, H});
+  check_shape(dec_b2, "dec_b2", {D});
+  check_shape(eps, "eps", {B, L});
+  FE_CHECK(rows >= 0 && rows <= 64, "rows must be 0 (auto) or 1..64, got ", rows);
+  FE_CHECK(cluster >= 0 && cluster <= 16, "cluster must be 0 (auto) or 1..16, got ", cluster);
+  FE_CHECK(staged >= -1 && staged <= 1, "staged must be -1 (auto), 0 or 1, got ", staged);
+  FE_CHECK(path >= kPathAuto && path <= kPathFast,
+           "path must be 0 (auto), 1 (cluster), 2 (rows) or 3 (fast), got ", path);
+  const bool forced_plan = rows > 0 || cluster > 0 || staged >= 0;
+  FE_CHECK(!(forced_plan && (path == kPathRows || path == kPathFast)),
+           "rows / cluster / staged force the cluster path; they conflict with path=rows/fast");
+  if (forced_plan) path = kPathCluster;
+
+  const c10::cuda::CUDAGuard guard(dev);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
+  const auto opts = x.options();
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < 3; ++i)
+    out.push_back(poison ? at::full({B}, std::nanf(""), opts) : at::empty({B}, opts));
+  const bool auto_fast = path == kPathAuto && B > kClusterMaxBatch && B <= kFastMaxBatch;
+  if (auto_fast || path == kPathFast) {
+    fastelbo::FastParams f{};
+    fill_forward(f, x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
+                 out);
+    cudaError_t ferr = cudaSuccess;
+    const auto fst = fastelbo::elbo_fast_plan(f, dev.index(), 0, false, &ferr);
+    FE_CHECK(fst != fastelbo::kElboCudaError, "planning the fast launch failed: ",
+             cudaGetErrorString(ferr));
+    if (fst == fastelbo::kElboOk) {
+      if (await_check && !range_check_finish(dev.index())) return {};
+      if (draw) set_draw(f, eps, B * L, dev.index());
+      f.pdl = pdl_launch_allowed(stream, f) ? 1 : 0;
+      check_launch(fastelbo::elbo_fast_launch(f, stream), "fast cluster kernel");
+      return out;
+    }
+    FE_CHECK(path == kPathAuto, "path=fast does not apply here (status ", static_cast<int>(fst),
+             "); fastelbo.backends.cuda checks this before the call");
+  }
+  // The rows path: the draw (at::normal_) first, then cuBLAS and rows.cu's kernels.
+  const auto run_rows = [&]() -> std::vector<at::Tensor> {
+    if (await_check && !range_check_finish(dev.index())) return {};
+    if (draw) eps.normal_(0.0, 1.0);  // the default generator of eps's device, as torch.randn
+    rows_forward(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
+                 out, stream);
+    return out;
+  };
+  const int64_t cluster_max = auto_fast ? kClusterFallbackMax : kClusterMaxBatch;
+  if (path == kPathRows || (path == kPathAuto && B > cluster_max)) return run_rows();
+
+  fastelbo::ElboParams p{};
+  fill_forward(p, x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
+               out);
+  p.vec = ((D % 4 == 0 && aligned16(p.x) && aligned16(p.w1)) ? 1u : 0u) |
+          ((H % 4 == 0 && aligned16(p.wmu) && aligned16(p.wlv)) ? 2u : 0u) |
+          ((L % 4 == 0 && aligned16(p.wd1)) ? 4u : 0u) |
+          ((H % 4 == 0 && aligned16(p.wd2)) ? 8u : 0u);
+
+  cudaError_t err = cudaSuccess;
+  const fastelbo::ElboStatus st =
+      fastelbo::elbo_plan(p, dev.index(), static_cast<int>(rows), static_cast<int>(cluster),
+                          static_cast<int>(staged), &err);
+  if (path == kPathAuto && (st == fastelbo::kElboTooLarge || st == fastelbo::kElboNoCluster))
+    return run_rows();  // the general path: dims whose activations do not fit a block
+  FE_CHECK(st != fastelbo::kElboBadArch,
+           "needs compute capability 9.0+ (thread-block clusters); use backend='torch' or "
+           "backend='triton'");
+  FE_CHECK(st != fastelbo::kElboTooLarge, "input_dim=", D, " hidden_dim=", H, " latent_dim=", L,
+           " need ", fastelbo::elbo_smem_bytes(p.D, p.H, p.L, 1, 16, false),
+           " bytes of shared memory per block even at one row per cluster, more than this GPU "
+           "allows; use path='rows' (automatic), backend='torch' or backend='triton'");
+  FE_CHECK(st != fastelbo::kElboNoCluster,
+           "no thread-block cluster size fits on this GPU for these dims (rows=", rows,
+           ", cluster=", cluster, "); use backend='torch' or backend='triton'");
+  FE_CHECK(st == fastelbo::kElboOk, "planning the launch failed: ", cudaGetErrorString(err));
+
+  if (await_check && !range_check_finish(dev.index())) return {};
+  if (draw) set_draw(p, eps, B * L, dev.index());
+  p.pdl = pdl_launch_allowed(stream, p) ? 1 : 0;
+  err = fastelbo::elbo_launch(p, stream);
+  FE_CHECK(err == cudaSuccess, "kernel launch failed (R=", p.R, ", C=", p.C, ", smem=",
+           p.smem_bytes, " B, staged=", p.staged, "): ", cudaGetErrorString(err));
+  return out;
+}
+
+// The launch plan the kernel would use: {R, C, smem_bytes, variant, staged}, or
+// {-status, 0, 0, 0, 0} when there is none; for tests and benchmarks.
+std::vector<int64_t> elbo_plan_info(int64_t device, int64_t B, int64_t D, int64_t H, int64_t L,
+                                    int64_t rows, int64_t cluster, int64_t staged) {
+  fastelbo::ElboParams p{};
+  p.B = static_cast<int>(B);
+  p.D = static_cast<int>(D);
+  p.H = static_cast<int>(H);
+  p.L = static_cast<int>(L);
+  cudaError_t err = cudaSuccess;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const auto st = fastelbo::elbo_plan(p, static_cast<int>(device), static_cast<int>(rows),
+                                      static_cast<int>(cluster), static_cast<int>(staged), &err);
+  if (st != fastelbo::kElboOk) return {-static_cast<int64_t>(st), 0, 0, 0, 0};
+  return {p.R, p.C, p.smem_bytes, p.variant, p.staged};
+}
+
+// The fast path's plan: {R, C, smem_bytes, 0} or {0, 0, 0, status} when it does not apply
+// (one_wave: only if every cluster is co-resident at once); for tests, benchmarks
+// and fastelbo.backends.cuda's checks of path='fast'.
+std::vector<int64_t> elbo_fast_plan_info(int64_t device, int64_t B, int64_t D, int64_t H,
+                                         int64_t L, bool one_wave) {
+  fastelbo::FastParams f{};
+  f.B = static_cast<int>(B);
+  f.D = static_cast<int>(D);
+  f.H = static_cast<int>(H);
+  f.L = static_cast<int>(L);
+  cudaError_t err = cudaSuccess;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const auto st = fastelbo::elbo_fast_plan(f, static_cast<int>(device), 0, one_wave, &err);
+  if (st != fastelbo::kElboOk) return {0, 0, 0, static_cast<int64_t>(st)};
+  return {f.R, f.C, f.smem_bytes, 0};
+}
+
+// Both steps at once: launch, wait, read.
+bool x_in_unit_range(const at::Tensor& x) {
+  range_check_start(x);
+  return range_check_finish(x.device().index());
+}
+
+// torch.randn(n) from `device`'s default generator, reproduced by rows.cu's randn_fill_kernel
+// (philox.cuh): the numbers torch.randn would give and the same generator advance, where the
+// reproduction is exact. backends/cuda/noise.py compares the two before the cluster kernels
+// draw their own noise.
+at::Tensor draw_randn(int64_t n, int64_t device) {
+  FE_CHECK(n >= 1 && n <= std::numeric_limits<int>::max(), "n must be in [1, 2^31 - 1], got ", n);
+  const auto dev = static_cast<c10::DeviceIndex>(device);
+  const c10::cuda::CUDAGuard guard(dev);
+  auto out = at::empty({n}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, dev));
+  const fastelbo::TorchRandn r = reserve_randn(n, dev);
+  check_launch(fastelbo::randn_fill_launch(out.data_ptr<float>(), n, r,
+                                           c10::cuda::getCurrentCUDAStream(dev).stream()),
+               "randn fill kernel");
+  return out;
+}
+
+long long pdl_launches() { return g_pdl_launches.load(); }
+
+}  // namespace fastelbo::binding

@@ -1,0 +1,78 @@
+// The Python module: binding.h's entry points and option structs, bound by name. Every argument
+// is positional without a default (pybind11 then parses no keywords on the hot path);
+// backends/cuda/launch.py is the keyword-only Python side of each entry.
+#include <torch/extension.h>
+
+#include "binding.h"
+
+namespace py = pybind11;
+namespace fb = fastelbo::binding;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fastelbo's cuda backend: fused VAE ELBO forward, backward, Adam and IWAE kernels";
+  py::class_<fb::ForwardOptions>(m, "ForwardOptions", "how one forward launches (binding.h)")
+      .def(py::init<>())
+      .def_readwrite("rows", &fb::ForwardOptions::rows)
+      .def_readwrite("cluster", &fb::ForwardOptions::cluster)
+      .def_readwrite("staged", &fb::ForwardOptions::staged)
+      .def_readwrite("poison", &fb::ForwardOptions::poison)
+      .def_readwrite("path", &fb::ForwardOptions::path)
+      .def_readwrite("draw", &fb::ForwardOptions::draw)
+      .def_readwrite("awaits", &fb::ForwardOptions::awaits);
+  py::class_<fb::BackwardOptions>(m, "BackwardOptions",
+                                  "which gradients one backward computes (binding.h)")
+      .def(py::init<>())
+      .def_readwrite("use_elbo", &fb::BackwardOptions::use_elbo)
+      .def_readwrite("use_recon", &fb::BackwardOptions::use_recon)
+      .def_readwrite("use_kl", &fb::BackwardOptions::use_kl)
+      .def_readwrite("need_x", &fb::BackwardOptions::need_x)
+      .def_readwrite("need_eps", &fb::BackwardOptions::need_eps);
+
+  m.def("forward", &fb::elbo_forward, "(elbo, recon, kl) of the VAE, or [] (binding.h)",
+        py::arg("x"), py::arg("eps"), py::arg("enc_w"), py::arg("enc_b"), py::arg("mu_w"),
+        py::arg("mu_b"), py::arg("lv_w"), py::arg("lv_b"), py::arg("dec_w1"), py::arg("dec_b1"),
+        py::arg("dec_w2"), py::arg("dec_b2"), py::arg("options"));
+  m.def("backward", &fb::elbo_backward,
+        "gradients {x, eps, 10 params} of <g, (elbo, recon, kl)> (binding.h)", py::arg("x"),
+        py::arg("eps"), py::arg("enc_w"), py::arg("enc_b"), py::arg("mu_w"), py::arg("mu_b"),
+        py::arg("lv_w"), py::arg("lv_b"), py::arg("dec_w1"), py::arg("dec_b1"),
+        py::arg("dec_w2"), py::arg("dec_b2"), py::arg("g_elbo"), py::arg("g_recon"),
+        py::arg("g_kl"), py::arg("options"));
+  m.def("adam_step", &fb::adam_step, "one Adam update of float32 CUDA tensors, in place",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+        py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"));
+  m.def("plan", &fb::elbo_plan_info,
+        "launch plan {R, C, smem_bytes, variant, staged} or {-status, 0, 0, 0, 0}",
+        py::arg("device"), py::arg("B"), py::arg("D"), py::arg("H"), py::arg("L"),
+        py::arg("rows"), py::arg("cluster"), py::arg("staged"));
+  m.def("fast_plan", &fb::elbo_fast_plan_info,
+        "fast-path plan {R, C, smem_bytes, 0} or {0, 0, 0, status}", py::arg("device"),
+        py::arg("B"), py::arg("D"), py::arg("H"), py::arg("L"), py::arg("one_wave"));
+  m.def("iwae_partials", &fb::iwae_partials, "IWAE partial logsumexps (B, splits)",
+        py::arg("x"), py::arg("mu"), py::arg("logvar"), py::arg("eps"), py::arg("image"),
+        py::arg("dec_w1"), py::arg("dec_b1"), py::arg("dec_w2"), py::arg("dec_b2"),
+        py::arg("samples"), py::arg("k_per_split"), py::arg("splits"), py::arg("seed"));
+  m.def("iwae_plan", &fb::iwae_plan_info,
+        "IWAE tile {samples per tile, smem_bytes, 0} or {0, 0, status}", py::arg("device"),
+        py::arg("D"), py::arg("H"), py::arg("L"));
+  m.def("x_in_unit_range", &fb::x_in_unit_range,
+        "whether every element of x lies in [0, 1] (NaN does not); one launch, one wait",
+        py::arg("x"));
+  m.def("range_check_start", &fb::range_check_start,
+        "launch x_in_unit_range's check; range_check_finish waits for it", py::arg("x"));
+  m.def("range_check_finish", &fb::range_check_finish,
+        "the verdict of this thread's check in flight on the device (waits)",
+        py::arg("device"));
+  m.def("checked_start", &fb::checked_start,
+        "the input checks for contiguous float32 tensors on x's GPU, and the value check "
+        "started: 1 started, 0 passed without it, -1 not the plain case (never raises)",
+        py::arg("x"), py::arg("eps"), py::arg("enc_w"), py::arg("enc_b"), py::arg("mu_w"),
+        py::arg("mu_b"), py::arg("lv_w"), py::arg("lv_b"), py::arg("dec_w1"), py::arg("dec_b1"),
+        py::arg("dec_w2"), py::arg("dec_b2"), py::arg("validate"));
+  m.def("draw_randn", &fb::draw_randn,
+        "torch.randn(n) on the device's default generator, reproduced in a kernel",
+        py::arg("n"), py::arg("device"));
+  m.def("pdl_launches", &fb::pdl_launches,
+        "how many cluster-kernel launches so far were programmatic dependents (tests)");
+}

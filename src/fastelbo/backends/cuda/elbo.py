@@ -1,0 +1,139 @@
+"""The ELBO on the cuda backend: forward (the ops' prepared entry and the tuning entry), backward.
+
+Paths (binding_forward.cpp picks by batch size; `path=` forces one): small batches run ONE
+launch of a fused cluster kernel (thread-block clusters + distributed shared memory): elbo.cu,
+the general one, up to B=80; elbo_fast.cu for 80 < B <= 384 where the dims are multiples of 4
+(else elbo.cu up to 192); large batches run every GEMM with cuBLAS (as eager does) and two
+small fused kernels (rows.cu) for everything else. `backward` (any batch) recomputes the
+activations the same way and runs the gradient's GEMMs with cuBLAS around four fused kernels
+(backward.cu).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...params import VAEParams
+from . import build, checks, launch
+
+
+def plan(x: torch.Tensor, params: VAEParams, *, rows: int = 0, cluster: int = 0,
+         staged: int = -1) -> tuple[int, int, int, int, int]:
+    """(R rows per cluster, C blocks per cluster, smem bytes, variant, staged) for this call.
+
+    R <= 0 means no plan: -R is the kernel's status (1 too large, 3 arch, 4 no cluster fits).
+    """
+    checks.check_options(rows, cluster, staged)
+    r, c, smem, variant, st = launch.plan(build.extension(), device=x.device.index or 0,
+                                          batch=x.shape[0], dims=VAEParams(*params).dims,
+                                          rows=rows, cluster=cluster, staged=staged)
+    return r, c, smem, variant, st
+
+
+# Why path='fast' cannot run, by the planner's status (elbo.h ElboStatus).
+_FAST_STATUS = {1: "its shared memory does not fit this GPU for these dims",
+                3: "it needs compute capability 9.0+",
+                4: "no thread-block cluster of 16 or 8 blocks fits on this GPU",
+                5: "input_dim, hidden_dim and latent_dim must be multiples of 4 and hidden_dim "
+                   "a multiple of 32 (4 x 8 blocks)"}
+_FAST_ALIGNED = ("x", "enc_w", "enc_b", "mu_w", "lv_w", "dec_w1", "dec_b1", "dec_w2")
+
+
+def check_fast_path(x: torch.Tensor, params: VAEParams) -> None:
+    """ValueError unless path='fast' applies to these tensors (dims, 16-byte alignment, GPU)."""
+    named = {"x": x, **params._asdict()}
+    for name in _FAST_ALIGNED:
+        if named[name].data_ptr() % 16:
+            raise ValueError(f"path='fast' needs 16-byte aligned tensors; {name} is not (a view "
+                             f"with an offset?): use path='auto'")
+    d, h, lat = params.dims
+    status = launch.fast_plan(build.extension(), device=x.device.index or 0, batch=x.shape[0],
+                              dims=(d, h, lat))[3]
+    if status:
+        raise ValueError(f"path='fast' does not apply to input_dim={d} hidden_dim={h} "
+                         f"latent_dim={lat}: {_FAST_STATUS.get(status, f'status {status}')}; "
+                         f"use path='auto'")
+
+
+def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
+            cluster: int = 0, staged: int = -1, path: str = "auto", draw: bool = False,
+            _poison: bool = False):
+    """(elbo, recon, kl), each (B,) float32, on the current stream; every input checked.
+
+    path: "auto" (a cluster kernel for small batches, the rows path for large ones), "fast"
+    (elbo_fast.cu: dims multiples of 4, any B), "cluster" (elbo.cu, any dims) or "rows".
+    rows / cluster > 0 and staged in (0, 1) force the cluster kernel's launch plan (tuning;
+    tests/test_cuda_backend.py and benchmarks/cuda_sanitize.py run every plan); draw=True
+    overwrites eps with one torch.randn(B, latent_dim) draw from the default generator of x's
+    device and computes with it (inside the cluster kernels where they run; noise.py says when
+    that is exact); _poison fills the outputs with NaN first, so tests can prove every element
+    is written.
+    """
+    params = checks.check_inputs(x, params, eps, rows=rows, cluster=cluster, staged=staged,
+                                 path=path)
+    if path == "fast":
+        check_fast_path(x, params)
+    ext = build.extension()
+    options = launch.forward_options(ext, rows=rows, cluster=cluster, staged=staged,
+                                     poison=bool(_poison), path=path, draw=bool(draw))
+    out = launch.forward(ext, x=x, eps=eps, params=params, options=options)
+    return out[0], out[1], out[2]
+
+
+def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
+                     draw: bool = False, verdict=None):
+    """forward with the default launch options, for fastelbo.ops only (the Backend protocol).
+
+    ops has already checked the call against fastelbo.contract (types, shapes, one dtype, one
+    device), resolved this backend for x (so a CUDA device this backend runs on, and float32)
+    and made every tensor contiguous: of check_inputs' checks, only the kernel's terms left are
+    repeated here (checks.kernel_terms_hold). Any failure is re-checked by check_inputs, which
+    raises the same exception as `forward` would. draw: as forward's (noise.forward_drawing).
+    verdict: the ops' value check on x, waited for just before anything is drawn or launched
+    (its error raised then), so that this preparation overlaps the value check: inside the
+    binding where the check is this backend's own, still in flight (verdict.in_flight), else
+    by verdict.wait() before the call.
+    """
+    # A plain verdict: checked_start has checked all of this (and more) in the binding.
+    if not (verdict is not None and verdict.plain or checks.kernel_terms_hold(x, params, eps)):
+        checks.check_inputs(x, params, eps)
+        raise AssertionError("forward_prepared was handed inputs fastelbo.ops did not prepare")
+    awaits = verdict is not None and verdict.in_flight
+    if verdict is not None and not awaits:
+        verdict.wait()
+    ext = build.extension()
+    out = launch.forward(ext, x=x, eps=eps, params=params,
+                         options=launch.default_forward_options(ext, draw=draw, awaits=awaits))
+    if not out:  # the check in flight failed: nothing was drawn or launched
+        verdict.fail()
+    return out[0], out[1], out[2]
+
+
+def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads, *,
+             need_x: bool = True, need_eps: bool = True):
+    """(g_x, g_eps, [10 parameter grads]) of <grads, forward(x, params, eps)>, as
+    torch_ref.backward (the spec) gives them: cuBLAS GEMMs + backward.cu's fused kernels.
+
+    grads = (g_elbo, g_recon, g_kl), each (B,) or None where no gradient reaches that output.
+    need_x / need_eps False: that gradient is not computed and None comes back in its place.
+    """
+    params = checks.check_inputs(x, params, eps)
+    if len(grads) != 3:
+        raise ValueError(f"grads must be (g_elbo, g_recon, g_kl), got {len(grads)} entries")
+    batch = x.shape[0]
+    used, given = [], []
+    for name, g in zip(("g_elbo", "g_recon", "g_kl"), grads):
+        used.append(g is not None)
+        if g is None:
+            given.append(x.new_empty(batch))  # unread: the binding takes a defined tensor
+            continue
+        if not isinstance(g, torch.Tensor) or g.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor, got {getattr(g, 'dtype', g)!r}")
+        if g.device != x.device or tuple(g.shape) != (batch,):
+            raise checks.CudaInputError(f"{name} must have shape ({batch},) on {x.device}, got "
+                                        f"{tuple(g.shape)} on {g.device}")
+        given.append(g.contiguous())  # e.g. mean()'s gradient is an expanded scalar
+    ext = build.extension()
+    options = launch.backward_options(ext, use_elbo=used[0], use_recon=used[1], use_kl=used[2],
+                                      need_x=bool(need_x), need_eps=bool(need_eps))
+    out = launch.backward(ext, x=x, eps=eps, params=params, grads=given, options=options)
+    return (out[0] if need_x else None), (out[1] if need_eps else None), list(out[2:])

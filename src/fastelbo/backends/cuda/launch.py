@@ -1,0 +1,125 @@
+"""One keyword-only wrapper per entry point of the cuda backend's extension (binding_module.cpp).
+
+Every call into the extension goes through these: the backend's modules, training/adam.py and
+the single file fastelbo.export writes, which inlines this file verbatim (so it imports nothing
+and has no `from __future__` line). Each takes the extension module first, as the package and
+the exported file build their own. The wrappers call the binding positionally (pybind11 then
+parses no keywords) and check nothing: the callers have run the checks (checks.py).
+params: the ten parameter tensors in VAEParams order (enc_w, enc_b, mu_w, ..., dec_b2).
+"""
+
+# The forward's paths, as binding.h's Path enum numbers them.
+PATHS = {"auto": 0, "cluster": 1, "rows": 2, "fast": 3}
+
+
+def forward_options(ext, *, rows=0, cluster=0, staged=-1, poison=False, path="auto",
+                    draw=False, awaits=False):
+    """A new ext.ForwardOptions (binding.h says what each field does); path by name."""
+    opt = ext.ForwardOptions()
+    opt.rows, opt.cluster, opt.staged = rows, cluster, staged
+    opt.poison, opt.path, opt.draw, opt.awaits = poison, PATHS[path], draw, awaits
+    return opt
+
+
+_PRESETS = {}  # extension module -> ((plain, awaits), (draw, draw + awaits))
+
+
+def _presets(ext):
+    _PRESETS[ext] = tuple(tuple(forward_options(ext, draw=d, awaits=a) for a in (False, True))
+                          for d in (False, True))
+    return _PRESETS[ext]
+
+
+def default_forward_options(ext, *, draw=False, awaits=False):
+    """The product's forward options (no tuning, no poison) for bools draw and awaits: one of
+    four objects built once per extension module, so the hot path builds nothing. Shared:
+    never modify one."""
+    return (_PRESETS.get(ext) or _presets(ext))[draw][awaits]
+
+
+def forward(ext, *, x, eps, params, options):
+    """[elbo, recon, kl], each (B,) float32, on the current stream; [] where options.awaits
+    and the value check in flight failed (then nothing was drawn or launched)."""
+    return ext.forward(x, eps, *params, options)
+
+
+def backward_options(ext, *, use_elbo, use_recon, use_kl, need_x, need_eps):
+    """A new ext.BackwardOptions: which outputs a gradient reaches, which input grads to make."""
+    opt = ext.BackwardOptions()
+    opt.use_elbo, opt.use_recon, opt.use_kl = use_elbo, use_recon, use_kl
+    opt.need_x, opt.need_eps = need_x, need_eps
+    return opt
+
+
+def backward(ext, *, x, eps, params, grads, options):
+    """[g_x, g_eps, 10 parameter grads] of <grads, (elbo, recon, kl)>; grads: three (B,)
+    float32 tensors (an unused one is not read); g_x / g_eps are empty where not needed."""
+    return ext.backward(x, eps, *params, *grads, options)
+
+
+def plan(ext, *, device, batch, dims, rows=0, cluster=0, staged=-1):
+    """The general cluster kernel's plan [R, C, smem bytes, variant, staged], or
+    [-status, 0, 0, 0, 0]; dims = (input, hidden, latent)."""
+    d, h, lat = dims
+    return ext.plan(device, batch, d, h, lat, rows, cluster, staged)
+
+
+def fast_plan(ext, *, device, batch, dims, one_wave=False):
+    """The fast kernel's plan [R, C, smem bytes, 0], or [0, 0, 0, status]."""
+    d, h, lat = dims
+    return ext.fast_plan(device, batch, d, h, lat, one_wave)
+
+
+def checked_start(ext, *, x, eps, params, validate):
+    """1: the input checks passed and the value check on x is in flight; 0: passed, no value
+    check started; -1: not the plain case (never raises). eps may be None."""
+    return ext.checked_start(x, eps, *params, validate)
+
+
+def range_check_start(ext, *, x):
+    """Launch the value check on x (non-empty, contiguous float32 CUDA)."""
+    ext.range_check_start(x)
+
+
+def range_check_finish(ext, *, device):
+    """Whether the check this thread started on CUDA device index `device` passed (waits)."""
+    return ext.range_check_finish(device)
+
+
+def x_in_unit_range(ext, *, x):
+    """The value check on x in one launch and one wait."""
+    return ext.x_in_unit_range(x)
+
+
+def draw_randn(ext, *, n, device):
+    """torch.randn(n) from CUDA device `device`'s default generator, reproduced in a kernel."""
+    return ext.draw_randn(n, device)
+
+
+def pdl_launches(ext):
+    """How many cluster-kernel launches so far were programmatic dependents."""
+    return ext.pdl_launches()
+
+
+def iwae_plan(ext, *, device, dims):
+    """[samples per tile, smem bytes, 0], or [0, 0, status] where the IWAE kernel does not
+    apply to dims = (input, hidden, latent) on CUDA device index `device`."""
+    d, h, lat = dims
+    return ext.iwae_plan(device, d, h, lat)
+
+
+def iwae_partials(ext, *, x, mu, logvar, eps, image, decoder, samples, k_per_split, splits,
+                  seed):
+    """The (B, splits) partial logsumexps; decoder = (dec_w1, dec_b1, dec_w2, dec_b2); eps
+    (samples, B, L) and image (B,) int64 may be None."""
+    w1, b1, w2, b2 = decoder
+    return ext.iwae_partials(x, mu, logvar, eps, image, w1, b1, w2, b2, samples, k_per_split,
+                             splits, seed)
+
+
+def adam_step(ext, *, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps,
+              weight_decay):
+    """One Adam update of float32 CUDA tensors, in place (lists of equal length)."""
+    ext.adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps,
+                  weight_decay)
+

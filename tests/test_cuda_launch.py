@@ -1,0 +1,147 @@
+"""The cuda backend's launch.py against binding_module.cpp, on CPU (no GPU, no build).
+
+One keyword-only wrapper per bound entry point, calling it positionally: a wrapper that passes
+an argument in the wrong place would hand a kernel the wrong tensor with no error at all, so
+each wrapper is called on a stand-in extension whose entry points name their arguments as the
+C++ binding does, and every argument must arrive under its own name.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from fastelbo.backends.cuda import build, launch
+from fastelbo.params import VAEParams
+
+MODULE_CPP = (build.HERE / build.BINDING_MODULE).read_text()
+BINDING_H = (build.HERE / "binding.h").read_text()
+
+
+def _bound_entries() -> dict[str, list[str]]:
+    """{Python name: [argument names]} of every m.def in binding_module.cpp."""
+    entries = {}
+    for m in re.finditer(r'm\.def\("(\w+)",(.*?)\);$', MODULE_CPP, re.DOTALL | re.MULTILINE):
+        entries[m.group(1)] = re.findall(r'py::arg\("(\w+)"\)', m.group(2))
+    return entries
+
+
+ENTRIES = _bound_entries()
+# A wrapper argument the binding does not name: the binding's arguments it stands for, in order.
+EXPANDS = {"params": VAEParams._fields, "grads": ("g_elbo", "g_recon", "g_kl"),
+           "decoder": ("dec_w1", "dec_b1", "dec_w2", "dec_b2"), "dims": ("D", "H", "L"),
+           "batch": ("B",)}
+
+
+def test_the_binding_is_parsed():
+    assert len(ENTRIES) == 13, sorted(ENTRIES)
+    assert ENTRIES["forward"][-1] == "options" and len(ENTRIES["forward"]) == 13
+    assert ENTRIES["pdl_launches"] == []
+
+
+class _Recorder:
+    """A stand-in extension: each entry point records {argument name: value}."""
+
+    def __init__(self):
+        self.calls = {}
+        for name, argnames in ENTRIES.items():
+            setattr(self, name, self._entry(name, argnames))
+
+    def _entry(self, name, argnames):
+        def call(*args):
+            assert len(args) == len(argnames), (name, len(args), argnames)
+            self.calls[name] = dict(zip(argnames, args))
+            return [object()] * 3
+        return call
+
+
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_each_entry_has_a_keyword_only_wrapper_passing_every_argument_by_name(name):
+    wrapper = getattr(launch, name)
+    params = list(inspect.signature(wrapper).parameters.values())
+    assert params[0].name == "ext" and params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[1:]), params
+    given, want = {}, {}
+    for p in params[1:]:
+        parts = (p.name,) if p.name in ENTRIES[name] else EXPANDS[p.name]
+        values = [object() for _ in parts] if p.name != "dims" else [11, 12, 13]
+        given[p.name] = values[0] if len(parts) == 1 else tuple(values)
+        want.update(zip(parts, values))
+    ext = _Recorder()
+    wrapper(ext, **given)
+    got = ext.calls[name]
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for arg, value in want.items():
+        assert got[arg] is value or got[arg] == value and type(value) is int, arg
+
+
+def test_no_wrapper_without_an_entry():
+    wrappers = {n for n, f in vars(launch).items() if inspect.isfunction(f)
+                and list(inspect.signature(f).parameters)[:1] == ["ext"]
+                and not n.startswith("_")}
+    helpers = {"forward_options", "default_forward_options", "backward_options"}
+    assert wrappers - helpers == set(ENTRIES)
+
+
+def _struct_fields(struct: str) -> list[str]:
+    body = re.search(r"struct " + struct + r" \{(.*?)\};", BINDING_H, re.DOTALL).group(1)
+    return re.findall(r"^\s+(?:int64_t|bool) (\w+) =", body, re.MULTILINE)
+
+
+@pytest.mark.parametrize("struct, builder", [("ForwardOptions", launch.forward_options),
+                                             ("BackwardOptions", launch.backward_options)])
+def test_option_structs_are_bound_and_built_by_every_field(struct, builder):
+    fields = _struct_fields(struct)
+    assert len(fields) >= 5, fields
+    bound = re.findall(r'def_readwrite\("(\w+)", &fb::' + struct + r"::(\w+)\)", MODULE_CPP)
+    assert [a for a, _ in bound] == [b for _, b in bound] == fields
+
+    class Options:
+        pass
+
+    built = builder(type("Ext", (), {struct: Options}),
+                    **{f: (f == "rows") * 3 if f != "path" else "fast" for f in fields})
+    assert set(vars(built)) == set(fields)
+
+
+def test_paths_are_the_bindings():
+    enum = re.search(r"enum Path : int64_t \{(.*?)\};", BINDING_H).group(1)
+    numbered = {name.lower(): int(v) for name, v in re.findall(r"kPath(\w+) = (\d+)", enum)}
+    assert numbered == launch.PATHS
+
+
+def test_default_options_are_built_once_per_extension():
+    class Options:
+        pass
+
+    ext = type("Ext", (), {"ForwardOptions": Options})
+    a = launch.default_forward_options(ext)
+    assert launch.default_forward_options(ext) is a
+    both = launch.default_forward_options(ext, draw=True, awaits=True)
+    assert (both.draw, both.awaits, a.draw, a.awaits) == (True, True, False, False)
+    assert a.path == launch.PATHS["auto"] and (a.rows, a.cluster, a.staged) == (0, 0, -1)
+    other = type("Ext", (), {"ForwardOptions": Options})
+    assert launch.default_forward_options(other) is not a
+
+
+def test_launch_imports_nothing():
+    """export.py inlines it into a file that may import torch only."""
+    tree = ast.parse(Path(launch.__file__).read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def test_only_launch_calls_the_extension():
+    """Every other module reaches the extension through a wrapper (no direct ext.entry(...))."""
+    src = Path(launch.__file__).resolve().parents[3]
+    pattern = re.compile(r"\b(?:ext|extension\(\))\.(" + "|".join(ENTRIES) + r")\(")
+    offenders = []
+    for path in src.rglob("*.py"):
+        if path.name == "launch.py" and path.parent.name == "cuda":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{path.relative_to(src)}:{i}: {line.strip()}")
+    assert not offenders, offenders
