@@ -87,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         debug = debug or args.debug
-        return int(args.func(args) or 0)
+        func = args.func
+        if isinstance(func, str):  # "module:function", imported only for the command that runs
+            module, _, name = func.partition(":")
+            func = getattr(importlib.import_module(module), name)
+        return int(func(args) or 0)
     except (UsageError, _ArgumentError) as exc:
         if debug:
             traceback.print_exc()

@@ -1,7 +1,8 @@
 """The options of `fastelbo train`, `evaluate` and `demo`, and their range checks.
 
 Imports nothing heavy: `fastelbo --help` and `fastelbo train --help` build these parsers without
-importing torch. Each command's `func` imports its job (fastelbo.train, ...) only when it runs.
+importing torch. Each command's `func` names its job ("fastelbo.train:main", ...), which the CLI
+imports only when it runs (so no job imports this module back through it).
 A value out of range is refused here, while parsing: one line naming the option, exit 2.
 """
 from __future__ import annotations
@@ -145,7 +146,7 @@ def _register_train(sub) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the three PNGs")
     p.add_argument("--no-graph", action="store_true",
                    help="on a GPU, run each step eagerly instead of as one CUDA graph")
-    p.set_defaults(func=_train)
+    p.set_defaults(func="fastelbo.train:main")
 
 
 def _register_evaluate(sub) -> None:
@@ -179,7 +180,7 @@ def _register_evaluate(sub) -> None:
                         "(default: a one-line summary on stdout)")
     p.add_argument("--per-image", action="store_true",
                    help="include every image's log p(x) and ELBO in the JSON")
-    p.set_defaults(func=_evaluate)
+    p.set_defaults(func="fastelbo.evaluate:main")
 
 
 def _register_demo(sub) -> None:
@@ -194,19 +195,5 @@ def _register_demo(sub) -> None:
                    help="training epochs (default: %(default)s)")
     p.add_argument("--samples", type=int_at_least(1), default=None, metavar="K",
                    help="IWAE samples per image (default: 5000 on a GPU, 500 on a CPU)")
-    p.set_defaults(func=_demo)
+    p.set_defaults(func="fastelbo.demo:main")
 
-
-def _train(args) -> int:
-    from .train import main
-    return main(args)
-
-
-def _evaluate(args) -> int:
-    from .evaluate import main
-    return main(args)
-
-
-def _demo(args) -> int:
-    from .demo import main
-    return main(args)
