@@ -16,7 +16,7 @@ def test_every_demo_step_parses(device):
     assert [name for name, _ in plan] == ["verify", "speed", "train", "evaluate"]
     for _, argv in plan:
         args = parser.parse_args(argv)
-        assert callable(args.func)
+        assert callable(cli.job(args.func))
 
 
 def _demo_args(tmp_path):

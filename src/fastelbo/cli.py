@@ -79,6 +79,15 @@ def _debug_env() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
+def job(func):
+    """A parsed command's function: `func` itself, or the one a "module:function" string
+    names, imported now (only for the command that runs)."""
+    if isinstance(func, str):
+        module, _, name = func.partition(":")
+        func = getattr(importlib.import_module(module), name)
+    return func
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit code. A user's mistake (UsageError, a bad command line) is one
     line on stderr and exit 2; Ctrl-C one line and exit 130; tracebacks only with --debug."""
@@ -87,11 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         debug = debug or args.debug
-        func = args.func
-        if isinstance(func, str):  # "module:function", imported only for the command that runs
-            module, _, name = func.partition(":")
-            func = getattr(importlib.import_module(module), name)
-        return int(func(args) or 0)
+        return int(job(args.func)(args) or 0)
     except (UsageError, _ArgumentError) as exc:
         if debug:
             traceback.print_exc()
