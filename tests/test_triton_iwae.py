@@ -218,7 +218,7 @@ def test_gpu_tf32x3_matches_float64(gpu_tb, binary):
     if binary:
         x = torch.bernoulli(x, generator=g)
     eps = torch.randn(256, 64, MNIST[2], generator=g, device="cuda")
-    got = gpu_tb.iwae_log_likelihood(p, x, 256, eps=eps)
+    got = gpu_tb.iwae_log_likelihood(x, p, 256, eps=eps)
     want = reference_iwae(_f64(p), x.double(), eps.double())
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 
@@ -227,18 +227,18 @@ def test_gpu_tf32x3_matches_float64(gpu_tb, binary):
 def test_gpu_rng_k5000_finite_deterministic_split_invariant(gpu_tb):
     p = _params(MNIST, device="cuda")
     x = torch.rand(64, MNIST[0], device="cuda")
-    a = gpu_tb.iwae_log_likelihood(p, x, 5000, seed=3)
+    a = gpu_tb.iwae_log_likelihood(x, p, 5000, seed=3)
     assert torch.isfinite(a).all()
-    assert torch.equal(a, gpu_tb.iwae_log_likelihood(p, x, 5000, seed=3))
+    assert torch.equal(a, gpu_tb.iwae_log_likelihood(x, p, 5000, seed=3))
     # Noise and K-splits depend on (seed, image index, K) only: bitwise the same alone.
-    one = gpu_tb.iwae_log_likelihood(p, x[5:6], 5000, seed=3, indices=[5])
+    one = gpu_tb.iwae_log_likelihood(x[5:6], p, 5000, seed=3, indices=[5])
     assert torch.equal(one, a[5:6])
     # More samples, tighter bound: K = 5000 above K = 50 on average over the batch.
-    assert a.mean() > gpu_tb.iwae_log_likelihood(p, x, 50, seed=3).mean()
+    assert a.mean() > gpu_tb.iwae_log_likelihood(x, p, 50, seed=3).mean()
 
 
 @pytest.mark.gpu
 def test_gpu_peak_memory_independent_of_k(gpu_tb):
     p = _params(MNIST, device="cuda")
     x = torch.rand(64, MNIST[0], device="cuda")
-    assert_peak_memory_flat_in_k(lambda k: gpu_tb.iwae_log_likelihood(p, x, k, seed=0))
+    assert_peak_memory_flat_in_k(lambda k: gpu_tb.iwae_log_likelihood(x, p, k, seed=0))

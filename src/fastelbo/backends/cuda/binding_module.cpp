@@ -10,7 +10,10 @@ namespace fb = fastelbo::binding;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastelbo's cuda backend: fused VAE ELBO forward, backward, Adam and IWAE kernels";
-  py::class_<fb::ForwardOptions>(m, "ForwardOptions", "how one forward launches (binding.h)")
+  // module_local: the exported single-file solution binds these names too, and pybind11
+  // registers types process-wide; a second module of the same types would fail to import.
+  py::class_<fb::ForwardOptions>(m, "ForwardOptions", py::module_local(),
+                                 "how one forward launches (binding.h)")
       .def(py::init<>())
       .def_readwrite("rows", &fb::ForwardOptions::rows)
       .def_readwrite("cluster", &fb::ForwardOptions::cluster)
@@ -19,7 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("path", &fb::ForwardOptions::path)
       .def_readwrite("draw", &fb::ForwardOptions::draw)
       .def_readwrite("awaits", &fb::ForwardOptions::awaits);
-  py::class_<fb::BackwardOptions>(m, "BackwardOptions",
+  py::class_<fb::BackwardOptions>(m, "BackwardOptions", py::module_local(),
                                   "which gradients one backward computes (binding.h)")
       .def(py::init<>())
       .def_readwrite("use_elbo", &fb::BackwardOptions::use_elbo)
