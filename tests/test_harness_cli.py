@@ -120,3 +120,48 @@ def test_check_json_is_strict_json_of_the_documented_schema(capsys):
     jsonschema.validate(data, CHECK_REPORT)
     assert code == 1 and data["schema"] == "fastelbo.check/2" and data["mode"] == "train"
     assert data["categories"] == ["shape"] and data["reference"] == "computed"
+
+
+FAKE_WORKERS = '''
+import sys
+from fastelbo.harness import check
+from fastelbo.harness.worker import WorkerOutcome
+seen = []
+
+
+class Fake:
+    def __init__(self, *args, **kwargs):
+        seen.append("torch" in sys.modules)
+
+    def run(self, *args, **kwargs):
+        return WorkerOutcome(None, category="build", reason="not built: a test")
+
+    def kill(self):
+        pass
+
+    close = kill
+
+    def describe(self):
+        return {"pid": 0, "prestarted": False, "warm": False, "startup_s": None}
+
+
+check.Worker = Fake
+from fastelbo.cli import main
+code = main(["check", sys.argv[1], sys.argv[2], "--no-cache", "--device", sys.argv[3]])
+print(seen, "torch" in sys.modules, code)
+'''
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_check_starts_its_workers_before_it_imports_torch(device):
+    """A new `fastelbo check` process pays torch's import once: its candidate and reference
+    workers are started (and import torch) before this process imports it, also for cuda,
+    whose availability is probed after that (a missing GPU is still a usage error)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    res = subprocess.run([sys.executable, "-c", FAKE_WORKERS, TINY, GOOD, device],
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[-2] == "[False, False] True 2", (res.stdout, res.stderr)
+    if device == "cuda" and not torch.cuda.is_available():
+        assert res.stderr == "fastelbo: error: --device cuda, but CUDA is not available here\n"

@@ -48,6 +48,12 @@ DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 ENVELOPE_CATEGORIES = ("mismatch", "nonfinite")  # what the perturbed-reference envelope can excuse
 
 
+class DeviceUnavailable(ValueError):
+    """`device` is cuda but this machine has none. Raised once the workers are started (the
+    check probes CUDA while they import torch, so a new process pays that import once); they
+    are killed first, before any verdict."""
+
+
 def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu",
               trials: int = 3, atol: float = 1e-4, rtol: float = 1e-4,
               batch_sizes: list[int] | None = None, scales: tuple[float, ...] = (4.0, 16.0),
@@ -60,7 +66,8 @@ def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu"
     (import, extension builds, the first ModelNew) has `build_timeout`; each forward has
     `forward_timeout`, or up to `build_timeout` while it compiles (a lazy build on first call).
     `cache`: True for the user's reference cache, False for none, or a directory. `pool`: where
-    to take started workers from (a long-lived caller keeps one; default: start them here)."""
+    to take started workers from (a long-lived caller keeps one; default: start them here); the
+    check refills it when it ends. DeviceUnavailable (a ValueError) for cuda without CUDA."""
     validate(device=device, trials=trials, atol=atol, rtol=rtol, batch_sizes=batch_sizes,
              scales=scales, timeout=timeout, build_timeout=build_timeout,
              forward_timeout=forward_timeout)
@@ -115,20 +122,26 @@ class _Check:
         self.o = SimpleNamespace(**opts)
         self.tmp_root = None if cache is not False else tempfile.mkdtemp(prefix="fastelbo-ref-")
         self.root = Path(self.tmp_root or (refcache.default_root() if cache is True else cache))
-        self.take = pool.take if pool is not None else Worker
+        self.pool = pool
         self.workers: list[Worker] = []
+        self.roles: list[str] = []  # what each of self.workers is for (report.workers)
         self.ref_w: Worker | None = None  # idle after its pass (device memory released)
         self.pkey = self.meta = None
         self.pairs: dict = {}   # (regime, trial) -> (reference trial, candidate trial, previous)
 
-    def _worker(self) -> Worker:
-        w = self.take()
+    def _worker(self, role: str) -> Worker:
+        w = self.pool.take() if self.pool is not None else Worker()
         self.workers.append(w)
+        self.roles.append(role)
         return w
 
     def close(self) -> None:
+        self.report.workers = [{"role": role, **w.describe()}
+                               for role, w in zip(self.roles, self.workers)]
         for w in self.workers:
             w.close()
+        if self.pool is not None:
+            self.pool.fill()  # the replacements start now, in the background
         if self.tmp_root:
             shutil.rmtree(self.tmp_root, ignore_errors=True)
 
@@ -165,7 +178,7 @@ class _Check:
 
     def _reference(self, only: list[str] | None, worker: Worker | None = None):
         o = self.o
-        self.ref_w = worker or self._worker()
+        self.ref_w = worker or self._worker("reference")
         return self.ref_w.run(
             TASKS + "reference_pass",
             {"problem": str(self.prob), "device": o.device, "seed": o.seed,
@@ -186,7 +199,7 @@ class _Check:
 
     def run(self) -> CheckReport:
         o, report = self.o, self.report
-        cand_w = self._worker()
+        cand_w = self._worker("candidate")
         threads = ThreadPoolExecutor(2)
         try:
             build = threads.submit(cand_w.run, TASKS + "build_candidate",
@@ -195,15 +208,14 @@ class _Check:
                                    timeout=o.build_timeout, build_timeout=o.build_timeout)
             t0 = time.monotonic()
             only = self._lookup()
-            if o.device.startswith("cuda"):
-                import torch
-                if not torch.cuda.is_available():
-                    cand_w.kill()
-                    return report.error("exception",
-                                        "--device cuda, but CUDA is not available here")
             # Started here, not in the thread: a failed build must find it to kill it.
-            ref = None if only == [] else threads.submit(self._reference, only, self._worker())
-            import torch  # now, while the workers start: reading their results needs it
+            ref = None if only == [] else threads.submit(self._reference, only,
+                                                         self._worker("reference"))
+            # Only now, with every worker started: they import torch while this process does
+            # (it needs torch to read their results), so a new process pays the import once.
+            import torch
+            if o.device.startswith("cuda") and not torch.cuda.is_available():
+                raise DeviceUnavailable(f"device {o.device!r}: CUDA is not available here")
             built = build.result()
             report.timings["build_s"] = built.result["build_s"] if built.ok else built.seconds
             if not built.ok:
@@ -336,7 +348,7 @@ class _Check:
         if missing:
             o = self.o
             alive = self.ref_w is not None and self.ref_w.proc.poll() is None
-            out = (self.ref_w if alive else self._worker()).run(
+            out = (self.ref_w if alive else self._worker("envelope")).run(
                 TASKS + "envelope_pass",
                 {"problem": str(self.prob), "device": o.device, "seed": o.seed,
                  "eval_mode": o.eval_mode, "init_file": self._init_file(),

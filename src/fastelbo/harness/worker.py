@@ -13,8 +13,9 @@ signal or exit code; an exception comes back as its traceback. Results are read 
 `weights_only=True`, so a result cannot execute code in the harness.
 
 The parent side imports no torch until it reads a result: the CLI starts its workers first,
-and they import torch while it does. A worker runs one candidate at most: `WorkerPool` keeps
-started spares so that a long-lived process (the server) never waits for an import.
+and they import torch while it does. A worker says when its own start-up (torch, the harness's
+tasks, a CUDA context) is done. A worker runs one candidate at most: `WorkerPool` keeps started
+spares so that a long-lived process (the server) never waits for an import.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ BUILD_MACHINERY = (f"{os.sep}torch{os.sep}utils{os.sep}cpp_extension.py",
                    f"{os.sep}triton{os.sep}")
 # Step limit classes, sent with each step: total only, the build limit, the forward limit.
 TOTAL, BUILD, FORWARD = "t", "b", "f"
+READY = "W"  # a worker's first line: its start-up (imports, CUDA context) is done
 
 
 @dataclass
@@ -56,6 +58,7 @@ class WorkerOutcome:
     progress: str = ""
     partials: list = field(default_factory=list)
     seconds: float = 0.0
+    startup_s: float | None = None  # from sending the task to its first step (None: never)
 
     @property
     def ok(self) -> bool:
@@ -91,7 +94,18 @@ class Worker:
         self._buf = b""
         self._tasks = 0
         self.progress = ""
+        self.ready = False       # its start-up is done (it said so)
+        self.prestarted = False  # handed out by a WorkerPool from its started spares
+        self.warm: bool | None = None       # its start-up was done when its first task came
+        self.startup_s: float | None = None  # its first task's wait for that start-up
         _live.add(self)
+
+    def poll_ready(self, wait: float = 0.0) -> bool:
+        """Whether the worker has finished its start-up, waiting up to `wait` s for it to say
+        so (before its first task, that is the only line it sends); False once it is gone."""
+        if not self.ready and not self._tasks and self._next_line(wait) == READY:
+            self.ready = True
+        return self.ready
 
     def run(self, func: str, kwargs: dict, *, timeout: float, forward_timeout: float | None = None,
             build_timeout: float | None = None) -> WorkerOutcome:
@@ -99,6 +113,8 @@ class Worker:
         message (a worker still starting has STARTUP_TIMEOUT); a step the task marks as a
         forward gets `forward_timeout` (while it builds, up to `build_timeout`), a step marked
         as a build gets `build_timeout`. On a timeout or crash the worker is gone."""
+        if not self._tasks:
+            self.warm = self.poll_ready()
         self._tasks += 1
         task = self.tmp / f"task{self._tasks}.pkl"
         task.write_bytes(pickle.dumps({"func": func, "kwargs": kwargs}))
@@ -115,6 +131,8 @@ class Worker:
             self.kill()
             raise
         outcome.seconds = time.monotonic() - start
+        if self.startup_s is None:
+            self.startup_s = outcome.startup_s
         outcome.progress = self.progress
         if not outcome.ok:
             outcome.output_tail = self.output_tail()
@@ -146,10 +164,14 @@ class Worker:
                 continue
             if line == "":
                 return self._died(outcome)
+            if line == READY:  # the start-up is done; the task's first step follows
+                self.ready = True
+                continue
             kind, _, rest = line.partition(" ")
             now = time.monotonic()
             if not started:
                 started = True
+                outcome.startup_s = now - start
                 total_end, total_why = now + timeout, f"timeout after {timeout:g} s"
             if kind == "P":
                 step_cls, _, self.progress = rest.partition(" ")
@@ -192,6 +214,11 @@ class Worker:
         outcome.category = "crash"
         outcome.reason = f"crashed: {_describe_exit(code)}" + (
             f" (during {self.progress})" if self.progress else "")
+
+    def describe(self) -> dict:
+        """pid, prestarted, warm and startup_s, for a report (what a check waited for)."""
+        return {"pid": self.proc.pid, "prestarted": self.prestarted, "warm": bool(self.warm),
+                "startup_s": self.startup_s}
 
     def output_tail(self) -> str:
         try:
@@ -255,10 +282,12 @@ def _read_result(outcome: WorkerOutcome, path: Path) -> None:
 
 
 class WorkerPool:
-    """Started spare workers: `take()` hands one out at once and starts its replacement, so a
-    long-lived caller pays a worker's start-up (importing torch, a CUDA context) off the clock.
-    `device` makes each spare create its CUDA context before it is taken. Each worker taken is
-    the caller's to close; it never goes back (a worker runs one candidate at most)."""
+    """Started spare workers for a long-lived caller (the server's Session). `take()` hands out
+    a spare (the one that finished its start-up first) or, with none left, a new worker; the
+    job that took it calls `fill()` when it ends, which starts the replacements in the
+    background, so the next job finds workers whose start-up (importing torch, a CUDA context)
+    is done. `device` makes each spare create its CUDA context before it is taken. Each worker
+    taken is the caller's to close; it never comes back (a worker runs one candidate at most)."""
 
     def __init__(self, spares: int = 1, *, env: dict[str, str] | None = None,
                  device: str | None = None):
@@ -270,19 +299,32 @@ class WorkerPool:
 
     def fill(self) -> None:
         with self._lock:
+            self._drop_dead()
             while len(self._idle) < self.spares:
                 self._idle.append(Worker(self.env))
 
     def take(self) -> Worker:
         with self._lock:
-            alive = [w for w in self._idle if w.proc.poll() is None]
-            for w in self._idle:
-                if w not in alive:
-                    w.close()
-            self._idle = alive
-            worker = self._idle.pop(0) if self._idle else Worker(self.env)
-        self.fill()
+            self._drop_dead()
+            ready = [w for w in self._idle if w.poll_ready()]
+            if not ready and not self._idle:
+                return Worker(self.env)
+            worker = (ready or self._idle)[0]
+            self._idle.remove(worker)
+        worker.prestarted = True
         return worker
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> bool:
+        """Wait until every spare has finished its start-up (False if that took too long)."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            idle = list(self._idle)
+        return all(w.poll_ready(max(end - time.monotonic(), 0.0)) for w in idle)
+
+    def _drop_dead(self) -> None:
+        for w in [w for w in self._idle if w.proc.poll() is not None]:
+            w.close()
+            self._idle.remove(w)
 
     def close(self) -> None:
         with self._lock:
@@ -454,6 +496,7 @@ def main(argv: list[str]) -> int:
     device = os.environ.get(WARM_DEVICE_ENV)
     if device and device.startswith("cuda") and torch.cuda.is_available():
         torch.empty(0, device=device)  # create the CUDA context now
+    _send(READY)
     threading.Thread(target=_watchdog, args=(threading.get_ident(),), daemon=True).start()
     with os.fdopen(cmd_fd, "r") as commands:
         for line in commands:
