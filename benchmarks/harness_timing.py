@@ -217,8 +217,9 @@ def print_table(rows: list[dict]) -> None:
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
     if rows:
         r = rows[0]
-        print(f"fastelbo check, whole process, on {r['device']} ({r['device_name']}), torch "
-              f"{r['torch']}, commit {r['commit']}, load {r['load_avg']}")
+        print(f"fastelbo check (a whole process; *_repeat: one call to a long-lived server or "
+              f"Session) on {r['device']} ({r['device_name']}), torch {r['torch']}, commit "
+              f"{r['commit']}, load {r['load_avg']}")
     for line in [head, *cells]:
         print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
 

@@ -103,7 +103,7 @@ class Worker:
     def poll_ready(self, wait: float = 0.0) -> bool:
         """Whether the worker has finished its start-up, waiting up to `wait` s for it to say
         so (before its first task, that is the only line it sends); False once it is gone."""
-        if not self.ready and not self._tasks and self._next_line(wait) == READY:
+        if not self.ready and self.warm is None and self._next_line(wait) == READY:
             self.ready = True
         return self.ready
 
@@ -113,14 +113,14 @@ class Worker:
         message (a worker still starting has STARTUP_TIMEOUT); a step the task marks as a
         forward gets `forward_timeout` (while it builds, up to `build_timeout`), a step marked
         as a build gets `build_timeout`. On a timeout or crash the worker is gone."""
-        if not self._tasks:
-            self.warm = self.poll_ready()
         self._tasks += 1
         task = self.tmp / f"task{self._tasks}.pkl"
         task.write_bytes(pickle.dumps({"func": func, "kwargs": kwargs}))
         start = time.monotonic()
         outcome = WorkerOutcome(None)
         try:
+            if self.warm is None:  # its first task
+                self.warm = self.poll_ready()
             os.write(self._cmd, f"{task}\n".encode())
             self._wait(outcome, start, timeout, forward_timeout, build_timeout)
         except BrokenPipeError:
@@ -298,10 +298,16 @@ class WorkerPool:
         self.fill()
 
     def fill(self) -> None:
+        """Start spares up to `spares`. One that cannot start (no memory or process slot left)
+        is not an error of the job that calls this: take() then starts the worker itself, and
+        raises there if that fails too."""
         with self._lock:
             self._drop_dead()
             while len(self._idle) < self.spares:
-                self._idle.append(Worker(self.env))
+                try:
+                    self._idle.append(Worker(self.env))
+                except OSError:
+                    return
 
     def take(self) -> Worker:
         with self._lock:
