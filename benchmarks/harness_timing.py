@@ -24,6 +24,7 @@ appended to --out; a table goes to stdout.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -98,7 +99,7 @@ def run_check(case: dict, device: str, cache_dir: Path, timeout: float,
 
 
 def measure(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
-            src: Path, settle: float) -> dict:
+            src: Path, settle: float) -> dict | None:
     if case["via"] != "cli":
         return measure_repeated(case, device, repeats, timeout, tmp, src, settle)
     warm_dir = tmp / f"{case['case']}-warm"
@@ -179,7 +180,11 @@ async def server_calls(case: dict, device: str, repeats: int, timeout: float, tm
 
 
 def measure_repeated(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
-                     src: Path, settle: float) -> dict:
+                     src: Path, settle: float) -> dict | None:
+    if case["via"] == "mcp" and importlib.util.find_spec("mcp") is None:
+        print(f"{case['case']}: skipped, it needs the mcp SDK (pip install 'mcp>=1.10')",
+              file=sys.stderr)
+        return None
     if case["via"] == "mcp":
         import anyio
         with open(tmp / f"{case['case']}-serve.log", "w") as log:  # the server's stderr
@@ -257,8 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases(args.device, [tuple(x) for x in args.pair], syntax_file):
             if only and case["case"] not in only:
                 continue
-            row = {**base, **measure(case, args.device, args.repeats, args.timeout, tmp,
-                                     Path(args.src), args.settle)}
+            timed = measure(case, args.device, args.repeats, args.timeout, tmp,
+                            Path(args.src), args.settle)
+            if timed is None:
+                continue
+            row = {**base, **timed}
             if case["case"] == "syntax_error":
                 row["candidate"] = "<a file with a syntax error on line 3>"
             print(f"{row['case']}: {row['wall_s']:.2f} s, exit {row['exit_codes']}",

@@ -130,8 +130,8 @@ seen = []
 
 
 class Fake:
-    def __init__(self, *args, **kwargs):
-        seen.append("torch" in sys.modules)
+    def __init__(self, env=None, *, fork=False):
+        seen.append((fork, "torch" in sys.modules))
 
     def run(self, *args, **kwargs):
         return WorkerOutcome(None, category="build", reason="not built: a test")
@@ -142,7 +142,7 @@ class Fake:
     close = kill
 
     def describe(self):
-        return {"pid": 0, "prestarted": False, "warm": False, "startup_s": None}
+        return {"pid": 0, "forked": False, "prestarted": False, "warm": False, "startup_s": None}
 
 
 check.Worker = Fake
@@ -152,16 +152,60 @@ print(seen, "torch" in sys.modules, code)
 '''
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_check_starts_its_workers_before_it_imports_torch(device):
-    """A new `fastelbo check` process pays torch's import once: its candidate and reference
-    workers are started (and import torch) before this process imports it, also for cuda,
-    whose availability is probed after that (a missing GPU is still a usage error)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+def _cli_env(**extra) -> dict:
+    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(
         [str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_new_check_process_imports_torch_once(device, fork):
+    """A new `fastelbo check` process pays torch's import once: it imports torch and forks its
+    candidate and reference workers from itself; with FASTELBO_FORK_WORKERS=0 it starts them as
+    new interpreters before importing torch, so that they import it alongside. Also for cuda,
+    whose availability is probed only after that (a missing GPU is still a usage error)."""
     res = subprocess.run([sys.executable, "-c", FAKE_WORKERS, TINY, GOOD, device],
-                         capture_output=True, text=True, env=env, timeout=600, check=False)
+                         capture_output=True, text=True, timeout=600, check=False,
+                         env=_cli_env(FASTELBO_FORK_WORKERS=fork))
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split("\n")[-2] == "[False, False] True 2", (res.stdout, res.stderr)
+    forked = fork == "1"
+    assert res.stdout.split("\n")[-2] == f"{[(forked, forked)] * 2} True 2", (res.stdout,
+                                                                             res.stderr)
     if device == "cuda" and not torch.cuda.is_available():
         assert res.stderr == "fastelbo: error: --device cuda, but CUDA is not available here\n"
+
+
+def _check_json(candidate: Path, *options: str, fork: str = "1") -> dict:
+    res = subprocess.run([sys.executable, "-m", "fastelbo.cli", "check", TINY, str(candidate),
+                          "--json", "--trials", "1", "--batch-sizes", "", "--scales", "",
+                          "--no-cache", *options], capture_output=True, text=True,
+                         timeout=600, check=False, env=_cli_env(FASTELBO_FORK_WORKERS=fork))
+    report = json.loads(res.stdout)
+    assert res.returncode == report["exit_code"], res.stderr
+    return report
+
+
+def test_forked_workers_give_the_verdicts_and_limits_of_new_interpreters():
+    """The forked workers of a new `fastelbo check`: a correct, a wrong, a hanging and a
+    crashing candidate get their verdicts (the wrong one's report equals that of workers
+    started as new interpreters), and no worker outlives its check."""
+    cands = HERE / "candidates"
+    jobs = {"good": (Path(GOOD),), "wrong": (cands / "kl_sign_flipped.py",),
+            "hang": (cands / "hangs.py", "--forward-timeout", "5"),
+            "crash": (cands / "crashes.py",)}
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        out = dict(zip(jobs, pool.map(lambda args: _check_json(*args), jobs.values())))
+        spawned = pool.submit(_check_json, cands / "kl_sign_flipped.py", fork="0").result()
+    assert [(n, r["exit_code"], r["categories"][:1]) for n, r in out.items()] == [
+        ("good", 0, []), ("wrong", 1, ["mismatch"]), ("hang", 2, ["timeout"]),
+        ("crash", 2, ["crash"])]
+    assert "the forward did not return within 5 s" in out["hang"]["reasons"][0]
+    assert "signal SIGSEGV" in out["crash"]["reasons"][0]
+    for report in out.values():
+        assert [(w["role"], w["forked"]) for w in report["workers"]] == [
+            ("candidate", True), ("reference", True)], report["workers"]
+        assert not any(Path(f"/proc/{w['pid']}").exists() for w in report["workers"])
+    assert [w["forked"] for w in spawned["workers"]] == [False, False]
+    drop = ("timings", "workers")
+    assert {k: v for k, v in spawned.items() if k not in drop} == {
+        k: v for k, v in out["wrong"].items() if k not in drop}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +42,7 @@ from .report import (
     TrialReport,
     kernelbench_note,
 )
-from .worker import Worker, WorkerPool
+from .worker import Worker, WorkerPool, fork_enabled, fork_safe
 
 TASKS = "fastelbo.harness.tasks:"
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -86,12 +87,24 @@ def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu"
     job = _Check(report, prob, cand, device=device, seed=seed, trials=trials, atol=atol,
                  rtol=rtol, batch_sizes=batch_sizes, scales=tuple(scales), timeout=timeout,
                  build_timeout=build_timeout, forward_timeout=forward_timeout,
-                 eval_mode=eval_mode, cache=cache, pool=pool)
+                 eval_mode=eval_mode, cache=cache, pool=pool, fork=pool is None and _prefork())
     try:
         return job.run()
     finally:
         job.close()
         report.timings["total_s"] = time.monotonic() - start
+
+
+def _prefork() -> bool:
+    """In a process that has not imported torch (a new `fastelbo check`), and so has not touched
+    CUDA, import it here, once, with the workers' tasks, and fork the workers from this process
+    (worker.fork_safe) instead of having each new interpreter import torch again."""
+    if "torch" in sys.modules or not fork_enabled():
+        return False
+    import torch  # noqa: F401
+
+    from . import tasks  # noqa: F401  (what the workers run: loaded once, inherited)
+    return fork_safe()
 
 
 def validate(*, device: str, trials: int, atol: float, rtol: float, batch_sizes, scales,
@@ -117,12 +130,14 @@ def validate(*, device: str, trials: int, atol: float, rtol: float, batch_sizes,
 class _Check:
     """One check's state: its workers, the reference's entries, and the verdict being built."""
 
-    def __init__(self, report: CheckReport, prob: Path, cand: Path, *, cache, pool, **opts):
+    def __init__(self, report: CheckReport, prob: Path, cand: Path, *, cache, pool,
+                 fork: bool = False, **opts):
         self.report, self.prob, self.cand = report, prob, cand
         self.o = SimpleNamespace(**opts)
         self.tmp_root = None if cache is not False else tempfile.mkdtemp(prefix="fastelbo-ref-")
         self.root = Path(self.tmp_root or (refcache.default_root() if cache is True else cache))
         self.pool = pool
+        self.fork = fork  # fork the first workers from this process (run_check says when)
         self.workers: list[Worker] = []
         self.roles: list[str] = []  # what each of self.workers is for (report.workers)
         self.ref_w: Worker | None = None  # idle after its pass (device memory released)
@@ -130,7 +145,7 @@ class _Check:
         self.pairs: dict = {}   # (regime, trial) -> (reference trial, candidate trial, previous)
 
     def _worker(self, role: str) -> Worker:
-        w = self.pool.take() if self.pool is not None else Worker()
+        w = self.pool.take() if self.pool is not None else Worker(fork=self.fork)
         self.workers.append(w)
         self.roles.append(role)
         return w
@@ -199,20 +214,22 @@ class _Check:
 
     def run(self) -> CheckReport:
         o, report = self.o, self.report
-        cand_w = self._worker("candidate")
-        threads = ThreadPoolExecutor(2)
+        threads = ThreadPoolExecutor(2)  # no thread yet: that starts with the first submit
         try:
+            # Both workers before any thread and before CUDA is probed: forks must come first.
+            # The reference's is started here, not in a thread: a failed build must kill it.
+            cand_w = self._worker("candidate")
+            t0 = time.monotonic()
+            only = self._lookup()
+            ref_w = None if only == [] else self._worker("reference")
+            self.fork = False
             build = threads.submit(cand_w.run, TASKS + "build_candidate",
                                    {"candidate": str(self.cand), "problem": str(self.prob),
                                     "device": o.device, "seed": o.seed},
                                    timeout=o.build_timeout, build_timeout=o.build_timeout)
-            t0 = time.monotonic()
-            only = self._lookup()
-            # Started here, not in the thread: a failed build must find it to kill it.
-            ref = None if only == [] else threads.submit(self._reference, only,
-                                                         self._worker("reference"))
-            # Only now, with every worker started: they import torch while this process does
-            # (it needs torch to read their results), so a new process pays the import once.
+            ref = None if ref_w is None else threads.submit(self._reference, only, ref_w)
+            # Only now, with every worker started: spawned ones import torch while this process
+            # does (it needs torch to read their results), so a new process pays it once.
             import torch
             if o.device.startswith("cuda") and not torch.cuda.is_available():
                 raise DeviceUnavailable(f"device {o.device!r}: CUDA is not available here")

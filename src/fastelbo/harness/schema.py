@@ -20,9 +20,11 @@ Top level
     reference     cached | computed | partly cached ("" when it never ran)
     timings       seconds: build_s, reference_s, candidate_s, envelope_s (when needed), total_s
     workers       each worker process the check used: role (candidate, reference, envelope),
-                  pid, prestarted (a started spare of a Session's pool), warm (its start-up,
-                  importing torch and creating a CUDA context, was done when its first task
-                  came) and startup_s (how long that task waited for it; null: it never began)
+                  pid, forked (a fork of a new `fastelbo check` that had imported torch, not a
+                  new interpreter), prestarted (a started spare of a Session's pool), warm (its
+                  start-up, importing torch and creating a CUDA context, was done when its
+                  first task came) and startup_s (how long that task waited for it; null: it
+                  never began)
 """
 from __future__ import annotations
 
@@ -69,9 +71,10 @@ _COMPILE_ERROR = {"type": "object", "additionalProperties": False,
                                  "generated_line": {"type": ["integer", "null"]}}}
 _STRINGS = {"type": "array", "items": {"type": "string"}}
 _WORKER = {"type": "object", "additionalProperties": False,
-           "required": ["role", "pid", "prestarted", "warm", "startup_s"],
+           "required": ["role", "pid", "forked", "prestarted", "warm", "startup_s"],
            "properties": {"role": {"enum": ["candidate", "reference", "envelope"]},
-                          "pid": {"type": "integer"}, "prestarted": {"type": "boolean"},
+                          "pid": {"type": "integer"}, "forked": {"type": "boolean"},
+                          "prestarted": {"type": "boolean"},
                           "warm": {"type": "boolean"},
                           "startup_s": {"type": ["number", "null"], "minimum": 0}}}
 

@@ -12,10 +12,12 @@ is killed with the worker's whole process group (nvcc and ninja included); a cra
 signal or exit code; an exception comes back as its traceback. Results are read back with
 `weights_only=True`, so a result cannot execute code in the harness.
 
-The parent side imports no torch until it reads a result: the CLI starts its workers first,
-and they import torch while it does. A worker says when its own start-up (torch, the harness's
-tasks, a CUDA context) is done. A worker runs one candidate at most: `WorkerPool` keeps started
-spares so that a long-lived process (the server) never waits for an import.
+A worker is a new interpreter (`python -m ...`), or a fork of the caller when `fork_safe()`:
+a process that has imported torch but never touched CUDA and runs no other Python thread (a
+new `fastelbo check`), so torch's import is paid once, not once per process. Either way it has its own
+session, pipes and log, and runs one candidate at most. It says when its own start-up (torch,
+the harness's tasks, a CUDA context) is done. `WorkerPool` keeps started spares so that a
+long-lived process (the server) never waits for an import.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,18 +80,24 @@ def _describe_exit(code: int) -> str:
 class Worker:
     """One started worker process; `run` sends it a task and waits under the task's limits."""
 
-    def __init__(self, env: dict[str, str] | None = None):
+    def __init__(self, env: dict[str, str] | None = None, *, fork: bool = False):
+        """`env` adds to the worker's environment; `fork`: fork this process (the caller has
+        checked fork_safe(); no env then) instead of starting a new interpreter."""
         self.tmp = Path(tempfile.mkdtemp(prefix="fastelbo-worker-"))
         cmd_r, self._cmd = os.pipe()
         self._msg, msg_w = os.pipe()
         self._log_path = self.tmp / "output.log"
-        with open(self._log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fastelbo.harness.worker", str(cmd_r), str(msg_w),
-                 str(self.tmp)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, pass_fds=(cmd_r, msg_w),
-                env={**os.environ, **env} if env else None)
+        self.forked = fork and not env
+        if self.forked:
+            self.proc = _fork(cmd_r, msg_w, self.tmp, self._log_path, (self._cmd, self._msg))
+        else:
+            with open(self._log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "fastelbo.harness.worker", str(cmd_r), str(msg_w),
+                     str(self.tmp)],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, pass_fds=(cmd_r, msg_w),
+                    env={**os.environ, **env} if env else None)
         os.close(cmd_r)
         os.close(msg_w)  # the worker holds the only write end: EOF means it is gone
         self._buf = b""
@@ -216,9 +225,9 @@ class Worker:
             f" (during {self.progress})" if self.progress else "")
 
     def describe(self) -> dict:
-        """pid, prestarted, warm and startup_s, for a report (what a check waited for)."""
-        return {"pid": self.proc.pid, "prestarted": self.prestarted, "warm": bool(self.warm),
-                "startup_s": self.startup_s}
+        """pid, forked, prestarted, warm and startup_s, for a report (what a check waited for)."""
+        return {"pid": self.proc.pid, "forked": self.forked, "prestarted": self.prestarted,
+                "warm": bool(self.warm), "startup_s": self.startup_s}
 
     def output_tail(self) -> str:
         try:
@@ -231,7 +240,8 @@ class Worker:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
-            pass
+            if self.proc.poll() is None:  # a fork not yet in a session of its own
+                os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
     def close(self) -> None:
@@ -244,6 +254,83 @@ class Worker:
                 pass
         import shutil
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def fork_enabled() -> bool:
+    """Forking workers is on, unless FASTELBO_FORK_WORKERS=0 (then every worker is a new
+    interpreter, which imports torch itself), and there is os.fork."""
+    return hasattr(os, "fork") and os.environ.get(FORK_ENV, "1") != "0"
+
+
+def fork_safe() -> bool:
+    """Whether this process may fork its workers now: fork_enabled(), torch imported, CUDA never
+    initialised (a context does not survive a fork; the caller knows it never probed the driver
+    either), and no Python thread but this one (a fork copies none, whatever locks it held; the
+    native pools of OpenBLAS and torch reset themselves at a fork, as DataLoader workers rely
+    on)."""
+    torch = sys.modules.get("torch")
+    return (fork_enabled() and torch is not None and not torch.cuda.is_initialized()
+            and threading.active_count() == 1)
+
+
+FORK_ENV = "FASTELBO_FORK_WORKERS"
+
+
+class _Forked:
+    """What Worker uses of Popen (pid, poll, wait, returncode), for a child of os.fork."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        return self._reap(os.WNOHANG)
+
+    def wait(self) -> int:
+        return self._reap(0)
+
+    def _reap(self, flags: int) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, flags)
+                except ChildProcessError:  # reaped by someone else: its status is lost
+                    pid, status = self.pid, 255 << 8
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+
+def _fork(cmd_r: int, msg_w: int, tmp: Path, log_path: Path, ours: tuple) -> _Forked:
+    """Fork a worker; `ours` are the parent's ends of its pipes, which the child must not hold
+    (the command pipe's EOF is how a worker learns that its parent is gone)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    others = [*ours, *(fd for w in _live for fd in (w._cmd, w._msg))]
+    with warnings.catch_warnings():
+        # Python 3.12+ counts OpenBLAS's idle native threads and warns; they reset at a fork.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return _Forked(pid)
+    try:  # the child: a worker, as if started by `python -m fastelbo.harness.worker`
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        # the parent's ends of every worker's pipes (their EOF must not wait for this one)
+        for fd in [*others, null, log]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        main([str(cmd_r), str(msg_w), str(tmp)])
+    except BaseException:  # noqa: BLE001 - into the log, which the parent reports
+        traceback.print_exc()
+        sys.stderr.flush()
+    os._exit(70)  # never back into the caller's stack
 
 
 def _select(fds, wait):
