@@ -17,7 +17,9 @@ process). A worker then imports it and constructs ModelNew (the build, `build_ti
 the reference's outputs come from the cache (refcache.py) or from a reference worker running
 meanwhile (`timeout`); a failed build is reported as soon as it ends, with file:line and its
 time. The same candidate worker then replays every regime (`timeout` in all; each forward
-`forward_timeout`, or up to `build_timeout` while it compiles). Envelopes come last.
+`forward_timeout`, or up to `build_timeout` while it compiles). Envelopes come last. A process
+that has not imported torch (a new `fastelbo check`) imports it once and forks the candidate and
+reference workers from itself, before anything touches CUDA.
 """
 from __future__ import annotations
 
@@ -50,9 +52,9 @@ ENVELOPE_CATEGORIES = ("mismatch", "nonfinite")  # what the perturbed-reference 
 
 
 class DeviceUnavailable(ValueError):
-    """`device` is cuda but this machine has none. Raised once the workers are started (the
-    check probes CUDA while they import torch, so a new process pays that import once); they
-    are killed first, before any verdict."""
+    """`device` is cuda but this machine has none. Raised once the workers are started (CUDA is
+    probed after they are forked from this process, or while new interpreters import torch);
+    they are killed first, before any verdict."""
 
 
 def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu",
@@ -222,7 +224,7 @@ class _Check:
             t0 = time.monotonic()
             only = self._lookup()
             ref_w = None if only == [] else self._worker("reference")
-            self.fork = False
+            self.fork = False  # a later worker (an envelope's, a rerun's) comes after the probe
             build = threads.submit(cand_w.run, TASKS + "build_candidate",
                                    {"candidate": str(self.cand), "problem": str(self.prob),
                                     "device": o.device, "seed": o.seed},

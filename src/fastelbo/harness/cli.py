@@ -197,8 +197,8 @@ def _check(args) -> int:
     scales = _numbers(args.scales, float, "--scales")
     _problem(args.problem)
     _candidate(args.candidate)
-    # No torch here: run_check probes CUDA once its workers are started, so the import this
-    # process needs runs alongside theirs instead of before them (issue #21's new-process time).
+    # No torch here: run_check imports it once and probes CUDA only after its workers are
+    # forked from this process (issue #21's new-process time; a fork must precede any CUDA).
     _device(args.device, probe=False)
     from .check import DeviceUnavailable, run_check
     try:
