@@ -209,3 +209,13 @@ def test_forked_workers_give_the_verdicts_and_limits_of_new_interpreters():
     drop = ("timings", "workers")
     assert {k: v for k, v in spawned.items() if k not in drop} == {
         k: v for k, v in out["wrong"].items() if k not in drop}
+
+
+@pytest.mark.gpu
+def test_forked_workers_check_on_cuda():
+    """On a GPU: the forked workers create their own CUDA contexts (this process had touched
+    none when it forked them) and give the verdicts."""
+    good = _check_json(Path(GOOD), "--device", "cuda")
+    wrong = _check_json(HERE / "candidates" / "kl_sign_flipped.py", "--device", "cuda")
+    assert (good["exit_code"], wrong["exit_code"], wrong["categories"]) == (0, 1, ["mismatch"])
+    assert [w["forked"] for r in (good, wrong) for w in r["workers"]] == [True] * 4

@@ -222,6 +222,18 @@ def test_compile_uses_a_spare_and_close_stops_the_rest(warm):
     assert warm["replaced"] and warm["closed"] == [True]  # its replacement, stopped by close
 
 
+@pytest.mark.gpu
+def test_a_repeated_cuda_check_runs_in_a_warm_spare(tmp_path):
+    """On a GPU: the spare has made its CUDA context before it is taken, and passes."""
+    with Session(TINY, "cuda", timeout=TIMEOUT, build_timeout=TIMEOUT, cache=tmp_path,
+                 **OPTIONS) as s:
+        first = s.run_correctness(str(CORRECT))
+        assert s.wait_ready(TIMEOUT)
+        again = s.run_correctness(str(CORRECT))
+    assert (first["exit_code"], again["exit_code"], again["reference"]) == (0, 0, "cached")
+    assert [(w["prestarted"], w["warm"]) for w in again["workers"]] == [(True, True)]
+
+
 def test_compile_dict_maps_build_errors_and_lists_resources():
     """The JSON form of a build failure and of a built extension (no compiler needed)."""
     failed = CompileReport("/c/cand.py", exit_code=2, reason="building the extension failed",
