@@ -1,13 +1,22 @@
-"""The harness's own timing: whole-process wall time of `fastelbo check`, against issue #21's targets.
+"""The harness's own timing: wall time of `fastelbo check` and of a server's check, against issue #21's targets.
 
-Each case runs `python -m fastelbo.cli check PROBLEM CANDIDATE --device D` as a new process and
-times it from spawn to exit (median of --repeats). "cold" gives every run an empty reference
-cache; "warm" fills the cache once, untimed, then times checks that read it. Cases: the VAE with
-fastelbo's plain-PyTorch candidate (cold and warm), a candidate with a syntax error, one whose
-forward hangs (reported at --forward-timeout), and KernelBench-style level-1 (ReLU) and level-2
-(Gemm + BatchNorm in training mode) pairs from tests/; `--pair PROBLEM CANDIDATE` adds any
-other (a KernelBench problem at its current size, on the GPU). Rows (JSON lines, tagged with the
-device, torch version, commit and date) are appended to --out; a table goes to stdout.
+Most cases (via "cli") run `python -m fastelbo.cli check PROBLEM CANDIDATE --device D` as a new
+process and time it from spawn to exit (median of --repeats). "cold" gives every run an empty
+reference cache; "warm" fills the cache once, untimed, then times checks that read it. Cases:
+the VAE with fastelbo's plain-PyTorch candidate (cold and warm), a candidate with a syntax
+error, one whose forward hangs (reported at --forward-timeout), and KernelBench-style level-1
+(ReLU) and level-2 (Gemm + BatchNorm in training mode) pairs from tests/; `--pair PROBLEM
+CANDIDATE` adds any other (a KernelBench problem at its current size, on the GPU).
+
+The repeated-check cases time one check of the VAE's plain-PyTorch candidate with the reference
+cached, in a long-lived process whose spare worker has started: "server_vae_torch_repeat" is
+`fastelbo serve` driven by the mcp SDK's own stdio client (ClientSession.call_tool, timed from
+the call to its result, JSON-RPC included), sleeping --settle seconds between calls (an agent's
+think time, in which the replacement spare starts); "session_vae_torch_repeat" is the Session
+API in a child process, waiting for the spare itself (Session.wait_ready) before each timed
+call. Each of their rows also keeps, per call, the report's own total_s and whether the worker
+was warm. Rows (JSON lines, tagged with the device, torch version, commit and date) are
+appended to --out; a table goes to stdout.
 
     python benchmarks/harness_timing.py --device cpu --out benchmarks/results/harness_timing.jsonl
     python benchmarks/harness_timing.py --device cuda --pair level1/19_ReLU.py relu_new.py
@@ -15,6 +24,8 @@ device, torch version, commit and date) are appended to --out; a table goes to s
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
 import statistics
 import subprocess
@@ -27,17 +38,20 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 SYNTAX_ERROR = '"""A syntax error on line 3."""\n\nclass ModelNew(:\n    pass\n'
 HANG_FORWARD_S = 10.0
+SETTLE_S = 10.0  # between the server's timed calls: time for the replacement spare to start
+VERDICT = {"pass": "PASS", "incorrect": "INCORRECT", "error": "COULD NOT RUN"}
 
 # Issue #21's targets, in seconds (None: recorded, no target). Keyed by (case, device).
 TARGETS = {("vae_torch_cold", "cpu"): 15.0, ("syntax_error", "cpu"): 5.0,
            ("hang", "cpu"): HANG_FORWARD_S + 10, ("hang", "cuda"): HANG_FORWARD_S + 10,
            ("vae_torch_warm", "cuda"): 8.0, ("vae_torch_cold", "cuda"): 8.0,
            ("kb_level1_relu_cold", "cuda"): 5.0, ("kb_level1_relu_warm", "cuda"): 5.0,
-           ("syntax_error", "cuda"): 5.0}
+           ("syntax_error", "cuda"): 5.0, ("server_vae_torch_repeat", "cuda"): 2.0,
+           ("session_vae_torch_repeat", "cuda"): 2.0}
 
 
 def cases(device: str, pairs: list[tuple[str, str]], syntax_file: Path) -> list[dict]:
-    """(name, problem, candidate, cache, expected exit code, extra check options)."""
+    """(name, problem, candidate, cache, expected exit code, extra check options, via)."""
     out = [
         ("vae_torch_cold", "vae_elbo", "fastelbo:torch", "cold", 0, []),
         ("vae_torch_warm", "vae_elbo", "fastelbo:torch", "warm", 0, []),
@@ -51,18 +65,28 @@ def cases(device: str, pairs: list[tuple[str, str]], syntax_file: Path) -> list[
         ("kb_level2_gemm_bn_cold", str(TESTS / "problems" / "gemm_batchnorm.py"),
          str(TESTS / "candidates" / "batchnorm_batch_stats.py"), "cold", 0, []),
     ]
+    out = [c + ("cli",) for c in out]
+    out += [("server_vae_torch_repeat", "vae_elbo", "fastelbo:torch", "warm", 0, [], "mcp"),
+            ("session_vae_torch_repeat", "vae_elbo", "fastelbo:torch", "warm", 0, [],
+             "session")]
     for i, (problem, candidate) in enumerate(pairs):
-        out += [(f"pair{i}_{Path(problem).stem}_cold", problem, candidate, "cold", None, []),
-                (f"pair{i}_{Path(problem).stem}_warm", problem, candidate, "warm", None, [])]
-    return [dict(zip(("case", "problem", "candidate", "cache", "expected_exit", "options"), c))
-            for c in out]
+        out += [(f"pair{i}_{Path(problem).stem}_cold", problem, candidate, "cold", None, [],
+                 "cli"),
+                (f"pair{i}_{Path(problem).stem}_warm", problem, candidate, "warm", None, [],
+                 "cli")]
+    return [dict(zip(("case", "problem", "candidate", "cache", "expected_exit", "options",
+                      "via"), c)) for c in out]
+
+
+def _env(cache_dir: Path, src: Path) -> dict:
+    return {**os.environ, "FASTELBO_CACHE_DIR": str(cache_dir),
+            "PYTHONPATH": os.pathsep.join([str(src),
+                                           *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def run_check(case: dict, device: str, cache_dir: Path, timeout: float,
               src: Path) -> tuple[float, int, str]:
-    env = {**os.environ, "FASTELBO_CACHE_DIR": str(cache_dir),
-           "PYTHONPATH": os.pathsep.join([str(src),
-                                          *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = _env(cache_dir, src)
     cmd = [sys.executable, "-m", "fastelbo.cli", "check", case["problem"], case["candidate"],
            "--device", device, *case["options"]]
     start = time.perf_counter()
@@ -75,7 +99,9 @@ def run_check(case: dict, device: str, cache_dir: Path, timeout: float,
 
 
 def measure(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
-            src: Path) -> dict:
+            src: Path, settle: float) -> dict | None:
+    if case["via"] != "cli":
+        return measure_repeated(case, device, repeats, timeout, tmp, src, settle)
     warm_dir = tmp / f"{case['case']}-warm"
     if case["cache"] == "warm":  # fill it once, untimed
         run_check(case, device, warm_dir, timeout, src)
@@ -93,6 +119,99 @@ def measure(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
             "met": None if target is None else bool(ok and med <= target)}
 
 
+# ---- A repeated check in a long-lived process: the server (MCP client) or a Session ----
+
+SESSION_DRIVER = """
+import json, sys, time
+from fastelbo.harness.session import Session
+problem, candidate, device, repeats = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+with Session(problem, device) as s:
+    s.run_correctness(candidate)  # fills the reference cache, untimed
+    for _ in range(repeats):
+        start = time.perf_counter()
+        s.wait_ready()
+        settle = time.perf_counter() - start
+        start = time.perf_counter()
+        report = s.run_correctness(candidate)
+        wall = time.perf_counter() - start
+        print(json.dumps({"wall": wall, "settle": settle, "report": report}), flush=True)
+"""
+
+
+def session_calls(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
+                  src: Path) -> list[dict]:
+    res = subprocess.run([sys.executable, "-c", SESSION_DRIVER, case["problem"],
+                          case["candidate"], device, str(repeats)], capture_output=True,
+                         text=True, env=_env(tmp / f"{case['case']}-cache", src),
+                         timeout=timeout * (repeats + 1), check=False)
+    calls = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    if res.returncode != 0 or len(calls) != repeats:
+        raise RuntimeError(f"the Session driver failed (exit {res.returncode}): "
+                           f"{res.stderr.strip()[-2000:]}")
+    return calls
+
+
+async def server_calls(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
+                       src: Path, settle: float, log) -> list[dict]:
+    import anyio
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+    params = StdioServerParameters(
+        command=sys.executable, cwd=tmp, env=_env(tmp / f"{case['case']}-cache", src),
+        args=["-m", "fastelbo.cli", "serve", "--problem", case["problem"], "--device", device,
+              *case["options"]])
+    calls = []
+    async with stdio_client(params, errlog=log) as (read, write), \
+            ClientSession(read, write) as client:
+        await client.initialize()
+        for r in range(repeats + 1):  # the first fills the reference cache, untimed
+            if r:
+                await anyio.sleep(settle)
+            start = time.perf_counter()
+            with anyio.fail_after(timeout):
+                res = await client.call_tool("run_correctness", {"source": case["candidate"]})
+            wall = time.perf_counter() - start
+            text = res.content[0].text if res.content else ""
+            if getattr(res, "is_error", getattr(res, "isError", False)):
+                raise RuntimeError(f"run_correctness failed: {text[:2000]}")
+            calls.append({"wall": wall, "settle": settle if r else 0.0,
+                          "report": json.loads(text)})
+    return calls[1:]
+
+
+def measure_repeated(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
+                     src: Path, settle: float) -> dict | None:
+    if case["via"] == "mcp" and importlib.util.find_spec("mcp") is None:
+        print(f"{case['case']}: skipped, it needs the mcp SDK (pip install 'mcp>=1.10')",
+              file=sys.stderr)
+        return None
+    if case["via"] == "mcp":
+        import anyio
+        with open(tmp / f"{case['case']}-serve.log", "w") as log:  # the server's stderr
+            calls = anyio.run(server_calls, case, device, repeats, timeout, tmp, src, settle,
+                              log)
+    else:
+        calls = session_calls(case, device, repeats, timeout, tmp, src)
+    walls = [round(c["wall"], 3) for c in calls]
+    reports = [c["report"] for c in calls]
+    codes = [r["exit_code"] for r in reports]
+    target = TARGETS.get((case["case"], device))
+    med = statistics.median(walls)
+    ok = all(c == case["expected_exit"] for c in codes)
+    cand = [next((w for w in r["workers"] if w["role"] == "candidate"), {}) for r in reports]
+    return {**case, "wall_s": round(med, 3), "runs_s": walls, "exit_codes": codes,
+            "verdict": f"verdict: {VERDICT.get(reports[-1]['status'])} (exit {codes[-1]})",
+            "verdict_ok": ok, "target_s": target,
+            "met": None if target is None else bool(ok and med <= target),
+            "client": "mcp stdio (the SDK's ClientSession)" if case["via"] == "mcp"
+            else "Session (in a child process)",
+            "report_total_s": [round(r["timings"].get("total_s", 0.0), 3) for r in reports],
+            "reference": [r["reference"] for r in reports],
+            "worker_warm": [w.get("warm") for w in cand],
+            "worker_startup_s": [w.get("startup_s") for w in cand],
+            "settle_s": [round(c["settle"], 3) for c in calls]}
+
+
 def print_table(rows: list[dict]) -> None:
     head = ["case", "cache", "wall s", "runs s", "exit", "target s", "met", "verdict"]
     cells = [[r["case"], r["cache"], f"{r['wall_s']:.2f}",
@@ -103,8 +222,9 @@ def print_table(rows: list[dict]) -> None:
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
     if rows:
         r = rows[0]
-        print(f"fastelbo check, whole process, on {r['device']} ({r['device_name']}), torch "
-              f"{r['torch']}, commit {r['commit']}, load {r['load_avg']}")
+        print(f"fastelbo check (a whole process; *_repeat: one call to a long-lived server or "
+              f"Session) on {r['device']} ({r['device_name']}), torch {r['torch']}, commit "
+              f"{r['commit']}, load {r['load_avg']}")
     for line in [head, *cells]:
         print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
 
@@ -120,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="comma-separated case names (default: all)")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds per check process (default: %(default)s)")
+    p.add_argument("--settle", type=float, default=SETTLE_S,
+                   help="seconds between the server's timed calls (default: %(default)s)")
     p.add_argument("--src", default=str(REPO / "src"),
                    help="the fastelbo source tree the checks run (default: %(default)s)")
     p.add_argument("--note", default="", help="a note kept in every row (default: none)")
@@ -140,8 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases(args.device, [tuple(x) for x in args.pair], syntax_file):
             if only and case["case"] not in only:
                 continue
-            row = {**base, **measure(case, args.device, args.repeats, args.timeout, tmp,
-                                     Path(args.src))}
+            timed = measure(case, args.device, args.repeats, args.timeout, tmp,
+                            Path(args.src), args.settle)
+            if timed is None:
+                continue
+            row = {**base, **timed}
             if case["case"] == "syntax_error":
                 row["candidate"] = "<a file with a syntax error on line 3>"
             print(f"{row['case']}: {row['wall_s']:.2f} s, exit {row['exit_codes']}",

@@ -120,3 +120,102 @@ def test_check_json_is_strict_json_of_the_documented_schema(capsys):
     jsonschema.validate(data, CHECK_REPORT)
     assert code == 1 and data["schema"] == "fastelbo.check/2" and data["mode"] == "train"
     assert data["categories"] == ["shape"] and data["reference"] == "computed"
+
+
+FAKE_WORKERS = '''
+import sys
+from fastelbo.harness import check
+from fastelbo.harness.worker import WorkerOutcome
+seen = []
+
+
+class Fake:
+    def __init__(self, env=None, *, fork=False):
+        seen.append((fork, "torch" in sys.modules))
+
+    def run(self, *args, **kwargs):
+        return WorkerOutcome(None, category="build", reason="not built: a test")
+
+    def kill(self):
+        pass
+
+    close = kill
+
+    def describe(self):
+        return {"pid": 0, "forked": False, "prestarted": False, "warm": False, "startup_s": None}
+
+
+check.Worker = Fake
+from fastelbo.cli import main
+code = main(["check", sys.argv[1], sys.argv[2], "--no-cache", "--device", sys.argv[3]])
+print(seen, "torch" in sys.modules, code)
+'''
+
+
+def _cli_env(**extra) -> dict:
+    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(
+        [str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_new_check_process_imports_torch_once(device, fork):
+    """A new `fastelbo check` process pays torch's import once: it imports torch and forks its
+    candidate and reference workers from itself; with FASTELBO_FORK_WORKERS=0 it starts them as
+    new interpreters before importing torch, so that they import it alongside. Also for cuda,
+    whose availability is probed only after that (a missing GPU is still a usage error)."""
+    res = subprocess.run([sys.executable, "-c", FAKE_WORKERS, TINY, GOOD, device],
+                         capture_output=True, text=True, timeout=600, check=False,
+                         env=_cli_env(FASTELBO_FORK_WORKERS=fork))
+    assert res.returncode == 0, res.stderr
+    forked = fork == "1"
+    assert res.stdout.split("\n")[-2] == f"{[(forked, forked)] * 2} True 2", (res.stdout,
+                                                                             res.stderr)
+    if device == "cuda" and not torch.cuda.is_available():
+        assert res.stderr == "fastelbo: error: --device cuda, but CUDA is not available here\n"
+
+
+def _check_json(candidate: Path, *options: str, fork: str = "1") -> dict:
+    res = subprocess.run([sys.executable, "-m", "fastelbo.cli", "check", TINY, str(candidate),
+                          "--json", "--trials", "1", "--batch-sizes", "", "--scales", "",
+                          "--no-cache", *options], capture_output=True, text=True,
+                         timeout=600, check=False, env=_cli_env(FASTELBO_FORK_WORKERS=fork))
+    report = json.loads(res.stdout)
+    assert res.returncode == report["exit_code"], res.stderr
+    return report
+
+
+def test_forked_workers_give_the_verdicts_and_limits_of_new_interpreters():
+    """The forked workers of a new `fastelbo check`: a correct, a wrong, a hanging and a
+    crashing candidate get their verdicts (the wrong one's report equals that of workers
+    started as new interpreters), and no worker outlives its check."""
+    cands = HERE / "candidates"
+    jobs = {"good": (Path(GOOD),), "wrong": (cands / "kl_sign_flipped.py",),
+            "hang": (cands / "hangs.py", "--forward-timeout", "5"),
+            "crash": (cands / "crashes.py",)}
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        out = dict(zip(jobs, pool.map(lambda args: _check_json(*args), jobs.values())))
+        spawned = pool.submit(_check_json, cands / "kl_sign_flipped.py", fork="0").result()
+    assert [(n, r["exit_code"], r["categories"][:1]) for n, r in out.items()] == [
+        ("good", 0, []), ("wrong", 1, ["mismatch"]), ("hang", 2, ["timeout"]),
+        ("crash", 2, ["crash"])]
+    assert "the forward did not return within 5 s" in out["hang"]["reasons"][0]
+    assert "signal SIGSEGV" in out["crash"]["reasons"][0]
+    for report in out.values():
+        assert [(w["role"], w["forked"]) for w in report["workers"]] == [
+            ("candidate", True), ("reference", True)], report["workers"]
+        assert not any(Path(f"/proc/{w['pid']}").exists() for w in report["workers"])
+    assert [w["forked"] for w in spawned["workers"]] == [False, False]
+    drop = ("timings", "workers")
+    assert {k: v for k, v in spawned.items() if k not in drop} == {
+        k: v for k, v in out["wrong"].items() if k not in drop}
+
+
+@pytest.mark.gpu
+def test_forked_workers_check_on_cuda():
+    """On a GPU: the forked workers create their own CUDA contexts (this process had touched
+    none when it forked them) and give the verdicts."""
+    good = _check_json(Path(GOOD), "--device", "cuda")
+    wrong = _check_json(HERE / "candidates" / "kl_sign_flipped.py", "--device", "cuda")
+    assert (good["exit_code"], wrong["exit_code"], wrong["categories"]) == (0, 1, ["mismatch"])
+    assert [w["forked"] for r in (good, wrong) for w in r["workers"]] == [True] * 4

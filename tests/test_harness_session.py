@@ -147,6 +147,93 @@ def test_benchmark_rows(results):
     assert out["rows"][1]["correct"] is True and out["rows"][1]["wall_ms"] > 0
 
 
+HANG_FORWARD_S = 10.0
+
+
+def _verdict(report: dict) -> dict:
+    """A report without what differs between two runs of the same verdict."""
+    return {k: v for k, v in report.items() if k not in ("timings", "workers", "reference")}
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """One session (one spare worker, its own reference cache) checks a correct candidate
+    (computing the reference), then a wrong one, a hanging one and the correct one again, each
+    once its spare has finished starting; a session without spares checks the wrong one."""
+    cache = tmp_path_factory.mktemp("cache")
+    opts = {"timeout": TIMEOUT, "build_timeout": TIMEOUT, "forward_timeout": HANG_FORWARD_S,
+            "cache": cache, **OPTIONS}
+    out = {}
+    with Session(TINY, "cpu", **opts) as s:
+        out["first"] = s.run_correctness(str(CORRECT))
+        for name, cand in (("wrong", WRONG), ("hang", HANGS), ("again", CORRECT)):
+            out[f"{name}_ready"] = s.wait_ready(TIMEOUT)
+            out[f"{name}_spares"] = [w.proc.pid for w in s._pool._idle]
+            out[name] = s.run_correctness(str(cand))
+        [spare] = s._pool._idle
+        out["compile"] = s.compile_kernel(str(CORRECT))
+        out["compile_spare"] = (spare._tasks, spare.proc.poll() is not None)
+        out["left"] = list(s._pool._idle)
+        out["replaced"] = spare not in out["left"]
+    out["closed"] = [w.proc.poll() is not None for w in out.pop("left")]
+    with Session(TINY, "cpu", spares=0, **opts) as cold:
+        out["wrong_cold"] = cold.run_correctness(str(WRONG))
+    return out
+
+
+def test_a_repeated_check_runs_in_the_started_spare(warm):
+    first = warm["first"]
+    assert first["exit_code"] == 0 and first["reference"] == "computed"
+    # the session's spare ran the candidate; the reference needed a second worker
+    assert [(w["role"], w["prestarted"]) for w in first["workers"]] == [
+        ("candidate", True), ("reference", False)]
+    wrong = warm["wrong"]
+    assert warm["wrong_ready"] and len(warm["wrong_spares"]) == 1
+    assert wrong["reference"] == "cached" and wrong["exit_code"] == 1
+    [w] = wrong["workers"]  # the reference cached: the candidate's worker alone
+    assert (w["role"], w["pid"], w["prestarted"], w["warm"]) == (
+        "candidate", warm["wrong_spares"][0], True, True)
+    assert 0 <= w["startup_s"]
+
+
+def test_the_spare_gives_the_verdict_a_fresh_worker_gives(warm):
+    cold = warm["wrong_cold"]
+    assert [(w["role"], w["prestarted"], w["warm"]) for w in cold["workers"]] == [
+        ("candidate", False, False)]
+    assert cold["reference"] == "cached" and _verdict(cold) == _verdict(warm["wrong"])
+
+
+def test_a_hang_in_a_spare_is_reported_and_the_next_spare_checks_on(warm):
+    hang, again = warm["hang"], warm["again"]
+    assert hang["exit_code"] == 2 and hang["categories"][0] == "timeout"
+    assert f"the forward did not return within {HANG_FORWARD_S:g} s" in hang["reasons"][0]
+    assert hang["workers"][0]["pid"] == warm["hang_spares"][0]
+    assert warm["again_ready"] and again["exit_code"] == 0
+    assert again["workers"][0]["pid"] == warm["again_spares"][0]
+    assert again["workers"][0]["warm"] and _verdict(again) == _verdict(warm["first"])
+    # every candidate ran in a process of its own, each one a spare started for it
+    pids = [warm[n]["workers"][0]["pid"] for n in ("first", "wrong", "hang", "again")]
+    assert len(set(pids)) == 4
+
+
+def test_compile_uses_a_spare_and_close_stops_the_rest(warm):
+    assert warm["compile"]["exit_code"] == 0
+    assert warm["compile_spare"] == (1, True)  # it ran the compile, its one task, and is gone
+    assert warm["replaced"] and warm["closed"] == [True]  # its replacement, stopped by close
+
+
+@pytest.mark.gpu
+def test_a_repeated_cuda_check_runs_in_a_warm_spare(tmp_path):
+    """On a GPU: the spare has made its CUDA context before it is taken, and passes."""
+    with Session(TINY, "cuda", timeout=TIMEOUT, build_timeout=TIMEOUT, cache=tmp_path,
+                 **OPTIONS) as s:
+        first = s.run_correctness(str(CORRECT))
+        assert s.wait_ready(TIMEOUT)
+        again = s.run_correctness(str(CORRECT))
+    assert (first["exit_code"], again["exit_code"], again["reference"]) == (0, 0, "cached")
+    assert [(w["prestarted"], w["warm"]) for w in again["workers"]] == [(True, True)]
+
+
 def test_compile_dict_maps_build_errors_and_lists_resources():
     """The JSON form of a build failure and of a built extension (no compiler needed)."""
     failed = CompileReport("/c/cand.py", exit_code=2, reason="building the extension failed",
@@ -226,6 +313,10 @@ def test_bad_arguments_raise_before_any_work(tmp_path):
         Session(TINY, timeout=-1)
     with pytest.raises(TypeError, match="check_options: .*'colour'"):
         Session(TINY, colour="red")
+    with pytest.raises(ValueError, match="spares must be an integer >= 0, got -1"):
+        Session(TINY, spares=-1)
+    with pytest.raises(TypeError, match="the session's pool is its own"):
+        Session(TINY, pool=None)
     with Session(TINY) as s:
         with pytest.raises(TypeError, match="source must be Python source text or a path"):
             s.run_correctness(42)

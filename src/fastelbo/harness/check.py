@@ -17,12 +17,15 @@ process). A worker then imports it and constructs ModelNew (the build, `build_ti
 the reference's outputs come from the cache (refcache.py) or from a reference worker running
 meanwhile (`timeout`); a failed build is reported as soon as it ends, with file:line and its
 time. The same candidate worker then replays every regime (`timeout` in all; each forward
-`forward_timeout`, or up to `build_timeout` while it compiles). Envelopes come last.
+`forward_timeout`, or up to `build_timeout` while it compiles). Envelopes come last. A process
+that has not imported torch (a new `fastelbo check`) imports it once and forks the candidate and
+reference workers from itself, before anything touches CUDA.
 """
 from __future__ import annotations
 
 import re
 import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,11 +44,17 @@ from .report import (
     TrialReport,
     kernelbench_note,
 )
-from .worker import Worker, WorkerPool
+from .worker import Worker, WorkerPool, fork_enabled, fork_safe
 
 TASKS = "fastelbo.harness.tasks:"
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 ENVELOPE_CATEGORIES = ("mismatch", "nonfinite")  # what the perturbed-reference envelope can excuse
+
+
+class DeviceUnavailable(ValueError):
+    """`device` is cuda but this machine has none. Raised once the workers are started (CUDA is
+    probed after they are forked from this process, or while new interpreters import torch);
+    they are killed first, before any verdict."""
 
 
 def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu",
@@ -60,7 +69,8 @@ def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu"
     (import, extension builds, the first ModelNew) has `build_timeout`; each forward has
     `forward_timeout`, or up to `build_timeout` while it compiles (a lazy build on first call).
     `cache`: True for the user's reference cache, False for none, or a directory. `pool`: where
-    to take started workers from (a long-lived caller keeps one; default: start them here)."""
+    to take started workers from (a long-lived caller keeps one; default: start them here); the
+    check refills it when it ends. DeviceUnavailable (a ValueError) for cuda without CUDA."""
     validate(device=device, trials=trials, atol=atol, rtol=rtol, batch_sizes=batch_sizes,
              scales=scales, timeout=timeout, build_timeout=build_timeout,
              forward_timeout=forward_timeout)
@@ -79,12 +89,24 @@ def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu"
     job = _Check(report, prob, cand, device=device, seed=seed, trials=trials, atol=atol,
                  rtol=rtol, batch_sizes=batch_sizes, scales=tuple(scales), timeout=timeout,
                  build_timeout=build_timeout, forward_timeout=forward_timeout,
-                 eval_mode=eval_mode, cache=cache, pool=pool)
+                 eval_mode=eval_mode, cache=cache, pool=pool, fork=pool is None and _prefork())
     try:
         return job.run()
     finally:
         job.close()
         report.timings["total_s"] = time.monotonic() - start
+
+
+def _prefork() -> bool:
+    """In a process that has not imported torch (a new `fastelbo check`), and so has not touched
+    CUDA, import it here, once, with the workers' tasks, and fork the workers from this process
+    (worker.fork_safe) instead of having each new interpreter import torch again."""
+    if "torch" in sys.modules or not fork_enabled():
+        return False
+    import torch  # noqa: F401
+
+    from . import tasks  # noqa: F401  (what the workers run: loaded once, inherited)
+    return fork_safe()
 
 
 def validate(*, device: str, trials: int, atol: float, rtol: float, batch_sizes, scales,
@@ -110,25 +132,33 @@ def validate(*, device: str, trials: int, atol: float, rtol: float, batch_sizes,
 class _Check:
     """One check's state: its workers, the reference's entries, and the verdict being built."""
 
-    def __init__(self, report: CheckReport, prob: Path, cand: Path, *, cache, pool, **opts):
+    def __init__(self, report: CheckReport, prob: Path, cand: Path, *, cache, pool,
+                 fork: bool = False, **opts):
         self.report, self.prob, self.cand = report, prob, cand
         self.o = SimpleNamespace(**opts)
         self.tmp_root = None if cache is not False else tempfile.mkdtemp(prefix="fastelbo-ref-")
         self.root = Path(self.tmp_root or (refcache.default_root() if cache is True else cache))
-        self.take = pool.take if pool is not None else Worker
+        self.pool = pool
+        self.fork = fork  # fork the first workers from this process (run_check says when)
         self.workers: list[Worker] = []
+        self.roles: list[str] = []  # what each of self.workers is for (report.workers)
         self.ref_w: Worker | None = None  # idle after its pass (device memory released)
         self.pkey = self.meta = None
         self.pairs: dict = {}   # (regime, trial) -> (reference trial, candidate trial, previous)
 
-    def _worker(self) -> Worker:
-        w = self.take()
+    def _worker(self, role: str) -> Worker:
+        w = self.pool.take() if self.pool is not None else Worker(fork=self.fork)
         self.workers.append(w)
+        self.roles.append(role)
         return w
 
     def close(self) -> None:
+        self.report.workers = [{"role": role, **w.describe()}
+                               for role, w in zip(self.roles, self.workers)]
         for w in self.workers:
             w.close()
+        if self.pool is not None:
+            self.pool.fill()  # the replacements start now, in the background
         if self.tmp_root:
             shutil.rmtree(self.tmp_root, ignore_errors=True)
 
@@ -165,7 +195,7 @@ class _Check:
 
     def _reference(self, only: list[str] | None, worker: Worker | None = None):
         o = self.o
-        self.ref_w = worker or self._worker()
+        self.ref_w = worker or self._worker("reference")
         return self.ref_w.run(
             TASKS + "reference_pass",
             {"problem": str(self.prob), "device": o.device, "seed": o.seed,
@@ -186,24 +216,25 @@ class _Check:
 
     def run(self) -> CheckReport:
         o, report = self.o, self.report
-        cand_w = self._worker()
-        threads = ThreadPoolExecutor(2)
+        threads = ThreadPoolExecutor(2)  # no thread yet: that starts with the first submit
         try:
+            # Both workers before any thread and before CUDA is probed: forks must come first.
+            # The reference's is started here, not in a thread: a failed build must kill it.
+            cand_w = self._worker("candidate")
+            t0 = time.monotonic()
+            only = self._lookup()
+            ref_w = None if only == [] else self._worker("reference")
+            self.fork = False  # a later worker (an envelope's, a rerun's) comes after the probe
             build = threads.submit(cand_w.run, TASKS + "build_candidate",
                                    {"candidate": str(self.cand), "problem": str(self.prob),
                                     "device": o.device, "seed": o.seed},
                                    timeout=o.build_timeout, build_timeout=o.build_timeout)
-            t0 = time.monotonic()
-            only = self._lookup()
-            if o.device.startswith("cuda"):
-                import torch
-                if not torch.cuda.is_available():
-                    cand_w.kill()
-                    return report.error("exception",
-                                        "--device cuda, but CUDA is not available here")
-            # Started here, not in the thread: a failed build must find it to kill it.
-            ref = None if only == [] else threads.submit(self._reference, only, self._worker())
-            import torch  # now, while the workers start: reading their results needs it
+            ref = None if ref_w is None else threads.submit(self._reference, only, ref_w)
+            # Only now, with every worker started: spawned ones import torch while this process
+            # does (it needs torch to read their results), so a new process pays it once.
+            import torch
+            if o.device.startswith("cuda") and not torch.cuda.is_available():
+                raise DeviceUnavailable(f"device {o.device!r}: CUDA is not available here")
             built = build.result()
             report.timings["build_s"] = built.result["build_s"] if built.ok else built.seconds
             if not built.ok:
@@ -336,7 +367,7 @@ class _Check:
         if missing:
             o = self.o
             alive = self.ref_w is not None and self.ref_w.proc.poll() is None
-            out = (self.ref_w if alive else self._worker()).run(
+            out = (self.ref_w if alive else self._worker("envelope")).run(
                 TASKS + "envelope_pass",
                 {"problem": str(self.prob), "device": o.device, "seed": o.seed,
                  "eval_mode": o.eval_mode, "init_file": self._init_file(),

@@ -149,10 +149,11 @@ def _positive(args, *options: str) -> None:
             raise UsageError(f"{opt} must be > 0, got {value:g}")
 
 
-def _device(text: str | None, option: str = "--device") -> None:
+def _device(text: str | None, option: str = "--device", probe: bool = True) -> None:
+    """The device's spelling; with `probe`, that CUDA is there (which imports torch)."""
     if text is not None and not DEVICE.fullmatch(text):
         raise UsageError(f"{option} must be cpu, cuda or cuda:N, got {text!r}")
-    if text is not None and text.startswith("cuda"):
+    if probe and text is not None and text.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
             raise UsageError(f"{option} {text}, but CUDA is not available here")
@@ -196,13 +197,19 @@ def _check(args) -> int:
     scales = _numbers(args.scales, float, "--scales")
     _problem(args.problem)
     _candidate(args.candidate)
-    _device(args.device)
-    from .check import run_check
-    report = run_check(args.problem, args.candidate, device=args.device, trials=args.trials,
-                       atol=args.atol, rtol=args.rtol, batch_sizes=batch_sizes,
-                       scales=tuple(scales), timeout=args.timeout, seed=args.seed,
-                       build_timeout=args.build_timeout, forward_timeout=args.forward_timeout,
-                       eval_mode=args.eval_mode, cache=not args.no_cache)
+    # No torch here: run_check imports it once and probes CUDA only after its workers are
+    # forked from this process (issue #21's new-process time; a fork must precede any CUDA).
+    _device(args.device, probe=False)
+    from .check import DeviceUnavailable, run_check
+    try:
+        report = run_check(args.problem, args.candidate, device=args.device,
+                           trials=args.trials, atol=args.atol, rtol=args.rtol,
+                           batch_sizes=batch_sizes, scales=tuple(scales), timeout=args.timeout,
+                           seed=args.seed, build_timeout=args.build_timeout,
+                           forward_timeout=args.forward_timeout, eval_mode=args.eval_mode,
+                           cache=not args.no_cache)
+    except DeviceUnavailable:
+        raise UsageError(f"--device {args.device}, but CUDA is not available here") from None
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
     return report.exit_code
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .files import candidate_path, syntax_error
-from .worker import run_task
+from .worker import Worker, WorkerPool
 
 # nvcc: "/x/cuda.cu(12): error: ..."; gcc/clang: "/x/main.cpp:12:5: error: ..."
 _ERROR_LINE = re.compile(r"(?P<file>[^\s:()\"']+\.(?:cu|cpp|cc|cuh|h))"
@@ -156,8 +156,10 @@ class CompileReport:
         return "\n".join(lines)
 
 
-def run_compile(candidate: str | Path, timeout: float = 600.0) -> CompileReport:
-    """Exit code 0 when the candidate imports (and builds), 2 otherwise, with the reason."""
+def run_compile(candidate: str | Path, timeout: float = 600.0,
+                pool: WorkerPool | None = None) -> CompileReport:
+    """Exit code 0 when the candidate imports (and builds), 2 otherwise, with the reason.
+    `pool`: take the worker from there (and refill it once done) instead of starting one."""
     report = CompileReport(str(candidate))
     try:
         path = candidate_path(candidate)
@@ -169,7 +171,14 @@ def run_compile(candidate: str | Path, timeout: float = 600.0) -> CompileReport:
     if bad is not None:  # no worker needed to say so
         report.reason = bad
         return report
-    outcome = run_task("fastelbo.harness.tasks:import_only", timeout, candidate=str(path))
+    worker = pool.take() if pool is not None else Worker()
+    try:
+        outcome = worker.run("fastelbo.harness.tasks:import_only", {"candidate": str(path)},
+                             timeout=timeout)
+    finally:
+        worker.close()
+        if pool is not None:
+            pool.fill()
     report.output_tail = outcome.output_tail
     if not outcome.ok:
         report.reason = outcome.reason

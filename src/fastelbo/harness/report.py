@@ -103,6 +103,8 @@ class CheckReport:
     compile_errors: list[CompileError] = field(default_factory=list)
     reference: str = ""       # cached, computed, partly cached, or "" when it never ran
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, and total
+    # per worker process: role, pid, forked, prestarted, warm, startup_s (schema.py)
+    workers: list[dict] = field(default_factory=list)
     output_tail: str = ""
 
     def error(self, category: str, reason: str, output_tail: str = "") -> CheckReport:

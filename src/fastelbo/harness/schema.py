@@ -19,6 +19,12 @@ Top level
     compile_errors  compiler diagnostics mapped to candidate lines (a failed build)
     reference     cached | computed | partly cached ("" when it never ran)
     timings       seconds: build_s, reference_s, candidate_s, envelope_s (when needed), total_s
+    workers       each worker process the check used: role (candidate, reference, envelope),
+                  pid, forked (a fork of a new `fastelbo check` that had imported torch, not a
+                  new interpreter), prestarted (a started spare of a Session's pool), warm (its
+                  start-up, importing torch and creating a CUDA context, was done when its
+                  first task came) and startup_s (how long that task waited for it; null: it
+                  never began)
 """
 from __future__ import annotations
 
@@ -64,6 +70,13 @@ _COMPILE_ERROR = {"type": "object", "additionalProperties": False,
                                  "generated": {"type": "string"},
                                  "generated_line": {"type": ["integer", "null"]}}}
 _STRINGS = {"type": "array", "items": {"type": "string"}}
+_WORKER = {"type": "object", "additionalProperties": False,
+           "required": ["role", "pid", "forked", "prestarted", "warm", "startup_s"],
+           "properties": {"role": {"enum": ["candidate", "reference", "envelope"]},
+                          "pid": {"type": "integer"}, "forked": {"type": "boolean"},
+                          "prestarted": {"type": "boolean"},
+                          "warm": {"type": "boolean"},
+                          "startup_s": {"type": ["number", "null"], "minimum": 0}}}
 
 CHECK_REPORT = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -74,7 +87,7 @@ CHECK_REPORT = {
     "required": ["schema", "problem", "candidate", "device", "atol", "rtol", "trials", "mode",
                  "reseeding", "kernelbench", "weights", "status", "exit_code", "reasons",
                  "categories", "failures", "regimes", "skipped", "compile_errors", "reference",
-                 "timings", "output_tail"],
+                 "timings", "workers", "output_tail"],
     "properties": {
         "schema": {"const": "fastelbo.check/2"},
         "problem": {"type": "string"}, "candidate": {"type": "string"},
@@ -96,6 +109,7 @@ CHECK_REPORT = {
         "timings": {"type": "object", "additionalProperties": {"type": "number"},
                     "propertyNames": {"enum": ["build_s", "reference_s", "candidate_s",
                                                "envelope_s", "total_s"]}},
+        "workers": {"type": "array", "items": _WORKER},
         "output_tail": {"type": "string"},
     },
 }

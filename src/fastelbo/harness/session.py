@@ -14,6 +14,13 @@ session's own temporary directory (never the user's tree), named by its hash, so
 crash or hang comes back as a verdict and the session carries on. Jobs run one at a time: per
 session on the CPU, and per CUDA device across every session of the machine (a thread lock
 plus a lock file), so no two checks or timings share a GPU.
+
+Warm workers: the session keeps `spares` worker processes started (torch imported, the
+harness's tasks loaded, the device's CUDA context created). A check or compile takes one,
+uses it for one candidate, closes it, and the replacement starts in the background when the
+job ends; so with the problem's reference cached a repeated check costs the candidate's own
+work. Each report's `workers` says which worker ran what and whether it was warm. Benchmarks
+use fresh workers of their own, and start timing only once the spares are idle.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ from .bench import run_bench
 from .check import run_check
 from .compile import CompileReport, run_compile
 from .files import BUILTIN_PREFIX
+from .worker import STARTUP_TIMEOUT, WorkerPool
 
 DEVICES = ("cpu", "cuda")
 # A Python-level failure (SyntaxError, an import that raises) is reported by the loader as
@@ -85,18 +93,23 @@ class Session:
 
     `trials` and `check_options` (any keyword of `run_check`: atol, rtol, batch_sizes, scales,
     timeout, build_timeout, seed, ...) apply to every check of the session; `submit_dir`, when
-    given, receives the solution file of each accepted submission.
+    given, receives the solution file of each accepted submission. `spares`: worker processes
+    kept started for the next job (0: each job starts its own, as `fastelbo check` does).
     """
 
     def __init__(self, problem: str | os.PathLike = "vae_elbo", device: str = "cpu", *,
                  trials: int = 3, submit_dir: str | os.PathLike | None = None,
-                 **check_options):
+                 spares: int = 1, **check_options):
         self.problem = problem_path(problem)  # FileNotFoundError naming it
         self.device = device
         self._key = _device_key(device)
         if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
             raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
         self.trials = trials
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise ValueError(f"spares must be an integer >= 0, got {spares!r}")
+        if "pool" in check_options:
+            raise TypeError("check_options: the session's pool is its own (use spares)")
         try:
             inspect.signature(run_check).bind(problem, "", device=device, trials=trials,
                                               **check_options)
@@ -109,7 +122,9 @@ class Session:
         self.submit_dir = Path(submit_dir) if submit_dir is not None else None
         self._dir = Path(tempfile.mkdtemp(prefix="fastelbo-session-"))
         self._lock = threading.Lock()
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        # Started last, once every argument is known good: nothing to clean up before this.
+        self._pool = WorkerPool(spares, device=self._key) if spares else None
+        self._cleanup = weakref.finalize(self, _cleanup, self._dir, self._pool)
 
     # -- the four tools ------------------------------------------------------------------------
 
@@ -125,7 +140,7 @@ class Session:
         timeout = self.check_options.get("build_timeout", 600.0)
         with self._exclusive():
             start = time.perf_counter()
-            report = run_compile(cand, timeout=timeout)
+            report = run_compile(cand, timeout=timeout, pool=self._pool)
             return compile_report_dict(report, time.perf_counter() - start)
 
     def run_correctness(self, source: str | os.PathLike, trials: int | None = None) -> dict:
@@ -142,6 +157,8 @@ class Session:
         opts = {k: self.check_options[k] for k in ("seed", "atol", "rtol")
                 if k in self.check_options}
         with self._exclusive():
+            if self._pool is not None:  # a spare still importing torch would skew the timing
+                self._pool.wait_ready(STARTUP_TIMEOUT)
             rows, code = run_bench(self.problem, [cand], device=self.device,
                                    batch_sizes=batch_sizes, out=None,
                                    compile_baseline=compile_baseline, quick=quick, **opts)
@@ -181,7 +198,8 @@ class Session:
             raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
         with self._exclusive():
             report = run_check(self.problem, cand, device=self.device,
-                               trials=trials or self.trials, **self.check_options)
+                               trials=trials or self.trials, pool=self._pool,
+                               **self.check_options)
         return report.to_dict()
 
     def _candidate(self, source: str | os.PathLike) -> str:
@@ -202,8 +220,12 @@ class Session:
     def _exclusive(self):
         return _gpu_exclusive(self._key) if self._key.startswith("cuda") else self._lock
 
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> bool:
+        """Wait until the spare workers have finished starting (True at once with none)."""
+        return self._pool is None or self._pool.wait_ready(timeout)
+
     def close(self) -> None:
-        """Remove the session's directory (candidate sources written from text)."""
+        """Stop the spare workers; remove the session's directory (sources written from text)."""
         self._cleanup()
 
     def __enter__(self):
@@ -211,6 +233,12 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _cleanup(directory: Path, pool: WorkerPool | None) -> None:
+    if pool is not None:
+        pool.close()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def compile_report_dict(report: CompileReport, seconds: float | None = None) -> dict:

@@ -12,9 +12,12 @@ is killed with the worker's whole process group (nvcc and ninja included); a cra
 signal or exit code; an exception comes back as its traceback. Results are read back with
 `weights_only=True`, so a result cannot execute code in the harness.
 
-The parent side imports no torch until it reads a result: the CLI starts its workers first,
-and they import torch while it does. A worker runs one candidate at most: `WorkerPool` keeps
-started spares so that a long-lived process (the server) never waits for an import.
+A worker is a new interpreter (`python -m ...`), or a fork of the caller when `fork_safe()`:
+a process that has imported torch but never touched CUDA and runs no other Python thread (a
+new `fastelbo check`), so torch's import is paid once, not once per process. Either way it has its own
+session, pipes and log, and runs one candidate at most. It says when its own start-up (torch,
+the harness's tasks, a CUDA context) is done. `WorkerPool` keeps started spares so that a
+long-lived process (the server) never waits for an import.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +47,7 @@ BUILD_MACHINERY = (f"{os.sep}torch{os.sep}utils{os.sep}cpp_extension.py",
                    f"{os.sep}triton{os.sep}")
 # Step limit classes, sent with each step: total only, the build limit, the forward limit.
 TOTAL, BUILD, FORWARD = "t", "b", "f"
+READY = "W"  # a worker's first line: its start-up (imports, CUDA context) is done
 
 
 @dataclass
@@ -56,6 +61,7 @@ class WorkerOutcome:
     progress: str = ""
     partials: list = field(default_factory=list)
     seconds: float = 0.0
+    startup_s: float | None = None  # from sending the task to its first step (None: never)
 
     @property
     def ok(self) -> bool:
@@ -74,24 +80,41 @@ def _describe_exit(code: int) -> str:
 class Worker:
     """One started worker process; `run` sends it a task and waits under the task's limits."""
 
-    def __init__(self, env: dict[str, str] | None = None):
+    def __init__(self, env: dict[str, str] | None = None, *, fork: bool = False):
+        """`env` adds to the worker's environment; `fork`: fork this process (the caller has
+        checked fork_safe(); no env then) instead of starting a new interpreter."""
         self.tmp = Path(tempfile.mkdtemp(prefix="fastelbo-worker-"))
         cmd_r, self._cmd = os.pipe()
         self._msg, msg_w = os.pipe()
         self._log_path = self.tmp / "output.log"
-        with open(self._log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fastelbo.harness.worker", str(cmd_r), str(msg_w),
-                 str(self.tmp)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, pass_fds=(cmd_r, msg_w),
-                env={**os.environ, **env} if env else None)
+        self.forked = fork and not env
+        if self.forked:
+            self.proc = _fork(cmd_r, msg_w, self.tmp, self._log_path, (self._cmd, self._msg))
+        else:
+            with open(self._log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "fastelbo.harness.worker", str(cmd_r), str(msg_w),
+                     str(self.tmp)],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, pass_fds=(cmd_r, msg_w),
+                    env={**os.environ, **env} if env else None)
         os.close(cmd_r)
         os.close(msg_w)  # the worker holds the only write end: EOF means it is gone
         self._buf = b""
         self._tasks = 0
         self.progress = ""
+        self.ready = False       # its start-up is done (it said so)
+        self.prestarted = False  # handed out by a WorkerPool from its started spares
+        self.warm: bool | None = None       # its start-up was done when its first task came
+        self.startup_s: float | None = None  # its first task's wait for that start-up
         _live.add(self)
+
+    def poll_ready(self, wait: float = 0.0) -> bool:
+        """Whether the worker has finished its start-up, waiting up to `wait` s for it to say
+        so (before its first task, that is the only line it sends); False once it is gone."""
+        if not self.ready and self.warm is None and self._next_line(wait) == READY:
+            self.ready = True
+        return self.ready
 
     def run(self, func: str, kwargs: dict, *, timeout: float, forward_timeout: float | None = None,
             build_timeout: float | None = None) -> WorkerOutcome:
@@ -105,6 +128,8 @@ class Worker:
         start = time.monotonic()
         outcome = WorkerOutcome(None)
         try:
+            if self.warm is None:  # its first task
+                self.warm = self.poll_ready()
             os.write(self._cmd, f"{task}\n".encode())
             self._wait(outcome, start, timeout, forward_timeout, build_timeout)
         except BrokenPipeError:
@@ -115,6 +140,8 @@ class Worker:
             self.kill()
             raise
         outcome.seconds = time.monotonic() - start
+        if self.startup_s is None:
+            self.startup_s = outcome.startup_s
         outcome.progress = self.progress
         if not outcome.ok:
             outcome.output_tail = self.output_tail()
@@ -146,10 +173,14 @@ class Worker:
                 continue
             if line == "":
                 return self._died(outcome)
+            if line == READY:  # the start-up is done; the task's first step follows
+                self.ready = True
+                continue
             kind, _, rest = line.partition(" ")
             now = time.monotonic()
             if not started:
                 started = True
+                outcome.startup_s = now - start
                 total_end, total_why = now + timeout, f"timeout after {timeout:g} s"
             if kind == "P":
                 step_cls, _, self.progress = rest.partition(" ")
@@ -193,6 +224,11 @@ class Worker:
         outcome.reason = f"crashed: {_describe_exit(code)}" + (
             f" (during {self.progress})" if self.progress else "")
 
+    def describe(self) -> dict:
+        """pid, forked, prestarted, warm and startup_s, for a report (what a check waited for)."""
+        return {"pid": self.proc.pid, "forked": self.forked, "prestarted": self.prestarted,
+                "warm": bool(self.warm), "startup_s": self.startup_s}
+
     def output_tail(self) -> str:
         try:
             return self._log_path.read_text(errors="replace")[-TAIL_CHARS:]
@@ -204,7 +240,8 @@ class Worker:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
-            pass
+            if self.proc.poll() is None:  # a fork not yet in a session of its own
+                os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
     def close(self) -> None:
@@ -217,6 +254,83 @@ class Worker:
                 pass
         import shutil
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def fork_enabled() -> bool:
+    """Forking workers is on, unless FASTELBO_FORK_WORKERS=0 (then every worker is a new
+    interpreter, which imports torch itself), and there is os.fork."""
+    return hasattr(os, "fork") and os.environ.get(FORK_ENV, "1") != "0"
+
+
+def fork_safe() -> bool:
+    """Whether this process may fork its workers now: fork_enabled(), torch imported, CUDA never
+    initialised (a context does not survive a fork; the caller knows it never probed the driver
+    either), and no Python thread but this one (a fork copies none, whatever locks it held; the
+    native pools of OpenBLAS and torch reset themselves at a fork, as DataLoader workers rely
+    on)."""
+    torch = sys.modules.get("torch")
+    return (fork_enabled() and torch is not None and not torch.cuda.is_initialized()
+            and threading.active_count() == 1)
+
+
+FORK_ENV = "FASTELBO_FORK_WORKERS"
+
+
+class _Forked:
+    """What Worker uses of Popen (pid, poll, wait, returncode), for a child of os.fork."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        return self._reap(os.WNOHANG)
+
+    def wait(self) -> int:
+        return self._reap(0)
+
+    def _reap(self, flags: int) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, flags)
+                except ChildProcessError:  # reaped by someone else: its status is lost
+                    pid, status = self.pid, 255 << 8
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+
+def _fork(cmd_r: int, msg_w: int, tmp: Path, log_path: Path, ours: tuple) -> _Forked:
+    """Fork a worker; `ours` are the parent's ends of its pipes, which the child must not hold
+    (the command pipe's EOF is how a worker learns that its parent is gone)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    others = [*ours, *(fd for w in _live for fd in (w._cmd, w._msg))]
+    with warnings.catch_warnings():
+        # Python 3.12+ counts OpenBLAS's idle native threads and warns; they reset at a fork.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return _Forked(pid)
+    try:  # the child: a worker, as if started by `python -m fastelbo.harness.worker`
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        # the parent's ends of every worker's pipes (their EOF must not wait for this one)
+        for fd in [*others, null, log]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        main([str(cmd_r), str(msg_w), str(tmp)])
+    except BaseException:  # noqa: BLE001 - into the log, which the parent reports
+        traceback.print_exc()
+        sys.stderr.flush()
+    os._exit(70)  # never back into the caller's stack
 
 
 def _select(fds, wait):
@@ -255,10 +369,12 @@ def _read_result(outcome: WorkerOutcome, path: Path) -> None:
 
 
 class WorkerPool:
-    """Started spare workers: `take()` hands one out at once and starts its replacement, so a
-    long-lived caller pays a worker's start-up (importing torch, a CUDA context) off the clock.
-    `device` makes each spare create its CUDA context before it is taken. Each worker taken is
-    the caller's to close; it never goes back (a worker runs one candidate at most)."""
+    """Started spare workers for a long-lived caller (the server's Session). `take()` hands out
+    a spare (the one that finished its start-up first) or, with none left, a new worker; the
+    job that took it calls `fill()` when it ends, which starts the replacements in the
+    background, so the next job finds workers whose start-up (importing torch, a CUDA context)
+    is done. `device` makes each spare create its CUDA context before it is taken. Each worker
+    taken is the caller's to close; it never comes back (a worker runs one candidate at most)."""
 
     def __init__(self, spares: int = 1, *, env: dict[str, str] | None = None,
                  device: str | None = None):
@@ -269,20 +385,39 @@ class WorkerPool:
         self.fill()
 
     def fill(self) -> None:
+        """Start spares up to `spares`. One that cannot start (no memory or process slot left)
+        is not an error of the job that calls this: take() then starts the worker itself, and
+        raises there if that fails too."""
         with self._lock:
+            self._drop_dead()
             while len(self._idle) < self.spares:
-                self._idle.append(Worker(self.env))
+                try:
+                    self._idle.append(Worker(self.env))
+                except OSError:
+                    return
 
     def take(self) -> Worker:
         with self._lock:
-            alive = [w for w in self._idle if w.proc.poll() is None]
-            for w in self._idle:
-                if w not in alive:
-                    w.close()
-            self._idle = alive
-            worker = self._idle.pop(0) if self._idle else Worker(self.env)
-        self.fill()
+            self._drop_dead()
+            ready = [w for w in self._idle if w.poll_ready()]
+            if not ready and not self._idle:
+                return Worker(self.env)
+            worker = (ready or self._idle)[0]
+            self._idle.remove(worker)
+        worker.prestarted = True
         return worker
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> bool:
+        """Wait until every spare has finished its start-up (False if that took too long)."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            idle = list(self._idle)
+        return all(w.poll_ready(max(end - time.monotonic(), 0.0)) for w in idle)
+
+    def _drop_dead(self) -> None:
+        for w in [w for w in self._idle if w.proc.poll() is not None]:
+            w.close()
+            self._idle.remove(w)
 
     def close(self) -> None:
         with self._lock:
@@ -454,6 +589,7 @@ def main(argv: list[str]) -> int:
     device = os.environ.get(WARM_DEVICE_ENV)
     if device and device.startswith("cuda") and torch.cuda.is_available():
         torch.empty(0, device=device)  # create the CUDA context now
+    _send(READY)
     threading.Thread(target=_watchdog, args=(threading.get_ident(),), daemon=True).start()
     with os.fdopen(cmd_fd, "r") as commands:
         for line in commands:
