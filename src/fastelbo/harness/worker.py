@@ -471,6 +471,7 @@ def traceback_tail(exc: BaseException, lines: int = 12) -> str:
 # ---- The worker side: everything below runs in the worker process. ----
 
 WARM_DEVICE_ENV = "FASTELBO_WORKER_DEVICE"
+PRELOAD = "fastelbo.harness.tasks"
 
 
 class TaskError(Exception):
@@ -585,7 +586,9 @@ def main(argv: list[str]) -> int:
     cmd_fd, _channel, _tmp = int(argv[0]), int(argv[1]), Path(argv[2])
     import torch  # the start-up cost a spare worker pays before it is taken
 
-    from . import tasks  # noqa: F401  (the check's tasks, imported before the first one)
+    # The check's tasks, imported before the first one arrives. By name, as every task is
+    # (tasks imports this module's child-side helpers: no import cycle through here).
+    importlib.import_module(PRELOAD)
     device = os.environ.get(WARM_DEVICE_ENV)
     if device and device.startswith("cuda") and torch.cuda.is_available():
         torch.empty(0, device=device)  # create the CUDA context now
