@@ -200,7 +200,7 @@ def test_validation_before_launch(ci):
         ci.iwae_log_likelihood(x.double(), VAEParams(*(t.double() for t in p)), 4)
     with pytest.raises(ValueError, match="x must have shape"):
         ci.iwae_log_likelihood(x[:, :-1], p, 4)
-    with pytest.raises(ValueError, match="x is on cpu"):
+    with pytest.raises(ValueError, match="x must be a CUDA tensor, got one on cpu"):
         ci.iwae_log_likelihood(x.cpu(), p, 4)
     with pytest.raises(ValueError, match="samples"):
         ci.iwae_log_likelihood(x, p, 0)
