@@ -152,7 +152,7 @@ def _table_row(candidate: str, **extra) -> dict:
 
 def test_table_outside_a_terminal_is_plain_text_with_every_number_whole(capsys, monkeypatch):
     """A log or a pipe gets every cell in full (rich would fit the table to 80 columns and cut
-    cells to '…', as in the device logs up to run 71)."""
+    cells to '…', as it did in earlier device logs)."""
     from fastelbo.harness import table
 
     rows = [_table_row("fastelbo:triton"), _table_row("fastelbo:cuda", graph_ms=1.5743)]

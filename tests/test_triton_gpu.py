@@ -86,7 +86,7 @@ def test_saturated_params(tb, dims, scale, binary):
     some rows overflow float32 inside the decoder (their float64 logits exceed FLT_MAX), and
     there the spec's own value depends on the order: row 628 of the (781, 250, 31) binary case
     is recon 41200 from cuBLAS, NaN from one CPU (and from a one-row GEMV), 40300 in float64
-    (benchmarks/saturated_row_probe.py, NOTES). An element finite in only some runs is fragile
+    (a probe since deleted: git history keeps it). An element finite in only some runs is fragile
     and not judged, as `fastelbo check` treats it; a finite one must lie within tolerance of
     the spec or inside the runs' envelope, i.e. between the float32 spec and the truth."""
     p = _params(dims, seed=1, scale=scale)

@@ -115,7 +115,7 @@ def choose(device: torch.device, batch: int, dtype: torch.dtype = torch.float32,
     batches where its GPU time already wins). The GPU backends compute in float32 only; any
     other dtype runs on the torch backend. `capturing`: whether the current stream captures,
     when the caller knows (fastelbo.ops does while a value check it started is in flight);
-    None asks CUDA (~5 us of host time per call on the H200's host, run 73)."""
+    None asks CUDA (~5 us of host time per call on the H200's host)."""
     if device.type != "cuda" or dtype != torch.float32:
         return "torch"
     graph = _capturing() if capturing is None else capturing

@@ -270,8 +270,8 @@ TF32 = SlabConfig(EncodeTiles(block_m=64, block_k=16, block_h=128, block_hd=32, 
                   slab_rows=16384)
 # Scaled float16 halves (fp16x3.py), taken when the user allows reduced float32 matmul precision
 # (torch.set_float32_matmul_precision("high" or "medium"), as PyTorch takes TF32 then): 0.77 ms
-# at B = 65536 and 0.106 at 4096 (graph replay, run 67; 0.74 and 0.099 in run 56, before the
-# lo halves were scaled) vs the table's 1.03 and 0.130, every test at 1e-4 passing. Not the
+# at B = 65536 and 0.106 at 4096 (graph replay; 0.74 and 0.099 before the lo halves were
+# scaled) vs the table's 1.03 and 0.130, every test at 1e-4 passing. Not the
 # default: its error has an absolute floor of 2^-50 of an operand row's largest element, so a
 # row whose result comes from elements ~2^36 below its largest one (a constructed case,
 # reference.wide_range_case) leaves the contract; TF32 halves have no floor.
