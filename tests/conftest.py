@@ -110,3 +110,12 @@ def cuda():
     if why is not None:
         pytest.skip(why)
     return backend
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reference_cache(tmp_path_factory):
+    """Each test module gets a harness reference cache of its own: tests never read or write
+    the user's, and no module sees another's entries."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FASTELBO_CACHE_DIR", str(tmp_path_factory.mktemp("refcache")))
+        yield

@@ -57,14 +57,6 @@ def _check(path: Path):
                      build_timeout=300.0, forward_timeout=forward)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def reference_cache(tmp_path_factory):
-    """A cache of this module's own: tests never read or write the user's."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FASTELBO_CACHE_DIR", str(tmp_path_factory.mktemp("refcache")))
-        yield
-
-
 @pytest.fixture(scope="module")
 def reports(syntax_error_candidate):
     """Every corpus check at once: each is two short-lived worker processes, mostly waiting."""

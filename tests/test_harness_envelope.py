@@ -148,14 +148,6 @@ STEP_CANDIDATES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def reference_cache(tmp_path_factory):
-    """A cache of this module's own: tests never read or write the user's."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FASTELBO_CACHE_DIR", str(tmp_path_factory.mktemp("refcache")))
-        yield
-
-
 def _step_check(tmp_path, name):
     path = tmp_path / f"{name}.py"
     path.write_text(f"import torch\nfrom fastelbo.problems import load_module\n"

@@ -65,9 +65,8 @@ class ModelNew(Model):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def reference_cache(tmp_path_factory):
+def build_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FASTELBO_CACHE_DIR", str(tmp_path_factory.mktemp("refcache")))
         mp.setenv("FASTELBO_TEST_BUILD_DIR", str(tmp_path_factory.mktemp("build")))
         yield
 

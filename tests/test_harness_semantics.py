@@ -46,13 +46,6 @@ class ModelNew(Model):
 """
 
 
-@pytest.fixture(scope="module", autouse=True)
-def reference_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FASTELBO_CACHE_DIR", str(tmp_path_factory.mktemp("refcache")))
-        yield
-
-
 def _check(case):
     problem, candidate, opts = case
     if problem == "tiny_vae":
