@@ -53,6 +53,7 @@ TARGETS = {("vae_torch_cold", "cpu"): 15.0, ("syntax_error", "cpu"): 5.0,
            ("session_vae_torch_repeat", "cuda"): 2.0}
 
 
+TIMED_OUT = 124  # the exit code recorded for a process stopped at --timeout (as timeout(1))
 PAIR_TARGET_S = 60.0  # any current-size KernelBench problem, on the GPU
 
 # KernelBench's eval of one pair in a new process. Its kernelbench.utils imports the LLM clients
@@ -123,8 +124,11 @@ def run_check(case: dict, device: str, cache_dir: Path, timeout: float,
     cmd = [sys.executable, "-m", "fastelbo.cli", "check", case["problem"], case["candidate"],
            "--device", device, *case["options"]]
     start = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
-                         check=False)
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
+                             check=False)
+    except subprocess.TimeoutExpired:  # a row that says so, not a lost run
+        return timeout, TIMED_OUT, f"did not finish within --timeout {timeout:g} s"
     wall = time.perf_counter() - start
     verdict = next((line for line in res.stdout.splitlines() if line.startswith("verdict:")),
                    (res.stderr.strip().splitlines() or [""])[-1])
@@ -133,9 +137,12 @@ def run_check(case: dict, device: str, cache_dir: Path, timeout: float,
 
 def run_kernelbench(case: dict, kb_src: Path, timeout: float) -> tuple[float, int, str]:
     start = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", KB_DRIVER, str(kb_src), case["problem"],
-                          case["candidate"]], capture_output=True, text=True, timeout=timeout,
-                         check=False)
+    try:
+        res = subprocess.run([sys.executable, "-c", KB_DRIVER, str(kb_src), case["problem"],
+                              case["candidate"]], capture_output=True, text=True,
+                             timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return timeout, TIMED_OUT, f"kernelbench: did not finish within --timeout {timeout:g} s"
     wall = time.perf_counter() - start
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("KB ")), None)
     verdict = (f"kernelbench: {line[3:]}" if line else
@@ -165,7 +172,8 @@ def measure(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
         codes.append(code)
     target = TARGETS.get((case["case"], device))
     med = statistics.median(walls)
-    ok = case["expected_exit"] is None or all(c == case["expected_exit"] for c in codes)
+    ok = TIMED_OUT not in codes and (case["expected_exit"] is None
+                                     or all(c == case["expected_exit"] for c in codes))
     return {**case, "wall_s": round(med, 3), "runs_s": walls, "exit_codes": codes,
             "verdict": verdict, "verdict_ok": ok, "target_s": target,
             "met": None if target is None else bool(ok and med <= target)}
