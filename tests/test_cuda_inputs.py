@@ -374,9 +374,9 @@ def test_iwae_checks_pass_injected_eps_without_a_seed(fake):
         eps = torch.empty(3, B, L, device="cuda:0")
     for seed in (None, 0):
         with pytest.raises(ValueError, match="; use the triton or torch iwae backend$"):
-            cuda.iwae(x, params, 3, eps=eps, seed=seed)
+            cuda.iwae_log_likelihood(x, params, 3, eps=eps, seed=seed)
     with pytest.raises(ValueError, match=r"eps must have shape \(4, 4, 5\)"):
-        cuda.iwae(x, params, 4, eps=eps)
+        cuda.iwae_log_likelihood(x, params, 4, eps=eps)
 
 
 def test_iwae_refuses_the_torch_backends_options():
@@ -384,5 +384,5 @@ def test_iwae_refuses_the_torch_backends_options():
     params = VAEParams(*(torch.empty(SHAPES[n]) for n in VAEParams._fields))
     for kw in ({"generator": torch.Generator()}, {"chunk": 8}):
         with pytest.raises(ValueError, match=f"cuda iwae does not take {next(iter(kw))}"):
-            cuda.iwae(x, params, 4, **kw)
+            cuda.iwae_log_likelihood(x, params, 4, **kw)
     assert "CUDA devices only" in cuda.iwae_unavailable_reason(torch.device("cpu"), (D, H, L))

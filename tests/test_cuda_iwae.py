@@ -238,14 +238,14 @@ def test_the_protocol_entry(cuda, ci):
     assert cuda.iwae is cuda.iwae_log_likelihood is ci.iwae_log_likelihood
     p = iwae_params(MNIST, device="cuda")
     x, eps = _inputs(MNIST, 4, 64)
-    assert torch.equal(cuda.iwae(x, p, 64, eps=eps, seed=0), cuda.iwae(x, p, 64, eps=eps))
+    assert torch.equal(cuda.iwae_log_likelihood(x, p, 64, eps=eps, seed=0), cuda.iwae_log_likelihood(x, p, 64, eps=eps))
     torch.manual_seed(5)
-    a = cuda.iwae(x, p, 64)
+    a = cuda.iwae_log_likelihood(x, p, 64)
     torch.manual_seed(5)
-    assert torch.equal(a, cuda.iwae(x, p, 64)) and not torch.equal(a, cuda.iwae(x, p, 64))
+    assert torch.equal(a, cuda.iwae_log_likelihood(x, p, 64)) and not torch.equal(a, cuda.iwae_log_likelihood(x, p, 64))
     for kw in ({"generator": torch.Generator()}, {"chunk": 8}):
         with pytest.raises(ValueError, match="torch backend"):
-            cuda.iwae(x, p, 64, **kw)
+            cuda.iwae_log_likelihood(x, p, 64, **kw)
     dev = torch.device("cuda")
     assert cuda.iwae_unavailable_reason(dev, MNIST) is None
     assert "shared memory" in cuda.iwae_unavailable_reason(dev, (784, 4096, 32))

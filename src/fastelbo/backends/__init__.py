@@ -1,7 +1,7 @@
 """Backend registry and protocol: names, lazy imports, availability and the `auto` choice.
 
 Every backend is a module that provides the whole `Backend` protocol below (fastelbo.ops calls
-these names, never probes for them; tests/test_backends.py holds each module to it). Roles:
+these names, never probes for them; tests/test_layout.py holds each module to it). Roles:
 torch = the spec and the CPU path; cuda = lowest latency; triton = throughput, testable on CPU.
 """
 from __future__ import annotations

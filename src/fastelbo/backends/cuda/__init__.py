@@ -39,13 +39,11 @@ from .noise import forward_drawing, randn_matches
 DTYPES = (torch.float32,)
 # forward_drawing draws the op's torch.randn inside the launch (noise.py).
 DRAWS_NOISE = True
-# The Backend protocol's IWAE entry, by both names the ops have used for it.
-iwae = iwae_log_likelihood
 
 __all__ = [
     "DRAWS_NOISE", "DTYPES", "PATHS", "CudaInputError", "backward", "check_fast_path",
     "check_inputs", "check_options", "checked_start", "extension", "finish_range_check",
-    "forward", "forward_drawing", "forward_prepared", "iwae", "iwae_log_likelihood",
+    "forward", "forward_drawing", "forward_prepared", "iwae_log_likelihood",
     "iwae_unavailable_reason", "plan", "randn_matches", "source_files", "start_range_check",
     "unavailable_reason", "x_in_unit_range",
 ]
