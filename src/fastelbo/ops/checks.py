@@ -71,12 +71,23 @@ def start_checks(x, params: VAEParams, eps):
         if status is not None:
             return _Pending(x, plain=True) if status else _DONE_PLAIN
     contract.check_elbo_call(x, params, eps)
-    if not contract.validation_enabled() or _capturing(x):
+    if not _value_check_applies(x):
         return _DONE
     if x.is_cuda and not torch.compiler.is_compiling() and _cuda().start_range_check(x):
         return _Pending(x)
     _check_values_eagerly(x)
     return _CHECKED
+
+
+def value_check(x: torch.Tensor) -> None:
+    """The value check on x alone, waited for, where it applies (the switch on, no graph
+    being captured): for an op that has run the contract's metadata checks itself."""
+    if _value_check_applies(x):
+        _check_values_eagerly(x)
+
+
+def _value_check_applies(x: torch.Tensor) -> bool:
+    return contract.validation_enabled() and not _capturing(x)
 
 
 def check_inputs(x, params: VAEParams, eps=None) -> None:

@@ -21,7 +21,7 @@ import torch
 from .. import backends
 from ..contract import check_iwae_call
 from ..params import VAEParams
-from .checks import check_inputs
+from .checks import value_check
 
 BACKENDS = ("torch", "triton", "cuda")
 
@@ -84,7 +84,7 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *,
     """
     params = check_iwae_call(x, params, samples, eps=eps, seed=seed, indices=indices,
                              generator=generator, chunk=chunk)
-    check_inputs(x, params)  # the value check on x (every other check has just passed)
+    value_check(x)  # every metadata check has just passed
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))
     name = resolve_backend(backend, x.device, x.dtype, generator=generator, chunk=chunk,
                            needs_grad=needs_grad, dims=params.dims)
