@@ -218,7 +218,7 @@ def test_through_the_public_op():
     ref = ModelNew(*dims, backend="torch")
     ref.load_state_dict(model.state_dict())
     x = torch.rand(5, dims[0])
-    with torch.no_grad():  # forward_drawing: the backend draws the op's randn after the check
+    with torch.no_grad():  # outside autograd: the op's one randn, drawn after the check
         torch.manual_seed(5)
         got = model(x)
         after_got = torch.get_rng_state()
@@ -231,6 +231,6 @@ def test_through_the_public_op():
         assert torch.equal(state, torch.get_rng_state())  # refused before any draw
     assert_outputs_close(got, want)
     torch.manual_seed(5)
-    assert_outputs_close([o.detach() for o in model(x)], want)  # autograd: the ops draw
+    assert_outputs_close([o.detach() for o in model(x)], want)  # through the custom op
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         fastelbo.elbo(x + 2, model.vae_params(), backend="triton")

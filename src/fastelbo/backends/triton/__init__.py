@@ -19,13 +19,10 @@ import torch
 from ...params import VAEParams
 from .. import torch_ref
 from . import elbo_forward as _fwd
-from .common import _check
 
 # The dtypes this backend computes in: fastelbo.ops refuses others before drawing any noise.
 DTYPES = (torch.float32,)
-# forward_drawing prepares its launch while the ops' value check on x is in flight, then
-# draws the op's torch.randn itself (the same call the ops would make) and launches.
-DRAWS_NOISE = True
+DRAWS_NOISE = False
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -58,16 +55,7 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, v
 
 
 def forward_drawing(x: torch.Tensor, params: VAEParams, verdict=None):
-    """forward_prepared with eps = torch.randn(B, latent_dim) on x's device (the ops' RNG
-    contract), drawn once the verdict has come: everything of the launch that reads neither x
-    nor eps is prepared first, overlapping the value check's round trip."""
-    lat = params[2].shape[0]
-    _check(x, params, x.new_empty(0))  # x and the weights: eps is made right here
-    plan = _fwd.prepare(x, params)
-    if verdict is not None:
-        verdict.wait()
-    eps = torch.randn(x.shape[0], lat, device=x.device, dtype=x.dtype)
-    return _fwd.run(plan, x, eps)
+    raise NotImplementedError("the triton backend does not draw the noise itself (DRAWS_NOISE)")
 
 
 def backward(x, params: VAEParams, eps, grads, *, need_x: bool = True, need_eps: bool = True):

@@ -302,20 +302,12 @@ def slab_rows(config: SlabConfig, batch: int, dims: tuple[int, int, int]) -> int
 def launch(x: torch.Tensor, params: VAEParams, eps: torch.Tensor,
            config: SlabConfig | None = None):
     """(elbo, recon, kl), each (B,) float32. `config` overrides the tile table (tests)."""
-    _check(x, params, eps)
-    return run(prepare(x, params, config), x, eps)
-
-
-def prepare(x: torch.Tensor, params: VAEParams, config: SlabConfig | None = None) -> dict:
-    """Everything of a launch that does not read x or eps: the config, the outputs and
-    workspaces, the weights' hi/lo split (it reads the weights only) and the TMA descriptors.
-    The ops' value check on x may still be in flight meanwhile (forward_drawing): at B = 65536
-    this host work took ~0.3 ms, and done after the check's round trip it left the GPU idle."""
     params = VAEParams(*params)
+    _check(x, params, eps)
     batch = x.shape[0]
     d, h, lat = params.dims
     cfg = config or pick_config()
-    dec = cfg.decode
+    enc, dec = cfg.encode, cfg.decode
     if cfg.operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}, got {cfg.operands!r}")
     half = cfg.operands == "fp16x3"
@@ -324,7 +316,7 @@ def prepare(x: torch.Tensor, params: VAEParams, config: SlabConfig | None = None
 
     enc_hi, enc_lo, mu_hi, mu_lo, lv_hi, lv_lo, w1_hi, w1_lo, w2_hi, w2_lo = split_weights(
         params, big=not half)
-    out = tuple(torch.empty(batch, dtype=torch.float32, device=x.device) for _ in range(3))
+    elbo, recon, kl = (torch.empty(batch, dtype=torch.float32, device=x.device) for _ in range(3))
     part = torch.empty(batch, n_tiles, dtype=torch.float32, device=x.device)
     if half:
         enc_hi, enc_lo, enc_exp, w2_hi, w2_lo, w2_exp = split_weights16(params)
@@ -333,24 +325,8 @@ def prepare(x: torch.Tensor, params: VAEParams, config: SlabConfig | None = None
         enc_exp = w2_exp = d_exp = part  # not read
     hp = w2_hi.stride(0)  # H padded to 16 bytes (4 floats or 8 halves): TMA row strides
     d_ws = torch.empty(2, rows, hp, dtype=w2_hi.dtype, device=x.device)  # d's halves as W2's
-    return {
-        "params": params, "cfg": cfg, "half": half, "rows": rows, "n_tiles": n_tiles,
-        "out": out, "part": part, "d_ws": d_ws, "d_exp": d_exp, "w2_exp": w2_exp, "hp": hp,
-        "enc": (enc_hi, enc_lo, enc_exp, mu_hi, mu_lo, lv_hi, lv_lo, w1_hi, w1_lo),
-        "w2_desc": stacked_descriptor(w2_hi, w2_lo, (dec.block_n, dec.block_k)),
-        "d_desc": stacked_descriptor(d_ws[0, :, :h], d_ws[1, :, :h], (dec.block_m, dec.block_k)),
-    }
-
-
-def run(plan: dict, x: torch.Tensor, eps: torch.Tensor):
-    """The kernels of a prepared launch, on x and eps."""
-    params, cfg, rows, n_tiles = plan["params"], plan["cfg"], plan["rows"], plan["n_tiles"]
-    enc, dec = cfg.encode, cfg.decode
-    enc_hi, enc_lo, enc_exp, mu_hi, mu_lo, lv_hi, lv_lo, w1_hi, w1_lo = plan["enc"]
-    d_ws, d_exp, part = plan["d_ws"], plan["d_exp"], plan["part"]
-    elbo, recon, kl = plan["out"]
-    batch = x.shape[0]
-    d, h, lat = params.dims
+    w2_desc = stacked_descriptor(w2_hi, w2_lo, (dec.block_n, dec.block_k))
+    d_desc = stacked_descriptor(d_ws[0, :, :h], d_ws[1, :, :h], (dec.block_m, dec.block_k))
     for row0 in range(0, batch, rows):
         n = min(rows, batch - row0)
         _encode_kernel[(triton.cdiv(n, enc.block_m),)](
@@ -359,16 +335,16 @@ def run(plan: dict, x: torch.Tensor, eps: torch.Tensor):
             params.lv_b, w1_hi, w1_lo, params.dec_b1,
             d_ws[0], d_ws[1], d_exp, recon, kl,
             row0, n,
-            D=d, H=h, L=lat, HP=plan["hp"], DP=enc_hi.stride(0),
+            D=d, H=h, L=lat, HP=hp, DP=enc_hi.stride(0),
             BLOCK_M=enc.block_m, BLOCK_K=enc.block_k, BLOCK_H=enc.block_h,
-            BLOCK_L=_pow2(lat), BLOCK_HD=enc.block_hd, HALF=plan["half"],
+            BLOCK_L=_pow2(lat), BLOCK_HD=enc.block_hd, HALF=half,
             num_warps=enc.num_warps, num_stages=enc.num_stages, **_regcap(enc.maxnreg),
         )
         _decode_bce_kernel[(triton.cdiv(n, dec.block_m) * n_tiles,)](
-            x, plan["d_desc"], plan["w2_desc"], d_exp, plan["w2_exp"], params.dec_b2, part,
+            x, d_desc, w2_desc, d_exp, w2_exp, params.dec_b2, part,
             row0, n, rows,
             D=d, H=h, N_TILES=n_tiles,
-            BLOCK_M=dec.block_m, BLOCK_N=dec.block_n, BLOCK_K=dec.block_k, HALF=plan["half"],
+            BLOCK_M=dec.block_m, BLOCK_N=dec.block_n, BLOCK_K=dec.block_k, HALF=half,
             num_warps=dec.num_warps, num_stages=dec.num_stages, **_regcap(dec.maxnreg),
         )
     _finish_kernel[(triton.cdiv(batch, FINISH_BLOCK),)](
