@@ -35,6 +35,7 @@ from types import SimpleNamespace
 from ..problems import problem_path
 from . import refcache
 from .files import candidate_path, syntax_error
+from .judge import ENVELOPE_CATEGORIES, judge_trial, trial_from_dict
 from .regimes import plan
 from .report import (
     CheckReport,
@@ -48,7 +49,6 @@ from .worker import Worker, WorkerPool, fork_enabled, fork_safe
 
 TASKS = "fastelbo.harness.tasks:"
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
-ENVELOPE_CATEGORIES = ("mismatch", "nonfinite")  # what the perturbed-reference envelope can excuse
 
 
 class DeviceUnavailable(ValueError):
@@ -145,6 +145,7 @@ class _Check:
         self.ref_w: Worker | None = None  # idle after its pass (device memory released)
         self.pkey = self.meta = None
         self.pairs: dict = {}   # (regime, trial) -> (reference trial, candidate trial, previous)
+        self.resident: dict = {}  # device-resident regime -> {entry, inputs} (tasks.py)
 
     def _worker(self, role: str) -> Worker:
         w = self.pool.take() if self.pool is not None else Worker(fork=self.fork)
@@ -182,7 +183,7 @@ class _Check:
     def _planned(self):
         o, meta = self.o, self.meta
         regimes, self.skipped = plan(meta["default_batch"], meta["variants"], o.batch_sizes,
-                                     o.scales)
+                                     o.scales, meta.get("row_bytes"), meta.get("float_params"))
         digest = refcache.deps_digest(meta["deps"])
         return [(g, refcache.regime_key(self.pkey, digest, g.to_dict(), o.eval_mode, o.atol,
                                         o.rtol)) for g in regimes]
@@ -210,6 +211,7 @@ class _Check:
                               outcome.output_tail)
             return False
         self.pkey, self.meta = outcome.result["pkey"], outcome.result["meta"]
+        self.resident = outcome.result.get("resident", {})
         return True
 
     # ---- the check ----
@@ -277,40 +279,68 @@ class _Check:
         report.skipped = [f"{name}: {why}" for name, why in self.skipped]
         entries, tasks = {}, []
         for g, key in planned:
-            files = self._entry(key)
-            if files is None:
-                return report.error("reference", f"the reference cache lost regime {g.name}'s "
-                                    f"entry under {self.root} while checking; run again")
-            entry = refcache.load(files[1])
+            task = {"name": g.name, "scale": g.scale}
+            if g.name in self.resident:  # kept by the reference's worker, inputs shared
+                files, entry = None, self.resident[g.name]["entry"]
+                task["shared_inputs"] = self.resident[g.name]["inputs"]
+            else:
+                files = self._entry(key)
+                if files is None:
+                    return report.error("reference", f"the reference cache lost regime "
+                                        f"{g.name}'s entry under {self.root} while checking; "
+                                        "run again")
+                entry = refcache.load(files[1])
+                task["inputs"] = str(files[0])
             entry["trials"] = entry["trials"][:o.trials]
             entries[g.name] = (g, key, files, entry)
             if entry["applicable"] and all(t["deterministic"] for t in entry["trials"]):
-                tasks.append({"name": g.name, "scale": g.scale, "inputs": str(files[0]),
-                              "seeds": [t["seed"] for t in entry["trials"]]})
+                tasks.append({**task, "seeds": [t["seed"] for t in entry["trials"]]})
         default = entries["default"][3]
         report.kernelbench = kernelbench_note(default["trials"], o.eval_mode)
         t0 = time.monotonic()
-        out = cand_w.run(TASKS + "check_candidate",
-                         {"candidate": str(self.cand), "device": o.device, "seed": o.seed,
-                          "eval_mode": o.eval_mode, "init_file": self._init_file(),
-                          "regimes": tasks},
-                         timeout=o.timeout, forward_timeout=o.forward_timeout,
-                         build_timeout=o.build_timeout)
+        judging = ThreadPoolExecutor(1)  # the reference's worker judges while the candidate runs
+        verdicts = {}
+
+        def judge(partial: dict) -> None:  # a resident regime's result has arrived
+            g = entries[partial["name"]][0]
+            if g.name in self.resident and partial["trials"]:
+                verdicts[g.name] = judging.submit(
+                    self.ref_w.run, TASKS + "judge_pass",
+                    {"name": g.name, "trials": partial["trials"],
+                     "envelope": g.perturbed_reference, "atol": o.atol, "rtol": o.rtol},
+                    timeout=o.timeout)
+        try:
+            out = cand_w.run(TASKS + "check_candidate",
+                             {"candidate": str(self.cand), "device": o.device, "seed": o.seed,
+                              "eval_mode": o.eval_mode, "init_file": self._init_file(),
+                              "regimes": tasks},
+                             timeout=o.timeout, forward_timeout=o.forward_timeout,
+                             build_timeout=o.build_timeout, on_partial=judge)
+            verdicts = {name: f.result() for name, f in verdicts.items()}
+        finally:
+            judging.shutdown(wait=True)
         report.timings["candidate_s"] = time.monotonic() - t0
         got = {p["name"]: p for p in out.partials}
         report.weights = next((p["weights"] for p in out.partials if p["weights"]), "")
         failed_in = None if out.ok else next((t["name"] for t in tasks if t["name"] not in got),
                                              None)
         for name, (g, _, _, entry) in entries.items():
+            judged = verdicts.get(name)
+            if judged is not None and not judged.ok:
+                return report.error("reference", f"the reference's worker could not judge "
+                                    f"regime {name}: {judged.reason}", judged.output_tail)
             report.regimes.append(self._regime(g, entry, got.get(name), name == failed_in,
-                                               out.reason))
+                                               out.reason, judged and judged.result))
         self._envelopes(entries)
         if not out.ok:
             return report.error(out.category, f"candidate worker: {out.reason}",
                                 out.output_tail)
         return report.finish()
 
-    def _regime(self, g, entry: dict, got: dict | None, failed: bool, why: str) -> RegimeReport:
+    def _regime(self, g, entry: dict, got: dict | None, failed: bool, why: str,
+                judged: dict | None = None) -> RegimeReport:
+        """The regime's report; `judged`: the verdicts of its trials from judge_pass (a
+        device-resident regime), else they are judged here."""
         o = self.o
         regime = RegimeReport(g.name, g.batch_size or self.meta["default_batch"], g.scale,
                               g.variant, envelope_runs=_runs(g))
@@ -329,7 +359,12 @@ class _Check:
             regime.note = why if failed else regime.note
             return regime
         ref_trials, cand_trials = entry["trials"], got["trials"]
-        for t, (rt, ct) in enumerate(zip(ref_trials, cand_trials)):
+        if judged is not None:
+            regime.trials = [trial_from_dict(d) for d in judged["trials"]]
+            if judged["fragile"] and regime.note:
+                regime.note += (f", {judged['fragile']} fragile (finite in only some perturbed "
+                                "runs) excluded")
+        for t, (rt, ct) in enumerate(zip(ref_trials, cand_trials) if judged is None else ()):
             prev = (ref_trials[t - 1], cand_trials[t - 1]) if t else None
             regime.trials.append(judge_trial(t, rt, ct, prev, o.atol, o.rtol))
             self.pairs[(g.name, t)] = (rt, ct, prev)
@@ -399,29 +434,3 @@ PERTURB_RUNS = 16  # compare.PERTURB_RUNS (compare imports torch; tests hold the
 
 def _runs(g) -> int:
     return PERTURB_RUNS if g.perturbed_reference else 0
-
-
-def judge_trial(index: int, ref: dict, got: dict, prev: tuple | None, atol: float,
-                rtol: float, envelope: dict | None = None) -> TrialReport:
-    """All findings for one trial; `prev` is the previous trial's (reference, candidate);
-    `envelope` ({lo, hi, fragile}) the perturbed reference's bounds, when computed."""
-    from .compare import compare_outputs, identical
-    runs = [envelope["lo"], envelope["hi"]] if envelope else None
-    cmp = compare_outputs(ref["outputs"], got["outputs"], atol, rtol, runs,
-                          fragile=envelope["fragile"] if envelope else None)
-    findings = list(cmp.findings)
-    if prev is not None and identical(got["outputs"], prev[1]["outputs"]) \
-            and not identical(ref["outputs"], prev[0]["outputs"]):
-        findings.append(Finding("cached", "outputs are bit-identical to the previous trial's "
-                                "although the inputs changed (and the reference's outputs did): "
-                                "a cached result?"))
-    for i in got["mutated"]:
-        findings.append(Finding("input_mutated", f"input {i} was modified by the forward"))
-    for gen in ("cpu", "cuda"):
-        if gen in ref["rng"] and not identical((ref["rng"][gen],), (got["rng"].get(gen),)):
-            findings.append(Finding("rng", f"RNG consumption differs: the {gen.upper()} generator "
-                                    "state after the forward is not the reference's (extra or "
-                                    "missing random draws)"))
-    return TrialReport(index, ref["seed"], not findings, cmp.diffs, findings,
-                       ill_conditioned=sum(d.n_envelope for d in cmp.diffs),
-                       envelope=envelope is not None)

@@ -3,9 +3,14 @@ starts. Imports no torch: the harness resolves and parses before its workers are
 from __future__ import annotations
 
 import ast
+import threading
 from pathlib import Path
 
 BUILTIN_PREFIX = "fastelbo:"
+# CPython 3.11's AST constructor keeps its recursion bookkeeping where two threads parsing at
+# once corrupt it ("SystemError: AST constructor recursion depth mismatch", gh-106905): checks
+# run from threads (a Session, the tests' pools) parse one at a time.
+_PARSE = threading.Lock()
 
 
 def candidate_path(name: str | Path) -> Path:
@@ -27,7 +32,9 @@ def syntax_error(path: str | Path) -> str | None:
     """`file:line: SyntaxError: ...` when the file does not parse (milliseconds, no worker),
     else None."""
     try:
-        compile(Path(path).read_bytes(), str(path), "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+        source = Path(path).read_bytes()
+        with _PARSE:
+            compile(source, str(path), "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
     except SyntaxError as exc:
         return (f"{exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}\n"
                 f"{(exc.text or '').rstrip()}")

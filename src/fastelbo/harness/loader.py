@@ -131,15 +131,17 @@ def to_device(values: list, device: torch.device) -> list:
 PLAIN_OUTPUT_TYPES = (type(None), bool, int, float, complex, str)
 
 
-def to_host(out) -> tuple:
-    """Outputs as plain CPU tensors (subclasses stripped: the harness unpickles them safely).
+def to_host(out, *, keep_device: bool = False) -> tuple:
+    """Outputs as plain CPU tensors (subclasses stripped: the harness unpickles them safely),
+    or with `keep_device` as plain copies where they are (a device-resident regime's).
 
     Any other output that is not a plain Python number / string / None (a numpy array, a custom
     object, a lambda) is replaced by `compare.unsupported_output(value)`: the harness could not
     unpickle it, and compare_outputs reports it as an `output_type` finding.
     """
     from .compare import as_tuple, unsupported_output
-    return tuple(t.detach().as_subclass(torch.Tensor).cpu().clone()
+    return tuple((t.detach().as_subclass(torch.Tensor).clone() if keep_device else
+                  t.detach().as_subclass(torch.Tensor).cpu().clone())
                  if isinstance(t, torch.Tensor)
                  else t if type(t) in PLAIN_OUTPUT_TYPES else unsupported_output(t)
                  for t in as_tuple(out))

@@ -30,7 +30,7 @@ import sysconfig
 from importlib import metadata
 from pathlib import Path
 
-CACHE_VERSION = 1   # bump when what the reference pass records changes
+CACHE_VERSION = 2   # bump when what the reference pass records changes
 MAX_BYTES = int(float(os.environ.get("FASTELBO_CACHE_MAX_GB", "4")) * 2**30)
 
 

@@ -9,6 +9,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 DEFAULT_SCALES = (4.0, 16.0)
+# The odd batch above the default doubles the default's inputs. Where that is more than
+# EXTRA_BATCH_BYTES (drawing inputs on the CPU is most of a large check: 7.2 s for KernelBench's
+# level1/19_ReLU at its 6.4 GB), the regime is the smallest odd batch above the default (a kernel
+# sized for the default batch still misses its last row there) if its inputs take at most
+# ABOVE_BATCH_BYTES, else the largest odd batch within EXTRA_BATCH_BYTES (tails only).
+EXTRA_BATCH_BYTES = 64 << 20
+ABOVE_BATCH_BYTES = 1 << 30
+_NO_PARAMS = ("the reference has no floating-point parameters: scaling them would rerun the "
+              "default regime")
 
 
 @dataclass
@@ -28,24 +37,40 @@ class Regime:
         return asdict(self)
 
 
-def default_batch_sizes(default: int) -> list[int]:
-    """1 and an odd size above the default: both exercise tails a tuned kernel may skip."""
-    return [1, 2 * default + 1]
+def default_batch_sizes(default: int, row_bytes: int | None = None) -> list[int]:
+    """1 and an odd size above the default: both exercise tails a tuned kernel may skip. For
+    large inputs (`row_bytes`: their bytes per batch row) sized as EXTRA_BATCH_BYTES says."""
+    odd = 2 * default + 1
+    if row_bytes and odd * row_bytes > EXTRA_BATCH_BYTES:
+        odd = default + 1 + default % 2
+        if odd * row_bytes > ABOVE_BATCH_BYTES:
+            odd = max(3, EXTRA_BATCH_BYTES // row_bytes)
+            odd -= 1 - odd % 2
+            odd = odd - 2 if odd == default and odd > 3 else odd
+    return [1, odd]
 
 
 def plan(default_batch: int | None, variants: list[str], batch_sizes: list[int] | None = None,
-         scales: tuple[float, ...] = DEFAULT_SCALES) -> tuple[list[Regime], list[tuple[str, str]]]:
+         scales: tuple[float, ...] = DEFAULT_SCALES, row_bytes: int | None = None,
+         float_params: int | None = None) -> tuple[list[Regime], list[tuple[str, str]]]:
     """The regimes to run for a problem whose module-level `batch_size` is `default_batch`
-    (None: it has none) and whose get_input_variants() names `variants`, and (name, reason)
-    for those that cannot apply to it. Plain data in, so the harness can plan from its cache
-    without running problem code."""
+    (None: it has none), whose get_input_variants() names `variants`, whose default inputs
+    take `row_bytes` per batch row and whose reference has `float_params` floating-point
+    parameter elements (None: not known yet), and (name, reason) for those that cannot apply
+    to it. Plain data in, so the harness can plan from its cache without running problem
+    code."""
     regimes, skipped = [Regime("default")], []
     if isinstance(default_batch, int):
-        for n in batch_sizes if batch_sizes is not None else default_batch_sizes(default_batch):
+        sizes = batch_sizes if batch_sizes is not None else \
+            default_batch_sizes(default_batch, row_bytes)
+        for n in sizes:
             if n != default_batch:
                 regimes.append(Regime(f"batch={n}", batch_size=n))
     else:
         skipped.append(("batch sizes", "the problem has no module-level int batch_size"))
-    regimes += [Regime(f"scale={s:g}", scale=s) for s in scales if s != 1]
+    if float_params == 0 and any(s != 1 for s in scales):
+        skipped.append(("scales", _NO_PARAMS))
+    else:
+        regimes += [Regime(f"scale={s:g}", scale=s) for s in scales if s != 1]
     regimes += [Regime(f"variant:{name}", variant=name) for name in variants]
     return regimes, skipped

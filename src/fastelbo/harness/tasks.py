@@ -9,6 +9,13 @@ it ends), then, once the reference is ready, replays the same inputs and seeds i
 handing each regime's result over as it finishes. It never sees the reference's outputs.
 Envelopes (compare.py) are computed afterwards, and only for trials of a scaled regime where
 the candidate misses the plain tolerance.
+
+A regime whose trial tensors are large (RESIDENT_BYTES: a KernelBench problem at its current
+size) is device-resident instead: nothing of it goes through files or the check's process. The
+reference's worker keeps its outputs on the device, and its inputs there too, shared with the
+candidate's worker (shared.py); the candidate's outputs are shared back, and the reference's
+worker judges them where they are (judge_pass, envelopes included), while the candidate's worker
+runs the next regime. Such a regime is recomputed by every check (it would not fit the cache).
 """
 from __future__ import annotations
 
@@ -18,17 +25,19 @@ from pathlib import Path
 
 import torch
 
-from . import loader, refcache
+from . import loader, refcache, shared
 from .compare import (
     PERTURB_RUNS,
+    as_tuple,
     compare_outputs,
     finiteness_differs,
     identical,
     perturbed,
     unsupported_type,
 )
+from .judge import judge_trial, needs_envelope, trial_to_dict
 from .regimes import Regime, plan
-from .worker import BUILD, FORWARD, TaskError, emit, progress, traceback_tail
+from .worker import BUILD, FORWARD, TaskError, emit, progress, scratch_dir, traceback_tail
 
 
 def _nonfinite(outs: tuple) -> int:
@@ -65,11 +74,35 @@ def _prepare(model: torch.nn.Module, scale: float, dev: torch.device, eval_mode:
     return model.eval() if eval_mode else model  # else as constructed: KernelBench's mode
 
 
+# Regimes whose trial tensors (a trial's inputs and outputs) take at least this many bytes are
+# device-resident (module docstring): by default on CUDA only; FASTELBO_RESIDENT_BYTES sets it
+# for any device (0: every regime, as the tests run them on the CPU).
+RESIDENT_BYTES = 256 << 20
+RESIDENT_ENV = "FASTELBO_RESIDENT_BYTES"
+_resident: dict[str, dict] = {}  # regime name -> its reference trials, kept for judge_pass
+_problem: dict = {}              # what judge_pass rebuilds the reference from (envelopes)
+
+
+def resident_threshold(dev: torch.device) -> float:
+    import os
+    value = os.environ.get(RESIDENT_ENV)
+    if value:
+        return float(value)
+    return RESIDENT_BYTES if dev.type == "cuda" else float("inf")
+
+
+def _nbytes(values) -> int:
+    return sum(t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor))
+
+
 @torch.no_grad()
 def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: float,
                    rtol: float, trials: int, root: str, batch_sizes: list[int] | None,
                    scales: tuple[float, ...], only: list[str] | None = None) -> dict:
-    """Write the problem's entry and each planned regime's (all, or those named in `only`)."""
+    """Write the problem's entry and each planned regime's (all, or those named in `only`).
+    A device-resident regime is kept in this worker instead; its entry (without outputs) and
+    its shared inputs come back under "resident". The default regime runs first: the size of
+    its inputs sizes the extra batch regime (regimes.default_batch_sizes)."""
     dev = torch.device(device)
     before = set(sys.modules)
     progress("reference: loading the problem")
@@ -77,40 +110,60 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
     variants = getattr(mod, "get_input_variants", None)
     default = getattr(mod, "batch_size", None)
     name = device_name(dev)
-    meta = {"default_batch": default if isinstance(default, int) else None,
-            "variants": list(variants()) if callable(variants) else [],
-            "deps": refcache.source_deps(before, problem), "device_name": name}
     pkey = refcache.problem_key(problem, seed, device, name)
     init_inputs = loader.init_inputs(mod, seed)
     ref, _ = loader.build_model(mod.Model, init_inputs, seed)
     state_dict = {k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}
+    meta = {"default_batch": default if isinstance(default, int) else None,
+            "variants": list(variants()) if callable(variants) else [],
+            "deps": refcache.source_deps(before, problem), "device_name": name,
+            "float_params": sum(p.numel() for p in ref.parameters() if p.is_floating_point()),
+            "row_bytes": (refcache.load_meta(root, pkey) or {}).get("row_bytes")}
     del ref
     refcache.save({"init_inputs": init_inputs, "state_dict": state_dict},
                   refcache.path(root, pkey, "init.pt"))
-    refcache.save(meta, refcache.path(root, pkey, "meta.json"))
     refcache.save_device_hint(root, device, name)
+    _problem.update(mod=mod, init_inputs=init_inputs, seed=seed, eval_mode=eval_mode, dev=dev)
     digest = refcache.deps_digest(meta["deps"])
-    regimes, _ = plan(meta["default_batch"], meta["variants"], batch_sizes, scales)
-    done = []
-    for regime in regimes:
-        if only is not None and regime.name not in only:
-            continue
-        entry, inputs = _reference_regime(mod, regime, init_inputs, dev, trials, seed, atol,
-                                          rtol, eval_mode)
-        rkey = refcache.regime_key(pkey, digest, regime.to_dict(), eval_mode, atol, rtol)
-        inputs_file, ref_file = refcache.regime_files(root, rkey, trials)
-        refcache.save(inputs, inputs_file)
-        refcache.save(entry, ref_file)
-        refcache.save(trials, refcache.path(root, rkey, "count"))
+    done, resident, drawn = [], {}, {}
+
+    def run(regime: Regime) -> list:
+        entry, inputs, kept = _reference_regime(mod, regime, init_inputs, dev, trials, seed,
+                                                atol, rtol, eval_mode, drawn)
+        if kept is not None:
+            _resident[regime.name] = kept
+            resident[regime.name] = {"entry": entry, "inputs": kept["shared"]}
+        else:
+            rkey = refcache.regime_key(pkey, digest, regime.to_dict(), eval_mode, atol, rtol)
+            inputs_file, ref_file = refcache.regime_files(root, rkey, trials)
+            refcache.save(inputs, inputs_file)
+            refcache.save(entry, ref_file)
+            refcache.save(trials, refcache.path(root, rkey, "count"))
         done.append(regime.name)
         loader.release(dev)
-    return {"pkey": pkey, "meta": meta, "computed": done}
+        return inputs
+
+    if only is None or "default" in only:
+        first = run(Regime("default"))
+        if first and meta["default_batch"]:
+            meta["row_bytes"] = _nbytes(first[0]) // meta["default_batch"]
+    regimes, _ = plan(meta["default_batch"], meta["variants"], batch_sizes, scales,
+                      meta["row_bytes"], meta["float_params"])
+    refcache.save(meta, refcache.path(root, pkey, "meta.json"))
+    for regime in regimes[1:]:
+        if only is None or regime.name in only:
+            run(regime)
+    return {"pkey": pkey, "meta": meta, "computed": done, "resident": resident}
 
 
 def _reference_regime(mod, regime: Regime, init_inputs, dev, trials, seed, atol, rtol,
-                      eval_mode) -> tuple[dict, list]:
+                      eval_mode, drawn: dict) -> tuple[dict, list, dict | None]:
+    """(entry, every trial's inputs, what a device-resident regime keeps or None). `drawn`
+    holds the inputs drawn so far, by (seed, batch size, variant): the scale regimes replay
+    the default's (drawing is most of a large problem's reference pass; none of it mutates
+    them: every forward gets a copy)."""
     entry = {**regime.to_dict(), "applicable": True, "reason": "", "note": "", "trials": []}
-    inputs_all = []
+    inputs_all, kept = [], None
     default = regime.name == "default"
     try:
         model, _ = loader.build_model(mod.Model, init_inputs, seed)
@@ -118,9 +171,20 @@ def _reference_regime(mod, regime: Regime, init_inputs, dev, trials, seed, atol,
         entry["training"] = bool(model.training)
         for t in range(trials):
             progress(f"reference, regime {regime.name}, trial {t}")
-            inputs = loader.draw_inputs(mod, 1000 * (t + 1) + seed, regime.batch_size,
-                                        regime.variant)
-            entry["trials"].append(_reference_trial(model, inputs, seed + t, dev, atol, rtol))
+            key = (1000 * (t + 1) + seed, regime.batch_size, regime.variant)
+            if key not in drawn:
+                drawn[key] = loader.draw_inputs(mod, *key)
+            inputs = drawn[key]
+            trial, export = _reference_trial(model, inputs, seed + t, dev, atol, rtol,
+                                             kept is not None if t else None)
+            if export is not None:
+                kept = kept or {"regime": regime.to_dict(), "trials": [], "host_inputs": [],
+                                "shared": []}
+                kept["trials"].append(trial)
+                kept["host_inputs"].append(inputs)
+                kept["shared"].append(shared.share_all(export, scratch_dir()))
+                trial = {**trial, "outputs": None}
+            entry["trials"].append(trial)
             inputs_all.append(inputs)
     except TaskError:
         raise
@@ -131,8 +195,8 @@ def _reference_regime(mod, regime: Regime, init_inputs, dev, trials, seed, atol,
         entry.update(applicable=False, trials=[],
                      reason=f"the reference itself raised {type(exc).__name__}: "
                             f"{str(exc).strip().splitlines()[0][:300] if str(exc) else ''}")
-        return entry, []
-    bad = sum(_nonfinite(tr["outputs"]) for tr in entry["trials"])
+        return entry, [], None
+    bad = sum(_nonfinite(tr["outputs"]) for tr in (kept or entry)["trials"])
     if bad and regime.perturbed_reference:
         # Overflow is part of what a scale regime tests: NaN/inf positions must match the
         # reference's, except where perturbed runs disagree on finiteness (fragile).
@@ -140,20 +204,28 @@ def _reference_regime(mod, regime: Regime, init_inputs, dev, trials, seed, atol,
     elif bad and not default:
         entry.update(applicable=False, trials=[],
                      reason=f"reference gives {bad} non-finite output element(s)")
-        return entry, []
-    return entry, inputs_all
+        return entry, [], None
+    return entry, inputs_all, kept
 
 
 def _rng_equal(a: dict, b: dict) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _reference_trial(model, inputs, seed, dev, atol, rtol) -> dict:
+def _reference_trial(model, inputs, seed, dev, atol, rtol,
+                     resident: bool | None) -> tuple[dict, list | None]:
+    """The trial's record and, in a device-resident regime (`resident` None: decide by its
+    size), its inputs on the device, to be shared with the candidate (else None). Its outputs
+    stay on the device there; elsewhere they come to the host for the cache."""
     state = _buffers(model)
+    export = [t.to(dev, copy=True) if isinstance(t, torch.Tensor) else t for t in inputs]
     torch.manual_seed(seed)  # seeds the CPU and every CUDA generator
     seeded = loader.rng_state(dev)
-    raw = model(*loader.to_device(_copies(inputs), dev))
-    first = loader.to_host(raw)
+    raw = model(*_copies(export))
+    if resident is None:
+        resident = _nbytes(export) + _nbytes(as_tuple(raw)) >= resident_threshold(dev)
+    first, is_tuple = loader.to_host(raw, keep_device=resident), isinstance(raw, (tuple, list))
+    del raw
     bad = [f"output {i} is a {name}" for i, o in enumerate(first)
            if (name := unsupported_type(o)) is not None]
     if bad:
@@ -164,17 +236,19 @@ def _reference_trial(model, inputs, seed, dev, atol, rtol) -> dict:
     after = _buffers(model)
     _restore(model, state)
     torch.manual_seed(seed)
-    second = loader.to_host(model(*loader.to_device(_copies(inputs), dev)))
+    second = loader.to_host(model(*_copies(export)), keep_device=resident)
     _restore(model, after)
     same = compare_outputs(first, second, atol, rtol)
-    return {"seed": seed, "outputs": first, "rng": rng, "deterministic": same.ok,
-            "bitwise": identical(first, second),
-            "determinism_note": "; ".join(f.message for f in same.findings),
-            # What KernelBench's own eval would make of this trial (report.kernelbench_note).
-            "tuple": isinstance(raw, (tuple, list)), "draws": not _rng_equal(seeded, rng),
-            "cast_inputs": [f"input {i} is {str(t.dtype).replace('torch.', '')}"
-                            for i, t in enumerate(inputs)
-                            if isinstance(t, torch.Tensor) and t.dtype != torch.float32]}
+    trial = {"seed": seed, "outputs": first, "rng": rng, "deterministic": same.ok,
+             "bitwise": identical(first, second),
+             "determinism_note": "; ".join(f.message for f in same.findings),
+             # What KernelBench's own eval would make of this trial (report.kernelbench_note).
+             "tuple": is_tuple,
+             "draws": not _rng_equal(seeded, rng),
+             "cast_inputs": [f"input {i} is {str(t.dtype).replace('torch.', '')}"
+                             for i, t in enumerate(inputs)
+                             if isinstance(t, torch.Tensor) and t.dtype != torch.float32]}
+    return trial, (export if resident else None)
 
 
 # ---- The candidate worker: build first (fail fast), check once the reference is ready. ----
@@ -210,9 +284,11 @@ def build_candidate(candidate: str, problem: str, device: str, seed: int) -> dic
 @torch.no_grad()
 def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, init_file: str,
                     regimes: list[dict]) -> dict:
-    """Replay each regime ({name, scale, inputs: file, seeds}) on ModelNew, handing over each
-    regime's {name, weights, trials, error} as it ends. An exception ends its regime only;
-    after one that leaves the device unusable (a sticky CUDA error), the check stops."""
+    """Replay each regime ({name, scale, seeds, and inputs: a file, or shared_inputs: each
+    trial's inputs shared by the reference's worker}) on ModelNew, handing over each regime's
+    {name, weights, trials, error} as it ends; a regime with shared inputs is device-resident,
+    and its outputs are handed over shared. An exception ends its regime only; after one that
+    leaves the device unusable (a sticky CUDA error), the check stops."""
     dev = torch.device(device)
     module = _built.get(candidate)
     if module is None:
@@ -223,7 +299,8 @@ def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, ini
     for regime in regimes:
         name = regime["name"]
         progress(f"candidate, regime {name}: loading its inputs")
-        inputs = refcache.load(Path(regime["inputs"]))
+        resident = "shared_inputs" in regime
+        inputs = regime["shared_inputs"] if resident else refcache.load(Path(regime["inputs"]))
         done = {"name": name, "weights": "", "trials": [], "error": None}
         where, model = f"regime {name}", None
         try:
@@ -234,7 +311,7 @@ def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, ini
             for t, s in enumerate(regime["seeds"]):
                 where = f"regime {name}, trial {t}"
                 progress(f"candidate, {where}", FORWARD)
-                done["trials"].append(_candidate_trial(model, inputs[t], s, dev))
+                done["trials"].append(_candidate_trial(model, inputs[t], s, dev, resident))
         except Exception as exc:  # noqa: BLE001 - reported as the candidate's failure
             done["error"] = {"where": where, "message": traceback_tail(exc)}
         emit(done)
@@ -245,16 +322,51 @@ def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, ini
     return {}
 
 
-def _candidate_trial(model, inputs: list, seed: int, dev) -> dict:
-    x = loader.to_device(inputs, dev)
+def _candidate_trial(model, inputs: list, seed: int, dev, resident: bool = False) -> dict:
+    """One forward. Its outputs are copied as soon as it returns, on the current stream (work
+    the candidate left on another stream is not waited for); in a device-resident regime the
+    copies stay on the device and are shared (kept alive until this worker exits)."""
+    x = shared.open_all(inputs, dev) if resident else loader.to_device(inputs, dev)
     saved = [t.clone() if isinstance(t, torch.Tensor) else t for t in x]
     torch.manual_seed(seed)
-    outputs = loader.to_host(model(*x))
+    outputs = loader.to_host(model(*x), keep_device=resident)
     loader.sync(dev)
     rng = loader.rng_state(dev)
     mutated = [i for i, (a, b) in enumerate(zip(x, saved))
                if isinstance(a, torch.Tensor) and not identical((a,), (b,))]
+    if resident:
+        outputs = tuple(shared.share_all(outputs, scratch_dir()))
     return {"outputs": outputs, "rng": rng, "mutated": mutated}
+
+
+# ---- The judge of a device-resident regime: the reference's worker, holding its outputs. ----
+
+@torch.no_grad()
+def judge_pass(name: str, trials: list[dict], envelope: bool, atol: float,
+               rtol: float) -> dict:
+    """Judge the candidate's `trials` of the device-resident regime `name` (outputs shared by
+    the candidate's worker, which is still alive) against the outputs this worker kept, on the
+    device; with `envelope`, rejudge the trials that missed the plain tolerance against the
+    perturbed-reference envelope. Only the verdicts go back (judge.trial_to_dict)."""
+    kept, dev = _resident[name], _problem["dev"]
+    progress(f"judging regime {name}")
+    ref, got, reports = kept["trials"], [None] * len(trials), []
+    for t, ct in enumerate(trials):  # at most two trials' outputs open at once, unless envelope
+        got[t] = {**ct, "outputs": tuple(shared.open_all(ct["outputs"], dev))}
+        reports.append(judge_trial(t, ref[t], got[t], (ref[t - 1], got[t - 1]) if t else None,
+                                   atol, rtol))
+        if t and not envelope:
+            got[t - 1] = None
+    prev = [None] + [(ref[t], got[t]) for t in range(len(got) - 1)]
+    wanted = {r.index for r in reports if envelope and needs_envelope(r)}
+    fragile = 0
+    if wanted:
+        envs = _regime_envelopes(Regime(**kept["regime"]), kept["host_inputs"], ref, wanted)
+        for t, env in envs.items():
+            reports[t] = judge_trial(t, ref[t], got[t], prev[t], atol, rtol, env)
+            fragile += sum(int(m.sum()) for m in env["fragile"] if m is not None)
+    return {"trials": [trial_to_dict(r) for r in reports], "fragile": fragile,
+            "envelope": bool(wanted)}
 
 
 # ---- Envelopes: only for the trials where a candidate missed the plain tolerance. ----
@@ -262,32 +374,40 @@ def _candidate_trial(model, inputs: list, seed: int, dev) -> dict:
 @torch.no_grad()
 def envelope_pass(problem: str, device: str, seed: int, eval_mode: bool, init_file: str,
                   requests: list[dict]) -> dict:
-    """Per request ({regime, inputs, ref, trials: {t: output file}}): rebuild the regime's
-    reference model, replay its trials in order (so module state evolves as in the reference
-    pass) and write the envelope of each requested trial."""
+    """Per request ({regime, inputs, ref, trials: {t: output file}}): write the envelope of
+    each requested trial (_regime_envelopes)."""
     dev = torch.device(device)
-    mod = loader.problem_module(problem)
-    init_inputs = refcache.load(Path(init_file))["init_inputs"]
+    _problem.update(mod=loader.problem_module(problem), seed=seed, eval_mode=eval_mode, dev=dev,
+                    init_inputs=refcache.load(Path(init_file))["init_inputs"])
     for req in requests:
-        regime = Regime(**req["regime"])
-        inputs = refcache.load(Path(req["inputs"]))
-        ref = refcache.load(Path(req["ref"]))
         wanted = {int(t): Path(f) for t, f in req["trials"].items()}
-        model, _ = loader.build_model(mod.Model, init_inputs, seed)
-        model = _prepare(model, regime.scale, dev, eval_mode)
-        last = max(wanted)
-        for t in range(last + 1):
-            if t in wanted:
-                (lo, hi), fragile = _envelope(model, inputs[t], seed + t, dev, PERTURB_RUNS,
-                                              f"regime {regime.name}, trial {t}",
-                                              ref["trials"][t]["outputs"])
-                refcache.save({"lo": lo, "hi": hi, "fragile": fragile}, wanted[t])
-            if t < last:  # the trial's plain forward: module state moves on as it did
-                torch.manual_seed(seed + t)
-                model(*loader.to_device(_copies(inputs[t]), dev))
-        del model
-        loader.release(dev)
+        envs = _regime_envelopes(Regime(**req["regime"]), refcache.load(Path(req["inputs"])),
+                                 refcache.load(Path(req["ref"]))["trials"], set(wanted))
+        for t, env in envs.items():
+            refcache.save(env, wanted[t])
     return {}
+
+
+def _regime_envelopes(regime: Regime, inputs: list, ref_trials: list[dict],
+                      wanted: set[int]) -> dict[int, dict]:
+    """{t: {lo, hi, fragile}} for the `wanted` trials: rebuild the regime's reference model and
+    replay its trials in order (so module state evolves as in the reference pass)."""
+    p, dev = _problem, _problem["dev"]
+    model, _ = loader.build_model(p["mod"].Model, p["init_inputs"], p["seed"])
+    model = _prepare(model, regime.scale, dev, p["eval_mode"])
+    last, out = max(wanted), {}
+    for t in range(last + 1):
+        if t in wanted:
+            (lo, hi), fragile = _envelope(model, inputs[t], p["seed"] + t, dev, PERTURB_RUNS,
+                                          f"regime {regime.name}, trial {t}",
+                                          ref_trials[t]["outputs"])
+            out[t] = {"lo": lo, "hi": hi, "fragile": fragile}
+        if t < last:  # the trial's plain forward: module state moves on as it did
+            torch.manual_seed(p["seed"] + t)
+            model(*loader.to_device(_copies(inputs[t]), dev))
+    del model
+    loader.release(dev)
+    return out
 
 
 @torch.no_grad()

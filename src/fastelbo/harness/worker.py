@@ -117,11 +117,14 @@ class Worker:
         return self.ready
 
     def run(self, func: str, kwargs: dict, *, timeout: float, forward_timeout: float | None = None,
-            build_timeout: float | None = None) -> WorkerOutcome:
+            build_timeout: float | None = None, on_partial=None) -> WorkerOutcome:
         """Run `func(**kwargs)` in the worker. `timeout` bounds the whole task from its first
         message (a worker still starting has STARTUP_TIMEOUT); a step the task marks as a
         forward gets `forward_timeout` (while it builds, up to `build_timeout`), a step marked
-        as a build gets `build_timeout`. On a timeout or crash the worker is gone."""
+        as a build gets `build_timeout`. On a timeout or crash the worker is gone.
+        `on_partial(result)` is called with each partial result as it arrives (it must return
+        promptly: the limits are enforced between calls)."""
+        self._on_partial = on_partial
         self._tasks += 1
         task = self.tmp / f"task{self._tasks}.pkl"
         task.write_bytes(pickle.dumps({"func": func, "kwargs": kwargs}))
@@ -200,6 +203,8 @@ class Worker:
                     outcome.category = "exception"
                     outcome.reason = f"a partial result could not be read: {_load_error(exc)}"
                     return
+                if self._on_partial is not None:
+                    self._on_partial(outcome.partials[-1])
             elif kind == "D":
                 return _read_result(outcome, Path(rest))
 
@@ -498,6 +503,11 @@ def _send(line: str) -> None:
             os.write(_channel, data)
         except (BrokenPipeError, OSError):
             os._exit(1)  # the harness is gone: nothing left to report to
+
+
+def scratch_dir() -> Path:
+    """This worker's own directory (removed with it), for files its tasks hand over."""
+    return _tmp if _tmp is not None else Path(tempfile.gettempdir())
 
 
 def progress(message: str, limit: str = TOTAL) -> None:

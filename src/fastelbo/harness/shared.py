@@ -1,0 +1,87 @@
+"""Hand a tensor to another worker by reference, not through the check's own process.
+
+A large problem's trial tensors (GBs each: KernelBench's level1/19_ReLU has a 6.4 GB input)
+cost seconds per copy through files and the host (a pageable device-to-host copy of 6.4 GB
+took 4.1 s on the H200's host, torch.save 5.8 s). So in a device-resident regime (tasks.py) they
+stay on the device: a worker `share`s a tensor as a plain description, and the other opens it
+with `open_copy`, which returns its own copy. On CUDA the description is the storage's IPC
+handle (torch's UntypedStorage._share_cuda_, as torch.multiprocessing uses it), and the copy
+waits for the event recorded when it was shared; the sharing process keeps the tensor alive
+until it exits (the check closes its workers last). On the CPU the tensor goes to a file in
+`directory` and is read back memory-mapped.
+
+A description holds only bytes, ints, bools and strings: the harness reads what workers send
+with weights_only=True, and opening one never unpickles anything chosen by its sender.
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+
+KIND = "__fastelbo_shared__"
+_kept: list = []          # what this process has shared: alive until it exits
+_count = itertools.count()
+
+
+def is_shared(value) -> bool:
+    return isinstance(value, dict) and KIND in value
+
+
+def share(t: torch.Tensor, directory: str | Path) -> dict:
+    """A description of `t` (detached, as a plain tensor) that another process can open."""
+    t = t.detach().as_subclass(torch.Tensor)
+    desc = {KIND: t.device.type, "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape), "stride": list(t.stride()), "offset": t.storage_offset()}
+    if t.device.type == "cuda":
+        (device, handle, size, offset_bytes, rc_handle, rc_offset, event, event_sync) = \
+            t.untyped_storage()._share_cuda_()
+        desc.update(device=int(device), handle=bytes(handle), storage_bytes=int(size),
+                    storage_offset_bytes=int(offset_bytes), ref_counter=bytes(rc_handle),
+                    ref_counter_offset=int(rc_offset), event=bytes(event),
+                    event_sync=bool(event_sync))
+        _kept.append(t)
+    elif t.device.type == "cpu":
+        path = Path(directory) / f"shared{next(_count)}.pt"
+        torch.save(t.contiguous(), path)
+        desc.update(path=str(path), stride=list(t.contiguous().stride()), offset=0)
+    else:
+        raise ValueError(f"cannot share a tensor on {t.device}")
+    return desc
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+def open_copy(desc: dict, device: torch.device) -> torch.Tensor:
+    """The described tensor, copied into memory this process owns, on `device`."""
+    dtype = _dtype(desc["dtype"])
+    if desc[KIND] == "cpu":
+        t = torch.load(desc["path"], weights_only=True, mmap=True)
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            raise ValueError(f"{desc['path']} does not hold the described tensor")
+        return t.to(device, copy=True)
+    if desc[KIND] != "cuda":
+        raise ValueError(f"unknown shared tensor kind {desc[KIND]!r}")
+    storage = torch.UntypedStorage._new_shared_cuda(
+        desc["device"], desc["handle"], desc["storage_bytes"], desc["storage_offset_bytes"],
+        desc["ref_counter"], desc["ref_counter_offset"], desc["event"], desc["event_sync"])
+    view = torch.empty(0, dtype=dtype, device=f"cuda:{desc['device']}").set_(
+        storage, desc["offset"], desc["shape"], desc["stride"])
+    out = view.to(device, copy=True)
+    del view, storage  # the sender's block is released once this process lets go of it
+    return out
+
+
+def share_all(values, directory: str | Path) -> list:
+    """Tensors shared, everything else as it is."""
+    return [share(v, directory) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def open_all(values, device: torch.device) -> list:
+    return [open_copy(v, device) if is_shared(v) else v for v in values]
