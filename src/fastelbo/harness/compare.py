@@ -1,11 +1,14 @@
 """Compare a candidate's outputs with the reference's and say where and how much they differ.
 
-Everything here runs in the harness process on CPU tensors that the workers sent back; no
-candidate code runs here. Each problem becomes a `Finding` with a category that tests and
-scripts can match on, and a message a person can act on.
+No candidate code runs here. The value comparison (`diff_tensors`, `envelope_accepts`,
+`degenerate`) runs on the device of the tensors it is given, CPU or GPU, in chunks of
+CHUNK_ELEMENTS, so that outputs of several GB can be compared without float64 copies of them.
+Each problem becomes a `Finding` with a category that tests and scripts can match on, and a
+message a person can act on.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +54,77 @@ def _fmt_index(flat: int, shape: torch.Size) -> str:
     return "[" + ", ".join(str(i) for i in reversed(idx)) + "]"
 
 
+# Elements per chunk of `diff_tensors` (and `_close`): its float64 temporaries (about ten per
+# chunk, plus two running bounds in `envelope_accepts`) scale with this, not with the tensor.
+# 1 << 24 float64 elements are 128 MiB per temporary.
+CHUNK_ELEMENTS = 1 << 24
+
+_LABELS = ("NaN", "+inf", "-inf")
+
+
+def _step() -> int:
+    return max(1, int(CHUNK_ELEMENTS))
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal, chunk by chunk on a's device when b lives elsewhere (shapes and dtypes equal)."""
+    if a.device == b.device:
+        return torch.equal(a, b)
+    a, b, step = a.detach().reshape(-1), b.detach().reshape(-1), _step()
+    return all(torch.equal(a[s:s + step], b[s:s + step].to(a.device))
+               for s in range(0, a.numel(), step))
+
+
+def _first(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, index of the first True; 0 when none) of a flat bool mask, on its device."""
+    return mask.sum(), mask.to(torch.uint8).argmax()
+
+
+def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """t[i] for a 0-d index tensor, without a device sync (t[i] would call i.item())."""
+    return t.index_select(0, i.view(1))[0]
+
+
+def _chunk_stats(r: torch.Tensor, g: torch.Tensor, judged: torch.Tensor, runs: list,
+                 atol: float, rtol: float) -> list[float]:
+    """The per-chunk quantities `diff_tensors` merges, as one list (a single device sync).
+
+    For each label of _LABELS then for `bad`: count, first index, candidate and reference
+    value there; then n_envelope, max err, max rel, and the worst element's where(env, 0, err)
+    value, index and err. r, g: float64 chunks; runs: the same chunk of each perturbed run.
+    """
+    out = []
+    masks = {"NaN": (torch.isnan(r), torch.isnan(g)),
+             "+inf": (torch.isposinf(r), torch.isposinf(g)),
+             "-inf": (torch.isneginf(r), torch.isneginf(g))}
+    differs = torch.zeros(r.shape, dtype=torch.bool, device=r.device)
+    for label in _LABELS:
+        mr, mg = masks[label]
+        differs |= mr != mg
+        count, first = _first((mr & judged) != (mg & judged))
+        out += [count, first, _at(g, first), _at(r, first)]
+    finite = torch.isfinite(r) & torch.isfinite(g)
+    absdiff = (g - r).abs()
+    beyond = finite & (absdiff > atol + rtol * r.abs())
+    err = torch.where(finite & judged, absdiff, torch.zeros((), dtype=torch.float64,
+                                                            device=r.device))
+    rel = err / r.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    outside = beyond & judged
+    # envelope_accepts only matters where `outside` holds; skipping it elsewhere saves moving
+    # every run's chunk to the device.
+    env = outside & envelope_accepts([r, *runs], g, atol, rtol) \
+        if runs and bool(outside.any()) else torch.zeros_like(outside)
+    # Fragile elements are never judged; those where the candidate differs count as accepted.
+    env |= ~judged & (differs | beyond)
+    bad = outside & ~env
+    count, first = _first(bad)
+    out += [count, first, _at(g, first), _at(r, first), env.sum(), err.max(), rel.max()]
+    masked = torch.where(env, 0.0, err)
+    worst = masked.argmax()
+    out += [_at(masked, worst), worst, _at(err, worst)]
+    return torch.stack([t.to(torch.float64) for t in out]).tolist()
+
+
 def diff_tensors(ref: torch.Tensor, got: torch.Tensor, atol: float, rtol: float,
                  index: int = 0, runs: list[torch.Tensor] | None = None,
                  fragile: torch.Tensor | None = None) -> tuple[TensorDiff, list[Finding]]:
@@ -62,61 +136,76 @@ def diff_tensors(ref: torch.Tensor, got: torch.Tensor, atol: float, rtol: float,
     `fragile` elements (finite in only some perturbed runs: overflow there is an accident of
     rounding), which are not judged; those that differ are counted in `n_envelope` too.
     Differences are measured in float64 so that the tolerance, not the comparison, decides.
+
+    Runs on ref's device (got, runs and fragile are moved there chunk by chunk), over the
+    flattened tensors in chunks of CHUNK_ELEMENTS, so that its float64 temporaries are bounded
+    by the chunk; the result is the same as over the whole tensor at once.
     """
     name = f"output {index}"
     if tuple(ref.shape) != tuple(got.shape):
         msg = f"{name}: shape {tuple(got.shape)}, reference {tuple(ref.shape)}"
         return TensorDiff(index, False, message=msg), [Finding("shape", msg)]
-    if ref.dtype == got.dtype and torch.equal(ref, got):
+    if ref.dtype == got.dtype and _equal(ref, got):
         # Bit-identical and NaN-free (torch.equal is False wherever a NaN is): nothing to
         # measure. The common case for the reference's determinism check, and it skips ~30
         # elementwise passes in float64 over every output.
         return TensorDiff(index, True), []
+    for i, run in enumerate(runs or []):
+        if tuple(run.shape) != tuple(ref.shape):
+            raise ValueError(f"{name}: perturbed run {i} has shape {tuple(run.shape)}, "
+                             f"reference {tuple(ref.shape)}")
     findings = []
     if ref.dtype != got.dtype:
         findings.append(Finding("dtype", f"{name}: dtype {got.dtype}, reference {ref.dtype}"))
-    r, g = ref.detach().double().cpu(), got.detach().double().cpu()
-    judged = torch.ones(r.shape, dtype=torch.bool)
-    if fragile is not None and tuple(fragile.shape) == tuple(r.shape):
-        judged = ~fragile.cpu()
-    masks = {"NaN": (torch.isnan(r), torch.isnan(g)),
-             "+inf": (torch.isposinf(r), torch.isposinf(g)),
-             "-inf": (torch.isneginf(r), torch.isneginf(g))}
-    differs = torch.zeros(r.shape, dtype=torch.bool)
-    for label, (mr, mg) in masks.items():
-        differs |= mr != mg
-        mr, mg = mr & judged, mg & judged
-        if not torch.equal(mr, mg):
-            where = (mr != mg).flatten().nonzero()
-            first = int(where[0])
-            findings.append(Finding(
-                "nonfinite", f"{name}: {label} positions differ at {len(where)} element(s), first "
-                f"{_fmt_index(first, ref.shape)}: candidate {g.flatten()[first].item():.6g}, "
-                f"reference {r.flatten()[first].item():.6g}"))
-    finite = torch.isfinite(r) & torch.isfinite(g)
-    absdiff = (g - r).abs()
-    beyond = finite & (absdiff > atol + rtol * r.abs())
-    err = torch.where(finite & judged, absdiff, torch.zeros((), dtype=torch.float64))
-    rel = err / r.abs().clamp_min(torch.finfo(torch.float64).tiny)
-    outside = beyond & judged
-    env = outside & envelope_accepts([ref, *runs], got, atol, rtol) if runs else \
-        torch.zeros_like(outside)
-    # Fragile elements are never judged; those where the candidate differs count as accepted.
-    env |= ~judged & (differs | beyond)
-    bad = outside & ~env
+    dev, numel, step = ref.device, ref.numel(), _step()
+    r_all, g_all = ref.detach().reshape(-1), got.detach().reshape(-1)
+    runs_all = [run.detach().reshape(-1) for run in runs] if runs else []
+    f_all = fragile.detach().reshape(-1) \
+        if fragile is not None and tuple(fragile.shape) == tuple(ref.shape) else None
+    # Per label, then for `bad`: [count, first global index, candidate, reference value].
+    firsts = {label: [0, None, 0.0, 0.0] for label in (*_LABELS, "bad")}
+    n_env, max_abs, max_rel, worst = 0, [], [], None  # worst: (masked value, index, err)
+    for start in range(0, numel, step):
+        part = slice(start, min(start + step, numel))
+        r = r_all[part].to(dev, torch.float64)
+        g = g_all[part].to(dev, torch.float64)
+        judged = ~f_all[part].to(dev) if f_all is not None else \
+            torch.ones(r.shape, dtype=torch.bool, device=dev)
+        stats = _chunk_stats(r, g, judged, [run[part] for run in runs_all], atol, rtol)
+        for k, label in enumerate((*_LABELS, "bad")):
+            count, first, cand, refv = stats[4 * k:4 * k + 4]
+            rec = firsts[label]
+            if count and rec[1] is None:
+                rec[1:] = [start + int(first), cand, refv]
+            rec[0] += int(count)
+        n_env += int(stats[16])
+        max_abs.append(stats[17])
+        max_rel.append(stats[18])
+        value, at, err_at = stats[19:22]
+        # Global argmax as torch.argmax over the whole tensor: NaN is the maximum, ties go to
+        # the smallest index (this chunk's argmax is its first maximum, earlier chunks win).
+        if worst is None or value > worst[0] or (math.isnan(value) and not math.isnan(worst[0])):
+            worst = (value, start + int(at), err_at)
     diff = TensorDiff(index, True,
-                      max_abs=float(err.max()) if err.numel() else 0.0,
-                      max_rel=float(rel.max()) if rel.numel() else 0.0,
-                      n_bad=int(bad.sum()), n_envelope=int(env.sum()))
+                      max_abs=float(torch.tensor(max_abs, dtype=torch.float64).max())
+                      if numel else 0.0,
+                      max_rel=float(torch.tensor(max_rel, dtype=torch.float64).max())
+                      if numel else 0.0,
+                      n_bad=firsts["bad"][0], n_envelope=n_env)
+    for label in _LABELS:
+        count, first, cand, refv = firsts[label]
+        if count:
+            findings.append(Finding(
+                "nonfinite", f"{name}: {label} positions differ at {count} element(s), first "
+                f"{_fmt_index(first, ref.shape)}: candidate {cand:.6g}, reference {refv:.6g}"))
     if diff.n_bad:
-        first = int(bad.flatten().nonzero()[0])
-        worst = int(torch.where(env, 0.0, err).flatten().argmax())
+        _, first, cand, refv = firsts["bad"]
+        _, at, err_at = worst
         beyond = " and the perturbed-reference envelope" if runs else ""
         findings.append(Finding(
-            "mismatch", f"{name}: {diff.n_bad}/{r.numel()} element(s) outside atol+rtol*|ref|"
-            f"{beyond}; first {_fmt_index(first, ref.shape)}: candidate "
-            f"{g.flatten()[first].item():.6g}, reference {r.flatten()[first].item():.6g}; worst "
-            f"|diff| {float(err.flatten()[worst]):.3g} at {_fmt_index(worst, ref.shape)}"))
+            "mismatch", f"{name}: {diff.n_bad}/{numel} element(s) outside atol+rtol*|ref|"
+            f"{beyond}; first {_fmt_index(first, ref.shape)}: candidate {cand:.6g}, reference "
+            f"{refv:.6g}; worst |diff| {err_at:.3g} at {_fmt_index(at, ref.shape)}"))
     diff.ok = not findings
     diff.message = "; ".join(f.message for f in findings)
     return diff, findings
@@ -127,9 +216,25 @@ def _rows_equal(t: torch.Tensor) -> bool:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> bool:
-    """allclose(a, b) in float64, NaN equal to NaN (b broadcasts)."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return bool(torch.isclose(a, b.expand_as(a), rtol=rtol, atol=atol, equal_nan=True).all())
+    """allclose(a, b) in float64, NaN equal to NaN (b broadcasts), on a's device.
+
+    a is taken a block of rows at a time (about CHUNK_ELEMENTS elements), so that the float64
+    copies stay bounded; b is sliced alongside where it has a's rows, else it broadcasts
+    against every block (a scalar, one row).
+    """
+    a, b = a.detach(), b.detach().to(a.device, torch.float64)
+    if a.dim() == 0:
+        return bool(torch.isclose(a.double(), b.expand_as(a), rtol=rtol, atol=atol,
+                                  equal_nan=True))
+    by_row = b.dim() == a.dim() and b.shape[0] != 1
+    rows = max(1, _step() // max(1, a[0].numel()))
+    for start in range(0, a.shape[0], rows):
+        part = a[start:start + rows].double()
+        other = b[start:start + rows] if by_row else b
+        if not bool(torch.isclose(part, other.expand_as(part), rtol=rtol, atol=atol,
+                                  equal_nan=True).all()):
+            return False
+    return True
 
 
 def degenerate(ref: torch.Tensor, got: torch.Tensor, index: int, atol: float = 0.0,
@@ -244,13 +349,26 @@ def envelope_accepts(runs: list[torch.Tensor], got: torch.Tensor, atol: float,
 
     runs[0] is the unperturbed reference; NaN/inf positions must match it exactly (that is
     checked elsewhere), so only elements finite in every run and in `got` can be accepted.
+    Computed on got's device (runs are moved there one at a time), with running bounds: the
+    same as min/max over the stacked runs, without the stack.
     """
-    stack = torch.stack([r.detach().double().cpu() for r in runs])
-    g = got.detach().double().cpu()
-    lo, hi = stack.min(0).values, stack.max(0).values
+    if not runs:
+        raise ValueError("envelope_accepts needs at least one run (the reference)")
+    g = got.detach().double()
+    lo = hi = finite = None
+    for i, run in enumerate(runs):
+        if tuple(run.shape) != tuple(runs[0].shape):
+            raise ValueError(f"envelope_accepts: run {i} has shape {tuple(run.shape)}, "
+                             f"run 0 {tuple(runs[0].shape)}")
+        r = run.detach().to(g.device, torch.float64)
+        # torch.minimum/maximum propagate NaN as stack.min/max do; those elements are
+        # excluded through `finite` anyway.
+        lo = r if lo is None else torch.minimum(lo, r)
+        hi = r if hi is None else torch.maximum(hi, r)
+        finite = torch.isfinite(r) if finite is None else finite & torch.isfinite(r)
     lo = lo - (atol + rtol * lo.abs())
     hi = hi + (atol + rtol * hi.abs())
-    return torch.isfinite(stack).all(0) & torch.isfinite(g) & (g >= lo) & (g <= hi)
+    return finite & torch.isfinite(g) & (g >= lo) & (g <= hi)
 
 
 def finiteness_differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
