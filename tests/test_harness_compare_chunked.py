@@ -278,3 +278,16 @@ def test_degenerate_in_blocks_of_rows(monkeypatch, chunk):
     assert not compare._close(near, other, 1e-4, 0.0)
     assert degenerate(torch.tensor(0.5), torch.tensor(0.0), 0) == [
         Finding("zero_output", "output 0 is all zeros; the reference's is not")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,seed", [((2, 9, 17), 0), ((64,), 1), ((5, 11), 2)])
+def test_on_cuda_equals_the_cpu_spec(monkeypatch, shape, seed):
+    """ref and got on the GPU (a device-resident regime's judge), the envelope's runs and the
+    fragile mask on the host (tasks._envelope brings them there): the CPU spec's verdict."""
+    ref, got, runs, fragile = _planted(shape, seed)
+    want = _reference_diff_tensors(ref, got, ATOL, RTOL, 3, runs, fragile)
+    for chunk in (7, 1 << 62):
+        monkeypatch.setattr(compare, "CHUNK_ELEMENTS", chunk)
+        result = diff_tensors(ref.cuda(), got.cuda(), ATOL, RTOL, 3, runs, fragile)
+        assert _key(result) == _key(want), chunk
