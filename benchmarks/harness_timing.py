@@ -119,20 +119,25 @@ def _env(cache_dir: Path, src: Path) -> dict:
 
 
 def run_check(case: dict, device: str, cache_dir: Path, timeout: float,
-              src: Path) -> tuple[float, int, str]:
+              src: Path) -> tuple[float, int, str, dict]:
+    """(wall s, exit code, verdict line, the report's own timings per phase) of one check in a
+    new process (`--json`: the report is what it prints)."""
     env = _env(cache_dir, src)
     cmd = [sys.executable, "-m", "fastelbo.cli", "check", case["problem"], case["candidate"],
-           "--device", device, *case["options"]]
+           "--device", device, "--json", *case["options"]]
     start = time.perf_counter()
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
                              check=False)
     except subprocess.TimeoutExpired:  # a row that says so, not a lost run
-        return timeout, TIMED_OUT, f"did not finish within --timeout {timeout:g} s"
+        return timeout, TIMED_OUT, f"did not finish within --timeout {timeout:g} s", {}
     wall = time.perf_counter() - start
-    verdict = next((line for line in res.stdout.splitlines() if line.startswith("verdict:")),
-                   (res.stderr.strip().splitlines() or [""])[-1])
-    return wall, res.returncode, verdict
+    try:
+        report = json.loads(res.stdout)
+    except ValueError:
+        return wall, res.returncode, (res.stderr.strip().splitlines() or [""])[-1], {}
+    verdict = f"verdict: {VERDICT.get(report['status'], report['status'])} (exit {res.returncode})"
+    return wall, res.returncode, verdict, {k: round(v, 3) for k, v in report["timings"].items()}
 
 
 def run_kernelbench(case: dict, kb_src: Path, timeout: float) -> tuple[float, int, str]:
@@ -164,10 +169,11 @@ def measure(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
     warm_dir = tmp / f"{case['case']}-warm"
     if case["cache"] == "warm":  # fill it once, untimed
         run_check(case, device, warm_dir, timeout, src)
-    walls, codes, verdict = [], [], ""
+    walls, codes, verdict, phases = [], [], "", []
     for r in range(repeats):
         cache_dir = warm_dir if case["cache"] == "warm" else tmp / f"{case['case']}-cold{r}"
-        wall, code, verdict = run_check(case, device, cache_dir, timeout, src)
+        wall, code, verdict, timings = run_check(case, device, cache_dir, timeout, src)
+        phases.append(timings)
         walls.append(round(wall, 3))
         codes.append(code)
     target = TARGETS.get((case["case"], device))
@@ -176,7 +182,8 @@ def measure(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
                                      or all(c == case["expected_exit"] for c in codes))
     return {**case, "wall_s": round(med, 3), "runs_s": walls, "exit_codes": codes,
             "verdict": verdict, "verdict_ok": ok, "target_s": target,
-            "met": None if target is None else bool(ok and med <= target)}
+            "met": None if target is None else bool(ok and med <= target),
+            "report_timings": phases}
 
 
 # ---- A repeated check in a long-lived process: the server (MCP client) or a Session ----

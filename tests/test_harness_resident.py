@@ -135,6 +135,17 @@ def test_relu_check_reports_skipped_scales(tmp_path):
     assert any(s.startswith("scales:") for s in report.skipped)
 
 
+def test_one_module_serves_every_regime(tmp_path):
+    """The candidate's module is built once (the build phase) and every regime starts from its
+    state, restored: a workspace sized at the first call is caught at a larger batch."""
+    report = run_check(RELU, CANDIDATES / "stale_workspace.py", trials=2, batch_sizes=[1, 33],
+                       cache=tmp_path)
+    assert report.exit_code == 1, report.format()
+    status = {r.name: r.status for r in report.regimes}
+    assert status == {"default": "PASS", "batch=1": "PASS", "batch=33": "FAIL"}, report.format()
+    assert report.categories == ["mismatch"]
+
+
 def test_shared_cpu_tensor_round_trip(tmp_path):
     g = torch.Generator().manual_seed(7)
     t = torch.randn(5, 3, generator=g)[:, 1]  # a strided view

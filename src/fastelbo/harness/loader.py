@@ -66,27 +66,38 @@ def init_inputs(mod: ModuleType, seed: int) -> list:
 
 def build_model(cls, init_inputs: list, seed: int,
                 state_dict: dict | None = None) -> tuple[torch.nn.Module, str]:
-    """Construct `cls(*init_inputs)` after `torch.manual_seed(seed)` and sync its weights.
-
-    The reference's state_dict is loaded when keys and shapes match exactly; otherwise the
-    seed-identical construction is all there is (it gives equal weights only when the candidate
-    creates its parameters in the reference's order). The returned string says which.
-    """
+    """Construct `cls(*init_inputs)` after `torch.manual_seed(seed)` and sync its weights
+    (load_weights; the returned string says how)."""
     torch.manual_seed(seed)
     model = cls(*init_inputs)
-    if state_dict is None:
-        return model, "reference"
+    return model, ("reference" if state_dict is None else load_weights(model, state_dict))
+
+
+def load_weights(model: torch.nn.Module, state_dict: dict) -> str:
+    """Load the reference's state_dict when keys and shapes match exactly; otherwise the
+    seed-identical construction is all there is (it gives equal weights only when the candidate
+    creates its parameters in the reference's order). Says which."""
     own = model.state_dict()
     if set(own) != set(state_dict):
         missing = sorted(set(state_dict) - set(own))[:3]
         extra = sorted(set(own) - set(state_dict))[:3]
-        return model, (f"seed-identical construction (state_dict keys differ: missing "
-                       f"{missing}, extra {extra})")
+        return (f"seed-identical construction (state_dict keys differ: missing "
+                f"{missing}, extra {extra})")
     bad = [k for k in own if tuple(own[k].shape) != tuple(state_dict[k].shape)]
     if bad:
-        return model, f"seed-identical construction (state_dict shapes differ: {bad[:3]})"
+        return f"seed-identical construction (state_dict shapes differ: {bad[:3]})"
     model.load_state_dict(state_dict)
-    return model, "state_dict loaded from the reference"
+    return "state_dict loaded from the reference"
+
+
+def snapshot_state(model: torch.nn.Module) -> dict:
+    """Copies of the module's parameters and persistent buffers (restore_state puts them back)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@torch.no_grad()
+def restore_state(model: torch.nn.Module, state: dict) -> None:
+    model.load_state_dict(state)
 
 
 @torch.no_grad()

@@ -1,12 +1,17 @@
 """What the check's workers run: the reference pass, the candidate's build and check, envelopes.
 
-The reference worker builds `Model`, draws every trial's inputs and runs each forward twice
-under the same seed (the determinism check; the module's buffers are restored between the two,
-so a BatchNorm in training mode advances once per trial, as in KernelBench), and writes inputs,
-outputs and generator states to the reference cache (refcache.py), on the CPU. The candidate
-worker first imports the candidate and constructs ModelNew (the build phase, reported as soon as
-it ends), then, once the reference is ready, replays the same inputs and seeds in every regime,
-handing each regime's result over as it finishes. It never sees the reference's outputs.
+Each worker constructs its module once (after torch.manual_seed(seed), as KernelBench does) and
+snapshots its state; every regime starts from that state, restored (parameters and persistent
+buffers), then scaled: seeded initialisation runs on the CPU and can be most of a large model's
+check, and one module serving every regime is what a user's module does (a workspace sized at
+the first call is caught at a larger batch). The reference worker draws every trial's inputs
+and runs each forward twice under the same seed (the determinism check; the module's buffers
+are restored between the two, so a BatchNorm in training mode advances once per trial, as in
+KernelBench), and writes inputs, outputs and generator states to the reference cache
+(refcache.py), on the CPU. The candidate worker first imports the candidate and constructs
+ModelNew (the build phase, reported as soon as it ends), then, once the reference is ready,
+replays the same inputs and seeds in every regime, handing each regime's result over as it
+finishes. It never sees the reference's outputs.
 Envelopes (compare.py) are computed afterwards, and only for trials of a scaled regime where
 the candidate misses the plain tolerance.
 
@@ -112,24 +117,23 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
     name = device_name(dev)
     pkey = refcache.problem_key(problem, seed, device, name)
     init_inputs = loader.init_inputs(mod, seed)
-    ref, _ = loader.build_model(mod.Model, init_inputs, seed)
-    state_dict = {k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}
+    _problem.update(mod=mod, init_inputs=init_inputs, seed=seed, eval_mode=eval_mode, dev=dev)
+    ref = _reference_model()
+    state_dict = {k: v.cpu() for k, v in _problem["state"].items()}
     meta = {"default_batch": default if isinstance(default, int) else None,
             "variants": list(variants()) if callable(variants) else [],
             "deps": refcache.source_deps(before, problem), "device_name": name,
             "float_params": sum(p.numel() for p in ref.parameters() if p.is_floating_point()),
             "row_bytes": (refcache.load_meta(root, pkey) or {}).get("row_bytes")}
-    del ref
     refcache.save({"init_inputs": init_inputs, "state_dict": state_dict},
                   refcache.path(root, pkey, "init.pt"))
     refcache.save_device_hint(root, device, name)
-    _problem.update(mod=mod, init_inputs=init_inputs, seed=seed, eval_mode=eval_mode, dev=dev)
     digest = refcache.deps_digest(meta["deps"])
     done, resident, drawn = [], {}, {}
 
     def run(regime: Regime) -> list:
-        entry, inputs, kept = _reference_regime(mod, regime, init_inputs, dev, trials, seed,
-                                                atol, rtol, eval_mode, drawn)
+        entry, inputs, kept = _reference_regime(mod, regime, dev, trials, seed, atol, rtol,
+                                                drawn)
         if kept is not None:
             _resident[regime.name] = kept
             resident[regime.name] = {"entry": entry, "inputs": kept["shared"]}
@@ -156,8 +160,28 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
     return {"pkey": pkey, "meta": meta, "computed": done, "resident": resident}
 
 
-def _reference_regime(mod, regime: Regime, init_inputs, dev, trials, seed, atol, rtol,
-                      eval_mode, drawn: dict) -> tuple[dict, list, dict | None]:
+def _reference_model() -> torch.nn.Module:
+    """The worker's one reference module, constructed once (after torch.manual_seed(seed), as
+    KernelBench constructs it) with a snapshot of its constructed state: a regime starts from
+    that state (_regime_model), so the seeded initialisation, on the CPU and often most of a
+    large model's reference pass, runs once per check, not once per regime."""
+    p = _problem
+    if "model" not in p:
+        p["model"], _ = loader.build_model(p["mod"].Model, p["init_inputs"], p["seed"])
+        p["state"] = loader.snapshot_state(p["model"])
+    return p["model"]
+
+
+def _regime_model(regime: Regime) -> torch.nn.Module:
+    """The reference module in its constructed state, scaled for `regime`, on the device."""
+    p = _problem
+    model = _reference_model()
+    loader.restore_state(model, p["state"])
+    return _prepare(model, regime.scale, p["dev"], p["eval_mode"])
+
+
+def _reference_regime(mod, regime: Regime, dev, trials, seed, atol, rtol,
+                      drawn: dict) -> tuple[dict, list, dict | None]:
     """(entry, every trial's inputs, what a device-resident regime keeps or None). `drawn`
     holds the inputs drawn so far, by (seed, batch size, variant): the scale regimes replay
     the default's (drawing is most of a large problem's reference pass; none of it mutates
@@ -166,8 +190,7 @@ def _reference_regime(mod, regime: Regime, init_inputs, dev, trials, seed, atol,
     inputs_all, kept = [], None
     default = regime.name == "default"
     try:
-        model, _ = loader.build_model(mod.Model, init_inputs, seed)
-        model = _prepare(model, regime.scale, dev, eval_mode)
+        model = _regime_model(regime)
         entry["training"] = bool(model.training)
         for t in range(trials):
             progress(f"reference, regime {regime.name}, trial {t}")
@@ -274,9 +297,7 @@ def build_candidate(candidate: str, problem: str, device: str, seed: int) -> dic
     except Exception as exc:  # noqa: BLE001 - the candidate's failure, not the harness's
         raise TaskError("exception", f"{loader.where(exc, candidate)}ModelNew(*get_init_inputs()) "
                         f"raised:\n{traceback_tail(exc)}") from None
-    del model
-    loader.release(dev)
-    _built[candidate] = module
+    _built[candidate] = (module, model)  # the module every regime then starts from
     return {"build_s": time.perf_counter() - start, "import_s": import_s,
             "device_name": device_name(dev)}
 
@@ -290,32 +311,45 @@ def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, ini
     and its outputs are handed over shared. An exception ends its regime only; after one that
     leaves the device unusable (a sticky CUDA error), the check stops."""
     dev = torch.device(device)
-    module = _built.get(candidate)
+    module, model = _built.get(candidate, (None, None))
     if module is None:
         progress("importing the candidate", BUILD)
         module = loader.import_candidate(candidate)
     progress("candidate: loading the reference's weights")
     init = refcache.load(Path(init_file))
+    weights, state = "", None
+    if model is not None:
+        progress("candidate: loading the reference's weights into ModelNew", BUILD)
+        try:
+            weights = loader.load_weights(model, init["state_dict"])
+            state = loader.snapshot_state(model)
+        except Exception:  # noqa: BLE001 - a module that cannot take its own state back:
+            model = None   # construct it afresh for every regime instead
     for regime in regimes:
         name = regime["name"]
         progress(f"candidate, regime {name}: loading its inputs")
         resident = "shared_inputs" in regime
         inputs = regime["shared_inputs"] if resident else refcache.load(Path(regime["inputs"]))
-        done = {"name": name, "weights": "", "trials": [], "error": None}
-        where, model = f"regime {name}", None
+        done = {"name": name, "weights": weights, "trials": [], "error": None}
+        where, fresh = f"regime {name}", None
         try:
-            progress(f"candidate, regime {name}, constructing ModelNew", BUILD)
-            model, done["weights"] = loader.build_model(module.ModelNew, init["init_inputs"],
-                                                        seed, init["state_dict"])
-            model = _prepare(model, regime["scale"], dev, eval_mode)
+            if state is not None:
+                progress(f"candidate, regime {name}, restoring ModelNew's state", BUILD)
+                loader.restore_state(model, state)
+                run = _prepare(model, regime["scale"], dev, eval_mode)
+            else:
+                progress(f"candidate, regime {name}, constructing ModelNew", BUILD)
+                fresh, done["weights"] = loader.build_model(module.ModelNew, init["init_inputs"],
+                                                            seed, init["state_dict"])
+                run = _prepare(fresh, regime["scale"], dev, eval_mode)
             for t, s in enumerate(regime["seeds"]):
                 where = f"regime {name}, trial {t}"
                 progress(f"candidate, {where}", FORWARD)
-                done["trials"].append(_candidate_trial(model, inputs[t], s, dev, resident))
+                done["trials"].append(_candidate_trial(run, inputs[t], s, dev, resident))
         except Exception as exc:  # noqa: BLE001 - reported as the candidate's failure
             done["error"] = {"where": where, "message": traceback_tail(exc)}
         emit(done)
-        del model
+        run = fresh = None
         loader.release(dev)
         if done["error"] and not loader.usable(dev):
             break
@@ -393,8 +427,7 @@ def _regime_envelopes(regime: Regime, inputs: list, ref_trials: list[dict],
     """{t: {lo, hi, fragile}} for the `wanted` trials: rebuild the regime's reference model and
     replay its trials in order (so module state evolves as in the reference pass)."""
     p, dev = _problem, _problem["dev"]
-    model, _ = loader.build_model(p["mod"].Model, p["init_inputs"], p["seed"])
-    model = _prepare(model, regime.scale, dev, p["eval_mode"])
+    model = _regime_model(regime)
     last, out = max(wanted), {}
     for t in range(last + 1):
         if t in wanted:
@@ -405,7 +438,6 @@ def _regime_envelopes(regime: Regime, inputs: list, ref_trials: list[dict],
         if t < last:  # the trial's plain forward: module state moves on as it did
             torch.manual_seed(p["seed"] + t)
             model(*loader.to_device(_copies(inputs[t]), dev))
-    del model
     loader.release(dev)
     return out
 
