@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastelbo.harness import regimes, shared
+from fastelbo.harness import check, regimes, shared
 from fastelbo.harness.check import run_check
 from fastelbo.harness.compare import PERTURB_RUNS
 from fastelbo.harness.tasks import RESIDENT_ENV
+from fastelbo.harness.worker import WorkerOutcome
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"
@@ -144,6 +145,27 @@ def test_one_module_serves_every_regime(tmp_path):
     status = {r.name: r.status for r in report.regimes}
     assert status == {"default": "PASS", "batch=1": "PASS", "batch=33": "FAIL"}, report.format()
     assert report.categories == ["mismatch"]
+
+
+def test_a_regime_the_judge_could_not_judge_is_an_error_and_hides_no_failure(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv(RESIDENT_ENV, "0")
+
+    class JudgeFailsAtBatch1(check.Worker):
+        def run(self, func, kwargs, **limits):
+            if func.endswith(":judge_pass") and kwargs["name"] == "batch=1":
+                return WorkerOutcome(None, category="timeout", reason="stopped by the test")
+            return super().run(func, kwargs, **limits)
+    monkeypatch.setattr(check, "Worker", JudgeFailsAtBatch1)
+    opts = {"trials": 2, "batch_sizes": [1, 33]}
+    wrong = run_check(RELU, CANDIDATES / "stale_workspace.py", cache=tmp_path / "w", **opts)
+    status = {r.name: r.status for r in wrong.regimes}
+    assert status == {"default": "PASS", "batch=1": "ERROR", "batch=33": "FAIL"}, wrong.format()
+    assert wrong.exit_code == 1
+    right = run_check(RELU, CANDIDATES / "relu_clamp.py", cache=tmp_path / "r", **opts)
+    assert right.exit_code == 2, right.format()
+    assert any("regime batch=1: the reference's worker could not judge it: stopped by the test"
+               in r for r in right.reasons), right.reasons
 
 
 def test_shared_cpu_tensor_round_trip(tmp_path):

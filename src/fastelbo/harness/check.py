@@ -302,8 +302,8 @@ class _Check:
         verdicts = {}
 
         def judge(partial: dict) -> None:  # a resident regime's result has arrived
-            g = entries[partial["name"]][0]
-            if g.name in self.resident and partial["trials"]:
+            g = entries.get(partial.get("name"), (None,))[0]
+            if g is not None and g.name in self.resident and partial.get("trials"):
                 verdicts[g.name] = judging.submit(
                     self.ref_w.run, TASKS + "judge_pass",
                     {"name": g.name, "trials": partial["trials"],
@@ -324,14 +324,20 @@ class _Check:
         report.weights = next((p["weights"] for p in out.partials if p["weights"]), "")
         failed_in = None if out.ok else next((t["name"] for t in tasks if t["name"] not in got),
                                              None)
+        unjudged = []
         for name, (g, _, _, entry) in entries.items():
             judged = verdicts.get(name)
-            if judged is not None and not judged.ok:
-                return report.error("reference", f"the reference's worker could not judge "
-                                    f"regime {name}: {judged.reason}", judged.output_tail)
+            if judged is not None and not judged.ok:  # this regime only: others still count
+                why = f"the reference's worker could not judge it: {judged.reason}"
+                report.regimes.append(self._regime(g, entry, None, True, why))
+                unjudged.append((name, why, judged.output_tail))
+                continue
             report.regimes.append(self._regime(g, entry, got.get(name), name == failed_in,
                                                out.reason, judged and judged.result))
         self._envelopes(entries)
+        for name, why, tail in unjudged if out.ok else ():
+            report.failures.append(Finding("reference", f"regime {name}: {why}"))
+            report.output_tail = report.output_tail or tail
         if not out.ok:
             return report.error(out.category, f"candidate worker: {out.reason}",
                                 out.output_tail)

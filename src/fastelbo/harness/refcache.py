@@ -156,8 +156,11 @@ def save(obj, target: Path) -> None:
 
 
 def load(target: Path):
+    """A .pt entry, memory-mapped: its tensors are read when used (a large state_dict or trial
+    input costs nothing until a forward touches it). Entries are written once, atomically, and
+    never modified, so the mapping stays valid (also if prune unlinks the file meanwhile)."""
     import torch
-    return torch.load(target, weights_only=True)
+    return torch.load(target, weights_only=True, mmap=True)
 
 
 def source_deps(modules_before: set[str], problem: str | Path) -> dict[str, str | None]:

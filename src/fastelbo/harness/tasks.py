@@ -117,6 +117,7 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
     name = device_name(dev)
     pkey = refcache.problem_key(problem, seed, device, name)
     init_inputs = loader.init_inputs(mod, seed)
+    _problem.clear()
     _problem.update(mod=mod, init_inputs=init_inputs, seed=seed, eval_mode=eval_mode, dev=dev)
     ref = _reference_model()
     state_dict = {k: v.cpu() for k, v in _problem["state"].items()}
