@@ -336,8 +336,7 @@ class _Check:
                                                out.reason, judged and judged.result))
         self._envelopes(entries)
         for name, why, tail in unjudged if out.ok else ():
-            report.failures.append(Finding("reference", f"regime {name}: {why}"))
-            report.output_tail = report.output_tail or tail
+            report.error("reference", f"regime {name}: {why}", tail)
         if not out.ok:
             return report.error(out.category, f"candidate worker: {out.reason}",
                                 out.output_tail)

@@ -425,8 +425,9 @@ def envelope_pass(problem: str, device: str, seed: int, eval_mode: bool, init_fi
 
 def _regime_envelopes(regime: Regime, inputs: list, ref_trials: list[dict],
                       wanted: set[int]) -> dict[int, dict]:
-    """{t: {lo, hi, fragile}} for the `wanted` trials: rebuild the regime's reference model and
-    replay its trials in order (so module state evolves as in the reference pass)."""
+    """{t: {lo, hi, fragile}} for the `wanted` trials: the regime's reference module, restored
+    to its constructed state (_regime_model), replays its trials in order (so module state
+    evolves as in the reference pass)."""
     p, dev = _problem, _problem["dev"]
     model = _regime_model(regime)
     last, out = max(wanted), {}
