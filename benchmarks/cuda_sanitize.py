@@ -5,7 +5,7 @@
     compute-sanitizer --tool synccheck python3 benchmarks/cuda_sanitize.py
     compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize.py --quick
 
---quick runs 7 small forward cases (every path, staged and unstaged cluster plans) and 2 with
+--quick runs 9 small forward cases (every path, staged and unstaged cluster plans) and 2 with
 the noise drawn inside the fast kernel (draw=True), the value check on x (two views), the
 backward at two odd sizes (every branch: all outputs used, and kl alone), one Adam step and
 three IWAE calls (both tiles, 16- and 4-byte staging, injected and Philox noise, a NaN image),
@@ -35,7 +35,8 @@ PLANS = [(0, 0, -1), (64, 8, 0), (5, 2, 1), (5, 16, 0), (1, 1, 1), (1, 1, 0)]
 QUICK = [((33, 7, 5), 7, 5, 2, 1, "cluster"), ((784, 256, 32), 7, 0, 0, -1, "cluster"),
          ((781, 250, 31), 5, 1, 16, 0, "cluster"), ((781, 250, 31), 9, 0, 0, -1, "rows"),
          ((784, 256, 32), 128, 0, 0, -1, "fast"), ((100, 96, 12), 45, 0, 0, -1, "fast"),
-         ((1000, 256, 32), 21, 0, 0, -1, "fast")]
+         ((1000, 256, 32), 21, 0, 0, -1, "fast"), ((784, 256, 32), 300, 0, 0, -1, "tc"),
+         ((100, 1024, 12), 129, 0, 0, -1, "tc")]
 
 
 def check(params, x, eps, want, **kw) -> bool:
@@ -235,9 +236,11 @@ def main() -> int:
                 failures += not ok
                 print(f"{'ok  ' if ok else 'FAIL'} dims={dims} B={batch} R={r} C={c} "
                       f"staged={st} smem={smem}", flush=True)
-            ok = check(params, x, eps, want, path="rows")
-            failures += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} dims={dims} B={batch} rows path", flush=True)
+            for path in ("rows", "tc") if backend.tc_applies(x, params) else ("rows",):
+                ok = check(params, x, eps, want, path=path)
+                failures += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} dims={dims} B={batch} {path} path",
+                      flush=True)
     print(f"{failures} failure(s)")
     return 1 if failures else 0
 

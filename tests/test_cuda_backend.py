@@ -1,8 +1,9 @@
 """The cuda backend against the torch spec (same weights, same eps), on a CUDA device (sm_90+).
 
 Every path is covered: "fast" and "cluster" (the one-launch kernels of elbo_fast.cu and elbo.cu,
-small batches) and "rows" (cuBLAS GEMMs + two fused kernels, large batches); `path=` forces
-one, "auto" picks by batch size and dims.
+small batches), "rows" (cuBLAS GEMMs + two fused kernels, large batches) and "tc" (the rows path
+with its two large GEMMs on tensor cores, tc_gemm.cu: sm_90, dims multiples of 4); `path=`
+forces one, "auto" picks by batch size and dims.
 
 Tolerance: the contract is atol = rtol = 1e-4 in float32 against PyTorch. Where the float64
 reference is meaningful (no saturation), the kernel's error against it must also be no worse
@@ -35,7 +36,7 @@ ATOL = RTOL = 1e-4
 DIMS = [(784, 256, 32), (781, 250, 31), (64, 48, 2), (100, 1024, 1), (33, 7, 5)]
 BATCHES = [1, 3, 7, 128, 1000, 65536]
 NAMES = ("elbo", "recon", "kl")
-PATHS = ("fast", "cluster", "rows")
+PATHS = ("fast", "cluster", "rows", "tc")
 # Dims the fast kernel takes (multiples of 4, H % 32 == 0): C=16 and C=8 (H=96), input columns
 # split unevenly (D=100: 25 float4 over 8 blocks) or leaving blocks without any (D=16), two
 # decoder passes per block (D=1000: 63 columns > 56), two encoder passes (H=512), latent
@@ -47,6 +48,15 @@ def fast_dims(dims) -> bool:
     """Dims path='fast' takes: multiples of 4, hidden_dim of 32 (others it refuses:
     test_fast_path_refuses_what_it_cannot_run)."""
     return not (dims[0] % 4 or dims[1] % 32 or dims[2] % 4)
+
+
+def tc_dims(dims) -> bool:
+    """Dims path='tc' takes: input_dim and hidden_dim multiples of 4 (the GEMMs' K)."""
+    return dims[0] % 4 == 0 and dims[1] % 4 == 0
+
+
+def path_applies(dims, path) -> bool:
+    return (path != "fast" or fast_dims(dims)) and (path != "tc" or tc_dims(dims))
 
 
 def cases(*axes, applies):
@@ -95,7 +105,8 @@ def check_against_reference(backend, x, params, eps, f64=True, **kw):
 
 # path='fast' where it applies, up to B=1000 (B=65536, 3277 waves of clusters, is no use case).
 @pytest.mark.parametrize("batch,dims,path", cases(
-    BATCHES, DIMS, PATHS, applies=lambda b, d, p: p != "fast" or (fast_dims(d) and b <= 1000)),
+    BATCHES, DIMS, PATHS,
+    applies=lambda b, d, p: path_applies(d, p) and (p != "fast" or b <= 1000)),
     ids=case_id)
 def test_matches_reference(cuda, batch, dims, path):
     params = make_params(dims)
@@ -120,6 +131,48 @@ def test_fast_path(cuda, batch, dims):
     params = make_params(dims, seed=batch)
     x, eps = make_inputs(batch, dims, seed=batch + 1)
     check_against_reference(cuda, x, params, eps, path="fast")
+
+
+# Dims the tensor-core path takes: the reference's; hidden and output widths below, at and
+# above one 128-column tile, ragged (H=48, D=1000: 7 full tiles + 104), a K below one stage of
+# 32 (D=16), a long K (H=1024 for the decoder: 32 stages) and wide encoder outputs (8 tiles).
+TC_DIMS = [(784, 256, 32), (64, 48, 2), (1000, 256, 32), (16, 64, 4), (100, 1024, 12)]
+
+
+@pytest.mark.parametrize("dims", TC_DIMS, ids=case_id)
+@pytest.mark.parametrize("batch", [1, 127, 129, 1024, 16384 + 7, 65536 + 7])
+def test_tc_path(cuda, batch, dims):
+    """Row tiles of 128 (ragged, one, many), chunks of 16384 rows (ragged second chunk)."""
+    params = make_params(dims, seed=batch)
+    x, eps = make_inputs(batch, dims, seed=batch + 1)
+    check_against_reference(cuda, x, params, eps, f64=batch <= 16384 + 7, path="tc")
+
+
+def test_tc_path_is_auto_from_1024_rows(cuda):
+    """auto takes it where it applies: the same bits as path='tc' at B >= 1024."""
+    dims = (784, 256, 32)
+    params = make_params(dims)
+    x, eps = make_inputs(1024, dims)
+    for g, t in zip(cuda.forward(x, params, eps), cuda.forward(x, params, eps, path="tc")):
+        assert torch.equal(g, t)
+    x, eps = make_inputs(1023, dims)
+    for g, r in zip(cuda.forward(x, params, eps), cuda.forward(x, params, eps, path="rows")):
+        assert torch.equal(g, r)
+
+
+def test_tc_path_refuses_what_it_cannot_run(cuda):
+    params = make_params((781, 250, 31))
+    x, eps = make_inputs(1024, (781, 250, 31))
+    with pytest.raises(ValueError, match="path='tc' does not apply"):
+        cuda.forward(x, params, eps, path="tc")
+    check_against_reference(cuda, x, params, eps)  # auto: the cuBLAS rows path instead
+    params = make_params((784, 256, 32))
+    x, eps = make_inputs(1024, (784, 256, 32))
+    xm = torch.empty(1024 * 784 + 1, device="cuda")[1:].view(1024, 784)
+    xm.copy_(x)
+    with pytest.raises(ValueError, match="path='tc' does not apply"):
+        cuda.forward(xm, params, eps, path="tc")
+    check_against_reference(cuda, xm, params, eps)
 
 
 def test_fast_path_refuses_what_it_cannot_run(cuda):
@@ -199,7 +252,7 @@ def test_plan_fills_the_gpu_at_batch_128(cuda):
 
 @pytest.mark.parametrize("dims,scale,path", cases(
     [(784, 256, 32), (33, 7, 5)], [4.0, 16.0], PATHS,
-    applies=lambda d, s, p: p != "fast" or fast_dims(d)), ids=case_id)
+    applies=lambda d, s, p: path_applies(d, p)), ids=case_id)
 def test_saturated_parameters(cuda, dims, scale, path):
     """Large weights drive sigmoid to 0/1 and the logs into the -100 clamp."""
     params = make_params(dims, scale=scale)
@@ -271,7 +324,8 @@ def test_rng_contract_matches_reference_model(cuda, batch):
         assert_outputs_close(got, want, what=f"seed {seed}")
 
 
-def test_cuda_graph_rows_path(cuda):
+@pytest.mark.parametrize("path", ["rows", "tc"])
+def test_cuda_graph_rows_path(cuda, path):
     """The rows path (cuBLAS + caching-allocator temporaries) captures and replays."""
     dims = (784, 256, 32)
     params = make_params(dims)
@@ -281,11 +335,11 @@ def test_cuda_graph_rows_path(cuda):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
-            cuda.forward(static_x, params, static_eps, path="rows")
+            cuda.forward(static_x, params, static_eps, path=path)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = [cuda.forward(static_x, params, static_eps, path="rows") for _ in range(5)]
+        out = [cuda.forward(static_x, params, static_eps, path=path) for _ in range(5)]
     x2, eps2 = make_inputs(9000, dims, seed=9)
     static_x.copy_(x2)
     static_eps.copy_(eps2)
@@ -335,7 +389,7 @@ def test_cuda_graph_of_100_forwards(cuda):
 @pytest.mark.parametrize("path", PATHS)
 def test_non_default_stream(cuda, path):
     """Inputs written on a side stream behind a sleep: only a launch on that stream sees them."""
-    dims = (784, 256, 32) if path == "fast" else (781, 250, 31)
+    dims = (784, 256, 32) if path in ("fast", "tc") else (781, 250, 31)
     params = make_params(dims)
     x, eps = make_inputs(1000, dims)
     want = torch_ref.forward(x, params, eps)

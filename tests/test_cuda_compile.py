@@ -55,7 +55,7 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
     kernels: dict[str, dict[str, int]] = {}
     name = None
     for line in out.splitlines():
-        m = re.search(r"Compiling entry function '(\S+)' for 'sm_90'", line)
+        m = re.search(r"Compiling entry function '(\S+)' for 'sm_90a?'", line)
         if m:
             name = m.group(1)
             kernels[name] = {}
@@ -75,7 +75,8 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
 
 # Each source's kernels: the cluster kernel's two register-tile variants (elbo_kernel<2,2>,
 # <4,4>), the rows path's two with the noise check's and the value check's, the backward's four,
-# the optimizer's one, the IWAE kernel's two tiles (iwae_kernel<4> for 128 samples, <2> for 64).
+# the optimizer's one, the IWAE kernel's two tiles (iwae_kernel<4> for 128 samples, <2> for 64),
+# the tensor-core GEMM's two epilogues (tc_gemm_kernel<kTcRelu>, <kTcBce>) and its two helpers.
 EXPECTED_KERNELS = {
     "elbo_fast.cu": {"elbo_fast_kernel": 1},
     "elbo.cu": {"elbo_kernel": 2},
@@ -85,9 +86,10 @@ EXPECTED_KERNELS = {
                     "colsum_kernel": 1},
     "adam.cu": {"adam_kernel": 1},
     "iwae.cu": {"iwae_kernel": 2},
+    "tc_gemm.cu": {"tc_gemm_kernel": 2, "tc_bce_finish_kernel": 1, "tc_split_kernel": 1},
 }
 # One block per SM by their shared memory: these may use all 255 registers.
-ONE_BLOCK_PER_SM = ("elbo_fast_kernel", "iwae_kernel")
+ONE_BLOCK_PER_SM = ("elbo_fast_kernel", "iwae_kernel", "tc_gemm_kernel")
 
 
 def _check_kernels(report: dict[str, dict[str, int]], expected: dict[str, int]) -> None:

@@ -86,7 +86,8 @@ def plans_table(params, dims, tag, rows_out) -> None:
 def paths_table(params, dims, tag, rows_out) -> None:
     """Fast and cluster kernels vs rows path vs eager, fixed eps, by batch: the crossovers."""
     print("--paths: us per forward (fixed eps), graph of 100 (10 at B >= 16384)")
-    print(f"  {'B':>6s} {'fast':>9s} {'cluster':>9s} {'rows':>9s} {'eager':>9s}  cluster plan")
+    print(f"  {'B':>6s} {'fast':>9s} {'cluster':>9s} {'rows':>9s} {'tc':>9s} {'eager':>9s}  "
+          f"cluster plan")
     for batch in (1, 16, 64, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096, 16384, 65536):
         x = torch.rand(batch, dims[0], device="cuda")
         eps = torch.randn(batch, dims[2], device="cuda")
@@ -95,6 +96,8 @@ def paths_table(params, dims, tag, rows_out) -> None:
         r, c, smem, _, st = backend.plan(x, params)
         fns = {"rows": lambda x=x, eps=eps: backend.forward(x, params, eps, path="rows"),
                "eager": lambda x=x, eps=eps: eager_fixed_eps(x, params, eps)}
+        if batch >= 128 and backend.tc_applies(x, params):
+            fns["tc"] = lambda x=x, eps=eps: backend.forward(x, params, eps, path="tc")
         if batch <= 1024:
             fns["fast"] = lambda x=x, eps=eps: backend.forward(x, params, eps, path="fast")
         if r > 0 and batch <= 4096:
@@ -108,7 +111,8 @@ def paths_table(params, dims, tag, rows_out) -> None:
                              "us_per_forward": f"{res[impl]:.2f}"})
         cl = f"{res['cluster']:9.2f}" if "cluster" in res else f"{'-':>9s}"
         fa = f"{res['fast']:9.2f}" if "fast" in res else f"{'-':>9s}"
-        print(f"  {batch:6d} {fa} {cl} {res['rows']:9.2f} {res['eager']:9.2f}  "
+        tc = f"{res['tc']:9.2f}" if "tc" in res else f"{'-':>9s}"
+        print(f"  {batch:6d} {fa} {cl} {res['rows']:9.2f} {tc} {res['eager']:9.2f}  "
               f"R={r} C={c} smem={smem} staged={st}", flush=True)
 
 

@@ -13,7 +13,7 @@ the tuning tools use. The package, in the order a call flows:
 
 and in C++: the kernels (*.cu, no torch types; elbo.h their params structs, elbo_math.cuh the
 shared per-element math), binding.h (the torch-facing API: option structs and entry points),
-binding_forward/backward/iwae.cpp (checks, plans, launches), binding_module.cpp (pybind11).
+binding_forward/backward/iwae/tc.cpp (checks, plans, launches), binding_module.cpp (pybind11).
 No submodule imports this file: it only gathers their names.
 """
 from __future__ import annotations
@@ -30,7 +30,15 @@ from .checks import (
     start_range_check,
     x_in_unit_range,
 )
-from .elbo import backward, check_fast_path, forward, forward_prepared, plan
+from .elbo import (
+    backward,
+    check_fast_path,
+    check_tc_path,
+    forward,
+    forward_prepared,
+    plan,
+    tc_applies,
+)
 from .iwae_kernel import iwae_log_likelihood, iwae_unavailable_reason
 from .launch import PATHS
 from .noise import forward_drawing, randn_matches
@@ -42,8 +50,8 @@ DRAWS_NOISE = True
 
 __all__ = [
     "DRAWS_NOISE", "DTYPES", "PATHS", "CudaInputError", "backward", "check_fast_path",
-    "check_inputs", "check_options", "checked_start", "extension", "finish_range_check",
-    "forward", "forward_drawing", "forward_prepared", "iwae_log_likelihood",
+    "check_inputs", "check_options", "check_tc_path", "checked_start", "extension",
+    "finish_range_check", "forward", "forward_drawing", "forward_prepared", "iwae_log_likelihood",
     "iwae_unavailable_reason", "plan", "randn_matches", "source_files", "start_range_check",
-    "unavailable_reason", "x_in_unit_range",
+    "tc_applies", "unavailable_reason", "x_in_unit_range",
 ]

@@ -17,7 +17,7 @@
 namespace fastelbo::binding {
 
 // The forward's path (ForwardOptions::path); launch.py's PATHS names them.
-enum Path : int64_t { kPathAuto = 0, kPathCluster = 1, kPathRows = 2, kPathFast = 3 };
+enum Path : int64_t { kPathAuto = 0, kPathCluster = 1, kPathRows = 2, kPathFast = 3, kPathTc = 4 };
 
 // How one forward launches. The defaults are the product's call; launch.py pre-builds the four
 // default objects (draw, awaits) once per extension, so the hot path parses no options.

@@ -87,4 +87,13 @@ inline void reparam(const at::Tensor& mu, const at::Tensor& lv, const float* eps
   check_launch(fastelbo::reparam_launch(rp, stream), "reparam_kl kernel");
 }
 
+// The rows path's tensor-core variant (binding_tc.cpp): whether it runs here (an sm_90 GPU,
+// input_dim and hidden_dim multiples of 4, x, enc_w and dec_w2 16-byte aligned), and the forward.
+bool tc_applies(const at::Tensor& x, const at::Tensor& enc_w, const at::Tensor& dec_w2);
+void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& enc_w,
+                     const at::Tensor& enc_b, const at::Tensor& mu_w, const at::Tensor& mu_b,
+                     const at::Tensor& lv_w, const at::Tensor& lv_b, const at::Tensor& dec_w1,
+                     const at::Tensor& dec_b1, const at::Tensor& dec_w2, const at::Tensor& dec_b2,
+                     std::vector<at::Tensor>& out, cudaStream_t stream);
+
 }  // namespace fastelbo::binding

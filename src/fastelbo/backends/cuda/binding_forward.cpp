@@ -54,6 +54,8 @@ constexpr int64_t kClusterFallbackMax = 192;  // where it does not: the general 
 // B=65536. Chunks of 8192 rows (42 MB) made cuBLAS pick smaller tiles: +37% GEMM time at
 // B=65536 on an H200 (an nsys profile), which made the path slower than eager.
 constexpr int64_t kRowsChunk = 65536;
+// From here `auto` takes the rows path's tensor-core variant (binding_tc.cpp) where it applies.
+constexpr int64_t kTcMinBatch = 1024;
 
 // The tensors and dims of one forward into either cluster kernel's params (checked by the caller).
 void fill_forward(fastelbo::ForwardArgs& a, const at::Tensor& x, const at::Tensor& eps,
@@ -418,11 +420,13 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   FE_CHECK(rows >= 0 && rows <= 64, "rows must be 0 (auto) or 1..64, got ", rows);
   FE_CHECK(cluster >= 0 && cluster <= 16, "cluster must be 0 (auto) or 1..16, got ", cluster);
   FE_CHECK(staged >= -1 && staged <= 1, "staged must be -1 (auto), 0 or 1, got ", staged);
-  FE_CHECK(path >= kPathAuto && path <= kPathFast,
-           "path must be 0 (auto), 1 (cluster), 2 (rows) or 3 (fast), got ", path);
+  FE_CHECK(path >= kPathAuto && path <= kPathTc,
+           "path must be 0 (auto), 1 (cluster), 2 (rows), 3 (fast) or 4 (tc), got ", path);
   const bool forced_plan = rows > 0 || cluster > 0 || staged >= 0;
-  FE_CHECK(!(forced_plan && (path == kPathRows || path == kPathFast)),
-           "rows / cluster / staged force the cluster path; they conflict with path=rows/fast");
+  FE_CHECK(!(forced_plan && (path == kPathRows || path == kPathFast || path == kPathTc)),
+           "rows / cluster / staged force the cluster path; they conflict with path=rows/fast/tc");
+  FE_CHECK(path != kPathTc || tc_applies(x, enc_w, dec_w2),
+           "path=tc does not apply here; fastelbo.backends.cuda checks this before the call");
   if (forced_plan) path = kPathCluster;
 
   const c10::cuda::CUDAGuard guard(dev);
@@ -450,16 +454,20 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
     FE_CHECK(path == kPathAuto, "path=fast does not apply here (status ", static_cast<int>(fst),
              "); fastelbo.backends.cuda checks this before the call");
   }
-  // The rows path: the draw (at::normal_) first, then cuBLAS and rows.cu's kernels.
+  // The rows path: the draw (at::normal_) first, then cuBLAS and rows.cu's kernels, or its
+  // tensor-core variant (path tc, or auto from kTcMinBatch rows where it applies).
   const auto run_rows = [&]() -> std::vector<at::Tensor> {
     if (await_check && !range_check_finish(dev.index())) return {};
     if (draw) eps.normal_(0.0, 1.0);  // the default generator of eps's device, as torch.randn
-    rows_forward(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
-                 out, stream);
+    const bool tc = path == kPathTc ||
+                    (path == kPathAuto && B >= kTcMinBatch && tc_applies(x, enc_w, dec_w2));
+    (tc ? tc_rows_forward : rows_forward)(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1,
+                                          dec_b1, dec_w2, dec_b2, out, stream);
     return out;
   };
   const int64_t cluster_max = auto_fast ? kClusterFallbackMax : kClusterMaxBatch;
-  if (path == kPathRows || (path == kPathAuto && B > cluster_max)) return run_rows();
+  if (path == kPathRows || path == kPathTc || (path == kPathAuto && B > cluster_max))
+    return run_rows();
 
   fastelbo::ElboParams p{};
   fill_forward(p, x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,

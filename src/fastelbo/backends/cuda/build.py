@@ -20,16 +20,20 @@ import torch
 HERE = Path(__file__).resolve().parent
 # The kernels (no torch types), their headers, and the torch-facing binding: binding.h declares
 # what binding_module.cpp binds, binding_common.h holds the check macros the others share.
-KERNEL_SOURCES = ("elbo_fast.cu", "elbo.cu", "rows.cu", "backward.cu", "adam.cu", "iwae.cu")
+KERNEL_SOURCES = ("elbo_fast.cu", "elbo.cu", "rows.cu", "backward.cu", "adam.cu", "iwae.cu",
+                  "tc_gemm.cu")
 HEADERS = ("elbo.h", "elbo_math.cuh", "cluster.cuh", "philox.cuh")
-BINDING_SOURCES = ("binding_forward.cpp", "binding_backward.cpp", "binding_iwae.cpp")
+BINDING_SOURCES = ("binding_forward.cpp", "binding_backward.cpp", "binding_iwae.cpp",
+                   "binding_tc.cpp")
 BINDING_MODULE = "binding_module.cpp"
 BINDING_HEADERS = ("binding.h", "binding_common.h")
 
-# IEEE float32 throughout (no --use_fast_math): sm_90 machine code, plus PTX for newer GPUs.
+# IEEE float32 throughout (no --use_fast_math): sm_90a machine code (Hopper's wgmma, which
+# tc_gemm.cu needs; it runs on compute capability 9.0 alone), plus PTX for newer GPUs (where
+# tc_gemm's kernel compiles to a trap and the binding never dispatches to it).
 NVCC_FLAGS = [
     "-O3",
-    "-gencode=arch=compute_90,code=sm_90",
+    "-gencode=arch=compute_90a,code=sm_90a",
     "-gencode=arch=compute_90,code=compute_90",
     "-lineinfo",
 ]

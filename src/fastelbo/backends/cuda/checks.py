@@ -41,7 +41,7 @@ def check_options(rows: int = 0, cluster: int = 0, staged: int = -1,
     _int_option("staged", staged, -1, 1, "-1 (auto), 0 or 1")
     if not isinstance(path, str) or path not in launch.PATHS:
         raise ValueError(f"path must be one of {tuple(launch.PATHS)}, got {path!r}")
-    if (rows > 0 or cluster > 0 or staged >= 0) and path in ("rows", "fast"):
+    if (rows > 0 or cluster > 0 or staged >= 0) and path in ("rows", "fast", "tc"):
         raise ValueError(f"rows / cluster / staged force the cluster path; they conflict with "
                          f"path={path!r} (got rows={rows}, cluster={cluster}, staged={staged})")
 

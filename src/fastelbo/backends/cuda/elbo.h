@@ -303,4 +303,36 @@ struct IwaeParams {
 ElboStatus iwae_plan(IwaeParams& p, int device, cudaError_t* cuda_err) noexcept;
 cudaError_t iwae_launch(const IwaeParams& p, cudaStream_t stream) noexcept;
 
+// ---- tensor-core GEMMs of the rows path at large B (tc_gemm.cu, sm_90a: wgmma, tf32x3) ----
+// C = A (M, K) x W (N, K)^T to float32 accuracy, then kTcRelu: out = relu(C + bias), or kTcBce:
+// per row and kTcTileN-column tile, the clamped-BCE sum of sigmoid(C + bias) against x (and
+// whether an x there was outside [0, 1]) into partial / partial_bad ((M, tiles) row-major).
+// W comes split (tc_split_launch). Needs K % 4 == 0, lda % 4 == 0, 16-byte aligned rows.
+constexpr int kTcRelu = 0, kTcBce = 1;
+constexpr int kTcTileN = 128;
+struct TcGemmParams {
+  CUtensorMap a_map, w_map, wlo_map, x_map;  // encoded by tc_gemm_launch
+  const float* bias;                  // (N)
+  float* out;                         // kTcRelu: (M, ldo)
+  const float* x;                     // kTcBce: targets (M, ldx)
+  float* partial;                     // kTcBce: (M, tiles)
+  unsigned char* partial_bad;         // kTcBce: (M, tiles)
+  int M, N, K, ldo, ldx, mode;
+  int relu_a;                         // 1: read A as relu(A) (NaN kept)
+};
+int tc_gemm_tiles_n(int N) noexcept;  // the kTcBce partials' tiles per row
+cudaError_t tc_gemm_launch(TcGemmParams& p, const float* a, int lda, const float* w_hi,
+                           const float* w_lo, cudaStream_t stream) noexcept;
+// recon = sum of a row's partials (tile order), elbo = -(recon + kl); NaN rows where bad.
+struct TcFinishParams {
+  const float* partial;
+  const unsigned char* partial_bad;
+  float *elbo, *recon, *kl;  // kl: in (from reparam_kl_kernel) and out (NaN rows)
+  int n, tiles;
+};
+cudaError_t tc_bce_finish_launch(const TcFinishParams& p, cudaStream_t stream) noexcept;
+// hi = w's top 11 significant bits (exact in TF32), lo = w - hi, elementwise over n floats.
+cudaError_t tc_split_launch(const float* w, float* hi, float* lo, long long n,
+                            cudaStream_t stream) noexcept;
+
 }  // namespace fastelbo

@@ -4,7 +4,9 @@ Paths (binding_forward.cpp picks by batch size; `path=` forces one): small batch
 launch of a fused cluster kernel (thread-block clusters + distributed shared memory): elbo.cu,
 the general one, up to B=80; elbo_fast.cu for 80 < B <= 384 where the dims are multiples of 4
 (else elbo.cu up to 192); large batches run every GEMM with cuBLAS (as eager does) and two
-small fused kernels (rows.cu) for everything else. `backward` (any batch) recomputes the
+small fused kernels (rows.cu) for everything else, or, from B=1024 on an sm_90 GPU where the
+dims are multiples of 4, its tensor-core variant "tc" (tc_gemm.cu: the encoder and output
+layers on wgmma in float32-accurate tf32x3, logits never in memory). `backward` (any batch) recomputes the
 activations the same way and runs the gradient's GEMMs with cuBLAS around four fused kernels
 (backward.cu).
 """
@@ -54,13 +56,37 @@ def check_fast_path(x: torch.Tensor, params: VAEParams) -> None:
                          f"use path='auto'")
 
 
+_TC_ALIGNED = ("x", "enc_w", "dec_w2")
+
+
+def tc_applies(x: torch.Tensor, params: VAEParams) -> bool:
+    """Whether path='tc' runs here: an sm_90 GPU (its sm_90a wgmma code), input_dim and
+    hidden_dim multiples of 4, x, enc_w and dec_w2 16-byte aligned (binding_tc.cpp)."""
+    named = {"x": x, **VAEParams(*params)._asdict()}
+    d, h, _ = VAEParams(*params).dims
+    return (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and d % 4 == 0 and h % 4 == 0 and all(named[n].data_ptr() % 16 == 0
+                                                  for n in _TC_ALIGNED))
+
+
+def check_tc_path(x: torch.Tensor, params: VAEParams) -> None:
+    """ValueError unless path='tc' applies to these tensors."""
+    if not tc_applies(x, params):
+        d, h, lat = VAEParams(*params).dims
+        raise ValueError(f"path='tc' does not apply to input_dim={d} hidden_dim={h} "
+                         f"latent_dim={lat} on this device: it needs an sm_90 GPU, input_dim "
+                         f"and hidden_dim multiples of 4, and x, enc_w, dec_w2 16-byte aligned; "
+                         f"use path='auto'")
+
+
 def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
             cluster: int = 0, staged: int = -1, path: str = "auto", draw: bool = False,
             _poison: bool = False):
     """(elbo, recon, kl), each (B,) float32, on the current stream; every input checked.
 
     path: "auto" (a cluster kernel for small batches, the rows path for large ones), "fast"
-    (elbo_fast.cu: dims multiples of 4, any B), "cluster" (elbo.cu, any dims) or "rows".
+    (elbo_fast.cu: dims multiples of 4, any B), "cluster" (elbo.cu, any dims), "rows" (cuBLAS)
+    or "tc" (the rows path on tensor cores; tc_applies says where).
     rows / cluster > 0 and staged in (0, 1) force the cluster kernel's launch plan (tuning;
     tests/test_cuda_backend.py and benchmarks/cuda_sanitize.py run every plan); draw=True
     overwrites eps with one torch.randn(B, latent_dim) draw from the default generator of x's
@@ -72,6 +98,8 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
                                  path=path)
     if path == "fast":
         check_fast_path(x, params)
+    elif path == "tc":
+        check_tc_path(x, params)
     ext = build.extension()
     options = launch.forward_options(ext, rows=rows, cluster=cluster, staged=staged,
                                      poison=bool(_poison), path=path, draw=bool(draw))

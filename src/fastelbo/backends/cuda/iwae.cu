@@ -73,47 +73,7 @@ __device__ __forceinline__ float combine(float acc, float corr) {
   return acc + (corr == corr ? corr : 0.0f);  // NaN in the small terms: dropped (see top)
 }
 
-// The clamped BCE term, in bits (log2 units: the caller scales each row sum by ln 2 once), with
-// PyTorch's float32 numerics where they decide anything: den = 1 + expf(-a) and p = 1 / den as
-// PyTorch rounds them (IEEE expf; rcp_den is bit-exact to __frcp_rn where it matters), so
-// 1 - p is PyTorch's exactly. Both logs come from the hardware log2 (MUFU, ~2^-22 per term):
-//   log p     = -log2(den) ln 2: den >= 1, never subnormal (differs from log of the rounded p by
-//               <= 2^-24 nats); den = inf gives -inf, clamped to -100 as PyTorch's log(p = 0);
-//   log(1-p)  = log2(1 - p) ln 2: 1 - p is 0 or >= 2^-24, never subnormal; 0 clamps to -100.
-// Those are the only elements either clamp can reach (log p >= -88.8 for any finite den), so the
-// clamps fall on exactly PyTorch's elements, and flush-to-zero logs lose nothing. Not unbiased:
-// summed over D the estimate moves by up to ~2^-22 (D + |log p(x|z)|) nats, e.g. 1.2e-4 at
-// D = 781 where log p(x) = -544 (2 ulps of the float32 result; the bound tests/test_cuda_iwae.py
-// allows). IEEE logf + log1pf would cost ~60 instructions per element (0.15 s at the target).
-// w0 = x - 1 and w1 = x, both NaN where x lies outside [0, 1] (then the term is NaN).
-constexpr float kLn2 = 0.693147180559945309f;
-constexpr float kClampBits = -144.269504088896341f;  // -100 nats in bits
-__device__ __forceinline__ float lg2_ftz(float v) {
-  float r;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
-  return r;
-}
-// max(v, c) keeping a NaN v as PyTorch's std::max does, in one instruction.
-__device__ __forceinline__ float max_nan(float v, float c) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(v), "f"(c));
-  return r;
-}
-// p = 1 / den for den in [1, inf] or NaN without __frcp_rn's out-of-line slow path: below 2^100
-// the reciprocal approximation plus one FMA Newton step is bit-exact to __frcp_rn; above, p is
-// below 2^-100 and 1 - p = 1 either way (both claims were checked for every float den on the
-// GPU). A NaN den becomes 2^100 here; the term stays NaN through log2(den).
-__device__ __forceinline__ float rcp_den(float den) {
-  const float d = fminf(den, 0x1p100f);
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
-  return fmaf(r, fmaf(-d, r, 1.0f), r);
-}
-__device__ __forceinline__ float bce_bits(float a, float w0, float w1) {
-  const float den = 1.0f + expf(-a);
-  const float l1p = max_nan(lg2_ftz(1.0f - rcp_den(den)), kClampBits);
-  return w0 * l1p - w1 * max_nan(-lg2_ftz(den), kClampBits);
-}
+// The clamped BCE term in bits: bce_bits (elbo_math.cuh), shared with tc_gemm.cu.
 
 __device__ __forceinline__ void cp_async16_zfill(float* dst, const float* src, bool ok) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));

@@ -9,7 +9,7 @@ params: the ten parameter tensors in VAEParams order (enc_w, enc_b, mu_w, ..., d
 """
 
 # The forward's paths, as binding.h's Path enum numbers them.
-PATHS = {"auto": 0, "cluster": 1, "rows": 2, "fast": 3}
+PATHS = {"auto": 0, "cluster": 1, "rows": 2, "fast": 3, "tc": 4}
 
 
 def forward_options(ext, *, rows=0, cluster=0, staged=-1, poison=False, path="auto",

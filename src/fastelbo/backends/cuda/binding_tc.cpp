@@ -1,0 +1,103 @@
+// The rows path's tensor-core variant (path "tc"; tc_gemm.cu): the two large GEMMs on wgmma in
+// tf32x3 (float32 accuracy), the encoder's with its bias and ReLU fused, the decoder's output
+// layer with sigmoid, clamped BCE and the row sums fused (the (B, D) logits never exist). The
+// small GEMMs (mu, logvar, the decoder's hidden layer) stay cuBLAS, reparam_kl_kernel as in the
+// rows path. Memory beyond the outputs: W's halves for the two large layers and, per chunk of
+// kTcChunk rows, one (chunk, H) buffer (h, then d in its place), z and the BCE partials.
+#include <ATen/ATen.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "binding.h"
+#include "binding_common.h"
+#include "elbo.h"
+
+namespace fastelbo::binding {
+namespace {
+
+// 16384 rows: 256 x 2 encoder tiles (~2 waves of 132 SMs) and a 16 MiB (chunk, 256) buffer.
+constexpr int64_t kTcChunk = 16384;
+
+bool aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// W's TF32 halves (hi exact in TF32, lo = W - hi) in one new (2, rows, cols) tensor.
+at::Tensor split_halves(const at::Tensor& w, cudaStream_t stream) {
+  at::Tensor halves = at::empty({2, w.size(0), w.size(1)}, w.options());
+  check_launch(fastelbo::tc_split_launch(w.data_ptr<float>(), halves[0].data_ptr<float>(),
+                                         halves[1].data_ptr<float>(), w.numel(), stream),
+               "tc split kernel");
+  return halves;
+}
+
+}  // namespace
+
+bool tc_applies(const at::Tensor& x, const at::Tensor& enc_w, const at::Tensor& dec_w2) {
+  int major = 0, minor = 0;
+  const int dev = x.device().index();
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0 && x.size(1) % 4 == 0 && enc_w.size(0) % 4 == 0 &&
+         aligned(x) && aligned(enc_w) && aligned(dec_w2);
+}
+
+void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& enc_w,
+                     const at::Tensor& enc_b, const at::Tensor& mu_w, const at::Tensor& mu_b,
+                     const at::Tensor& lv_w, const at::Tensor& lv_b, const at::Tensor& dec_w1,
+                     const at::Tensor& dec_b1, const at::Tensor& dec_w2, const at::Tensor& dec_b2,
+                     std::vector<at::Tensor>& out, cudaStream_t stream) {
+  const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
+  const at::Tensor enc = split_halves(enc_w, stream), dec = split_halves(dec_w2, stream);
+  const int64_t chunk = std::min(B, kTcChunk);
+  const int tiles = fastelbo::tc_gemm_tiles_n(static_cast<int>(D));
+  const auto opts = x.options();
+  at::Tensor hbuf = at::empty({chunk, H}, opts), z = at::empty({chunk, L}, opts);
+  at::Tensor part = at::empty({chunk, tiles}, opts);
+  at::Tensor bad = at::empty({chunk, tiles}, opts.dtype(at::kByte));
+  for (int64_t s = 0; s < B; s += chunk) {
+    const int64_t n = std::min(chunk, B - s);
+    const at::Tensor xs = x.narrow(0, s, n);
+    at::Tensor h = hbuf.narrow(0, 0, n), zs = z.narrow(0, 0, n);
+    fastelbo::TcGemmParams e{};
+    e.bias = enc_b.data_ptr<float>();
+    e.out = h.data_ptr<float>();
+    e.M = static_cast<int>(n);
+    e.N = static_cast<int>(H);
+    e.K = static_cast<int>(D);
+    e.ldo = static_cast<int>(H);
+    e.mode = fastelbo::kTcRelu;
+    check_launch(fastelbo::tc_gemm_launch(e, xs.data_ptr<float>(), static_cast<int>(D),
+                                          enc[0].data_ptr<float>(), enc[1].data_ptr<float>(),
+                                          stream),
+                 "tc encoder kernel");
+    const at::Tensor mu = at::linear(h, mu_w, mu_b), lv = at::linear(h, lv_w, lv_b);
+    reparam(mu, lv, eps.data_ptr<float>() + s * L, zs, out[2].data_ptr<float>() + s, stream);
+    at::addmm_out(h, dec_b1, zs, dec_w1.t());  // d before its ReLU (the kernel applies it)
+    fastelbo::TcGemmParams d{};
+    d.bias = dec_b2.data_ptr<float>();
+    d.x = xs.data_ptr<float>();
+    d.ldx = static_cast<int>(D);
+    d.partial = part.data_ptr<float>();
+    d.partial_bad = bad.data_ptr<uint8_t>();
+    d.M = static_cast<int>(n);
+    d.N = static_cast<int>(D);
+    d.K = static_cast<int>(H);
+    d.mode = fastelbo::kTcBce;
+    d.relu_a = 1;
+    check_launch(fastelbo::tc_gemm_launch(d, h.data_ptr<float>(), static_cast<int>(H),
+                                          dec[0].data_ptr<float>(), dec[1].data_ptr<float>(),
+                                          stream),
+                 "tc decoder kernel");
+    const fastelbo::TcFinishParams f{part.data_ptr<float>(), bad.data_ptr<uint8_t>(),
+                                     out[0].data_ptr<float>() + s, out[1].data_ptr<float>() + s,
+                                     out[2].data_ptr<float>() + s, static_cast<int>(n), tiles};
+    check_launch(fastelbo::tc_bce_finish_launch(f, stream), "tc finish kernel");
+  }
+}
+
+}  // namespace fastelbo::binding

@@ -1,0 +1,345 @@
+// float32-accurate GEMMs on Hopper tensor cores (wgmma, tf32x3) for the rows path at large B:
+//   C[M, N] = A[M, K] x W[N, K]^T   (nn.Linear layout), then an epilogue:
+//   kTcRelu: out = relu(C + bias)                          (the encoder's hidden layer)
+//   kTcBce:  per row and 128-column tile, the sum of the clamped BCE of sigmoid(C + bias)
+//            against x (elbo_math.cuh bce_bits: hardware log2, PyTorch's p where it decides
+//            a clamp), and whether any x there was outside [0, 1] (the decoder's output layer:
+//            the logits never reach memory; tc_bce_finish_launch sums the tiles)
+//   relu_a:  A is read as relu(A) (the decoder's hidden layer, ReLU not yet applied)
+//
+// Block: 3 warpgroups. Warpgroup 0 is the producer (one thread issues TMA loads of A, W's hi
+// half and W's lo half per K stage of 32 floats); warpgroups 1 and 2 each own 64 rows of the
+// 128 x 128 output tile. Per stage a consumer splits its A rows in shared memory into TF32 hi
+// (in place) and lo (alo), then issues 12 wgmma m64n128k8: lo*hi and hi*lo first, hi*hi last,
+// into an accumulator that starts from zero every stage and joins the running sum through a
+// float32 round-to-nearest add. A tensor core truncates as it accumulates, so one accumulator
+// carried over a long K drifts toward zero and drowns the small terms (triton/common.py
+// _encode_hidden: that failed the saturated-weights regime); per-stage sums fix it.
+//
+// Operands: K-major tiles with the 128-byte swizzle, as TMA writes them and wgmma reads them
+// through descriptors (start address, SBO = 1024 bytes between 8-row groups; a k8 step is
+// +32 bytes inside the swizzle atom). W's halves come pre-split (tc_split_launch: hi exact in
+// TF32, lo = W - hi), once per weight version. No torch types; launches return cudaError_t.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+
+#include "cluster.cuh"
+#include "elbo.h"
+#include "elbo_math.cuh"
+
+namespace fastelbo {
+namespace {
+namespace tc {  // own names: the export inlines every source into one translation unit
+
+constexpr int kBM = 128, kBN = kTcTileN, kBK = 32;
+constexpr int kTcBlock = 384;
+constexpr int kTileFloats = kBM * kBK;  // one stage's A (or alo, W, W lo) tile: 16 KB
+constexpr int kStageTx = 3 * kTileFloats * 4;  // bytes TMA lands per stage (A, W hi, W lo)
+
+// Per mode: kTcRelu pipelines 3 K stages; kTcBce 2, plus the block's 128 x 128 tile of x (four
+// swizzled 32-column boxes), which TMA lands while the GEMM runs (the epilogue's x reads were
+// dependent DRAM round trips: 734 vs 285 us per 65536 rows for the same MMA work).
+template <int Mode> struct TcShape {
+  static constexpr int kStages = Mode == kTcBce ? 2 : 3;
+  static constexpr int kXBoxes = Mode == kTcBce ? kBN / kBK : 1;  // 1: unused
+};
+template <int Mode> struct TcSmem {
+  static constexpr int S = TcShape<Mode>::kStages;
+  float a[S][kTileFloats];    // A, split to its hi half in place by the consumers
+  float alo[S][kTileFloats];  // A's lo half (written by the consumers)
+  float w[S][kTileFloats];
+  float wlo[S][kTileFloats];
+  float x[TcShape<Mode>::kXBoxes][kTileFloats];  // kTcBce: the targets
+  unsigned long long full[S], empty[S], xbar;
+};
+template <int Mode>
+constexpr int kTcSmemBytes = sizeof(TcSmem<Mode>) + 1024;  // + alignment slack (swizzle atoms)
+
+// ---- wgmma ----
+__device__ __forceinline__ uint64_t desc_sw128(const float* p) {
+  const uint64_t addr = smem_addr(p);
+  return ((addr & 0x3FFFFull) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait0() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous MMAs.
+__device__ __forceinline__ void fence_regs(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void wgmma_m64n128k8(float (&d)[64], uint64_t da, uint64_t db,
+                                                int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ float tf32_hi(float v) {  // v's top 11 significant bits (truncated)
+  return __uint_as_float(__float_as_uint(v) & 0xFFFFE000u);
+}
+
+template <int Mode>
+__global__ void __launch_bounds__(kTcBlock, 1) tc_gemm_kernel(const __grid_constant__ TcGemmParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kStages = TcShape<Mode>::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  TcSmem<Mode>& s = *reinterpret_cast<TcSmem<Mode>*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  const int n0 = static_cast<int>(blockIdx.x) * kBN, m0 = static_cast<int>(blockIdx.y) * kBM;
+  const int nk = cdiv(p.K, kBK);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(&s.full[i], 1);
+      mbar_init(&s.empty[i], 8);  // one arrival per consumer warp
+    }
+    mbar_init(&s.xbar, 1);
+    mbar_fence_init();
+  }
+  __syncthreads();
+  if (wg == 0) {  // the producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) {
+      if (Mode == kTcBce) {
+        mbar_arrive_expect(&s.xbar, TcShape<Mode>::kXBoxes * kTileFloats * 4);
+        for (int b = 0; b < TcShape<Mode>::kXBoxes; ++b)
+          tma_load_2d(s.x[b], &p.x_map, n0 + b * kBK, m0, &s.xbar);
+      }
+      for (int kt = 0; kt < nk; ++kt) {
+        const int st = kt % kStages;
+        if (kt >= kStages) mbar_wait(&s.empty[st], ((kt / kStages) & 1) ^ 1);
+        mbar_arrive_expect(&s.full[st], kStageTx);
+        tma_load_2d(s.a[st], &p.a_map, kt * kBK, m0, &s.full[st]);
+        tma_load_2d(s.w[st], &p.w_map, kt * kBK, n0, &s.full[st]);
+        tma_load_2d(s.wlo[st], &p.wlo_map, kt * kBK, n0, &s.full[st]);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int c = wg - 1, tid = static_cast<int>(threadIdx.x) - 128 * wg;
+  const int half = c * (kTileFloats / 2);  // this warpgroup's 64 rows (8 KB, 1024-aligned)
+  float run[64], acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) run[i] = 0.0f;
+  // Split stage kt's A rows of this warpgroup into hi (in place) and lo, once it has landed.
+  auto split_stage = [&](int kt) {
+    const int st = kt % kStages;
+    mbar_wait(&s.full[st], (kt / kStages) & 1);
+    float4* a4 = reinterpret_cast<float4*>(s.a[st] + half);
+    float4* lo4 = reinterpret_cast<float4*>(s.alo[st] + half);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // elementwise: the swizzled positions need no unpicking
+      float4 v = a4[tid + 128 * i];
+      if (p.relu_a) v = make_float4(relu(v.x), relu(v.y), relu(v.z), relu(v.w));
+      const float4 h = make_float4(tf32_hi(v.x), tf32_hi(v.y), tf32_hi(v.z), tf32_hi(v.w));
+      a4[tid + 128 * i] = h;
+      lo4[tid + 128 * i] = make_float4(v.x - h.x, v.y - h.y, v.z - h.z, v.w - h.w);
+    }
+    fence_proxy_async();  // the generic-proxy writes above, before wgmma (async proxy) reads
+    named_sync(1 + c, 128);
+  };
+  split_stage(0);
+  for (int kt = 0; kt < nk; ++kt) {
+    const int st = kt % kStages;
+    const float* ahi = s.a[st] + half;
+    const float* alo = s.alo[st] + half;
+    wgmma_fence();
+    fence_regs(acc);
+#pragma unroll
+    for (int k = 0; k < kBK / 8; ++k)
+      wgmma_m64n128k8(acc, desc_sw128(alo + 8 * k), desc_sw128(s.w[st] + 8 * k), k > 0);
+#pragma unroll
+    for (int k = 0; k < kBK / 8; ++k)
+      wgmma_m64n128k8(acc, desc_sw128(ahi + 8 * k), desc_sw128(s.wlo[st] + 8 * k), 1);
+#pragma unroll
+    for (int k = 0; k < kBK / 8; ++k)
+      wgmma_m64n128k8(acc, desc_sw128(ahi + 8 * k), desc_sw128(s.w[st] + 8 * k), 1);
+    wgmma_commit();
+    if (kt + 1 < nk) split_stage(kt + 1);  // overlaps this stage's MMAs
+    wgmma_wait0();
+    fence_regs(acc);
+    if ((tid & 31) == 0) mbar_arrive(&s.empty[st]);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) run[i] = __fadd_rn(run[i], acc[i]);
+  }
+  // Epilogue. Accumulator layout (m64nNk8, f32): warp w of the warpgroup holds rows 16w + g and
+  // 16w + g + 8 (g = lane / 4); n8 block j holds columns 8j + 2t and 8j + 2t + 1 (t = lane % 4).
+  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int r0 = m0 + 64 * c + 16 * (tid >> 5) + g;
+  if (Mode == kTcRelu) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int col = n0 + 8 * j + 2 * t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = r0 + 8 * (e >> 1), cc = col + (e & 1);
+        if (r < p.M && cc < p.N)
+          p.out[static_cast<size_t>(r) * p.ldo + cc] = relu(__fadd_rn(run[4 * j + e], __ldg(p.bias + cc)));
+      }
+    }
+    return;
+  }
+  float sum[2] = {0.0f, 0.0f};
+  bool bad[2] = {false, false};
+  mbar_wait(&s.xbar, 0);
+  const int rl = 64 * c + 16 * (tid >> 5) + g;  // the block's row of r0
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int col = n0 + 8 * j + 2 * t;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int h = e >> 1, r = r0 + 8 * h, cc = col + (e & 1);
+      if (r < p.M && cc < p.N) {
+        const float a = __fadd_rn(run[4 * j + e], __ldg(p.bias + cc));
+        // x[r][cc] in its box (32 columns): 16-byte chunk (cc % 32) / 4 of row rl + 8h, XOR row % 8.
+        const int ro = rl + 8 * h, cb = cc - n0;
+        const float xv = s.x[cb >> 5][ro * kBK + ((((cb & 31) >> 2) ^ (ro & 7)) << 2) + (cb & 3)];
+        bad[h] |= outside_unit(xv);
+        sum[h] += bce_bits(a, xv - 1.0f, xv);
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], off);
+      bad[h] = (__shfl_xor_sync(0xffffffffu, static_cast<int>(bad[h]), off) != 0) || bad[h];
+    }
+    const int r = r0 + 8 * h;
+    if (t == 0 && r < p.M) {
+      const size_t i = static_cast<size_t>(r) * gridDim.x + blockIdx.x;
+      p.partial[i] = sum[h] * kLn2;  // bits to nats
+      p.partial_bad[i] = bad[h] ? 1 : 0;
+    }
+  }
+#else
+  __trap();  // sm_90a only: the binding dispatches here on compute capability 9.0 alone
+#endif
+}
+
+// recon = the row's tile sums in tile order; a bad x anywhere in the row makes all three NaN.
+__global__ void __launch_bounds__(kThreads) tc_bce_finish_kernel(const __grid_constant__ TcFinishParams p) {
+  const int row = static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x);
+  if (row >= p.n) return;
+  float s = 0.0f;
+  bool bad = false;
+  for (int i = 0; i < p.tiles; ++i) {
+    s += p.partial[static_cast<size_t>(row) * p.tiles + i];
+    bad |= p.partial_bad[static_cast<size_t>(row) * p.tiles + i] != 0;
+  }
+  const float nan = __int_as_float(0x7fc00000);
+  const float kl = p.kl[row];
+  p.recon[row] = bad ? nan : s;
+  p.kl[row] = bad ? nan : kl;
+  p.elbo[row] = bad ? nan : -(s + kl);
+}
+
+// hi = v's top 11 significant bits (exact in TF32), lo = v - hi.
+__global__ void __launch_bounds__(kThreads) tc_split_kernel(const float* w, float* hi, float* lo,
+                                                            long long n) {
+  for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * kThreads) {
+    const float v = w[i], h = tf32_hi(v);
+    hi[i] = h;
+    lo[i] = v - h;
+  }
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A row-major (rows x cols, row stride ld floats) float32 matrix in 128-byte-swizzled boxes of
+// kBK x 128; elements outside it read as zero.
+bool encode_sw128(CUtensorMap* map, const float* base, int cols, int rows, int ld) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 4};
+  const cuuint32_t box[2] = {kBK, kBM};
+  const cuuint32_t step[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(base), dims, strides,
+                box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
+         CUDA_SUCCESS;
+}
+
+}  // namespace tc
+}  // namespace
+
+using namespace tc;
+
+int tc_gemm_tiles_n(int N) noexcept { return cdiv(N, kBN); }
+
+cudaError_t tc_gemm_launch(TcGemmParams& p, const float* a, int lda, const float* w_hi,
+                           const float* w_lo, cudaStream_t stream) noexcept {
+  if (p.M < 1 || p.N < 1 || p.K < 1 || lda % 4 != 0 || p.K % 4 != 0 ||
+      cdiv(p.M, kBM) > 65535)
+    return cudaErrorInvalidValue;
+  if (!encode_sw128(&p.a_map, a, p.K, p.M, lda) || !encode_sw128(&p.w_map, w_hi, p.K, p.N, p.K) ||
+      !encode_sw128(&p.wlo_map, w_lo, p.K, p.N, p.K))
+    return cudaErrorInvalidValue;
+  if (p.mode == kTcBce && (p.ldx % 4 != 0 || !encode_sw128(&p.x_map, p.x, p.N, p.M, p.ldx)))
+    return cudaErrorInvalidValue;
+  const bool bce = p.mode == kTcBce;
+  const void* kernel = bce ? reinterpret_cast<const void*>(tc_gemm_kernel<kTcBce>)
+                           : reinterpret_cast<const void*>(tc_gemm_kernel<kTcRelu>);
+  const int smem = bce ? kTcSmemBytes<kTcBce> : kTcSmemBytes<kTcRelu>;
+  // Per device: set at every launch (cheap).
+  const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid(cdiv(p.N, kBN), cdiv(p.M, kBM));
+  if (bce)
+    tc_gemm_kernel<kTcBce><<<grid, kTcBlock, smem, stream>>>(p);
+  else
+    tc_gemm_kernel<kTcRelu><<<grid, kTcBlock, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t tc_bce_finish_launch(const TcFinishParams& p, cudaStream_t stream) noexcept {
+  if (p.n < 1) return cudaSuccess;
+  tc_bce_finish_kernel<<<cdiv(p.n, kThreads), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t tc_split_launch(const float* w, float* hi, float* lo, long long n,
+                            cudaStream_t stream) noexcept {
+  if (n < 1) return cudaSuccess;
+  const long long blocks = (n + kThreads - 1) / kThreads;
+  tc_split_kernel<<<static_cast<int>(blocks < 4096 ? blocks : 4096), kThreads, 0, stream>>>(
+      w, hi, lo, n);
+  return cudaGetLastError();
+}
+
+}  // namespace fastelbo
