@@ -148,14 +148,14 @@ def test_tc_path(cuda, batch, dims):
     check_against_reference(cuda, x, params, eps, f64=batch <= 16384 + 7, path="tc")
 
 
-def test_tc_path_is_auto_from_1024_rows(cuda):
-    """auto takes it where it applies: the same bits as path='tc' at B >= 1024."""
+def test_tc_path_is_auto_from_2048_rows(cuda):
+    """auto takes it where it applies: the same bits as path='tc' at B >= 2048."""
     dims = (784, 256, 32)
     params = make_params(dims)
-    x, eps = make_inputs(1024, dims)
+    x, eps = make_inputs(2048, dims)
     for g, t in zip(cuda.forward(x, params, eps), cuda.forward(x, params, eps, path="tc")):
         assert torch.equal(g, t)
-    x, eps = make_inputs(1023, dims)
+    x, eps = make_inputs(2047, dims)
     for g, r in zip(cuda.forward(x, params, eps), cuda.forward(x, params, eps, path="rows")):
         assert torch.equal(g, r)
 

@@ -54,8 +54,10 @@ constexpr int64_t kClusterFallbackMax = 192;  // where it does not: the general 
 // B=65536. Chunks of 8192 rows (42 MB) made cuBLAS pick smaller tiles: +37% GEMM time at
 // B=65536 on an H200 (an nsys profile), which made the path slower than eager.
 constexpr int64_t kRowsChunk = 65536;
-// From here `auto` takes the rows path's tensor-core variant (binding_tc.cpp) where it applies.
-constexpr int64_t kTcMinBatch = 1024;
+// From here `auto` takes the rows path's tensor-core variant (binding_tc.cpp) where it applies
+// (cuda_bench.py --paths, H200, 2026-12-02, us per forward: rows 68 / 91 / 149 / 1558 vs tc
+// 83 / 85 / 111 / 1141 at B = 1024 / 2048 / 4096 / 65536).
+constexpr int64_t kTcMinBatch = 2048;
 
 // The tensors and dims of one forward into either cluster kernel's params (checked by the caller).
 void fill_forward(fastelbo::ForwardArgs& a, const at::Tensor& x, const at::Tensor& eps,
