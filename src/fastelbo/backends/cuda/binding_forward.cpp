@@ -13,6 +13,8 @@
 //     torch.backends.cuda.matmul.allow_tf32 says so; in-place ReLU after the two hidden
 //     layers), reparam_kl_kernel and bce_kernel (rows.cu). Eager runs the same GEMMs plus ~15
 //     elementwise passes over (B, D) tensors.
+//   tc (auto from kTcMinBatch rows where tc_applies; binding_tc.cpp): the rows path with its
+//     encoder and output-layer GEMMs on tensor cores (tc_gemm.cu), the logits never in memory.
 // All paths only launch on the current stream and allocate through the caching allocator:
 // CUDA-graph capturable.
 #include <ATen/ATen.h>
