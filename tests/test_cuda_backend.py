@@ -85,6 +85,12 @@ def make_inputs(batch, dims, seed=1, binary=False):
     return x, eps
 
 
+def misaligned(x: torch.Tensor) -> torch.Tensor:
+    """x's values in a view 4 bytes past a 16-byte boundary (a view with an offset)."""
+    xm = torch.empty(x.numel() + 1, device=x.device)[1:].view(x.shape)
+    return xm.copy_(x)
+
+
 def check_against_reference(backend, x, params, eps, f64=True, **kw):
     got = backend.forward(x, params, eps, _poison=True, **kw)
     want = torch_ref.forward(x, params, eps)
@@ -168,8 +174,7 @@ def test_tc_path_refuses_what_it_cannot_run(cuda):
     check_against_reference(cuda, x, params, eps)  # auto: the cuBLAS rows path instead
     params = make_params((784, 256, 32))
     x, eps = make_inputs(1024, (784, 256, 32))
-    xm = torch.empty(1024 * 784 + 1, device="cuda")[1:].view(1024, 784)
-    xm.copy_(x)
+    xm = misaligned(x)
     with pytest.raises(ValueError, match="path='tc' does not apply"):
         cuda.forward(xm, params, eps, path="tc")
     check_against_reference(cuda, xm, params, eps)
@@ -182,8 +187,7 @@ def test_fast_path_refuses_what_it_cannot_run(cuda):
         cuda.forward(x, params, eps, path="fast")
     params = make_params((784, 256, 32))
     x, eps = make_inputs(5, (784, 256, 32))
-    xm = torch.empty(5 * 784 + 1, device="cuda")[1:].view(5, 784)
-    xm.copy_(x)
+    xm = misaligned(x)
     with pytest.raises(ValueError, match="16-byte aligned"):
         cuda.forward(xm, params, eps, path="fast")
     check_against_reference(cuda, xm, params, eps)  # auto: the general kernel instead

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_runtime.h>
 
 namespace fastelbo {
@@ -303,6 +304,10 @@ struct IwaeParams {
 // Triton kernel takes any dims). Host-only, no stream work.
 ElboStatus iwae_plan(IwaeParams& p, int device, cudaError_t* cuda_err) noexcept;
 cudaError_t iwae_launch(const IwaeParams& p, cudaStream_t stream) noexcept;
+
+// The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda at link time), or nullptr
+// where the driver has none (elbo_fast.cu; tc_gemm.cu uses it too).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() noexcept;
 
 // ---- tensor-core GEMMs of the rows path at large B (tc_gemm.cu, sm_90a: wgmma, tf32x3) ----
 // C = A (M, K) x W (N, K)^T to float32 accuracy, then kTcRelu: out = relu(C + bias), or kTcBce:

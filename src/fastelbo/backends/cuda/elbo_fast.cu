@@ -572,22 +572,6 @@ bool fast_layout(FastParams& p, int C) {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<size_t>(ptr) % 16 == 0; }
 
-// The driver's tensor-map encoder, through the runtime (no -lcuda at link time).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      f = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
 // A row-major float32 (rows x cols) matrix read in boxes of box_rows x box_cols.
 bool encode_2d(CUtensorMap* map, const float* base, int cols, int rows, int box_cols,
                int box_rows) {
@@ -604,6 +588,22 @@ bool encode_2d(CUtensorMap* map, const float* base, int cols, int rows, int box_
 }
 
 }  // namespace
+
+// elbo.h: the driver's tensor-map encoder.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() noexcept {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
 
 ElboStatus elbo_fast_plan(FastParams& p, int device, int cluster, bool one_wave,
                           cudaError_t* cuda_err) noexcept {

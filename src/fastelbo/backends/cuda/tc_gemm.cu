@@ -20,9 +20,6 @@
 // through descriptors (start address, SBO = 1024 bytes between 8-row groups; a k8 step is
 // +32 bytes inside the swizzle atom). W's halves come pre-split (tc_split_launch: hi exact in
 // TF32, lo = W - hi), once per weight version. No torch types; launches return cudaError_t.
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include <cstdint>
 
 #include "cluster.cuh"
@@ -264,25 +261,10 @@ __global__ void __launch_bounds__(kThreads) tc_split_kernel(const float* w, floa
   }
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      f = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
 // A row-major (rows x cols, row stride ld floats) float32 matrix in 128-byte-swizzled boxes of
 // kBK x 128; elements outside it read as zero.
 bool encode_sw128(CUtensorMap* map, const float* base, int cols, int rows, int ld) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = map_encoder();
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 4};
