@@ -19,7 +19,10 @@
 // Operands: K-major tiles with the 128-byte swizzle, as TMA writes them and wgmma reads them
 // through descriptors (start address, SBO = 1024 bytes between 8-row groups; a k8 step is
 // +32 bytes inside the swizzle atom). W's halves come pre-split (tc_split_launch: hi exact in
-// TF32, lo = W - hi), once per weight version. No torch types; launches return cudaError_t.
+// TF32, lo = W - hi; binding_tc.cpp splits them per forward, a few us). Small terms are not
+// NaN-guarded: an infinite A element (e.g. an overflowed hidden unit) gives NaN where float32
+// gives +-inf, as in the Triton encoder (triton/common.py); finite inputs never meet it.
+// No torch types; launches return cudaError_t.
 #include <cstdint>
 
 #include "cluster.cuh"
