@@ -109,17 +109,20 @@ def test_every_kernel_source_is_listed():
     assert on_disk == set(cuda_backend.KERNEL_SOURCES), on_disk
 
 
-# The standalone GPU tool kept in benchmarks/experiments/: the per-phase trace driver (includes
-# both cluster kernels with -DFASTELBO_TRACE). It builds without torch.
-BENCH_CU = ("experiments/cuda_trace.cu",)
+# The standalone GPU tools kept in benchmarks/experiments/: the per-phase trace driver (includes
+# both cluster kernels with -DFASTELBO_TRACE) and the tensor-core GEMMs' check and timing
+# driver. They build without torch, for the backend's machine code (sm_90a).
+BENCH_CU = ("experiments/cuda_trace.cu", "experiments/tc_gemm_bench.cu")
 
 
 @needs_nvcc
 @pytest.mark.parametrize("source", BENCH_CU)
 def test_benchmark_tools_build(source, tmp_path):
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    _run([NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90",
-          f"-I{cuda_backend.HERE}", "-o", str(tmp_path / "tool"), str(bench / source)])
+    gencode = [f for f in cuda_backend.NVCC_FLAGS if "sm_90a" in f]
+    assert gencode, cuda_backend.NVCC_FLAGS
+    _run([NVCC, "-O3", "-std=c++17", *gencode, f"-I{cuda_backend.HERE}",
+          "-o", str(tmp_path / "tool"), str(bench / source)])
 
 
 @needs_nvcc
