@@ -2,7 +2,7 @@
 // tf32x3 (float32 accuracy), the encoder's with its bias and ReLU fused, the decoder's output
 // layer with sigmoid, clamped BCE and the row sums fused (the (B, D) logits never exist). The
 // small GEMMs (mu, logvar, the decoder's hidden layer) stay cuBLAS, reparam_kl_kernel as in the
-// rows path. Memory beyond the outputs: W's halves for the two large layers and, per chunk of
+// rows path; the hidden layer's ReLU is applied as the output layer reads it (relu_a). Memory beyond the outputs: W's halves for the two large layers and, per chunk of
 // kTcChunk rows, one (chunk, H) buffer (h, then d in its place), z and the BCE partials.
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>

@@ -6,9 +6,9 @@ the general one, up to B=80; elbo_fast.cu for 80 < B <= 384 where the dims are m
 (else elbo.cu up to 192); large batches run every GEMM with cuBLAS (as eager does) and two
 small fused kernels (rows.cu) for everything else, or, from B=2048 on an sm_90 GPU where the
 dims are multiples of 4, its tensor-core variant "tc" (tc_gemm.cu: the encoder and output
-layers on wgmma in float32-accurate tf32x3, logits never in memory). `backward` (any batch) recomputes the
-activations the same way and runs the gradient's GEMMs with cuBLAS around four fused kernels
-(backward.cu).
+layers on wgmma in float32-accurate tf32x3, logits never in memory). `backward` (any batch)
+recomputes the activations with cuBLAS and runs the gradient's GEMMs with cuBLAS around four
+fused kernels (backward.cu).
 """
 from __future__ import annotations
 
