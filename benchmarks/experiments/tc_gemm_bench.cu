@@ -22,18 +22,10 @@
 #include <random>
 #include <vector>
 
+#include "cuda_check.h"
+
 using fastelbo::kTcBce;
 using fastelbo::kTcRelu;
-
-#define CK(call)                                                                     \
-  do {                                                                               \
-    cudaError_t e_ = (call);                                                         \
-    if (e_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call,              \
-                   cudaGetErrorString(e_));                                          \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
 
 namespace {
 
