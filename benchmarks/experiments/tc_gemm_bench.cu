@@ -10,7 +10,8 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
 //        -I src/fastelbo/backends/cuda -o /tmp/tc_gemm_bench benchmarks/experiments/tc_gemm_bench.cu
-//   /tmp/tc_gemm_bench [quick]       (quick: the small checks only, for compute-sanitizer)
+//   /tmp/tc_gemm_bench [quick|profile]   (quick: the small checks only, for compute-sanitizer;
+//                                          profile: one launch of each GEMM at M = 65536)
 #include "elbo.cu"
 #include "elbo_fast.cu"
 #include "tc_gemm.cu"
@@ -184,11 +185,19 @@ int run(const Case& cs, unsigned seed) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && argv[1][0] == 'q';
-  std::vector<Case> cases = {{kTcRelu, 300, 256, 784, 0.05f, false, false},
-                             {kTcRelu, 129, 200, 36, 0.05f, false, false},
-                             {kTcBce, 300, 784, 256, 0.05f, false, false}};
-  if (!quick) {
+  const char mode = argc > 1 ? argv[1][0] : 'a';
+  std::vector<Case> cases;
+  if (mode == 'p') {  // one launch of each GEMM at B = 65536, e.g. for ncu
+    cases = {{kTcRelu, 65536, 256, 784, 0.05f, false, false},
+             {kTcBce, 65536, 784, 256, 0.05f, false, false}};
+  } else {  // ragged M, N (a partial n8 block) and K (an odd count of K stages)
+    cases = {{kTcRelu, 300, 256, 784, 0.05f, false, false},
+             {kTcRelu, 129, 200, 36, 0.05f, false, false},
+             {kTcBce, 300, 784, 256, 0.05f, false, false},
+             {kTcBce, 130, 100, 72, 0.05f, false, false},
+             {kTcBce, 77, 12, 20, 0.05f, false, false}};
+  }
+  if (mode == 'a') {
     cases.push_back({kTcRelu, 4096, 256, 784, 1000.0f, true, false});
     for (int m : {1024, 4096, 16384, 32768, 65536}) {
       cases.push_back({kTcRelu, m, 256, 784, 0.05f, false, true});

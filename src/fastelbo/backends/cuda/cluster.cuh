@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "elbo.h"
 
 namespace fastelbo {
@@ -73,6 +75,14 @@ __device__ __forceinline__ void tma_load_2d(float* dst, const void* map, int c0,
       " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(smem_addr(bar))
       : "memory");
+}
+
+// Four 8x8 b16 matrices = four 8x4 fp32 blocks at shared address addr (lane l gives the row
+// address of block l / 8) and receives (row l / 4, column l % 4) of every block: an m16k8 tf32
+// A fragment (iwae.cu's mma.sync, tc_gemm.cu's register-A wgmma) or two k8n8 B fragments.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
 // The address of `local` in block `rank`'s shared memory (the cluster window).

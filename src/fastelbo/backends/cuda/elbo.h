@@ -308,6 +308,11 @@ cudaError_t iwae_launch(const IwaeParams& p, cudaStream_t stream) noexcept;
 // The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda at link time), or nullptr
 // where the driver has none (elbo_fast.cu; tc_gemm.cu uses it too).
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() noexcept;
+// A 2-D float32 map of a (rows x cols, row stride ld floats) matrix in boxes of box_cols x
+// box_rows, elements outside it read as zero; false where the encoder is missing or refuses.
+bool encode_tensor_map_2d(CUtensorMap* map, const float* base, int cols, int rows, int ld,
+                          int box_cols, int box_rows, CUtensorMapSwizzle swizzle,
+                          CUtensorMapL2promotion promotion) noexcept;
 
 // ---- tensor-core GEMMs of the rows path at large B (tc_gemm.cu, sm_90a: wgmma, tf32x3) ----
 // C = A (M, K) x W (N, K)^T to float32 accuracy, then kTcRelu: out = relu(C + bias), or kTcBce:

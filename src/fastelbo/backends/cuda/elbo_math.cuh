@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace fastelbo {
 
 constexpr int kThreads = 256;  // threads per block of every kernel in this backend
@@ -80,6 +82,27 @@ __device__ __forceinline__ float bce_bits(float a, float w0, float w1) {
   const float den = 1.0f + expf(-a);
   const float l1p = max_nan(lg2_ftz(1.0f - rcp_den(den)), kClampBits);
   return w0 * l1p - w1 * max_nan(-lg2_ftz(den), kClampBits);
+}
+
+// A row's final write (validation.py's rule): an x outside [0, 1] anywhere in the row makes
+// recon, kl and elbo NaN; else recon = s, elbo = -(s + kl). kl is read and rewritten in place.
+__device__ __forceinline__ void write_row(float* recon, float* kl, float* elbo, int row, float s,
+                                          bool bad) {
+  const float nan = __int_as_float(0x7fc00000);
+  const float k = kl[row];
+  recon[row] = bad ? nan : s;
+  kl[row] = bad ? nan : k;
+  elbo[row] = bad ? nan : -(s + k);
+}
+
+// ---- tf32x3 splits (iwae.cu, tc_gemm.cu) ----
+// v = hi + lo with hi = v's top 11 significant bits (truncated: one LOP, NaN stays NaN, inf
+// stays inf) and lo = v - hi exactly (|lo| < 2^-10 |v|); the MMA reads lo's top 11 bits. Per
+// product hi*hi + hi*lo + lo*hi is within ~3 * 2^-20 of a*b (the lo*lo term and lo's dropped
+// bits).
+__device__ __forceinline__ void tf32_split(float v, uint32_t* hi, uint32_t* lo) {
+  *hi = __float_as_uint(v) & 0xFFFFE000u;
+  *lo = __float_as_uint(v - __uint_as_float(*hi));
 }
 
 // ---- backward (autograd's formulas, as torch_ref.backward spells them out) ----

@@ -15,7 +15,7 @@
 // each 128-column chunk, interleaved across warps (n8 tile nt * 4 + warp_n) so a ragged last
 // chunk (D = 784: 16 columns) is shared out instead of idling three warps. B streams through
 // shared memory in [128 x 64] stages (double-buffered cp.async). Both operands are split into
-// TF32 hi + lo in registers (split() below): acc = hi*hi, corr = hi*lo + lo*hi, summed apart so
+// TF32 hi + lo in registers (tf32_split): acc = hi*hi, corr = hi*lo + lo*hi, summed apart so
 // that NaN from an infinite operand (lo = inf - inf) is dropped as Triton's tf32x3 does (see
 // triton/common.py). Shared-memory strides are 4 mod 8 floats: the 8 rows of 16 bytes of every
 // ldmatrix block hit distinct banks; fragments are addressed by 32-bit offsets into iwae_smem.
@@ -55,14 +55,8 @@ constexpr int kNC = kWarpsN * kNT * 8;  // GEMM columns per chunk
 constexpr int kStageFloats = kNC * kLdw;
 
 // ---- tf32x3 tensor-core tiles ----
-// v = hi + lo with hi = v's top 11 significant bits (truncated: one LOP, NaN stays NaN, inf
-// stays inf) and lo = v - hi exactly (|lo| < 2^-10 |v|); the MMA reads lo's top 11 bits. Per
-// product hi*hi + hi*lo + lo*hi is within ~3 * 2^-20 of a*b (the lo*lo term and lo's dropped bits):
-// measured against the cvt.rna split, estimates move by ~1e-5 nats at K = 5000.
-__device__ __forceinline__ void split(float v, uint32_t* hi, uint32_t* lo) {
-  *hi = __float_as_uint(v) & 0xFFFFE000u;
-  *lo = __float_as_uint(v - __uint_as_float(*hi));
-}
+// Splits: tf32_split (elbo_math.cuh); measured against the cvt.rna split, estimates move by
+// ~1e-5 nats at K = 5000.
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -111,15 +105,12 @@ __device__ __forceinline__ void load_stage(float* st, const float* B, int N, int
 // 32-bit offsets (LDS [reg + imm]) instead of 64-bit generic pointers.
 extern __shared__ __align__(16) float iwae_smem[];
 
-// Four 8x8 b16 matrices = four 8x4 fp32 blocks: lane l gives the row address of block l / 8 and
-// receives (row l / 4, column l % 4) of every block, i.e. an m16k8 A or two k8n8 B fragments.
+// ldsm_x4 (cluster.cuh) at float offset off of iwae_smem.
 __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], int off) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(iwae_smem)) + 4u * off;
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  ldsm_x4(r, smem_addr(iwae_smem) + 4u * off);
 }
 __device__ __forceinline__ void split_u(uint32_t v, uint32_t* hi, uint32_t* lo) {
-  split(__uint_as_float(v), hi, lo);
+  tf32_split(__uint_as_float(v), hi, lo);
 }
 
 // C = A (M x kp at float offset a_off of iwae_smem, row stride lda) x B^T (B: N x K in global,

@@ -63,13 +63,7 @@ __global__ void __launch_bounds__(kThreads) bce_kernel(const __grid_constant__ B
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
   bad = __any_sync(0xffffffffu, bad);
-  if (lane == 0) {
-    const float nan = __int_as_float(0x7fc00000);
-    const float kl = p.kl[row];
-    p.recon[row] = bad ? nan : s;
-    p.kl[row] = bad ? nan : kl;
-    p.elbo[row] = bad ? nan : -(s + kl);
-  }
+  if (lane == 0) write_row(p.recon, p.kl, p.elbo, row, s, bad);
 }
 
 // out[i] = element i of the draw r describes (philox.cuh), grid-stride.

@@ -9,16 +9,20 @@
 //
 // Block: 3 warpgroups. Warpgroup 0 is the producer (one thread issues TMA loads of A, W's hi
 // half and W's lo half per K stage of 32 floats); warpgroups 1 and 2 each own 64 rows of the
-// 128 x 128 output tile. Per stage a consumer splits its A rows in shared memory into TF32 hi
-// (in place) and lo (alo), then issues 12 wgmma m64n128k8: lo*hi and hi*lo first, hi*hi last,
-// into an accumulator that starts from zero every stage and joins the running sum through a
-// float32 round-to-nearest add. A tensor core truncates as it accumulates, so one accumulator
-// carried over a long K drifts toward zero and drowns the small terms (triton/common.py
-// _encode_hidden: that failed the saturated-weights regime); per-stage sums fix it.
+// 128 x 128 output tile. A reaches the MMAs from registers: per stage a consumer thread loads
+// its fragments (ldmatrix) and splits them into TF32 hi and lo there, one stage ahead of the
+// MMAs, then issues 12 wgmma m64n128k8 (A from registers, W from shared memory): lo*hi and
+// hi*lo first, hi*hi last, into an accumulator that starts from zero every stage and joins
+// the running sum (which starts at the bias) through a float32 round-to-nearest add. A tensor
+// core truncates as it accumulates, so one accumulator carried over a long K drifts toward
+// zero and drowns the small terms (triton/common.py _encode_hidden: that failed the
+// saturated-weights regime); per-stage sums fix it. With A in registers the MMAs read only W
+// from shared memory (A from it too cost a third more shared-memory traffic per stage, and
+// the split's writes as much again).
 //
-// Operands: K-major tiles with the 128-byte swizzle, as TMA writes them and wgmma reads them
-// through descriptors (start address, SBO = 1024 bytes between 8-row groups; a k8 step is
-// +32 bytes inside the swizzle atom). W's halves come pre-split (tc_split_launch: hi exact in
+// Operands: K-major tiles with the 128-byte swizzle, as TMA writes them; wgmma reads W through
+// descriptors (start address, SBO = 1024 bytes between 8-row groups; a k8 step is +32 bytes
+// inside the swizzle atom), ldmatrix reads A (row r's 16-byte chunk c sits at chunk c ^ r % 8). W's halves come pre-split (tc_split_launch: hi exact in
 // TF32, lo = W - hi; binding_tc.cpp splits them per forward, a few us). Small terms are not
 // NaN-guarded: an infinite A element (e.g. an overflowed hidden unit) gives NaN where float32
 // gives +-inf, as in the Triton encoder (triton/common.py); finite inputs never meet it.
@@ -38,17 +42,16 @@ constexpr int kTcBlock = 384;
 constexpr int kTileFloats = kBM * kBK;  // one stage's A (or alo, W, W lo) tile: 16 KB
 constexpr int kStageTx = 3 * kTileFloats * 4;  // bytes TMA lands per stage (A, W hi, W lo)
 
-// Per mode: kTcRelu pipelines 3 K stages; kTcBce 2, plus the block's 128 x 128 tile of x (four
+// Per mode: kTcRelu pipelines 4 K stages; kTcBce 3, plus the block's 128 x 128 tile of x (four
 // swizzled 32-column boxes), which TMA lands while the GEMM runs (the epilogue's x reads were
 // dependent DRAM round trips: 734 vs 285 us per 65536 rows for the same MMA work).
 template <int Mode> struct TcShape {
-  static constexpr int kStages = Mode == kTcBce ? 2 : 3;
+  static constexpr int kStages = Mode == kTcBce ? 3 : 4;
   static constexpr int kXBoxes = Mode == kTcBce ? kBN / kBK : 1;  // 1: unused
 };
 template <int Mode> struct TcSmem {
   static constexpr int S = TcShape<Mode>::kStages;
-  float a[S][kTileFloats];    // A, split to its hi half in place by the consumers
-  float alo[S][kTileFloats];  // A's lo half (written by the consumers)
+  float a[S][kTileFloats];
   float w[S][kTileFloats];
   float wlo[S][kTileFloats];
   float x[TcShape<Mode>::kXBoxes][kTileFloats];  // kTcBce: the targets
@@ -76,23 +79,19 @@ __device__ __forceinline__ void fence_regs(float (&d)[64]) {
 #pragma unroll
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-__device__ __forceinline__ void wgmma_m64n128k8(float (&d)[64], uint64_t da, uint64_t db,
-                                                int scale_d) {
+// d (+)= a x b: a from registers (this thread's m64k8 fragment: rows 16 warp + lane / 4 and
+// + 8, columns lane % 4 and + 4, as mma.sync m16n8k8), b (128 x 8, K-major) from shared memory.
+__device__ __forceinline__ void wgmma_m64n128k8(float (&d)[64], const uint32_t (&a)[4],
+                                                uint64_t db, int scale_d) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(scale_d));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ float tf32_hi(float v) {  // v's top 11 significant bits (truncated)
-  return __uint_as_float(__float_as_uint(v) & 0xFFFFE000u);
 }
 
 template <int Mode>
@@ -135,64 +134,85 @@ __global__ void __launch_bounds__(kTcBlock, 1) tc_gemm_kernel(const __grid_const
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int c = wg - 1, tid = static_cast<int>(threadIdx.x) - 128 * wg;
-  const int half = c * (kTileFloats / 2);  // this warpgroup's 64 rows (8 KB, 1024-aligned)
+  // Accumulator layout (m64nNk8, f32): warp w of the warpgroup holds rows 16w + g and
+  // 16w + g + 8 (g = lane / 4); n8 block j holds columns 8j + 2t and 8j + 2t + 1 (t = lane % 4).
+  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int r0 = m0 + 64 * c + 16 * (tid >> 5) + g;
+  const int jn = min(kBN / 8, cdiv(p.N - n0, 8));  // n8 blocks with a column inside N
   float run[64], acc[64];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) run[i] = 0.0f;
-  // Split stage kt's A rows of this warpgroup into hi (in place) and lo, once it has landed.
-  auto split_stage = [&](int kt) {
+  for (int j = 0; j < 16; ++j) {  // the sums start at the bias (0 beyond N)
+    const int col = n0 + 8 * j + 2 * t;
+    const float b0 = col < p.N ? __ldg(p.bias + col) : 0.0f;
+    const float b1 = col + 1 < p.N ? __ldg(p.bias + col + 1) : 0.0f;
+    run[4 * j] = b0;
+    run[4 * j + 1] = b1;
+    run[4 * j + 2] = b0;
+    run[4 * j + 3] = b1;
+  }
+  // ldmatrix: lane l gives row 16 warp + 8 ((l / 8) % 2) + l % 8 of this warpgroup's 64, at
+  // 16-byte chunk 2 k + l / 16 of k8 step k (XOR the row's l % 8: the swizzle).
+  const int lr = lane & 7;
+  const unsigned a_row = 4u * ((64 * c + 16 * (tid >> 5) + 8 * ((lane >> 3) & 1) + lr) * kBK);
+  const int a_chunk = lane >> 4;
+  // Stage kt's A fragments of this thread, split: hi[k], lo[k] for k8 step k.
+  using Frag = uint32_t[kBK / 8][4];
+  auto load_stage = [&](int kt, Frag& hi, Frag& lo) {
     const int st = kt % kStages;
     mbar_wait(&s.full[st], (kt / kStages) & 1);
-    float4* a4 = reinterpret_cast<float4*>(s.a[st] + half);
-    float4* lo4 = reinterpret_cast<float4*>(s.alo[st] + half);
+    const unsigned base = smem_addr(s.a[st]) + a_row;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // elementwise: the swizzled positions need no unpicking
-      float4 v = a4[tid + 128 * i];
-      if (p.relu_a) v = make_float4(relu(v.x), relu(v.y), relu(v.z), relu(v.w));
-      const float4 h = make_float4(tf32_hi(v.x), tf32_hi(v.y), tf32_hi(v.z), tf32_hi(v.w));
-      a4[tid + 128 * i] = h;
-      lo4[tid + 128 * i] = make_float4(v.x - h.x, v.y - h.y, v.z - h.z, v.w - h.w);
+    for (int k = 0; k < kBK / 8; ++k) {
+      uint32_t r[4];
+      ldsm_x4(r, base + 16u * ((2 * k + a_chunk) ^ lr));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float v = __uint_as_float(r[i]);
+        if (p.relu_a) v = relu(v);
+        tf32_split(v, &hi[k][i], &lo[k][i]);
+      }
     }
-    fence_proxy_async();  // the generic-proxy writes above, before wgmma (async proxy) reads
-    named_sync(1 + c, 128);
   };
-  split_stage(0);
-  for (int kt = 0; kt < nk; ++kt) {
+  // Stage kt's MMAs from (hi, lo); the next stage's fragments load into (nhi, nlo) meanwhile.
+  auto mma_stage = [&](int kt, const Frag& hi, const Frag& lo, Frag& nhi, Frag& nlo) {
     const int st = kt % kStages;
-    const float* ahi = s.a[st] + half;
-    const float* alo = s.alo[st] + half;
+    const float* w = s.w[st];
+    const float* wlo = s.wlo[st];
     wgmma_fence();
     fence_regs(acc);
 #pragma unroll
     for (int k = 0; k < kBK / 8; ++k)
-      wgmma_m64n128k8(acc, desc_sw128(alo + 8 * k), desc_sw128(s.w[st] + 8 * k), k > 0);
+      wgmma_m64n128k8(acc, lo[k], desc_sw128(w + 8 * k), k > 0);
 #pragma unroll
     for (int k = 0; k < kBK / 8; ++k)
-      wgmma_m64n128k8(acc, desc_sw128(ahi + 8 * k), desc_sw128(s.wlo[st] + 8 * k), 1);
+      wgmma_m64n128k8(acc, hi[k], desc_sw128(wlo + 8 * k), 1);
 #pragma unroll
     for (int k = 0; k < kBK / 8; ++k)
-      wgmma_m64n128k8(acc, desc_sw128(ahi + 8 * k), desc_sw128(s.w[st] + 8 * k), 1);
+      wgmma_m64n128k8(acc, hi[k], desc_sw128(w + 8 * k), 1);
     wgmma_commit();
-    if (kt + 1 < nk) split_stage(kt + 1);  // overlaps this stage's MMAs
+    if (kt + 1 < nk) load_stage(kt + 1, nhi, nlo);  // overlaps this stage's MMAs
     wgmma_wait0();
     fence_regs(acc);
-    if ((tid & 31) == 0) mbar_arrive(&s.empty[st]);
+    if (lane == 0) mbar_arrive(&s.empty[st]);
 #pragma unroll
     for (int i = 0; i < 64; ++i) run[i] = __fadd_rn(run[i], acc[i]);
+  };
+  Frag hi0, lo0, hi1, lo1;
+  load_stage(0, hi0, lo0);
+  for (int kt = 0; kt < nk; kt += 2) {  // two stages per trip: the fragment buffers alternate
+    mma_stage(kt, hi0, lo0, hi1, lo1);
+    if (kt + 1 < nk) mma_stage(kt + 1, hi1, lo1, hi0, lo0);
   }
-  // Epilogue. Accumulator layout (m64nNk8, f32): warp w of the warpgroup holds rows 16w + g and
-  // 16w + g + 8 (g = lane / 4); n8 block j holds columns 8j + 2t and 8j + 2t + 1 (t = lane % 4).
-  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int r0 = m0 + 64 * c + 16 * (tid >> 5) + g;
+  // Epilogue (the accumulator layout above).
   if (Mode == kTcRelu) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
+      if (j >= jn) break;  // the whole block: n8 blocks beyond N
       const int col = n0 + 8 * j + 2 * t;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = r0 + 8 * (e >> 1), cc = col + (e & 1);
-        if (r < p.M && cc < p.N)
-          p.out[static_cast<size_t>(r) * p.ldo + cc] = relu(__fadd_rn(run[4 * j + e], __ldg(p.bias + cc)));
+        if (r < p.M && cc < p.N) p.out[static_cast<size_t>(r) * p.ldo + cc] = relu(run[4 * j + e]);
       }
     }
     return;
@@ -203,12 +223,13 @@ __global__ void __launch_bounds__(kTcBlock, 1) tc_gemm_kernel(const __grid_const
   const int rl = 64 * c + 16 * (tid >> 5) + g;  // the block's row of r0
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
+    if (j >= jn) break;  // the whole block: n8 blocks beyond N
     const int col = n0 + 8 * j + 2 * t;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int h = e >> 1, r = r0 + 8 * h, cc = col + (e & 1);
       if (r < p.M && cc < p.N) {
-        const float a = __fadd_rn(run[4 * j + e], __ldg(p.bias + cc));
+        const float a = run[4 * j + e];
         // x[r][cc] in its box (32 columns): 16-byte chunk (cc % 32) / 4 of row rl + 8h, XOR row % 8.
         const int ro = rl + 8 * h, cb = cc - n0;
         const float xv = s.x[cb >> 5][ro * kBK + ((((cb & 31) >> 2) ^ (ro & 7)) << 2) + (cb & 3)];
@@ -246,11 +267,7 @@ __global__ void __launch_bounds__(kThreads) tc_bce_finish_kernel(const __grid_co
     s += p.partial[static_cast<size_t>(row) * p.tiles + i];
     bad |= p.partial_bad[static_cast<size_t>(row) * p.tiles + i] != 0;
   }
-  const float nan = __int_as_float(0x7fc00000);
-  const float kl = p.kl[row];
-  p.recon[row] = bad ? nan : s;
-  p.kl[row] = bad ? nan : kl;
-  p.elbo[row] = bad ? nan : -(s + kl);
+  write_row(p.recon, p.kl, p.elbo, row, s, bad);
 }
 
 // hi = v's top 11 significant bits (exact in TF32), lo = v - hi.
@@ -258,25 +275,18 @@ __global__ void __launch_bounds__(kThreads) tc_split_kernel(const float* w, floa
                                                             long long n) {
   for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * kThreads) {
-    const float v = w[i], h = tf32_hi(v);
-    hi[i] = h;
-    lo[i] = v - h;
+    uint32_t h, l;
+    tf32_split(w[i], &h, &l);
+    hi[i] = __uint_as_float(h);
+    lo[i] = __uint_as_float(l);
   }
 }
 
 // A row-major (rows x cols, row stride ld floats) float32 matrix in 128-byte-swizzled boxes of
-// kBK x 128; elements outside it read as zero.
+// kBK x kBM; elements outside it read as zero.
 bool encode_sw128(CUtensorMap* map, const float* base, int cols, int rows, int ld) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 4};
-  const cuuint32_t box[2] = {kBK, kBM};
-  const cuuint32_t step[2] = {1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(base), dims, strides,
-                box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
-         CUDA_SUCCESS;
+  return encode_tensor_map_2d(map, base, cols, rows, ld, kBK, kBM, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
 }  // namespace tc
