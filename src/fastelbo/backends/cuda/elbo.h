@@ -318,7 +318,8 @@ bool encode_tensor_map_2d(CUtensorMap* map, const float* base, int cols, int row
 // C = A (M, K) x W (N, K)^T to float32 accuracy, then kTcRelu: out = relu(C + bias), or kTcBce:
 // per row and kTcTileN-column tile, the clamped-BCE sum of sigmoid(C + bias) against x (and
 // whether an x there was outside [0, 1]) into partial / partial_bad ((M, tiles) row-major).
-// W comes split (tc_split_launch). Needs K % 4 == 0, lda % 4 == 0, 16-byte aligned rows.
+// W comes split (tc_split_launch). Needs K % 4 == 0, lda % 4 == 0, 16-byte aligned rows, and
+// for kTcBce N % 4 == 0 and ldx % 4 == 0.
 constexpr int kTcRelu = 0, kTcBce = 1;
 constexpr int kTcTileN = 128;
 struct TcGemmParams {

@@ -37,25 +37,36 @@ namespace fastelbo {
 namespace {
 namespace tc {  // own names: the export inlines every source into one translation unit
 
-constexpr int kBM = 128, kBN = kTcTileN, kBK = 32;
-constexpr int kTcBlock = 384;
-constexpr int kTileFloats = kBM * kBK;  // one stage's A (or alo, W, W lo) tile: 16 KB
-constexpr int kStageTx = 3 * kTileFloats * 4;  // bytes TMA lands per stage (A, W hi, W lo)
+constexpr int kBN = kTcTileN, kBK = 32;
+#ifndef FASTELBO_TC_BCE_BM
+#define FASTELBO_TC_BCE_BM 64
+#endif
 
-// Per mode: kTcRelu pipelines 4 K stages; kTcBce 3, plus the block's 128 x 128 tile of x (four
-// swizzled 32-column boxes), which TMA lands while the GEMM runs (the epilogue's x reads were
-// dependent DRAM round trips: 734 vs 285 us per 65536 rows for the same MMA work).
+// Per mode: kTcRelu runs 128-row tiles (2 consumer warpgroups) through 4 K stages, one block per
+// SM; kTcBce 64-row tiles (1 consumer warpgroup) through 2 stages, two blocks per SM, so that
+// one block's epilogue (sigmoid and BCE, the tensor cores idle) overlaps the other's MMAs. Its
+// block also holds its tile of x (swizzled 32-column boxes), which TMA lands while the GEMM
+// runs (the epilogue's x reads were dependent DRAM round trips: 734 vs 285 us per 65536 rows
+// for the same MMA work).
 template <int Mode> struct TcShape {
-  static constexpr int kStages = Mode == kTcBce ? 3 : 4;
+  static constexpr int kBM = Mode == kTcBce ? FASTELBO_TC_BCE_BM : 128;
+  static constexpr int kCons = kBM / 64;           // consumer warpgroups
+  static constexpr int kBlock = 128 * (1 + kCons);  // + the producer warpgroup
+  static constexpr int kBlocksPerSm = kCons == 1 ? 2 : 1;
+  static constexpr int kStages = Mode == kTcBce ? (kCons == 1 ? 2 : 3) : 4;
   static constexpr int kXBoxes = Mode == kTcBce ? kBN / kBK : 1;  // 1: unused
+  static constexpr int kStageTx = (kBM + 2 * kBN) * kBK * 4;  // bytes per stage (A, W hi, W lo)
+  // setmaxnreg: the producer gives up what the consumers take, within the launch's allocation
+  // (65536 / (kBlock * kBlocksPerSm) registers per thread).
+  static constexpr int kProducerRegs = kCons == 1 ? 24 : 40;
 };
 template <int Mode> struct TcSmem {
-  static constexpr int S = TcShape<Mode>::kStages;
-  float a[S][kTileFloats];
-  float w[S][kTileFloats];
-  float wlo[S][kTileFloats];
-  float x[TcShape<Mode>::kXBoxes][kTileFloats];  // kTcBce: the targets
-  unsigned long long full[S], empty[S], xbar;
+  using S = TcShape<Mode>;
+  float a[S::kStages][S::kBM * kBK];
+  float w[S::kStages][kBN * kBK];
+  float wlo[S::kStages][kBN * kBK];
+  float x[S::kXBoxes][S::kBM * kBK];  // kTcBce: the targets
+  unsigned long long full[S::kStages], empty[S::kStages], xbar;
 };
 template <int Mode>
 constexpr int kTcSmemBytes = sizeof(TcSmem<Mode>) + 1024;  // + alignment slack (swizzle atoms)
@@ -95,9 +106,11 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
 }
 
 template <int Mode>
-__global__ void __launch_bounds__(kTcBlock, 1) tc_gemm_kernel(const __grid_constant__ TcGemmParams p) {
+__global__ void __launch_bounds__(TcShape<Mode>::kBlock, TcShape<Mode>::kBlocksPerSm)
+    tc_gemm_kernel(const __grid_constant__ TcGemmParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kStages = TcShape<Mode>::kStages;
+  using Shape = TcShape<Mode>;
+  constexpr int kStages = Shape::kStages, kBM = Shape::kBM;
   extern __shared__ unsigned char smem_raw[];
   TcSmem<Mode>& s = *reinterpret_cast<TcSmem<Mode>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -107,24 +120,24 @@ __global__ void __launch_bounds__(kTcBlock, 1) tc_gemm_kernel(const __grid_const
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], 8);  // one arrival per consumer warp
+      mbar_init(&s.empty[i], 4 * Shape::kCons);  // one arrival per consumer warp
     }
     mbar_init(&s.xbar, 1);
     mbar_fence_init();
   }
   __syncthreads();
   if (wg == 0) {  // the producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Shape::kProducerRegs));
     if (threadIdx.x == 0) {
       if (Mode == kTcBce) {
-        mbar_arrive_expect(&s.xbar, TcShape<Mode>::kXBoxes * kTileFloats * 4);
-        for (int b = 0; b < TcShape<Mode>::kXBoxes; ++b)
+        mbar_arrive_expect(&s.xbar, Shape::kXBoxes * kBM * kBK * 4);
+        for (int b = 0; b < Shape::kXBoxes; ++b)
           tma_load_2d(s.x[b], &p.x_map, n0 + b * kBK, m0, &s.xbar);
       }
       for (int kt = 0; kt < nk; ++kt) {
         const int st = kt % kStages;
         if (kt >= kStages) mbar_wait(&s.empty[st], ((kt / kStages) & 1) ^ 1);
-        mbar_arrive_expect(&s.full[st], kStageTx);
+        mbar_arrive_expect(&s.full[st], Shape::kStageTx);
         tma_load_2d(s.a[st], &p.a_map, kt * kBK, m0, &s.full[st]);
         tma_load_2d(s.w[st], &p.w_map, kt * kBK, n0, &s.full[st]);
         tma_load_2d(s.wlo[st], &p.wlo_map, kt * kBK, n0, &s.full[st]);
@@ -224,17 +237,18 @@ __global__ void __launch_bounds__(kTcBlock, 1) tc_gemm_kernel(const __grid_const
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     if (j >= jn) break;  // the whole block: n8 blocks beyond N
-    const int col = n0 + 8 * j + 2 * t;
+    // Columns n0 + cb and + 1 (both inside N or neither: N % 4 == 0): one 8-byte load of x from
+    // its box (32 columns), 16-byte chunk (cb % 32) / 4 of row ro, XOR ro % 8.
+    const int cb = 8 * j + 2 * t;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int h = e >> 1, r = r0 + 8 * h, cc = col + (e & 1);
-      if (r < p.M && cc < p.N) {
-        const float a = run[4 * j + e];
-        // x[r][cc] in its box (32 columns): 16-byte chunk (cc % 32) / 4 of row rl + 8h, XOR row % 8.
-        const int ro = rl + 8 * h, cb = cc - n0;
-        const float xv = s.x[cb >> 5][ro * kBK + ((((cb & 31) >> 2) ^ (ro & 7)) << 2) + (cb & 3)];
-        bad[h] |= outside_unit(xv);
-        sum[h] += bce_bits(a, xv - 1.0f, xv);
+    for (int h = 0; h < 2; ++h) {
+      if (r0 + 8 * h < p.M && n0 + cb < p.N) {
+        const int ro = rl + 8 * h;
+        const float2 xv = *reinterpret_cast<const float2*>(
+            &s.x[cb >> 5][ro * kBK + ((((cb & 31) >> 2) ^ (ro & 7)) << 2) + (cb & 3)]);
+        bad[h] |= outside_unit(xv.x) || outside_unit(xv.y);
+        sum[h] += bce_bits(run[4 * j + 2 * h], xv.x - 1.0f, xv.x);
+        sum[h] += bce_bits(run[4 * j + 2 * h + 1], xv.y - 1.0f, xv.y);
       }
     }
   }
@@ -283,10 +297,31 @@ __global__ void __launch_bounds__(kThreads) tc_split_kernel(const float* w, floa
 }
 
 // A row-major (rows x cols, row stride ld floats) float32 matrix in 128-byte-swizzled boxes of
-// kBK x kBM; elements outside it read as zero.
-bool encode_sw128(CUtensorMap* map, const float* base, int cols, int rows, int ld) {
-  return encode_tensor_map_2d(map, base, cols, rows, ld, kBK, kBM, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+// kBK x box_rows; elements outside it read as zero.
+bool encode_sw128(CUtensorMap* map, const float* base, int cols, int rows, int ld, int box_rows) {
+  return encode_tensor_map_2d(map, base, cols, rows, ld, kBK, box_rows,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+}
+
+template <int Mode>
+cudaError_t launch(TcGemmParams& p, const float* a, int lda, const float* w_hi, const float* w_lo,
+                   cudaStream_t stream) {
+  constexpr int bm = TcShape<Mode>::kBM;
+  if (cdiv(p.M, bm) > 65535) return cudaErrorInvalidValue;
+  if (!encode_sw128(&p.a_map, a, p.K, p.M, lda, bm) ||
+      !encode_sw128(&p.w_map, w_hi, p.K, p.N, p.K, kBN) ||
+      !encode_sw128(&p.wlo_map, w_lo, p.K, p.N, p.K, kBN))
+    return cudaErrorInvalidValue;
+  if (Mode == kTcBce && (p.ldx % 4 != 0 || !encode_sw128(&p.x_map, p.x, p.N, p.M, p.ldx, bm)))
+    return cudaErrorInvalidValue;
+  constexpr int smem = kTcSmemBytes<Mode>;
+  // Per device: set at every launch (cheap).
+  const cudaError_t attr = cudaFuncSetAttribute(tc_gemm_kernel<Mode>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid(cdiv(p.N, kBN), cdiv(p.M, bm));
+  tc_gemm_kernel<Mode><<<grid, TcShape<Mode>::kBlock, smem, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace tc
@@ -299,27 +334,10 @@ int tc_gemm_tiles_n(int N) noexcept { return cdiv(N, kBN); }
 cudaError_t tc_gemm_launch(TcGemmParams& p, const float* a, int lda, const float* w_hi,
                            const float* w_lo, cudaStream_t stream) noexcept {
   if (p.M < 1 || p.N < 1 || p.K < 1 || lda % 4 != 0 || p.K % 4 != 0 ||
-      cdiv(p.M, kBM) > 65535)
+      (p.mode == kTcBce && p.N % 4 != 0))
     return cudaErrorInvalidValue;
-  if (!encode_sw128(&p.a_map, a, p.K, p.M, lda) || !encode_sw128(&p.w_map, w_hi, p.K, p.N, p.K) ||
-      !encode_sw128(&p.wlo_map, w_lo, p.K, p.N, p.K))
-    return cudaErrorInvalidValue;
-  if (p.mode == kTcBce && (p.ldx % 4 != 0 || !encode_sw128(&p.x_map, p.x, p.N, p.M, p.ldx)))
-    return cudaErrorInvalidValue;
-  const bool bce = p.mode == kTcBce;
-  const void* kernel = bce ? reinterpret_cast<const void*>(tc_gemm_kernel<kTcBce>)
-                           : reinterpret_cast<const void*>(tc_gemm_kernel<kTcRelu>);
-  const int smem = bce ? kTcSmemBytes<kTcBce> : kTcSmemBytes<kTcRelu>;
-  // Per device: set at every launch (cheap).
-  const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (attr != cudaSuccess) return attr;
-  const dim3 grid(cdiv(p.N, kBN), cdiv(p.M, kBM));
-  if (bce)
-    tc_gemm_kernel<kTcBce><<<grid, kTcBlock, smem, stream>>>(p);
-  else
-    tc_gemm_kernel<kTcRelu><<<grid, kTcBlock, smem, stream>>>(p);
-  return cudaGetLastError();
+  return p.mode == kTcBce ? launch<kTcBce>(p, a, lda, w_hi, w_lo, stream)
+                          : launch<kTcRelu>(p, a, lda, w_hi, w_lo, stream);
 }
 
 cudaError_t tc_bce_finish_launch(const TcFinishParams& p, cudaStream_t stream) noexcept {
