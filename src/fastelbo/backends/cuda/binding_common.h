@@ -73,9 +73,12 @@ inline at::Tensor relu_linear(const at::Tensor& a, const at::Tensor& w, const at
   return at::linear(a, w, b).relu_();
 }
 
-// z = mu + exp(0.5 lv) eps into z, and kl into `kl` unless it is nullptr (rows.cu).
+// z = mu + exp(0.5 lv) eps into z, and kl into `kl` unless it is nullptr (rows.cu). mu and lv:
+// rows of one stride (e.g. the two halves of one (n, 2L) GEMM's output), unit column stride.
 inline void reparam(const at::Tensor& mu, const at::Tensor& lv, const float* eps, at::Tensor& z,
                     float* kl, cudaStream_t stream) {
+  FE_CHECK(mu.stride(1) == 1 && lv.stride(1) == 1 && mu.stride(0) == lv.stride(0),
+           "reparam: mu and logvar need one row stride and unit column stride");
   fastelbo::ReparamParams rp{};
   rp.mu = mu.data_ptr<float>();
   rp.lv = lv.data_ptr<float>();
@@ -84,6 +87,7 @@ inline void reparam(const at::Tensor& mu, const at::Tensor& lv, const float* eps
   rp.kl = kl;
   rp.n = static_cast<int>(mu.size(0));
   rp.L = static_cast<int>(mu.size(1));
+  rp.ld = static_cast<int>(mu.stride(0));
   check_launch(fastelbo::reparam_launch(rp, stream), "reparam_kl kernel");
 }
 

@@ -1,9 +1,11 @@
 // The rows path's tensor-core variant (path "tc"; tc_gemm.cu): the two large GEMMs on wgmma in
 // tf32x3 (float32 accuracy), the encoder's with its bias and ReLU fused, the decoder's output
 // layer with sigmoid, clamped BCE and the row sums fused (the (B, D) logits never exist). The
-// small GEMMs (mu, logvar, the decoder's hidden layer) stay cuBLAS, reparam_kl_kernel as in the
-// rows path; the hidden layer's ReLU is applied as the output layer reads it (relu_a). Memory beyond the outputs: W's halves for the two large layers and, per chunk of
-// kTcChunk rows, one (chunk, H) buffer (h, then d in its place), z and the BCE partials.
+// small GEMMs stay cuBLAS (mu and logvar as one (n, 2L) product, then the decoder's hidden
+// layer), reparam_kl_kernel as in the rows path; the hidden layer's ReLU is applied as the
+// output layer reads it (relu_a). Memory beyond the outputs: W's halves for the two large
+// layers and, per chunk of kTcChunk rows, one (chunk, H) buffer (h, then d in its place), z,
+// mu / logvar and the BCE partials.
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>
 
@@ -53,6 +55,8 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
                      std::vector<at::Tensor>& out, cudaStream_t stream) {
   const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
   const at::Tensor enc = split_halves(enc_w, stream), dec = split_halves(dec_w2, stream);
+  // mu and logvar as one (n, 2L) GEMM: h is read once, one launch per chunk instead of two.
+  const at::Tensor ml_w = at::cat({mu_w, lv_w}), ml_b = at::cat({mu_b, lv_b});
   const int64_t chunk = std::min(B, kTcChunk);
   const int tiles = fastelbo::tc_gemm_tiles_n(static_cast<int>(D));
   const auto opts = x.options();
@@ -75,8 +79,9 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
                                           enc[0].data_ptr<float>(), enc[1].data_ptr<float>(),
                                           stream),
                  "tc encoder kernel");
-    const at::Tensor mu = at::linear(h, mu_w, mu_b), lv = at::linear(h, lv_w, lv_b);
-    reparam(mu, lv, eps.data_ptr<float>() + s * L, zs, out[2].data_ptr<float>() + s, stream);
+    const at::Tensor ml = at::linear(h, ml_w, ml_b);
+    reparam(ml.narrow(1, 0, L), ml.narrow(1, L, L), eps.data_ptr<float>() + s * L, zs,
+            out[2].data_ptr<float>() + s, stream);
     at::addmm_out(h, dec_b1, zs, dec_w1.t());  // d before its ReLU (the kernel applies it)
     fastelbo::TcGemmParams d{};
     d.bias = dec_b2.data_ptr<float>();

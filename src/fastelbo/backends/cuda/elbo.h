@@ -163,12 +163,12 @@ cudaError_t cluster_launch(const void* kernel, int blocks, int C, int threads, i
 // reparam_kl_kernel: z = mu + exp(0.5 lv) * eps (n, L) and, when kl != nullptr,
 // kl = -0.5 sum_j (1 + lv - mu^2 - exp(lv)) (n,). One warp per row.
 struct ReparamParams {
-  const float* mu;    // (n, L)
-  const float* lv;    // (n, L)
+  const float* mu;    // (n, L), row stride ld
+  const float* lv;    // (n, L), row stride ld
   const float* eps;   // (n, L)
   float* z;           // (n, L)
   float* kl;          // (n,) or nullptr
-  int n, L;
+  int n, L, ld;
 };
 
 // bce_kernel: recon = sum_c BCE(sigmoid(logits), x), elbo = -(recon + kl); rows whose x holds a

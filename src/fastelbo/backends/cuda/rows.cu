@@ -23,10 +23,10 @@ __global__ void __launch_bounds__(kThreads) reparam_kl_kernel(const __grid_const
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
   const int row = static_cast<int>(blockIdx.x) * kWarps + warp;
   if (row >= p.n) return;  // whole warp: the shuffles below stay full-warp
-  const size_t base = static_cast<size_t>(row) * p.L;
+  const size_t base = static_cast<size_t>(row) * p.L, in = static_cast<size_t>(row) * p.ld;
   float s = 0.0f;
   for (int c = lane; c < p.L; c += 32) {
-    const float mu = __ldg(p.mu + base + c), lv = __ldg(p.lv + base + c);
+    const float mu = __ldg(p.mu + in + c), lv = __ldg(p.lv + in + c);
     p.z[base + c] = reparam(mu, lv, __ldg(p.eps + base + c));
     s += kl_term(mu, lv);
   }
