@@ -79,7 +79,7 @@ int run(const Case& cs, unsigned seed) {
   const int tiles = fastelbo::tc_gemm_tiles_n(N);
   const int bad_row = M > 78 ? 77 : -1;  // its x holds a 1.5: its outputs must be NaN
   float *dout = nullptr, *dx = nullptr, *dpart = nullptr, *delbo = nullptr, *drec = nullptr,
-        *dkl = nullptr;
+        *dkl = nullptr, *dws = nullptr;
   unsigned char* dbad = nullptr;
   if (bce) {
     x.resize(size_t(M) * N);
@@ -99,6 +99,11 @@ int run(const Case& cs, unsigned seed) {
     CK(cudaMalloc(&dkl, M * 4));
     CK(cudaMemset(dkl, 0, M * 4));
   } else {
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    p.splits = fastelbo::tc_gemm_splits(M, N, K, sms);
+    if (p.splits > 1) CK(cudaMalloc(&dws, size_t(p.splits) * M * N * 4));
+    p.ws = dws;
     CK(cudaMalloc(&dout, size_t(M) * N * 4));
     CK(cudaMemset(dout, 0xFF, size_t(M) * N * 4));  // NaN: an unwritten output fails
     p.out = dout;
@@ -155,8 +160,8 @@ int run(const Case& cs, unsigned seed) {
         if (!(err <= 1e-4 + 1e-4 * std::fabs(ref) || err <= 0x1p-20 * mag)) ++fails;
       }
     }
-    std::printf("relu M=%d N=%d K=%d wscale=%g binary=%d: %d failure(s), worst error / "
-                "sum|terms| %.3g\n", M, N, K, cs.wscale, int(cs.binary), fails, worst);
+    std::printf("relu M=%d N=%d K=%d wscale=%g binary=%d splits=%d: %d failure(s), worst error / "
+                "sum|terms| %.3g\n", M, N, K, cs.wscale, int(cs.binary), p.splits, fails, worst);
   }
   if (cs.timed) {
     cudaEvent_t e0, e1;
@@ -177,7 +182,8 @@ int run(const Case& cs, unsigned seed) {
   for (void* q : {static_cast<void*>(da), static_cast<void*>(dw), static_cast<void*>(db),
                   static_cast<void*>(dhi), static_cast<void*>(dlo), static_cast<void*>(dout),
                   static_cast<void*>(dx), static_cast<void*>(dpart), static_cast<void*>(dbad),
-                  static_cast<void*>(delbo), static_cast<void*>(drec), static_cast<void*>(dkl)})
+                  static_cast<void*>(delbo), static_cast<void*>(drec), static_cast<void*>(dkl),
+                  static_cast<void*>(dws)})
     if (q != nullptr) CK(cudaFree(q));
   return fails;
 }

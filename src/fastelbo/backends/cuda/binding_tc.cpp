@@ -63,6 +63,9 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
   at::Tensor hbuf = at::empty({chunk, H}, opts), z = at::empty({chunk, L}, opts);
   at::Tensor part = at::empty({chunk, tiles}, opts);
   at::Tensor bad = at::empty({chunk, tiles}, opts.dtype(at::kByte));
+  int sms = 0;
+  FE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.device().index()) ==
+               cudaSuccess, "tc: cannot read the multiprocessor count");
   for (int64_t s = 0; s < B; s += chunk) {
     const int64_t n = std::min(chunk, B - s);
     const at::Tensor xs = x.narrow(0, s, n);
@@ -75,6 +78,12 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
     e.K = static_cast<int>(D);
     e.ldo = static_cast<int>(H);
     e.mode = fastelbo::kTcRelu;
+    e.splits = fastelbo::tc_gemm_splits(e.M, e.N, e.K, sms);  // small chunks: split K
+    at::Tensor ws;
+    if (e.splits > 1) {
+      ws = at::empty({e.splits, n, H}, opts);
+      e.ws = ws.data_ptr<float>();
+    }
     check_launch(fastelbo::tc_gemm_launch(e, xs.data_ptr<float>(), static_cast<int>(D),
                                           enc[0].data_ptr<float>(), enc[1].data_ptr<float>(),
                                           stream),

@@ -331,8 +331,13 @@ struct TcGemmParams {
   unsigned char* partial_bad;         // kTcBce: (M, tiles)
   int M, N, K, ldo, ldx, mode;
   int relu_a;                         // 1: read A as relu(A) (NaN kept)
+  int splits;                         // kTcRelu: K split this many ways (tc_gemm_splits)
+  float* ws;                          // kTcRelu, splits > 1: (splits, M, N) partial sums
 };
 int tc_gemm_tiles_n(int N) noexcept;  // the kTcBce partials' tiles per row
+// kTcRelu's K split for a GPU of `sms` multiprocessors: enough blocks for about one wave where
+// the row tiles alone leave SMs idle (small M), each split at least two K stages; 1 otherwise.
+int tc_gemm_splits(int M, int N, int K, int sms) noexcept;
 cudaError_t tc_gemm_launch(TcGemmParams& p, const float* a, int lda, const float* w_hi,
                            const float* w_lo, cudaStream_t stream) noexcept;
 // recon = sum of a row's partials (tile order), elbo = -(recon + kl); NaN rows where bad.

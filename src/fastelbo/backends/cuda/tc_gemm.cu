@@ -116,7 +116,10 @@ __global__ void __launch_bounds__(TcShape<Mode>::kBlock, TcShape<Mode>::kBlocksP
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int wg = static_cast<int>(threadIdx.x) / 128;
   const int n0 = static_cast<int>(blockIdx.x) * kBN, m0 = static_cast<int>(blockIdx.y) * kBM;
-  const int nk = cdiv(p.K, kBK);
+  // K stages [kt0, kt0 + nk): all of K, or split blockIdx.z of p.splits (kTcRelu at small M).
+  const int nk_all = cdiv(p.K, kBK), splits = Mode == kTcRelu ? p.splits : 1;
+  const int z = static_cast<int>(blockIdx.z);
+  const int kt0 = z * nk_all / splits, nk = (z + 1) * nk_all / splits - kt0;
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&s.full[i], 1);
@@ -138,9 +141,10 @@ __global__ void __launch_bounds__(TcShape<Mode>::kBlock, TcShape<Mode>::kBlocksP
         const int st = kt % kStages;
         if (kt >= kStages) mbar_wait(&s.empty[st], ((kt / kStages) & 1) ^ 1);
         mbar_arrive_expect(&s.full[st], Shape::kStageTx);
-        tma_load_2d(s.a[st], &p.a_map, kt * kBK, m0, &s.full[st]);
-        tma_load_2d(s.w[st], &p.w_map, kt * kBK, n0, &s.full[st]);
-        tma_load_2d(s.wlo[st], &p.wlo_map, kt * kBK, n0, &s.full[st]);
+        const int k = (kt0 + kt) * kBK;
+        tma_load_2d(s.a[st], &p.a_map, k, m0, &s.full[st]);
+        tma_load_2d(s.w[st], &p.w_map, k, n0, &s.full[st]);
+        tma_load_2d(s.wlo[st], &p.wlo_map, k, n0, &s.full[st]);
       }
     }
     return;
@@ -154,10 +158,10 @@ __global__ void __launch_bounds__(TcShape<Mode>::kBlock, TcShape<Mode>::kBlocksP
   const int jn = min(kBN / 8, cdiv(p.N - n0, 8));  // n8 blocks with a column inside N
   float run[64], acc[64];
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {  // the sums start at the bias (0 beyond N)
+  for (int j = 0; j < 16; ++j) {  // the sums start at the bias (0 beyond N; in split 0 only)
     const int col = n0 + 8 * j + 2 * t;
-    const float b0 = col < p.N ? __ldg(p.bias + col) : 0.0f;
-    const float b1 = col + 1 < p.N ? __ldg(p.bias + col + 1) : 0.0f;
+    const float b0 = z == 0 && col < p.N ? __ldg(p.bias + col) : 0.0f;
+    const float b1 = z == 0 && col + 1 < p.N ? __ldg(p.bias + col + 1) : 0.0f;
     run[4 * j] = b0;
     run[4 * j + 1] = b1;
     run[4 * j + 2] = b0;
@@ -217,7 +221,9 @@ __global__ void __launch_bounds__(TcShape<Mode>::kBlock, TcShape<Mode>::kBlocksP
     if (kt + 1 < nk) mma_stage(kt + 1, hi1, lo1, hi0, lo0);
   }
   // Epilogue (the accumulator layout above).
-  if (Mode == kTcRelu) {
+  if (Mode == kTcRelu) {  // relu(C + bias), or split z's partial sums (tc_splitk_kernel ends)
+    float* out = splits == 1 ? p.out : p.ws + static_cast<size_t>(z) * p.M * p.N;
+    const int ld = splits == 1 ? p.ldo : p.N;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       if (j >= jn) break;  // the whole block: n8 blocks beyond N
@@ -225,7 +231,8 @@ __global__ void __launch_bounds__(TcShape<Mode>::kBlock, TcShape<Mode>::kBlocksP
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = r0 + 8 * (e >> 1), cc = col + (e & 1);
-        if (r < p.M && cc < p.N) p.out[static_cast<size_t>(r) * p.ldo + cc] = relu(run[4 * j + e]);
+        if (r < p.M && cc < p.N)
+          out[static_cast<size_t>(r) * ld + cc] = splits == 1 ? relu(run[4 * j + e]) : run[4 * j + e];
       }
     }
     return;
@@ -284,6 +291,18 @@ __global__ void __launch_bounds__(kThreads) tc_bce_finish_kernel(const __grid_co
   write_row(p.recon, p.kl, p.elbo, row, s, bad);
 }
 
+// out = relu(the splits' partial sums, in split order), elementwise over M x N.
+__global__ void __launch_bounds__(kThreads) tc_splitk_kernel(const float* ws, float* out, int M,
+                                                             int N, int ldo, int splits) {
+  const long long n = static_cast<long long>(M) * N, step = static_cast<long long>(M) * N;
+  for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * kThreads) {
+    float v = ws[i];
+    for (int z = 1; z < splits; ++z) v += ws[i + z * step];
+    out[(i / N) * ldo + i % N] = relu(v);
+  }
+}
+
 // hi = v's top 11 significant bits (exact in TF32), lo = v - hi.
 __global__ void __launch_bounds__(kThreads) tc_split_kernel(const float* w, float* hi, float* lo,
                                                             long long n) {
@@ -319,8 +338,14 @@ cudaError_t launch(TcGemmParams& p, const float* a, int lda, const float* w_hi, 
   const cudaError_t attr = cudaFuncSetAttribute(tc_gemm_kernel<Mode>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
-  const dim3 grid(cdiv(p.N, kBN), cdiv(p.M, bm));
+  const int splits = Mode == kTcRelu ? p.splits : 1;
+  const dim3 grid(cdiv(p.N, kBN), cdiv(p.M, bm), splits);
   tc_gemm_kernel<Mode><<<grid, TcShape<Mode>::kBlock, smem, stream>>>(p);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || splits == 1) return e;
+  const long long blocks = (static_cast<long long>(p.M) * p.N + kThreads - 1) / kThreads;
+  tc_splitk_kernel<<<static_cast<int>(blocks < 4096 ? blocks : 4096), kThreads, 0, stream>>>(
+      p.ws, p.out, p.M, p.N, p.ldo, splits);
   return cudaGetLastError();
 }
 
@@ -331,10 +356,19 @@ using namespace tc;
 
 int tc_gemm_tiles_n(int N) noexcept { return cdiv(N, kBN); }
 
+int tc_gemm_splits(int M, int N, int K, int sms) noexcept {
+  const int blocks = cdiv(M, TcShape<kTcRelu>::kBM) * cdiv(N, kBN);
+  const int most = cdiv(K, kBK) / 2;  // at least two K stages per split
+  const int want = sms / blocks;
+  return want < 2 || most < 2 ? 1 : (want < most ? want : most);
+}
+
 cudaError_t tc_gemm_launch(TcGemmParams& p, const float* a, int lda, const float* w_hi,
                            const float* w_lo, cudaStream_t stream) noexcept {
   if (p.M < 1 || p.N < 1 || p.K < 1 || lda % 4 != 0 || p.K % 4 != 0 ||
-      (p.mode == kTcBce && p.N % 4 != 0))
+      (p.mode == kTcBce && p.N % 4 != 0) ||
+      (p.mode == kTcRelu && (p.splits < 1 || p.splits > cdiv(p.K, kBK) ||
+                             (p.splits > 1 && p.ws == nullptr))))
     return cudaErrorInvalidValue;
   return p.mode == kTcBce ? launch<kTcBce>(p, a, lda, w_hi, w_lo, stream)
                           : launch<kTcRelu>(p, a, lda, w_hi, w_lo, stream);
