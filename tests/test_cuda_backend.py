@@ -140,15 +140,18 @@ def test_fast_path(cuda, batch, dims):
 
 
 # Dims the tensor-core path takes: the reference's; hidden and output widths below, at and
-# above one 128-column tile, ragged (H=48, D=1000: 7 full tiles + 104), a K below one stage of
+# above one 128-column tile, ragged (H=48; D=1000: 8 full 112-column tiles + 104), a K below one stage of
 # 32 (D=16), a long K (H=1024 for the decoder: 32 stages) and wide encoder outputs (8 tiles).
-TC_DIMS = [(784, 256, 32), (64, 48, 2), (1000, 256, 32), (16, 64, 4), (100, 1024, 12)]
+# D = 256 takes the output layer's 128-column tiles, the others its 112-column ones.
+TC_DIMS = [(784, 256, 32), (64, 48, 2), (1000, 256, 32), (16, 64, 4), (100, 1024, 12),
+           (256, 64, 8)]
 
 
 @pytest.mark.parametrize("dims", TC_DIMS, ids=case_id)
 @pytest.mark.parametrize("batch", [1, 127, 129, 1024, 16384 + 7, 65536 + 7])
 def test_tc_path(cuda, batch, dims):
-    """Row tiles of 128 (ragged, one, many), chunks of 16384 rows (ragged second chunk)."""
+    """Row tiles (ragged, one, many; the encoder's K split at small B), chunks of 16384 rows
+    (ragged second chunk)."""
     params = make_params(dims, seed=batch)
     x, eps = make_inputs(batch, dims, seed=batch + 1)
     check_against_reference(cuda, x, params, eps, f64=batch <= 16384 + 7, path="tc")

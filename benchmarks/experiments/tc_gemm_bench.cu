@@ -201,7 +201,8 @@ int main(int argc, char** argv) {
              {kTcRelu, 129, 200, 36, 0.05f, false, false},
              {kTcBce, 300, 784, 256, 0.05f, false, false},
              {kTcBce, 130, 100, 72, 0.05f, false, false},
-             {kTcBce, 77, 12, 20, 0.05f, false, false}};
+             {kTcBce, 77, 12, 20, 0.05f, false, false},
+             {kTcBce, 200, 256, 40, 0.05f, false, false}};  // 128-column tiles (else 112)
   }
   if (mode == 'a') {
     cases.push_back({kTcRelu, 4096, 256, 784, 1000.0f, true, false});

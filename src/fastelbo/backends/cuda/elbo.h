@@ -316,8 +316,8 @@ bool encode_tensor_map_2d(CUtensorMap* map, const float* base, int cols, int row
 
 // ---- tensor-core GEMMs of the rows path at large B (tc_gemm.cu, sm_90a: wgmma, tf32x3) ----
 // C = A (M, K) x W (N, K)^T to float32 accuracy, then kTcRelu: out = relu(C + bias), or kTcBce:
-// per row and kTcTileN-column tile, the clamped-BCE sum of sigmoid(C + bias) against x (and
-// whether an x there was outside [0, 1]) into partial / partial_bad ((M, tiles) row-major).
+// per row and column tile (tc_gemm_tiles_n), the clamped-BCE sum of sigmoid(C + bias) against x
+// (and whether an x there was outside [0, 1]) into partial / partial_bad ((M, tiles) row-major).
 // W comes split (tc_split_launch). Needs K % 4 == 0, lda % 4 == 0, 16-byte aligned rows, and
 // for kTcBce N % 4 == 0 and ldx % 4 == 0.
 constexpr int kTcRelu = 0, kTcBce = 1;

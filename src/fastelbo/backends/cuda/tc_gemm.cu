@@ -37,7 +37,7 @@ namespace fastelbo {
 namespace {
 namespace tc {  // own names: the export inlines every source into one translation unit
 
-constexpr int kBN = kTcTileN, kBK = 32;
+constexpr int kBK = 32;
 #ifndef FASTELBO_TC_BCE_BM
 #define FASTELBO_TC_BCE_BM 64
 #endif
@@ -48,28 +48,31 @@ constexpr int kBN = kTcTileN, kBK = 32;
 // block also holds its tile of x (swizzled 32-column boxes), which TMA lands while the GEMM
 // runs (the epilogue's x reads were dependent DRAM round trips: 734 vs 285 us per 65536 rows
 // for the same MMA work).
-template <int Mode> struct TcShape {
+// BN: the tile's columns (kTcRelu 128; kTcBce 128 or 112, whichever pads N less: D = 784 is
+// 7 x 112, where 128 would spend 1/8 of the MMAs on padding).
+template <int Mode, int BN = kTcTileN> struct TcShape {
+  static constexpr int kBN = BN;
   static constexpr int kBM = Mode == kTcBce ? FASTELBO_TC_BCE_BM : 128;
   static constexpr int kCons = kBM / 64;           // consumer warpgroups
   static constexpr int kBlock = 128 * (1 + kCons);  // + the producer warpgroup
   static constexpr int kBlocksPerSm = kCons == 1 ? 2 : 1;
   static constexpr int kStages = Mode == kTcBce ? (kCons == 1 ? 2 : 3) : 4;
-  static constexpr int kXBoxes = Mode == kTcBce ? kBN / kBK : 1;  // 1: unused
+  static constexpr int kXBoxes = Mode == kTcBce ? (BN + kBK - 1) / kBK : 1;  // 1: unused
   static constexpr int kStageTx = (kBM + 2 * kBN) * kBK * 4;  // bytes per stage (A, W hi, W lo)
   // setmaxnreg: the producer gives up what the consumers take, within the launch's allocation
   // (65536 / (kBlock * kBlocksPerSm) registers per thread).
   static constexpr int kProducerRegs = kCons == 1 ? 24 : 40;
 };
-template <int Mode> struct TcSmem {
-  using S = TcShape<Mode>;
-  float a[S::kStages][S::kBM * kBK];
-  float w[S::kStages][kBN * kBK];
-  float wlo[S::kStages][kBN * kBK];
+template <int Mode, int BN> struct TcSmem {
+  using S = TcShape<Mode, BN>;
+  float a[S::kStages][S::kBM * kBK];  // each tile a multiple of 1024 bytes (8-row swizzle atoms)
+  float w[S::kStages][BN * kBK];
+  float wlo[S::kStages][BN * kBK];
   float x[S::kXBoxes][S::kBM * kBK];  // kTcBce: the targets
   unsigned long long full[S::kStages], empty[S::kStages], xbar;
 };
-template <int Mode>
-constexpr int kTcSmemBytes = sizeof(TcSmem<Mode>) + 1024;  // + alignment slack (swizzle atoms)
+template <int Mode, int BN>
+constexpr int kTcSmemBytes = sizeof(TcSmem<Mode, BN>) + 1024;  // + alignment slack
 
 // ---- wgmma ----
 __device__ __forceinline__ uint64_t desc_sw128(const float* p) {
@@ -86,14 +89,16 @@ __device__ __forceinline__ void wgmma_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 // Keeps the compiler from moving accumulator reads or writes across the asynchronous MMAs.
-__device__ __forceinline__ void fence_regs(float (&d)[64]) {
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 // d (+)= a x b: a from registers (this thread's m64k8 fragment: rows 16 warp + lane / 4 and
-// + 8, columns lane % 4 and + 4, as mma.sync m16n8k8), b (128 x 8, K-major) from shared memory.
-__device__ __forceinline__ void wgmma_m64n128k8(float (&d)[64], const uint32_t (&a)[4],
-                                                uint64_t db, int scale_d) {
+// + 8, columns lane % 4 and + 4, as mma.sync m16n8k8), b (N x 8, K-major) from shared memory.
+// N = 128 or 112: 64 or 56 accumulators per thread.
+__device__ __forceinline__ void wgmma_k8(float (&d)[64], const uint32_t (&a)[4], uint64_t db,
+                                         int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
@@ -101,18 +106,27 @@ __device__ __forceinline__ void wgmma_m64n128k8(float (&d)[64], const uint32_t (
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
+__device__ __forceinline__ void wgmma_k8(float (&d)[56], const uint32_t (&a)[4], uint64_t db,
+                                         int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %61, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n112k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, {%56, %57, %58, %59}, %60, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
-template <int Mode>
-__global__ void __launch_bounds__(TcShape<Mode>::kBlock, TcShape<Mode>::kBlocksPerSm)
+template <int Mode, int BN>
+__global__ void __launch_bounds__(TcShape<Mode, BN>::kBlock, TcShape<Mode, BN>::kBlocksPerSm)
     tc_gemm_kernel(const __grid_constant__ TcGemmParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Shape = TcShape<Mode>;
-  constexpr int kStages = Shape::kStages, kBM = Shape::kBM;
+  using Shape = TcShape<Mode, BN>;
+  constexpr int kStages = Shape::kStages, kBM = Shape::kBM, kBN = BN, kAcc = BN / 2;
   extern __shared__ unsigned char smem_raw[];
-  TcSmem<Mode>& s = *reinterpret_cast<TcSmem<Mode>*>(
+  TcSmem<Mode, BN>& s = *reinterpret_cast<TcSmem<Mode, BN>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int wg = static_cast<int>(threadIdx.x) / 128;
   const int n0 = static_cast<int>(blockIdx.x) * kBN, m0 = static_cast<int>(blockIdx.y) * kBM;
@@ -156,9 +170,9 @@ __global__ void __launch_bounds__(TcShape<Mode>::kBlock, TcShape<Mode>::kBlocksP
   const int lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int r0 = m0 + 64 * c + 16 * (tid >> 5) + g;
   const int jn = min(kBN / 8, cdiv(p.N - n0, 8));  // n8 blocks with a column inside N
-  float run[64], acc[64];
+  float run[kAcc], acc[kAcc];
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {  // the sums start at the bias (0 beyond N; in split 0 only)
+  for (int j = 0; j < kBN / 8; ++j) {  // the sums start at the bias (0 beyond N; in split 0 only)
     const int col = n0 + 8 * j + 2 * t;
     const float b0 = z == 0 && col < p.N ? __ldg(p.bias + col) : 0.0f;
     const float b1 = z == 0 && col + 1 < p.N ? __ldg(p.bias + col + 1) : 0.0f;
@@ -199,20 +213,20 @@ __global__ void __launch_bounds__(TcShape<Mode>::kBlock, TcShape<Mode>::kBlocksP
     fence_regs(acc);
 #pragma unroll
     for (int k = 0; k < kBK / 8; ++k)
-      wgmma_m64n128k8(acc, lo[k], desc_sw128(w + 8 * k), k > 0);
+      wgmma_k8(acc, lo[k], desc_sw128(w + 8 * k), k > 0);
 #pragma unroll
     for (int k = 0; k < kBK / 8; ++k)
-      wgmma_m64n128k8(acc, hi[k], desc_sw128(wlo + 8 * k), 1);
+      wgmma_k8(acc, hi[k], desc_sw128(wlo + 8 * k), 1);
 #pragma unroll
     for (int k = 0; k < kBK / 8; ++k)
-      wgmma_m64n128k8(acc, hi[k], desc_sw128(w + 8 * k), 1);
+      wgmma_k8(acc, hi[k], desc_sw128(w + 8 * k), 1);
     wgmma_commit();
     if (kt + 1 < nk) load_stage(kt + 1, nhi, nlo);  // overlaps this stage's MMAs
     wgmma_wait0();
     fence_regs(acc);
     if (lane == 0) mbar_arrive(&s.empty[st]);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) run[i] = __fadd_rn(run[i], acc[i]);
+    for (int i = 0; i < kAcc; ++i) run[i] = __fadd_rn(run[i], acc[i]);
   };
   Frag hi0, lo0, hi1, lo1;
   load_stage(0, hi0, lo0);
@@ -225,7 +239,7 @@ __global__ void __launch_bounds__(TcShape<Mode>::kBlock, TcShape<Mode>::kBlocksP
     float* out = splits == 1 ? p.out : p.ws + static_cast<size_t>(z) * p.M * p.N;
     const int ld = splits == 1 ? p.ldo : p.N;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < kBN / 8; ++j) {
       if (j >= jn) break;  // the whole block: n8 blocks beyond N
       const int col = n0 + 8 * j + 2 * t;
 #pragma unroll
@@ -242,7 +256,7 @@ __global__ void __launch_bounds__(TcShape<Mode>::kBlock, TcShape<Mode>::kBlocksP
   mbar_wait(&s.xbar, 0);
   const int rl = 64 * c + 16 * (tid >> 5) + g;  // the block's row of r0
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < kBN / 8; ++j) {
     if (j >= jn) break;  // the whole block: n8 blocks beyond N
     // Columns n0 + cb and + 1 (both inside N or neither: N % 4 == 0): one 8-byte load of x from
     // its box (32 columns), 16-byte chunk (cb % 32) / 4 of row ro, XOR ro % 8.
@@ -322,25 +336,29 @@ bool encode_sw128(CUtensorMap* map, const float* base, int cols, int rows, int l
                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
-template <int Mode>
+// kTcBce's tile width: 112 where it pads N less than 128 does (tc_gemm_tiles_n follows it).
+int bce_bn(int N) { return cdiv(N, 112) * 112 < cdiv(N, 128) * 128 ? 112 : 128; }
+
+template <int Mode, int BN>
 cudaError_t launch(TcGemmParams& p, const float* a, int lda, const float* w_hi, const float* w_lo,
                    cudaStream_t stream) {
-  constexpr int bm = TcShape<Mode>::kBM;
+  using Shape = TcShape<Mode, BN>;
+  constexpr int bm = Shape::kBM;
   if (cdiv(p.M, bm) > 65535) return cudaErrorInvalidValue;
   if (!encode_sw128(&p.a_map, a, p.K, p.M, lda, bm) ||
-      !encode_sw128(&p.w_map, w_hi, p.K, p.N, p.K, kBN) ||
-      !encode_sw128(&p.wlo_map, w_lo, p.K, p.N, p.K, kBN))
+      !encode_sw128(&p.w_map, w_hi, p.K, p.N, p.K, BN) ||
+      !encode_sw128(&p.wlo_map, w_lo, p.K, p.N, p.K, BN))
     return cudaErrorInvalidValue;
   if (Mode == kTcBce && (p.ldx % 4 != 0 || !encode_sw128(&p.x_map, p.x, p.N, p.M, p.ldx, bm)))
     return cudaErrorInvalidValue;
-  constexpr int smem = kTcSmemBytes<Mode>;
+  constexpr int smem = kTcSmemBytes<Mode, BN>;
   // Per device: set at every launch (cheap).
-  const cudaError_t attr = cudaFuncSetAttribute(tc_gemm_kernel<Mode>,
+  const cudaError_t attr = cudaFuncSetAttribute(tc_gemm_kernel<Mode, BN>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   const int splits = Mode == kTcRelu ? p.splits : 1;
-  const dim3 grid(cdiv(p.N, kBN), cdiv(p.M, bm), splits);
-  tc_gemm_kernel<Mode><<<grid, TcShape<Mode>::kBlock, smem, stream>>>(p);
+  const dim3 grid(cdiv(p.N, BN), cdiv(p.M, bm), splits);
+  tc_gemm_kernel<Mode, BN><<<grid, Shape::kBlock, smem, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || splits == 1) return e;
   const long long blocks = (static_cast<long long>(p.M) * p.N + kThreads - 1) / kThreads;
@@ -354,10 +372,10 @@ cudaError_t launch(TcGemmParams& p, const float* a, int lda, const float* w_hi, 
 
 using namespace tc;
 
-int tc_gemm_tiles_n(int N) noexcept { return cdiv(N, kBN); }
+int tc_gemm_tiles_n(int N) noexcept { return cdiv(N, bce_bn(N)); }
 
 int tc_gemm_splits(int M, int N, int K, int sms) noexcept {
-  const int blocks = cdiv(M, TcShape<kTcRelu>::kBM) * cdiv(N, kBN);
+  const int blocks = cdiv(M, TcShape<kTcRelu>::kBM) * cdiv(N, kTcTileN);
   const int most = cdiv(K, kBK) / 2;  // at least two K stages per split
   const int want = sms / blocks;
   return want < 2 || most < 2 ? 1 : (want < most ? want : most);
@@ -370,8 +388,9 @@ cudaError_t tc_gemm_launch(TcGemmParams& p, const float* a, int lda, const float
       (p.mode == kTcRelu && (p.splits < 1 || p.splits > cdiv(p.K, kBK) ||
                              (p.splits > 1 && p.ws == nullptr))))
     return cudaErrorInvalidValue;
-  return p.mode == kTcBce ? launch<kTcBce>(p, a, lda, w_hi, w_lo, stream)
-                          : launch<kTcRelu>(p, a, lda, w_hi, w_lo, stream);
+  if (p.mode == kTcRelu) return launch<kTcRelu, kTcTileN>(p, a, lda, w_hi, w_lo, stream);
+  return bce_bn(p.N) == 112 ? launch<kTcBce, 112>(p, a, lda, w_hi, w_lo, stream)
+                            : launch<kTcBce, 128>(p, a, lda, w_hi, w_lo, stream);
 }
 
 cudaError_t tc_bce_finish_launch(const TcFinishParams& p, cudaStream_t stream) noexcept {
