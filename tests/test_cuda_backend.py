@@ -140,9 +140,9 @@ def test_fast_path(cuda, batch, dims):
 
 
 # Dims the tensor-core path takes: the reference's; hidden and output widths below, at and
-# above one 128-column tile, ragged (H=48; D=1000: 8 full 112-column tiles + 104), a K below one stage of
-# 32 (D=16), a long K (H=1024 for the decoder: 32 stages) and wide encoder outputs (8 tiles).
-# D = 256 takes the output layer's 128-column tiles, the others its 112-column ones.
+# above one column tile, ragged (H=48; D=1000: 8 full 112-column tiles + 104), a K below one
+# stage of 32 (D=16), a long K (H=1024 for the decoder: 32 stages) and wide encoder outputs
+# (8 tiles). D = 256 takes the output layer's 128-column tiles, the others its 112-column ones.
 TC_DIMS = [(784, 256, 32), (64, 48, 2), (1000, 256, 32), (16, 64, 4), (100, 1024, 12),
            (256, 64, 8)]
 
