@@ -1,31 +1,34 @@
 // float32-accurate GEMMs on Hopper tensor cores (wgmma, tf32x3) for the rows path at large B:
 //   C[M, N] = A[M, K] x W[N, K]^T   (nn.Linear layout), then an epilogue:
 //   kTcRelu: out = relu(C + bias)                          (the encoder's hidden layer)
-//   kTcBce:  per row and 128-column tile, the sum of the clamped BCE of sigmoid(C + bias)
+//   kTcBce:  per row and column tile, the sum of the clamped BCE of sigmoid(C + bias)
 //            against x (elbo_math.cuh bce_bits: hardware log2, PyTorch's p where it decides
 //            a clamp), and whether any x there was outside [0, 1] (the decoder's output layer:
 //            the logits never reach memory; tc_bce_finish_launch sums the tiles)
 //   relu_a:  A is read as relu(A) (the decoder's hidden layer, ReLU not yet applied)
 //
-// Block: 3 warpgroups. Warpgroup 0 is the producer (one thread issues TMA loads of A, W's hi
-// half and W's lo half per K stage of 32 floats); warpgroups 1 and 2 each own 64 rows of the
-// 128 x 128 output tile. A reaches the MMAs from registers: per stage a consumer thread loads
-// its fragments (ldmatrix) and splits them into TF32 hi and lo there, one stage ahead of the
-// MMAs, then issues 12 wgmma m64n128k8 (A from registers, W from shared memory): lo*hi and
-// hi*lo first, hi*hi last, into an accumulator that starts from zero every stage and joins
-// the running sum (which starts at the bias) through a float32 round-to-nearest add. A tensor
-// core truncates as it accumulates, so one accumulator carried over a long K drifts toward
-// zero and drowns the small terms (triton/common.py _encode_hidden: that failed the
-// saturated-weights regime); per-stage sums fix it. With A in registers the MMAs read only W
-// from shared memory (A from it too cost a third more shared-memory traffic per stage, and
-// the split's writes as much again).
+// Block: a producer warpgroup (one thread issues the TMA loads of A, W's hi half and W's lo
+// half per K stage of 32 floats) and one or two consumer warpgroups, each owning 64 rows of the
+// output tile (TcShape: kTcRelu 128 x 128 tiles, one block per SM; kTcBce 64 x 112 or 64 x 128,
+// two blocks per SM). A reaches the MMAs from registers: per stage a consumer thread loads its
+// fragments (ldmatrix) and splits them into TF32 hi and lo there, one stage ahead of the MMAs,
+// then issues 12 wgmma m64nNk8 (A from registers, W from shared memory): lo*hi and hi*lo
+// first, hi*hi last, into an accumulator that starts from zero every stage and joins the
+// running sum (which starts at the bias) through a float32 round-to-nearest add. A tensor core
+// truncates as it accumulates, so one accumulator carried over a long K drifts toward zero and
+// drowns the small terms (triton/common.py _encode_hidden: that failed the saturated-weights
+// regime); per-stage sums fix it. With A in registers the MMAs read only W from shared memory
+// (A from there too, split in place, cost 288 vs 238 us for the encoder per 65536 rows). Where
+// the encoder's row tiles leave SMs idle (small M), K is split across blocks (tc_gemm_splits;
+// tc_splitk_kernel sums the partials in split order).
 //
 // Operands: K-major tiles with the 128-byte swizzle, as TMA writes them; wgmma reads W through
 // descriptors (start address, SBO = 1024 bytes between 8-row groups; a k8 step is +32 bytes
-// inside the swizzle atom), ldmatrix reads A (row r's 16-byte chunk c sits at chunk c ^ r % 8). W's halves come pre-split (tc_split_launch: hi exact in
-// TF32, lo = W - hi; binding_tc.cpp splits them per forward, a few us). Small terms are not
-// NaN-guarded: an infinite A element (e.g. an overflowed hidden unit) gives NaN where float32
-// gives +-inf, as in the Triton encoder (triton/common.py); finite inputs never meet it.
+// inside the swizzle atom), ldmatrix reads A (row r's 16-byte chunk c sits at chunk c ^ r % 8).
+// W's halves come pre-split (tc_split_launch: hi exact in TF32, lo = W - hi; binding_tc.cpp
+// splits them per forward, a few us). Small terms are not NaN-guarded: an infinite A element
+// (e.g. an overflowed hidden unit) gives NaN where float32 gives +-inf, as in the Triton
+// encoder (triton/common.py); finite inputs never meet it.
 // No torch types; launches return cudaError_t.
 #include <cstdint>
 
