@@ -157,16 +157,15 @@ def test_tc_path(cuda, batch, dims):
     check_against_reference(cuda, x, params, eps, f64=batch <= 16384 + 7, path="tc")
 
 
-def test_tc_path_is_auto_from_2048_rows(cuda):
-    """auto takes it where it applies: the same bits as path='tc' at B >= 2048."""
+def test_tc_path_is_auto_above_the_fast_kernel(cuda):
+    """auto takes it wherever it would run the rows path and tc applies: the same bits as
+    path='tc' at B = 385 and 2048; at 384 the fast cluster kernel, as path='fast'."""
     dims = (784, 256, 32)
     params = make_params(dims)
-    x, eps = make_inputs(2048, dims)
-    for g, t in zip(cuda.forward(x, params, eps), cuda.forward(x, params, eps, path="tc")):
-        assert torch.equal(g, t)
-    x, eps = make_inputs(2047, dims)
-    for g, r in zip(cuda.forward(x, params, eps), cuda.forward(x, params, eps, path="rows")):
-        assert torch.equal(g, r)
+    for batch, path in ((385, "tc"), (2048, "tc"), (384, "fast")):
+        x, eps = make_inputs(batch, dims, seed=batch)
+        for g, t in zip(cuda.forward(x, params, eps), cuda.forward(x, params, eps, path=path)):
+            assert torch.equal(g, t), (batch, path)
 
 
 def test_tc_path_refuses_what_it_cannot_run(cuda):

@@ -91,7 +91,7 @@ EXPECTED_KERNELS = {
                    "tc_splitk_kernel": 1},
 }
 # One block per SM by their shared memory: these may use all 255 registers (tc_gemm_kernel's
-# launch bounds give the count its setmaxnreg split starts from: 168, or 128 at two blocks).
+# launch bounds give the count its setmaxnreg split starts from: 168).
 ONE_BLOCK_PER_SM = ("elbo_fast_kernel", "iwae_kernel", "tc_gemm_kernel")
 
 

@@ -13,8 +13,9 @@
 //     torch.backends.cuda.matmul.allow_tf32 says so; in-place ReLU after the two hidden
 //     layers), reparam_kl_kernel and bce_kernel (rows.cu). Eager runs the same GEMMs plus ~15
 //     elementwise passes over (B, D) tensors.
-//   tc (auto from kTcMinBatch rows where tc_applies; binding_tc.cpp): the rows path with its
-//     encoder and output-layer GEMMs on tensor cores (tc_gemm.cu), the logits never in memory.
+//   tc (auto wherever the rows path would run and tc_applies; binding_tc.cpp): the rows path
+//     with its encoder and output-layer GEMMs on tensor cores (tc_gemm.cu), the logits never in
+//     memory.
 // All paths only launch on the current stream and allocate through the caching allocator:
 // CUDA-graph capturable.
 #include <ATen/ATen.h>
@@ -56,10 +57,9 @@ constexpr int64_t kClusterFallbackMax = 192;  // where it does not: the general 
 // B=65536. Chunks of 8192 rows (42 MB) made cuBLAS pick smaller tiles: +37% GEMM time at
 // B=65536 on an H200 (an nsys profile), which made the path slower than eager.
 constexpr int64_t kRowsChunk = 65536;
-// From here `auto` takes the rows path's tensor-core variant (binding_tc.cpp) where it applies
-// (cuda_bench.py --paths, H200, 2026-12-02, us per forward: rows 68 / 91 / 149 / 1558 vs tc
-// 83 / 85 / 111 / 1141 at B = 1024 / 2048 / 4096 / 65536).
-constexpr int64_t kTcMinBatch = 2048;
+// Wherever `auto` runs the rows path it takes its tensor-core variant (binding_tc.cpp) where that
+// applies (cuda_bench.py --paths, H200, 2026-12-02, us per forward: rows 79.8 / 69.5 / 68.3 /
+// 149.6 / 1561 vs tc 56.5 / 57.3 / 50.3 / 81.7 / 820 at B = 128 / 512 / 1024 / 4096 / 65536).
 
 // The tensors and dims of one forward into either cluster kernel's params (checked by the caller).
 void fill_forward(fastelbo::ForwardArgs& a, const at::Tensor& x, const at::Tensor& eps,
@@ -459,12 +459,12 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
              "); fastelbo.backends.cuda checks this before the call");
   }
   // The rows path: the draw (at::normal_) first, then cuBLAS and rows.cu's kernels, or its
-  // tensor-core variant (path tc, or auto from kTcMinBatch rows where it applies).
+  // tensor-core variant (path tc, or auto where it applies).
   const auto run_rows = [&]() -> std::vector<at::Tensor> {
     if (await_check && !range_check_finish(dev.index())) return {};
     if (draw) eps.normal_(0.0, 1.0);  // the default generator of eps's device, as torch.randn
     const bool tc = path == kPathTc ||
-                    (path == kPathAuto && B >= kTcMinBatch && tc_applies(x, enc_w, dec_w2));
+                    (path == kPathAuto && tc_applies(x, enc_w, dec_w2));
     (tc ? tc_rows_forward : rows_forward)(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1,
                                           dec_b1, dec_w2, dec_b2, out, stream);
     return out;

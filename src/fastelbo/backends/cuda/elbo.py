@@ -4,9 +4,9 @@ Paths (binding_forward.cpp picks by batch size; `path=` forces one): small batch
 launch of a fused cluster kernel (thread-block clusters + distributed shared memory): elbo.cu,
 the general one, up to B=80; elbo_fast.cu for 80 < B <= 384 where the dims are multiples of 4
 (else elbo.cu up to 192); large batches run every GEMM with cuBLAS (as eager does) and two
-small fused kernels (rows.cu) for everything else, or, from B=2048 on an sm_90 GPU where the
-dims are multiples of 4, its tensor-core variant "tc" (tc_gemm.cu: the encoder and output
-layers on wgmma in float32-accurate tf32x3, logits never in memory). `backward` (any batch)
+small fused kernels (rows.cu) for everything else, or, on an sm_90 GPU where the dims are
+multiples of 4, its tensor-core variant "tc" (tc_gemm.cu: the encoder and output layers on
+wgmma in float32-accurate tf32x3, logits never in memory). `backward` (any batch)
 recomputes the activations with cuBLAS and runs the gradient's GEMMs with cuBLAS around four
 fused kernels (backward.cu).
 """

@@ -9,8 +9,8 @@
 //
 // Block: a producer warpgroup (one thread issues the TMA loads of A, W's hi half and W's lo
 // half per K stage of 32 floats) and one or two consumer warpgroups, each owning 64 rows of the
-// output tile (TcShape: kTcRelu 128 x 128 tiles, one block per SM; kTcBce 64 x 112 or 64 x 128,
-// two blocks per SM). A reaches the MMAs from registers: per stage a consumer thread loads its
+// output tile (TcShape: 128 rows by 128 columns, or 112 for kTcBce where that pads N less; one
+// block per SM). A reaches the MMAs from registers: per stage a consumer thread loads its
 // fragments (ldmatrix) and splits them into TF32 hi and lo there, one stage ahead of the MMAs,
 // then issues 12 wgmma m64nNk8 (A from registers, W from shared memory): lo*hi and hi*lo
 // first, hi*hi last, into an accumulator that starts from zero every stage and joins the
@@ -41,30 +41,23 @@ namespace {
 namespace tc {  // own names: the export inlines every source into one translation unit
 
 constexpr int kBK = 32;
-#ifndef FASTELBO_TC_BCE_BM
-#define FASTELBO_TC_BCE_BM 64
-#endif
-
-// Per mode: kTcRelu runs 128-row tiles (2 consumer warpgroups) through 4 K stages, one block per
-// SM; kTcBce 64-row tiles (1 consumer warpgroup) through 2 stages, two blocks per SM, so that
-// one block's epilogue (sigmoid and BCE, the tensor cores idle) overlaps the other's MMAs. Its
-// block also holds its tile of x (swizzled 32-column boxes), which TMA lands while the GEMM
-// runs (the epilogue's x reads were dependent DRAM round trips: 734 vs 285 us per 65536 rows
-// for the same MMA work).
-// BN: the tile's columns (kTcRelu 128; kTcBce 128 or 112, whichever pads N less: D = 784 is
-// 7 x 112, where 128 would spend 1/8 of the MMAs on padding).
+// Per mode: kTcRelu pipelines 4 K stages; kTcBce 3, and its block also holds its tile of x
+// (swizzled 32-column boxes), which TMA lands while the GEMM runs (the epilogue's x reads were
+// dependent DRAM round trips: 734 vs 285 us per 65536 rows for the same MMA work). Tiles of 128
+// rows (two consumer warpgroups), one block per SM. 64-row output-layer tiles at two blocks
+// per SM, for one block's epilogue to overlap the other's MMAs, tied (355 vs 353 us per 65536
+// rows; 11 vs 14 us at 1024) and were dropped. BN: the tile's columns (kTcRelu 128; kTcBce 128
+// or 112, whichever pads N less: D = 784 is 7 x 112, where 128 spent 1/8 of the MMAs on padding).
 template <int Mode, int BN = kTcTileN> struct TcShape {
   static constexpr int kBN = BN;
-  static constexpr int kBM = Mode == kTcBce ? FASTELBO_TC_BCE_BM : 128;
-  static constexpr int kCons = kBM / 64;           // consumer warpgroups
+  static constexpr int kBM = 128;
+  static constexpr int kCons = kBM / 64;            // consumer warpgroups
   static constexpr int kBlock = 128 * (1 + kCons);  // + the producer warpgroup
-  static constexpr int kBlocksPerSm = kCons == 1 ? 2 : 1;
-  static constexpr int kStages = Mode == kTcBce ? (kCons == 1 ? 2 : 3) : 4;
+  static constexpr int kStages = Mode == kTcBce ? 3 : 4;
   static constexpr int kXBoxes = Mode == kTcBce ? (BN + kBK - 1) / kBK : 1;  // 1: unused
   static constexpr int kStageTx = (kBM + 2 * kBN) * kBK * 4;  // bytes per stage (A, W hi, W lo)
-  // setmaxnreg: the producer gives up what the consumers take, within the launch's allocation
-  // (65536 / (kBlock * kBlocksPerSm) registers per thread).
-  static constexpr int kProducerRegs = kCons == 1 ? 24 : 40;
+  // setmaxnreg: the producer gives up what the consumers take, within the launch's 168.
+  static constexpr int kProducerRegs = 40;
 };
 template <int Mode, int BN> struct TcSmem {
   using S = TcShape<Mode, BN>;
@@ -123,7 +116,7 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
 }
 
 template <int Mode, int BN>
-__global__ void __launch_bounds__(TcShape<Mode, BN>::kBlock, TcShape<Mode, BN>::kBlocksPerSm)
+__global__ void __launch_bounds__(TcShape<Mode, BN>::kBlock, 1)
     tc_gemm_kernel(const __grid_constant__ TcGemmParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Shape = TcShape<Mode, BN>;
