@@ -7,8 +7,9 @@
 //   rows path (large batches): binding_forward.cpp runs every GEMM with cuBLAS (ATen, as
 //     F.linear does) and the two ReLUs in place, and two small kernels of rows.cu do the rest:
 //     reparam_kl_kernel (reparameterisation, KL) and bce_kernel (sigmoid, clamped BCE, row
-//     sums, NaN-row rule, elbo). Its tensor-core variant (binding_tc.cpp, tc_gemm.cu; sm_90, wherever
-//     it applies) runs the encoder and output layers on wgmma (tf32x3) with ReLU and BCE fused.
+//     sums, NaN-row rule, elbo). Its tensor-core variant (binding_tc.cpp, tc_gemm.cu; sm_90,
+//     wherever it applies) runs the encoder and output layers on wgmma (tf32x3) with ReLU and
+//     BCE fused.
 //   backward (any batch; backward.cu): the same recomputation, cuBLAS for every GEMM and four
 //     fused elementwise kernels for everything else.
 // Only the binding files (binding_*.cpp) see torch. Every host function here is noexcept:

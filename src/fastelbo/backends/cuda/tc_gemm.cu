@@ -242,7 +242,8 @@ __global__ void __launch_bounds__(TcShape<Mode, BN>::kBlock, 1)
       for (int e = 0; e < 4; ++e) {
         const int r = r0 + 8 * (e >> 1), cc = col + (e & 1);
         if (r < p.M && cc < p.N)
-          out[static_cast<size_t>(r) * ld + cc] = splits == 1 ? relu(run[4 * j + e]) : run[4 * j + e];
+          out[static_cast<size_t>(r) * ld + cc] =
+              splits == 1 ? relu(run[4 * j + e]) : run[4 * j + e];
       }
     }
     return;
@@ -304,11 +305,11 @@ __global__ void __launch_bounds__(kThreads) tc_bce_finish_kernel(const __grid_co
 // out = relu(the splits' partial sums, in split order), elementwise over M x N.
 __global__ void __launch_bounds__(kThreads) tc_splitk_kernel(const float* ws, float* out, int M,
                                                              int N, int ldo, int splits) {
-  const long long n = static_cast<long long>(M) * N, step = static_cast<long long>(M) * N;
+  const long long n = static_cast<long long>(M) * N;  // also the stride between splits
   for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * kThreads) {
     float v = ws[i];
-    for (int z = 1; z < splits; ++z) v += ws[i + z * step];
+    for (int z = 1; z < splits; ++z) v += ws[i + z * n];
     out[(i / N) * ldo + i % N] = relu(v);
   }
 }
