@@ -23,8 +23,6 @@ namespace {
 // 16384 rows: 256 x 2 encoder tiles (~2 waves of 132 SMs) and a 16 MiB (chunk, 256) buffer.
 constexpr int64_t kTcChunk = 16384;
 
-bool aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
 // W's TF32 halves (hi exact in TF32, lo = W - hi) in one new (2, rows, cols) tensor.
 at::Tensor split_halves(const at::Tensor& w, cudaStream_t stream) {
   at::Tensor halves = at::empty({2, w.size(0), w.size(1)}, w.options());
@@ -45,7 +43,7 @@ bool tc_applies(const at::Tensor& x, const at::Tensor& enc_w, const at::Tensor& 
     return false;
   }
   return major == 9 && minor == 0 && x.size(1) % 4 == 0 && enc_w.size(0) % 4 == 0 &&
-         aligned(x) && aligned(enc_w) && aligned(dec_w2);
+         aligned16(x.data_ptr()) && aligned16(enc_w.data_ptr()) && aligned16(dec_w2.data_ptr());
 }
 
 void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& enc_w,

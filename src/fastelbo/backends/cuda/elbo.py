@@ -62,8 +62,9 @@ _TC_ALIGNED = ("x", "enc_w", "dec_w2")
 def tc_applies(x: torch.Tensor, params: VAEParams) -> bool:
     """Whether path='tc' runs here: an sm_90 GPU (its sm_90a wgmma code), input_dim and
     hidden_dim multiples of 4, x, enc_w and dec_w2 16-byte aligned (binding_tc.cpp)."""
-    named = {"x": x, **VAEParams(*params)._asdict()}
-    d, h, _ = VAEParams(*params).dims
+    params = VAEParams(*params)
+    named = {"x": x, **params._asdict()}
+    d, h, _ = params.dims
     return (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)
             and d % 4 == 0 and h % 4 == 0 and all(named[n].data_ptr() % 16 == 0
                                                   for n in _TC_ALIGNED))
