@@ -7,7 +7,8 @@
 
 --quick runs 9 small forward cases (every path, staged and unstaged cluster plans) and 2 with
 the noise drawn inside the fast kernel (draw=True), the value check on x (two views), the
-backward at two odd sizes (every branch: all outputs used, and kl alone), one Adam step and
+backward at two odd sizes (every branch: all outputs used, and kl alone) and, on sm_90, two on
+the tensor-core GEMMs (split K, partial tiles), one Adam step and
 three IWAE calls (both tiles, 16- and 4-byte staging, injected and Philox noise, a NaN image),
 so racecheck, which is the slowest tool, finishes in a minute or two.
 
@@ -146,22 +147,26 @@ def quick_backward_and_adam() -> int:
     from fastelbo.training.adam import Adam
 
     failures = 0
-    for dims, batch, used in (((33, 7, 5), 9, (True, True, True)),
-                              ((781, 250, 31), 5, (False, False, True))):
+    cases = [((33, 7, 5), 9, (True, True, True), "cublas"),
+             ((781, 250, 31), 5, (False, False, True), "cublas")]
+    if torch.cuda.get_device_capability() == (9, 0):  # where tc_applies to these dims
+        cases += [((36, 12, 5), 131, (True, True, True), "tc"),  # split K, partial tiles
+                  ((784, 256, 32), 67, (False, True, False), "tc")]
+    for dims, batch, used, gemm in cases:
         torch.manual_seed(1)
         params = VAEParams(*(t.detach().cuda() for t in Model(*dims).state_dict().values()))
         x = torch.rand(batch, dims[0], device="cuda")
         x[batch // 2, 0] = float("nan")
         eps = torch.randn(batch, dims[2], device="cuda")
         grads = [torch.randn(batch, device="cuda") if u else None for u in used]
-        got = backend.backward(x, params, eps, grads)
+        got = backend.backward(x, params, eps, grads, gemm=gemm)
         want = torch_ref.backward(x, params, eps, grads)
         torch.cuda.synchronize()
         ok = all(_close(a, b) for a, b in zip([got[0], got[1], *got[2]],
                                               [want[0], want[1], *want[2]]))
         failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} backward dims={dims} B={batch} used={used}",
-              flush=True)
+        print(f"{'ok  ' if ok else 'FAIL'} backward dims={dims} B={batch} used={used} "
+              f"gemm={gemm}", flush=True)
     ps = [torch.randn(n, device="cuda", requires_grad=True) for n in (1000, 7, 3000)]
     ref = [p.detach().clone().requires_grad_() for p in ps]
     for p, q in zip(ps, ref):

@@ -1,4 +1,7 @@
-"""The cuda backend's backward (cuBLAS GEMMs + backward.cu's kernels) against the torch spec.
+"""The cuda backend's backward (GEMMs + backward.cu's kernels) against the torch spec.
+
+Four of its large GEMMs run on cuBLAS or on the tensor-core kernel (tc_gemm.cu, `gemm="tc"`; auto
+from B=2048 up where it applies): both engines face the same checks.
 
 The spec is torch_ref.backward (autograd's formulas written out; test_torch_ref.py ties it to
 autograd itself). Where the float64 spec is meaningful, the kernel's error against it must be no
@@ -67,6 +70,10 @@ def test_backward_matches_float64_spec(cuda, batch, dims, used):
     grads = [g if u else None for g, u in zip(grads, used)]
     poison_allocator()
     got = flat(cuda.backward(x, params, eps, grads))
+    check_against_spec(got, x, params, eps, grads)
+
+
+def check_against_spec(got, x, params, eps, grads):
     f32 = flat(torch_ref.backward(x, params, eps, grads))
     f64 = flat(torch_ref.backward(x.double(), VAEParams(*(p.double() for p in params)),
                                   eps.double(), [None if g is None else g.double() for g in grads]))
@@ -78,6 +85,52 @@ def test_backward_matches_float64_spec(cuda, batch, dims, used):
             continue
         err, ref_err = scaled_error(a, e), scaled_error(t, e)
         assert err <= max(4 * ref_err, 2e-5), f"{name}: error {err:.2e}, torch f32 {ref_err:.2e}"
+
+
+def needs_tc(cuda, x, params):
+    if not cuda.tc_applies(x, params):
+        pytest.skip("the tensor-core GEMMs need an sm_90 GPU")
+
+
+TC_DIMS = [(784, 256, 32), (100, 1024, 1), (36, 12, 5)]
+
+
+@pytest.mark.parametrize("used", [USED[0], USED[1], USED[3]],
+                         ids=lambda u: "".join("erk"[i] for i in range(3) if u[i]))
+@pytest.mark.parametrize("dims", TC_DIMS, ids=lambda d: "x".join(map(str, d)))
+@pytest.mark.parametrize("batch", [1, 7, 129, 1000, 4099])
+def test_tc_backward_matches_float64_spec(cuda, batch, dims, used):
+    """gemm='tc' at every batch: K = B for the weight gradients (any length, split across
+    blocks where the tiles are few), M = B for the rest (partial row tiles)."""
+    seed = batch * 5 + sum(dims) + 17 * sum(i for i, u in enumerate(used) if u)
+    x, params, eps, grads = make_case(batch, dims, seed)
+    needs_tc(cuda, x, params)
+    grads = [g if u else None for g, u in zip(grads, used)]
+    poison_allocator()
+    got = flat(cuda.backward(x, params, eps, grads, gemm="tc"))
+    check_against_spec(got, x, params, eps, grads)
+
+
+def test_auto_takes_the_tensor_cores_from_2048_rows(cuda):
+    """auto's engine by batch: the same bits as gemm='tc' from B=2048 up and as 'cublas' below
+    (the two engines' bits differ, so each comparison can tell them apart)."""
+    for batch, engine in ((2047, "cublas"), (2048, "tc")):
+        x, params, eps, grads = make_case(batch, (784, 256, 32), batch)
+        needs_tc(cuda, x, params)
+        auto = flat(cuda.backward(x, params, eps, grads))
+        tc = flat(cuda.backward(x, params, eps, grads, gemm="tc"))
+        cublas = flat(cuda.backward(x, params, eps, grads, gemm="cublas"))
+        assert not torch.equal(tc[2], cublas[2])  # enc_w's gradient
+        want = tc if engine == "tc" else cublas
+        assert_outputs_close(auto, want, names=NAMES, bits=True)
+
+
+def test_gemm_engine_is_checked(cuda):
+    x, params, eps, grads = make_case(8, (781, 250, 31), 3)
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        cuda.backward(x, params, eps, grads, gemm="tf32")
+    with pytest.raises(ValueError, match="gemm='tc' does not apply"):
+        cuda.backward(x, params, eps, grads, gemm="tc")
 
 
 def test_backward_skips_unwanted_gradients(cuda):
@@ -96,15 +149,18 @@ def test_no_gradient_reaches_any_output(cuda):
         assert bool((a == 0).all()), name
 
 
+@pytest.mark.parametrize("gemm", ["cublas", "tc"])
 @pytest.mark.parametrize("scale", [4.0, 16.0])
-def test_invalid_rows_and_saturation_match_float32_spec(cuda, scale):
+def test_invalid_rows_and_saturation_match_float32_spec(cuda, scale, gemm):
     """Rows with x outside [0, 1] or NaN get zero gradients; saturated sigmoids (scale 16 also
     overflows some logits to inf) follow PyTorch's BCE backward, NaN positions included."""
     x, params, eps, grads = make_case(300, (784, 256, 32), 11, scale=scale)
+    if gemm == "tc":
+        needs_tc(cuda, x, params)
     x[3, 5] = 1.5
     x[10, 0] = float("nan")
     x[299, -1] = -0.25
-    got = flat(cuda.backward(x, params, eps, grads))
+    got = flat(cuda.backward(x, params, eps, grads, gemm=gemm))
     want = flat(torch_ref.backward(x, params, eps, grads))
     assert_same_structure(got, want, NAMES)
     for name, a, e in zip(NAMES, got, want):
@@ -117,7 +173,7 @@ def test_invalid_rows_and_saturation_match_float32_spec(cuda, scale):
         assert bool((got[0][bad] == 0).all()) and bool((got[1][bad] == 0).all())
 
 
-@pytest.mark.parametrize("batch", [7, 128])
+@pytest.mark.parametrize("batch", [7, 128, 2048])
 def test_autograd_through_modelnew_equals_reference_model(cuda, batch):
     """A training step's gradients: ModelNew(backend='cuda') against the problem's Model with
     the same eps (the RNG contract), for every parameter and for x and eps."""
@@ -144,9 +200,10 @@ def test_autograd_through_modelnew_equals_reference_model(cuda, batch):
     assert eps.grad is not None and bool(torch.isfinite(eps.grad).all())
 
 
-def test_backward_is_capturable_in_a_cuda_graph(cuda):
+@pytest.mark.parametrize("batch", [128, 2048])  # cuBLAS, tensor cores (auto)
+def test_backward_is_capturable_in_a_cuda_graph(cuda, batch):
     dims = (784, 256, 32)
-    x, params, eps, grads = make_case(128, dims, 21)
+    x, params, eps, grads = make_case(batch, dims, 21)
     leaves = [p.clone().requires_grad_() for p in params]
     static_x = x.clone()
 

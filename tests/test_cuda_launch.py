@@ -103,7 +103,8 @@ def test_option_structs_are_bound_and_built_by_every_field(struct, builder):
         pass
 
     built = builder(type("Ext", (), {struct: Options}),
-                    **{f: (f == "rows") * 3 if f != "path" else "fast" for f in fields})
+                    **{f: {"path": "fast", "gemm": "tc"}.get(f, (f == "rows") * 3)
+                       for f in fields})
     assert set(vars(built)) == set(fields)
 
 
@@ -111,6 +112,12 @@ def test_paths_are_the_bindings():
     enum = re.search(r"enum Path : int64_t \{(.*?)\};", BINDING_H).group(1)
     numbered = {name.lower(): int(v) for name, v in re.findall(r"kPath(\w+) = (\d+)", enum)}
     assert numbered == launch.PATHS
+
+
+def test_gemms_are_the_bindings():
+    enum = re.search(r"enum Gemm : int64_t \{(.*?)\};", BINDING_H).group(1)
+    numbered = {name.lower(): int(v) for name, v in re.findall(r"kGemm(\w+) = (\d+)", enum)}
+    assert numbered == launch.GEMMS
 
 
 def test_default_options_are_built_once_per_extension():

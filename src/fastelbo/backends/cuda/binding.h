@@ -31,13 +31,17 @@ struct ForwardOptions {
   bool awaits = false;   // this thread's value check on x is in flight: wait for it first
 };
 
-// Which gradients one backward computes.
+// The backward's large GEMMs: cuBLAS in float32, or tensor cores in tf32x3 (tc_gemm.cu).
+enum Gemm : int64_t { kGemmAuto = 0, kGemmCublas = 1, kGemmTc = 2 };
+
+// Which gradients one backward computes, and how.
 struct BackwardOptions {
   bool use_elbo = true;   // a gradient reaches elbo (else g_elbo is not read)
   bool use_recon = true;  // ... recon
   bool use_kl = true;     // ... kl
   bool need_x = true;     // compute g_x (else an empty tensor in its place)
   bool need_eps = true;   // compute g_eps (likewise)
+  int64_t gemm = kGemmAuto;  // the large GEMMs' engine (binding_backward.cpp; launch.py GEMMS)
 };
 
 // ---- forward, the value check, the noise (binding_forward.cpp) ----

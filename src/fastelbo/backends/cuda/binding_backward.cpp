@@ -1,6 +1,9 @@
 // The backward's and the optimizer's torch-facing half (declared in binding.h): the gradient
-// GEMMs with cuBLAS (ATen) around backward.cu's four fused kernels, and adam.cu's one-launch
-// Adam step. Launches on PyTorch's current stream only: CUDA-graph capturable.
+// GEMMs around backward.cu's fused kernels, and adam.cu's one-launch Adam step. Four large
+// GEMMs (the logits recomputed, the decoder's hidden-layer gradient, the two large weight
+// gradients) run on tensor cores in tf32x3 (tc_gemm.cu) where tc_applies and
+// B >= kTcBackwardMinBatch, else on cuBLAS (ATen) in float32, as the small ones always do.
+// Launches on PyTorch's current stream only: CUDA-graph capturable.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -14,6 +17,53 @@
 #include "elbo.h"
 
 namespace fastelbo::binding {
+namespace {
+
+// From here up auto takes the tensor-core GEMMs (benchmarks/PERF.md: the measured crossover).
+constexpr int64_t kTcBackwardMinBatch = 2048;
+
+bool backward_on_tc(const BackwardOptions& opt, const at::Tensor& x, const at::Tensor& enc_w,
+                    const at::Tensor& dec_w2) {
+  FE_CHECK(opt.gemm >= kGemmAuto && opt.gemm <= kGemmTc, "backward: gemm must be 0 (auto), 1 "
+           "(cuBLAS) or 2 (tensor cores), got ", opt.gemm);
+  if (opt.gemm == kGemmCublas) return false;
+  const bool applies = tc_applies(x, enc_w, dec_w2);
+  FE_CHECK(applies || opt.gemm == kGemmAuto, "backward: the tensor-core GEMMs need an sm_90 GPU, "
+           "input_dim and hidden_dim multiples of 4 and 16-byte aligned x, enc_w and dec_w2");
+  return applies && (opt.gemm == kGemmTc || x.size(0) >= kTcBackwardMinBatch);
+}
+
+// The (M, N) output of a, a row-major (M, K) operand, against w's halves; into `out`.
+void tc_into(const at::Tensor& a, int64_t lda, const TcHalves& w, const at::Tensor& out,
+             const float* bias, bool relu, const at::Tensor* mask, cudaStream_t stream,
+             const char* what) {
+  TcStore s;
+  s.a = a.data_ptr<float>();
+  s.lda = lda;
+  s.M = out.size(0);
+  s.w = &w;
+  s.bias = bias;
+  s.out = out.data_ptr<float>();
+  s.ldo = out.stride(0);
+  s.relu = relu;
+  if (mask != nullptr) {
+    s.mask = mask->data_ptr<float>();
+    s.ldm = mask->stride(0);
+  }
+  tc_store(s, out.options(), stream, what);
+}
+
+// g^T a (the weight gradient of a layer with input a and output gradient g, both (B, .)) on
+// tensor cores: the batch becomes K, so g is transposed and a transposed and split first.
+void tc_weight_grad(const at::Tensor& g, const at::Tensor& a, const at::Tensor& out,
+                    cudaStream_t stream, const char* what) {
+  TcSplits ops;
+  const TcHalves gt = ops.add(g, true, false), at_ = ops.add(a, true, true);
+  ops.launch(stream);
+  tc_into(gt.t[0], gt.t.size(2), at_, out, nullptr, false, nullptr, stream, what);
+}
+
+}  // namespace
 
 // Gradients of <g, (elbo, recon, kl)> with respect to x, eps and the ten parameters, as
 // torch_ref.backward (the spec: autograd's formulas written out) gives them. opt.use_*: whether
@@ -35,7 +85,8 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
   const at::Tensor* all[] = {&x, &eps, &enc_w, &enc_b, &mu_w, &mu_b, &lv_w, &lv_b, &dec_w1,
                              &dec_b1, &dec_w2, &dec_b2, &g_elbo, &g_recon, &g_kl};
   for (const at::Tensor* t : all) FE_CHECK_TENSOR(*t, "every backward input", dev);
-  const int64_t B = x.size(0), D = x.size(1), L = mu_w.size(0);
+  const int64_t B = x.size(0), D = x.size(1), L = mu_w.size(0), H = enc_w.size(0);
+  const bool tc = backward_on_tc(opt, x, enc_w, dec_w2);
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
   const auto opts = x.options();
@@ -69,6 +120,18 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
   pp.D = static_cast<int>(D);
   check_launch(fastelbo::prep_launch(pp, stream), "prep kernel");
 
+  TcHalves dec_h, dec_t;  // dec_w2's halves, as it is and transposed
+  if (tc) {
+    TcSplits ops;
+    if (rec) {
+      dec_h = ops.add(dec_w2, false, true);
+      dec_t = ops.add(dec_w2, true, true);
+    }
+    ops.launch(stream);
+  }
+  // h on cuBLAS in both engines: its ReLU mask, and through z the decoder's, are the gradient's
+  // kinks, so h has the reference's own bits; tf32x3's few-times-larger error flipped a mask
+  // where a pre-activation was ~1e-6 (2 of 45 test cases; benchmarks/PERF.md).
   const at::Tensor h = relu_linear(xc, enc_w, enc_b);
   const at::Tensor mu = at::linear(h, mu_w, mu_b), lv = at::linear(h, lv_w, lv_b);
   at::Tensor g_z, g_d, g_a4;
@@ -76,7 +139,14 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
     at::Tensor z = at::empty({B, L}, opts);
     reparam(mu, lv, eps.data_ptr<float>(), z, nullptr, stream);
     const at::Tensor d = relu_linear(z, dec_w1, dec_b1);
-    at::Tensor ga = at::linear(d, dec_w2, dec_b2);  // logits, then their gradient in place
+    at::Tensor ga;  // logits, then their gradient in place
+    if (tc) {
+      ga = at::empty({B, D}, opts);
+      tc_into(d, H, dec_h, ga, dec_b2.data_ptr<float>(), false, nullptr, stream,
+              "tc logits kernel");
+    } else {
+      ga = at::linear(d, dec_w2, dec_b2);
+    }
     fastelbo::BceGradParams bg{};
     bg.ga = ga.data_ptr<float>();
     bg.x = xc.data_ptr<float>();
@@ -86,8 +156,14 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
     bg.n = static_cast<int>(B);
     bg.D = static_cast<int>(D);
     check_launch(fastelbo::bce_grad_launch(bg, stream), "bce_grad kernel");
-    at::mm_out(out[10], ga.t(), d);
-    g_d = at::threshold_backward(at::mm(ga, dec_w2), d, 0);
+    if (tc) {
+      tc_weight_grad(ga, d, out[10], stream, "tc dec_w2 gradient kernel");
+      g_d = at::empty({B, H}, opts);
+      tc_into(ga, D, dec_t, g_d, nullptr, false, &d, stream, "tc decoder gradient kernel");
+    } else {
+      at::mm_out(out[10], ga.t(), d);
+      g_d = at::threshold_backward(at::mm(ga, dec_w2), d, 0);
+    }
     at::mm_out(out[8], g_d.t(), z);
     g_z = at::mm(g_d, dec_w1);
     g_a4 = ga;
@@ -108,7 +184,10 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
 
   const at::Tensor g_a1 =
       at::threshold_backward(at::addmm(at::mm(g_mu, mu_w), g_lv, lv_w), h, 0);
-  at::mm_out(out[2], g_a1.t(), xc);
+  if (tc)
+    tc_weight_grad(g_a1, xc, out[2], stream, "tc enc_w gradient kernel");
+  else
+    at::mm_out(out[2], g_a1.t(), xc);
   at::mm_out(out[4], g_mu.t(), h);
   at::mm_out(out[6], g_lv.t(), h);
   // The bias gradients, column sums over the batch, in one launch.
@@ -127,6 +206,11 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
     add_sum(g_a4, out[11]);
   }
   cs.n = static_cast<int>(B);
+  at::Tensor cs_ws;
+  if (const int ws = fastelbo::colsum_workspace(cs)) {
+    cs_ws = at::empty({ws}, opts);
+    cs.ws = cs_ws.data_ptr<float>();
+  }
   check_launch(fastelbo::colsum_launch(cs, stream), "colsum kernel");
   if (need_x) {  // BCE's part (already in out[0]) + the encoder's, then invalid rows zeroed
     out[0].addmm_(g_a1, enc_w);

@@ -91,9 +91,43 @@ inline void reparam(const at::Tensor& mu, const at::Tensor& lv, const float* eps
   check_launch(fastelbo::reparam_launch(rp, stream), "reparam_kl kernel");
 }
 
-// The rows path's tensor-core variant (binding_tc.cpp): whether it runs here (an sm_90 GPU,
-// input_dim and hidden_dim multiples of 4, x, enc_w and dec_w2 16-byte aligned), and the forward.
+// The tensor-core GEMMs (binding_tc.cpp): whether they run here (an sm_90 GPU, input_dim and
+// hidden_dim multiples of 4, x, enc_w and dec_w2 16-byte aligned), the rows path's forward on
+// them, and what the backward's use of them needs (binding_backward.cpp).
 bool tc_applies(const at::Tensor& x, const at::Tensor& enc_w, const at::Tensor& dec_w2);
+
+// A GEMM's W operand in TF32 halves: (2, rows, ld) with ld % 4 == 0; cols (<= ld) is its K.
+struct TcHalves {
+  at::Tensor t;
+  int64_t cols;
+};
+// Up to fastelbo::kTcSplitMax operands made in one launch (tc_split_t_launch): add() returns
+// the (2 or 1, rows, ld) destination of `src` (2-D, unit column stride), transposed where
+// `trans`, split into TF32 halves where `split` (else copied: a GEMM's A operand).
+class TcSplits {
+ public:
+  TcHalves add(const at::Tensor& src, bool trans, bool split);
+  void launch(cudaStream_t stream);
+
+ private:
+  fastelbo::TcSplitParams p_{};
+};
+// out (M, N; row stride ldo) = a (M, K; row stride lda) x w^T as kTcStore computes it: + bias
+// (nullptr: none), relu where `relu`, zero where mask (row stride ldm) <= 0. K is split across
+// blocks where that fills the GPU (workspace from the caching allocator).
+struct TcStore {
+  const float* a = nullptr;
+  int64_t lda = 0, M = 0, K = 0;
+  const TcHalves* w = nullptr;  // N = w->t.size(1)
+  const float* bias = nullptr;
+  float* out = nullptr;
+  int64_t ldo = 0;
+  bool relu = false;
+  const float* mask = nullptr;
+  int64_t ldm = 0;
+};
+void tc_store(const TcStore& s, const at::TensorOptions& opts, cudaStream_t stream,
+              const char* what);
 void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& enc_w,
                      const at::Tensor& enc_b, const at::Tensor& mu_w, const at::Tensor& mu_b,
                      const at::Tensor& lv_w, const at::Tensor& lv_b, const at::Tensor& dec_w1,

@@ -29,7 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("use_recon", &fb::BackwardOptions::use_recon)
       .def_readwrite("use_kl", &fb::BackwardOptions::use_kl)
       .def_readwrite("need_x", &fb::BackwardOptions::need_x)
-      .def_readwrite("need_eps", &fb::BackwardOptions::need_eps);
+      .def_readwrite("need_eps", &fb::BackwardOptions::need_eps)
+      .def_readwrite("gemm", &fb::BackwardOptions::gemm);
 
   m.def("forward", &fb::elbo_forward, "(elbo, recon, kl) of the VAE, or [] (binding.h)",
         py::arg("x"), py::arg("eps"), py::arg("enc_w"), py::arg("enc_b"), py::arg("mu_w"),

@@ -1,11 +1,12 @@
-// The rows path's tensor-core variant (path "tc"; tc_gemm.cu): the two large GEMMs on wgmma in
-// tf32x3 (float32 accuracy), the encoder's with its bias and ReLU fused, the decoder's output
-// layer with sigmoid, clamped BCE and the row sums fused (the (B, D) logits never exist). The
-// small GEMMs stay cuBLAS (mu and logvar as one (n, 2L) product, then the decoder's hidden
-// layer), reparam_kl_kernel as in the rows path; the hidden layer's ReLU is applied as the
-// output layer reads it (relu_a). Memory beyond the outputs: W's halves for the two large
-// layers and, per chunk of kTcChunk rows, one (chunk, H) buffer (h, then d in its place), z,
-// mu / logvar and the BCE partials.
+// The tensor-core GEMMs' torch-facing half (tc_gemm.cu). TcSplits and tc_store are what the
+// backward uses of them (binding_backward.cpp); tc_rows_forward is the rows path's
+// tensor-core variant (path "tc"): the two large GEMMs on wgmma in tf32x3 (float32 accuracy),
+// the encoder's with its bias and ReLU fused, the decoder's output layer with sigmoid, clamped
+// BCE and the row sums fused (the (B, D) logits never exist). The small GEMMs stay cuBLAS (mu
+// and logvar as one (n, 2L) product, then the decoder's hidden layer), reparam_kl_kernel as in
+// the rows path; the hidden layer's ReLU is applied as the output layer reads it (relu_a).
+// Memory beyond the outputs: W's halves for the two large layers and, per chunk of kTcChunk
+// rows, one (chunk, H) buffer (h, then d in its place), z, mu / logvar and the BCE partials.
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>
 
@@ -23,16 +24,65 @@ namespace {
 // 16384 rows: 256 x 2 encoder tiles (~2 waves of 132 SMs) and a 16 MiB (chunk, 256) buffer.
 constexpr int64_t kTcChunk = 16384;
 
-// W's TF32 halves (hi exact in TF32, lo = W - hi) in one new (2, rows, cols) tensor.
-at::Tensor split_halves(const at::Tensor& w, cudaStream_t stream) {
-  at::Tensor halves = at::empty({2, w.size(0), w.size(1)}, w.options());
-  check_launch(fastelbo::tc_split_launch(w.data_ptr<float>(), halves[0].data_ptr<float>(),
-                                         halves[1].data_ptr<float>(), w.numel(), stream),
-               "tc split kernel");
-  return halves;
+int multiprocessors(int device) {
+  int sms = 0;
+  FE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess,
+           "tc: cannot read the multiprocessor count");
+  return sms;
 }
 
 }  // namespace
+
+TcHalves TcSplits::add(const at::Tensor& src, bool trans, bool split) {
+  FE_CHECK(p_.count < fastelbo::kTcSplitMax, "tc splits: more than ", fastelbo::kTcSplitMax,
+           " operands in one launch");
+  FE_CHECK(src.dim() == 2 && src.stride(1) == 1, "tc splits: a 2-D operand with unit column "
+           "stride");
+  const int64_t rows = trans ? src.size(1) : src.size(0), cols = trans ? src.size(0) : src.size(1);
+  const int64_t ld = (cols + 3) / 4 * 4;  // TMA: 16-byte row strides
+  at::Tensor t = at::empty({split ? 2 : 1, rows, ld}, src.options());
+  const int c = p_.count++;
+  p_.src[c] = src.data_ptr<float>();
+  p_.hi[c] = t[0].data_ptr<float>();
+  p_.lo[c] = split ? t[1].data_ptr<float>() : nullptr;
+  p_.rows[c] = static_cast<int>(src.size(0));
+  p_.cols[c] = static_cast<int>(src.size(1));
+  p_.lds[c] = static_cast<int>(src.stride(0));
+  p_.ldt[c] = static_cast<int>(ld);
+  p_.trans[c] = trans ? 1 : 0;
+  return {t, cols};
+}
+
+void TcSplits::launch(cudaStream_t stream) {
+  if (p_.count > 0) check_launch(fastelbo::tc_split_t_launch(p_, stream), "tc split kernel");
+  p_ = fastelbo::TcSplitParams{};
+}
+
+void tc_store(const TcStore& s, const at::TensorOptions& opts, cudaStream_t stream,
+              const char* what) {
+  fastelbo::TcGemmParams e{};
+  e.bias = s.bias;
+  e.out = s.out;
+  e.mask = s.mask;
+  e.ldm = static_cast<int>(s.ldm);
+  e.M = static_cast<int>(s.M);
+  e.N = static_cast<int>(s.w->t.size(1));
+  e.K = static_cast<int>(s.w->cols);
+  e.ldo = static_cast<int>(s.ldo);
+  e.ldw = static_cast<int>(s.w->t.size(2));
+  e.mode = fastelbo::kTcStore;
+  e.act = s.relu ? 1 : 0;
+  e.splits = fastelbo::tc_gemm_splits(e.M, e.N, e.K, multiprocessors(opts.device().index()));
+  at::Tensor ws;
+  if (e.splits > 1) {
+    ws = at::empty({e.splits, s.M, e.N}, opts);
+    e.ws = ws.data_ptr<float>();
+  }
+  check_launch(fastelbo::tc_gemm_launch(e, s.a, static_cast<int>(s.lda),
+                                        s.w->t[0].data_ptr<float>(),
+                                        s.w->t[1].data_ptr<float>(), stream),
+               what);
+}
 
 bool tc_applies(const at::Tensor& x, const at::Tensor& enc_w, const at::Tensor& dec_w2) {
   int major = 0, minor = 0;
@@ -52,7 +102,9 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
                      const at::Tensor& dec_b1, const at::Tensor& dec_w2, const at::Tensor& dec_b2,
                      std::vector<at::Tensor>& out, cudaStream_t stream) {
   const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
-  const at::Tensor enc = split_halves(enc_w, stream), dec = split_halves(dec_w2, stream);
+  TcSplits splits;
+  const TcHalves enc = splits.add(enc_w, false, true), dec = splits.add(dec_w2, false, true);
+  splits.launch(stream);
   // mu and logvar as one (n, 2L) GEMM: h is read once, one launch per chunk instead of two.
   const at::Tensor ml_w = at::cat({mu_w, lv_w}), ml_b = at::cat({mu_b, lv_b});
   const int64_t chunk = std::min(B, kTcChunk);
@@ -61,31 +113,20 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
   at::Tensor hbuf = at::empty({chunk, H}, opts), z = at::empty({chunk, L}, opts);
   at::Tensor part = at::empty({chunk, tiles}, opts);
   at::Tensor bad = at::empty({chunk, tiles}, opts.dtype(at::kByte));
-  int sms = 0;
-  FE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.device().index()) ==
-               cudaSuccess, "tc: cannot read the multiprocessor count");
   for (int64_t s = 0; s < B; s += chunk) {
     const int64_t n = std::min(chunk, B - s);
     const at::Tensor xs = x.narrow(0, s, n);
     at::Tensor h = hbuf.narrow(0, 0, n), zs = z.narrow(0, 0, n);
-    fastelbo::TcGemmParams e{};
+    TcStore e;
+    e.a = xs.data_ptr<float>();
+    e.lda = D;
+    e.M = n;
+    e.w = &enc;
     e.bias = enc_b.data_ptr<float>();
     e.out = h.data_ptr<float>();
-    e.M = static_cast<int>(n);
-    e.N = static_cast<int>(H);
-    e.K = static_cast<int>(D);
-    e.ldo = static_cast<int>(H);
-    e.mode = fastelbo::kTcRelu;
-    e.splits = fastelbo::tc_gemm_splits(e.M, e.N, e.K, sms);  // small chunks: split K
-    at::Tensor ws;
-    if (e.splits > 1) {
-      ws = at::empty({e.splits, n, H}, opts);
-      e.ws = ws.data_ptr<float>();
-    }
-    check_launch(fastelbo::tc_gemm_launch(e, xs.data_ptr<float>(), static_cast<int>(D),
-                                          enc[0].data_ptr<float>(), enc[1].data_ptr<float>(),
-                                          stream),
-                 "tc encoder kernel");
+    e.ldo = H;
+    e.relu = true;
+    tc_store(e, opts, stream, "tc encoder kernel");  // small chunks: K split
     const at::Tensor ml = at::linear(h, ml_w, ml_b);
     reparam(ml.narrow(1, 0, L), ml.narrow(1, L, L), eps.data_ptr<float>() + s * L, zs,
             out[2].data_ptr<float>() + s, stream);
@@ -102,8 +143,8 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
     d.mode = fastelbo::kTcBce;
     d.relu_a = 1;
     check_launch(fastelbo::tc_gemm_launch(d, h.data_ptr<float>(), static_cast<int>(H),
-                                          dec[0].data_ptr<float>(), dec[1].data_ptr<float>(),
-                                          stream),
+                                          dec.t[0].data_ptr<float>(),
+                                          dec.t[1].data_ptr<float>(), stream),
                  "tc decoder kernel");
     const fastelbo::TcFinishParams f{part.data_ptr<float>(), bad.data_ptr<uint8_t>(),
                                      out[0].data_ptr<float>() + s, out[1].data_ptr<float>() + s,

@@ -242,15 +242,20 @@ struct LatentBwdParams {
   int n, L;
 };
 
-// colsum_kernel: dst[t][j] = sum_i src[t][i * cols[t] + j] for t < count, i < n.
+// colsum_kernel: dst[t][j] = sum_i src[t][i * cols[t] + j] for t < count, i < n, in chunks of
+// kColSumRows rows whose partial sums go through ws (colsum_workspace floats; none up to
+// kColSumRows rows).
 constexpr int kColSumMax = 8;
+constexpr int kColSumRows = 256;
 struct ColSumParams {
   const float* src[kColSumMax];
   float* dst[kColSumMax];
   int cols[kColSumMax];
-  int first_block[kColSumMax];  // filled by colsum_launch
-  int count, n;
+  int first_block[kColSumMax], first_col[kColSumMax + 1];  // filled by colsum_launch
+  int count, n, ws_cols;
+  float* ws;
 };
+int colsum_workspace(const ColSumParams& p) noexcept;
 
 cudaError_t prep_launch(const PrepParams& p, cudaStream_t stream) noexcept;
 cudaError_t colsum_launch(ColSumParams& p, cudaStream_t stream) noexcept;
@@ -315,29 +320,35 @@ bool encode_tensor_map_2d(CUtensorMap* map, const float* base, int cols, int row
                           int box_cols, int box_rows, CUtensorMapSwizzle swizzle,
                           CUtensorMapL2promotion promotion) noexcept;
 
-// ---- tensor-core GEMMs of the rows path at large B (tc_gemm.cu, sm_90a: wgmma, tf32x3) ----
-// C = A (M, K) x W (N, K)^T to float32 accuracy, then kTcRelu: out = relu(C + bias), or kTcBce:
-// per row and column tile (tc_gemm_tiles_n), the clamped-BCE sum of sigmoid(C + bias) against x
-// (and whether an x there was outside [0, 1]) into partial / partial_bad ((M, tiles) row-major).
-// W comes split (tc_split_launch). Needs K % 4 == 0, lda % 4 == 0, 16-byte aligned rows, and
-// for kTcBce N % 4 == 0 and ldx % 4 == 0.
-constexpr int kTcRelu = 0, kTcBce = 1;
+// ---- tensor-core GEMMs at large B (tc_gemm.cu, sm_90a: wgmma, tf32x3) ----
+// C = A (M, K) x W (N, K)^T to float32 accuracy, then kTcStore: out = C + bias, relu'd where act
+// (the encoder's hidden layer, the backward's recomputed logits), zeroed where a mask is given
+// and mask <= 0 (threshold_backward(C, mask, 0): a hidden layer's gradient), or kTcBce: per row
+// and column tile (tc_gemm_tiles_n), the clamped-BCE sum of sigmoid(C + bias) against x (and
+// whether an x there was outside [0, 1]) into partial / partial_bad ((M, tiles) row-major).
+// W comes split (tc_split_t_launch). Needs lda % 4 == 0, ldw % 4 == 0 (W's row
+// stride; 0 means K), 16-byte aligned rows, and for kTcBce N % 4 == 0 and ldx % 4 == 0. K is any
+// length: TMA reads zeros beyond it.
+constexpr int kTcStore = 0, kTcBce = 1;
 constexpr int kTcTileN = 128;
 struct TcGemmParams {
   CUtensorMap a_map, w_map, wlo_map, x_map;  // encoded by tc_gemm_launch
-  const float* bias;                  // (N)
-  float* out;                         // kTcRelu: (M, ldo)
+  const float* bias;                  // (N), or nullptr: none
+  float* out;                         // kTcStore: (M, ldo)
+  const float* mask;                  // kTcStore: (M, ldm) or nullptr
   const float* x;                     // kTcBce: targets (M, ldx)
   float* partial;                     // kTcBce: (M, tiles)
   unsigned char* partial_bad;         // kTcBce: (M, tiles)
-  int M, N, K, ldo, ldx, mode;
+  int M, N, K, ldo, ldx, ldm, ldw, mode;
+  int act;                            // kTcStore: 1: relu (NaN kept)
   int relu_a;                         // 1: read A as relu(A) (NaN kept)
-  int splits;                         // kTcRelu: K split this many ways (tc_gemm_splits)
-  float* ws;                          // kTcRelu, splits > 1: (splits, M, N) partial sums
+  int splits;                         // kTcStore: K split this many ways (tc_gemm_splits)
+  float* ws;                          // kTcStore, splits > 1: (splits, M, N) partial sums
 };
 int tc_gemm_tiles_n(int N) noexcept;  // the kTcBce partials' tiles per row
-// kTcRelu's K split for a GPU of `sms` multiprocessors: enough blocks for about one wave where
-// the row tiles alone leave SMs idle (small M), each split at least two K stages; 1 otherwise.
+// kTcStore's K split for a GPU of `sms` multiprocessors: enough blocks for about one wave where
+// the tiles alone leave SMs idle (small M, or the weight gradients' small M x N), each split
+// at least two K stages; 1 otherwise.
 int tc_gemm_splits(int M, int N, int K, int sms) noexcept;
 cudaError_t tc_gemm_launch(TcGemmParams& p, const float* a, int lda, const float* w_hi,
                            const float* w_lo, cudaStream_t stream) noexcept;
@@ -349,8 +360,21 @@ struct TcFinishParams {
   int n, tiles;
 };
 cudaError_t tc_bce_finish_launch(const TcFinishParams& p, cudaStream_t stream) noexcept;
-// hi = w's top 11 significant bits (exact in TF32), lo = w - hi, elementwise over n floats.
-cudaError_t tc_split_launch(const float* w, float* hi, float* lo, long long n,
-                            cudaStream_t stream) noexcept;
+// Up to kTcSplitMax jobs in one launch: src (rows x cols, row stride lds) into hi / lo (hi =
+// src's top 11 significant bits, exact in TF32; lo = src - hi) as they
+// are (trans 0: rows x cols, row stride ldt) or transposed (trans 1: cols x rows, row stride
+// ldt); lo nullptr: hi is a plain copy, not split. The backward's operands: weights transposed,
+// activations transposed so that the batch is the weight gradients' K.
+constexpr int kTcSplitMax = 4;
+struct TcSplitParams {
+  const float* src[kTcSplitMax];
+  float* hi[kTcSplitMax];
+  float* lo[kTcSplitMax];
+  int rows[kTcSplitMax], cols[kTcSplitMax], lds[kTcSplitMax], ldt[kTcSplitMax];
+  int trans[kTcSplitMax];
+  int first_block[kTcSplitMax + 1];  // filled by tc_split_t_launch
+  int count;
+};
+cudaError_t tc_split_t_launch(TcSplitParams& p, cudaStream_t stream) noexcept;
 
 }  // namespace fastelbo

@@ -7,8 +7,9 @@ the general one, up to B=80; elbo_fast.cu for 80 < B <= 384 where the dims are m
 small fused kernels (rows.cu) for everything else, or, on an sm_90 GPU where the dims are
 multiples of 4, its tensor-core variant "tc" (tc_gemm.cu: the encoder and output layers on
 wgmma in float32-accurate tf32x3, logits never in memory). `backward` (any batch)
-recomputes the activations with cuBLAS and runs the gradient's GEMMs with cuBLAS around four
-fused kernels (backward.cu).
+recomputes the activations and runs the gradient's GEMMs around its fused kernels
+(backward.cu); four of its large GEMMs run on the same tensor-core kernel from B=2048 up
+where "tc" applies (`gemm=` forces an engine), the rest with cuBLAS.
 """
 from __future__ import annotations
 
@@ -70,14 +71,14 @@ def tc_applies(x: torch.Tensor, params: VAEParams) -> bool:
                                                   for n in _TC_ALIGNED))
 
 
-def check_tc_path(x: torch.Tensor, params: VAEParams) -> None:
-    """ValueError unless path='tc' applies to these tensors."""
+def check_tc_path(x: torch.Tensor, params: VAEParams, what: str = "path='tc'") -> None:
+    """ValueError unless the tensor-core GEMMs (`what` asks for them) apply to these tensors."""
     if not tc_applies(x, params):
         d, h, lat = VAEParams(*params).dims
-        raise ValueError(f"path='tc' does not apply to input_dim={d} hidden_dim={h} "
+        raise ValueError(f"{what} does not apply to input_dim={d} hidden_dim={h} "
                          f"latent_dim={lat} on this device: it needs an sm_90 GPU, input_dim "
                          f"and hidden_dim multiples of 4, and x, enc_w, dec_w2 16-byte aligned; "
-                         f"use path='auto'")
+                         f"use {what.split('=')[0]}='auto'")
 
 
 def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
@@ -138,14 +139,20 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
 
 
 def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads, *,
-             need_x: bool = True, need_eps: bool = True):
+             need_x: bool = True, need_eps: bool = True, gemm: str = "auto"):
     """(g_x, g_eps, [10 parameter grads]) of <grads, forward(x, params, eps)>, as
-    torch_ref.backward (the spec) gives them: cuBLAS GEMMs + backward.cu's fused kernels.
+    torch_ref.backward (the spec) gives them: GEMMs + backward.cu's fused kernels.
 
     grads = (g_elbo, g_recon, g_kl), each (B,) or None where no gradient reaches that output.
     need_x / need_eps False: that gradient is not computed and None comes back in its place.
+    gemm: the large GEMMs' engine: "auto", "cublas" (float32) or "tc" (tensor cores in tf32x3,
+    where tc_applies; else ValueError).
     """
+    if gemm not in launch.GEMMS:
+        raise ValueError(f"gemm must be one of {sorted(launch.GEMMS)}, got {gemm!r}")
     params = checks.check_inputs(x, params, eps)
+    if gemm == "tc":
+        check_tc_path(x, params, "gemm='tc'")
     if len(grads) != 3:
         raise ValueError(f"grads must be (g_elbo, g_recon, g_kl), got {len(grads)} entries")
     batch = x.shape[0]
@@ -163,6 +170,6 @@ def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads, *,
         given.append(g.contiguous())  # e.g. mean()'s gradient is an expanded scalar
     ext = build.extension()
     options = launch.backward_options(ext, use_elbo=used[0], use_recon=used[1], use_kl=used[2],
-                                      need_x=bool(need_x), need_eps=bool(need_eps))
+                                      need_x=bool(need_x), need_eps=bool(need_eps), gemm=gemm)
     out = launch.backward(ext, x=x, eps=eps, params=params, grads=given, options=options)
     return (out[0] if need_x else None), (out[1] if need_eps else None), list(out[2:])

@@ -104,6 +104,16 @@ __device__ __forceinline__ void tf32_split(float v, uint32_t* hi, uint32_t* lo) 
   *hi = __float_as_uint(v) & 0xFFFFE000u;
   *lo = __float_as_uint(v - __uint_as_float(*hi));
 }
+// tf32_split for products that must keep float32's infinities (tc_gemm.cu): lo = v where v is
+// not finite (inf - inf would be NaN), and hi * 2^-24 where v - hi is exactly 0 (v exact in
+// TF32, e.g. a binary x), so that an infinite other factor times this lo is an infinity of the
+// right sign, not inf * 0 = NaN; that adds at most 2^-24 of the product, a float32 rounding.
+__device__ __forceinline__ void tf32_split_inf(float v, uint32_t* hi, uint32_t* lo) {
+  const uint32_t h = __float_as_uint(v) & 0xFFFFE000u;
+  const float l = v - __uint_as_float(h);
+  *hi = h;
+  *lo = __float_as_uint(!isfinite(v) ? v : l == 0.0f ? __uint_as_float(h) * 5.9604645e-8f : l);
+}
 
 // ---- backward (autograd's formulas, as torch_ref.backward spells them out) ----
 // binary_cross_entropy_backward: g * (p - x) / max((1 - p) * p, 1e-12) (fmaxf as PyTorch's max).

@@ -43,11 +43,16 @@ def forward(ext, *, x, eps, params, options):
     return ext.forward(x, eps, *params, options)
 
 
-def backward_options(ext, *, use_elbo, use_recon, use_kl, need_x, need_eps):
-    """A new ext.BackwardOptions: which outputs a gradient reaches, which input grads to make."""
+# The backward's engines for its large GEMMs, as binding.h's Gemm enum numbers them.
+GEMMS = {"auto": 0, "cublas": 1, "tc": 2}
+
+
+def backward_options(ext, *, use_elbo, use_recon, use_kl, need_x, need_eps, gemm="auto"):
+    """A new ext.BackwardOptions: which outputs a gradient reaches, which input grads to make,
+    and the large GEMMs' engine by name."""
     opt = ext.BackwardOptions()
     opt.use_elbo, opt.use_recon, opt.use_kl = use_elbo, use_recon, use_kl
-    opt.need_x, opt.need_eps = need_x, need_eps
+    opt.need_x, opt.need_eps, opt.gemm = need_x, need_eps, GEMMS[gemm]
     return opt
 
 

@@ -1,6 +1,8 @@
-// float32-accurate GEMMs on Hopper tensor cores (wgmma, tf32x3) for the rows path at large B:
+// float32-accurate GEMMs on Hopper tensor cores (wgmma, tf32x3) for the rows path at large B and
+// for the backward's large GEMMs:
 //   C[M, N] = A[M, K] x W[N, K]^T   (nn.Linear layout), then an epilogue:
-//   kTcRelu: out = relu(C + bias)                          (the encoder's hidden layer)
+//   kTcStore: out = C + bias, relu'd where act, zeroed where mask <= 0 (the encoder's hidden
+//            layer; the backward's logits, hidden-layer gradient and weight gradients)
 //   kTcBce:  per row and column tile, the sum of the clamped BCE of sigmoid(C + bias)
 //            against x (elbo_math.cuh bce_bits: hardware log2, PyTorch's p where it decides
 //            a clamp), and whether any x there was outside [0, 1] (the decoder's output layer:
@@ -19,16 +21,16 @@
 // drowns the small terms (triton/common.py _encode_hidden: that failed the saturated-weights
 // regime); per-stage sums fix it. With A in registers the MMAs read only W from shared memory
 // (A from there too, split in place, cost 288 vs 238 us for the encoder per 65536 rows). Where
-// the encoder's row tiles leave SMs idle (small M), K is split across blocks (tc_gemm_splits;
-// tc_splitk_kernel sums the partials in split order).
+// kTcStore's tiles leave SMs idle (small M, or a weight gradient's 784 x 256), K is split
+// across blocks (tc_gemm_splits; tc_splitk_kernel sums the partials in split order).
 //
 // Operands: K-major tiles with the 128-byte swizzle, as TMA writes them; wgmma reads W through
 // descriptors (start address, SBO = 1024 bytes between 8-row groups; a k8 step is +32 bytes
 // inside the swizzle atom), ldmatrix reads A (row r's 16-byte chunk c sits at chunk c ^ r % 8).
-// W's halves come pre-split (tc_split_launch: hi exact in TF32, lo = W - hi; binding_tc.cpp
-// splits them per forward, a few us). Small terms are not NaN-guarded: an infinite A element
-// (e.g. an overflowed hidden unit) gives NaN where float32 gives +-inf, as in the Triton
-// encoder (triton/common.py); finite inputs never meet it.
+// W's halves come pre-split (tc_split_t_launch: hi exact in TF32, lo = W - hi; binding_tc.cpp
+// splits them per forward, a few us). Both operands split with tf32_split_inf, so that an
+// infinite factor (an overflowed hidden unit; a saturated backward's gradient) gives float32's
+// +-inf, not the NaN of inf - inf or inf * 0 in the small terms.
 // No torch types; launches return cudaError_t.
 #include <cstdint>
 
@@ -41,12 +43,12 @@ namespace {
 namespace tc {  // own names: the export inlines every source into one translation unit
 
 constexpr int kBK = 32;
-// Per mode: kTcRelu pipelines 4 K stages; kTcBce 3, and its block also holds its tile of x
+// Per mode: kTcStore pipelines 4 K stages; kTcBce 3, and its block also holds its tile of x
 // (swizzled 32-column boxes), which TMA lands while the GEMM runs (the epilogue's x reads were
 // dependent DRAM round trips: 734 vs 285 us per 65536 rows for the same MMA work). Tiles of 128
 // rows (two consumer warpgroups), one block per SM. 64-row output-layer tiles at two blocks
 // per SM, for one block's epilogue to overlap the other's MMAs, tied (355 vs 353 us per 65536
-// rows; 11 vs 14 us at 1024) and were dropped. BN: the tile's columns (kTcRelu 128; kTcBce 128
+// rows; 11 vs 14 us at 1024) and were dropped. BN: the tile's columns (kTcStore 128; kTcBce 128
 // or 112, whichever pads N less: D = 784 is 7 x 112, where 128 spent 1/8 of the MMAs on padding).
 template <int Mode, int BN = kTcTileN> struct TcShape {
   static constexpr int kBN = BN;
@@ -111,6 +113,13 @@ __device__ __forceinline__ void wgmma_k8(float (&d)[56], const uint32_t (&a)[4],
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
+// kTcStore's epilogue: relu where act; threshold_backward(v, mask, 0) where a mask is given.
+__device__ __forceinline__ float store_value(float v, int act, const float* mask, int ldm, int r,
+                                             int c) {
+  if (act) v = relu(v);
+  return mask != nullptr && __ldg(mask + static_cast<size_t>(r) * ldm + c) <= 0.0f ? 0.0f : v;
+}
+
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
@@ -126,8 +135,8 @@ __global__ void __launch_bounds__(TcShape<Mode, BN>::kBlock, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int wg = static_cast<int>(threadIdx.x) / 128;
   const int n0 = static_cast<int>(blockIdx.x) * kBN, m0 = static_cast<int>(blockIdx.y) * kBM;
-  // K stages [kt0, kt0 + nk): all of K, or split blockIdx.z of p.splits (kTcRelu at small M).
-  const int nk_all = cdiv(p.K, kBK), splits = Mode == kTcRelu ? p.splits : 1;
+  // K stages [kt0, kt0 + nk): all of K, or split blockIdx.z of p.splits (kTcStore at small M).
+  const int nk_all = cdiv(p.K, kBK), splits = Mode == kTcStore ? p.splits : 1;
   const int z = static_cast<int>(blockIdx.z);
   const int kt0 = z * nk_all / splits, nk = (z + 1) * nk_all / splits - kt0;
   if (threadIdx.x == 0) {
@@ -170,8 +179,9 @@ __global__ void __launch_bounds__(TcShape<Mode, BN>::kBlock, 1)
 #pragma unroll
   for (int j = 0; j < kBN / 8; ++j) {  // the sums start at the bias (0 beyond N; in split 0 only)
     const int col = n0 + 8 * j + 2 * t;
-    const float b0 = z == 0 && col < p.N ? __ldg(p.bias + col) : 0.0f;
-    const float b1 = z == 0 && col + 1 < p.N ? __ldg(p.bias + col + 1) : 0.0f;
+    const bool biased = z == 0 && p.bias != nullptr;
+    const float b0 = biased && col < p.N ? __ldg(p.bias + col) : 0.0f;
+    const float b1 = biased && col + 1 < p.N ? __ldg(p.bias + col + 1) : 0.0f;
     run[4 * j] = b0;
     run[4 * j + 1] = b1;
     run[4 * j + 2] = b0;
@@ -196,7 +206,7 @@ __global__ void __launch_bounds__(TcShape<Mode, BN>::kBlock, 1)
       for (int i = 0; i < 4; ++i) {
         float v = __uint_as_float(r[i]);
         if (p.relu_a) v = relu(v);
-        tf32_split(v, &hi[k][i], &lo[k][i]);
+        tf32_split_inf(v, &hi[k][i], &lo[k][i]);
       }
     }
   };
@@ -231,7 +241,7 @@ __global__ void __launch_bounds__(TcShape<Mode, BN>::kBlock, 1)
     if (kt + 1 < nk) mma_stage(kt + 1, hi1, lo1, hi0, lo0);
   }
   // Epilogue (the accumulator layout above).
-  if (Mode == kTcRelu) {  // relu(C + bias), or split z's partial sums (tc_splitk_kernel ends)
+  if (Mode == kTcStore) {  // C + bias as store_value says, or split z's partial sums
     float* out = splits == 1 ? p.out : p.ws + static_cast<size_t>(z) * p.M * p.N;
     const int ld = splits == 1 ? p.ldo : p.N;
 #pragma unroll
@@ -243,7 +253,8 @@ __global__ void __launch_bounds__(TcShape<Mode, BN>::kBlock, 1)
         const int r = r0 + 8 * (e >> 1), cc = col + (e & 1);
         if (r < p.M && cc < p.N)
           out[static_cast<size_t>(r) * ld + cc] =
-              splits == 1 ? relu(run[4 * j + e]) : run[4 * j + e];
+              splits == 1 ? store_value(run[4 * j + e], p.act, p.mask, p.ldm, r, cc)
+                          : run[4 * j + e];
       }
     }
     return;
@@ -302,27 +313,57 @@ __global__ void __launch_bounds__(kThreads) tc_bce_finish_kernel(const __grid_co
   write_row(p.recon, p.kl, p.elbo, row, s, bad);
 }
 
-// out = relu(the splits' partial sums, in split order), elementwise over M x N.
-__global__ void __launch_bounds__(kThreads) tc_splitk_kernel(const float* ws, float* out, int M,
-                                                             int N, int ldo, int splits) {
-  const long long n = static_cast<long long>(M) * N;  // also the stride between splits
+// out = store_value(the splits' partial sums, in split order), elementwise over M x N.
+__global__ void __launch_bounds__(kThreads) tc_splitk_kernel(const __grid_constant__ TcGemmParams p) {
+  const long long n = static_cast<long long>(p.M) * p.N;  // also the stride between splits
   for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * kThreads) {
-    float v = ws[i];
-    for (int z = 1; z < splits; ++z) v += ws[i + z * n];
-    out[(i / N) * ldo + i % N] = relu(v);
+    float v = p.ws[i];
+    for (int z = 1; z < p.splits; ++z) v += p.ws[i + z * n];
+    const int r = static_cast<int>(i / p.N), c = static_cast<int>(i % p.N);
+    p.out[static_cast<size_t>(r) * p.ldo + c] = store_value(v, p.act, p.mask, p.ldm, r, c);
   }
 }
 
-// hi = v's top 11 significant bits (exact in TF32), lo = v - hi.
-__global__ void __launch_bounds__(kThreads) tc_split_kernel(const float* w, float* hi, float* lo,
-                                                            long long n) {
-  for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < n;
-       i += static_cast<long long>(gridDim.x) * kThreads) {
+// TcSplitParams' jobs in 32 x 32 tiles, one per block (block b: job t's tile b - first_block[t],
+// row-major over the source's tiles); transposed jobs go through shared memory, so that reads
+// and writes are both along rows.
+__global__ void __launch_bounds__(kThreads) tc_split_t_kernel(const __grid_constant__ TcSplitParams p) {
+  __shared__ float tile[32][33];
+  const int b = static_cast<int>(blockIdx.x);
+  int t = 0;
+  while (t + 1 < p.count && b >= p.first_block[t + 1]) ++t;
+  const int tiles_c = cdiv(p.cols[t], 32), tb = b - p.first_block[t];
+  const int r0 = (tb / tiles_c) * 32, c0 = (tb % tiles_c) * 32;
+  const int tx = static_cast<int>(threadIdx.x) & 31, ty = static_cast<int>(threadIdx.x) >> 5;
+  const float* src = p.src[t];
+  float *hi = p.hi[t], *lo = p.lo[t];
+  const int rows = p.rows[t], cols = p.cols[t], ldt = p.ldt[t];
+  auto put = [&](size_t i, float v) {
+    if (lo == nullptr) {
+      hi[i] = v;
+      return;
+    }
     uint32_t h, l;
-    tf32_split(w[i], &h, &l);
+    tf32_split_inf(v, &h, &l);
     hi[i] = __uint_as_float(h);
     lo[i] = __uint_as_float(l);
+  };
+  for (int y = ty; y < 32; y += kWarps) {
+    const int r = r0 + y, c = c0 + tx;
+    const float v = r < rows && c < cols ? __ldg(src + static_cast<size_t>(r) * p.lds[t] + c)
+                                         : 0.0f;
+    if (!p.trans[t]) {
+      if (r < rows && c < cols) put(static_cast<size_t>(r) * ldt + c, v);
+    } else {
+      tile[y][tx] = v;
+    }
+  }
+  if (!p.trans[t]) return;  // the whole block
+  __syncthreads();
+  for (int y = ty; y < 32; y += kWarps) {  // output row c0 + y, column r0 + tx
+    const int c = c0 + y, r = r0 + tx;
+    if (c < cols && r < rows) put(static_cast<size_t>(c) * ldt + r, tile[tx][y]);
   }
 }
 
@@ -343,8 +384,8 @@ cudaError_t launch(TcGemmParams& p, const float* a, int lda, const float* w_hi, 
   constexpr int bm = Shape::kBM;
   if (cdiv(p.M, bm) > 65535) return cudaErrorInvalidValue;
   if (!encode_sw128(&p.a_map, a, p.K, p.M, lda, bm) ||
-      !encode_sw128(&p.w_map, w_hi, p.K, p.N, p.K, BN) ||
-      !encode_sw128(&p.wlo_map, w_lo, p.K, p.N, p.K, BN))
+      !encode_sw128(&p.w_map, w_hi, p.K, p.N, p.ldw, BN) ||
+      !encode_sw128(&p.wlo_map, w_lo, p.K, p.N, p.ldw, BN))
     return cudaErrorInvalidValue;
   if (Mode == kTcBce && (p.ldx % 4 != 0 || !encode_sw128(&p.x_map, p.x, p.N, p.M, p.ldx, bm)))
     return cudaErrorInvalidValue;
@@ -353,14 +394,13 @@ cudaError_t launch(TcGemmParams& p, const float* a, int lda, const float* w_hi, 
   const cudaError_t attr = cudaFuncSetAttribute(tc_gemm_kernel<Mode, BN>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
-  const int splits = Mode == kTcRelu ? p.splits : 1;
+  const int splits = Mode == kTcStore ? p.splits : 1;
   const dim3 grid(cdiv(p.N, BN), cdiv(p.M, bm), splits);
   tc_gemm_kernel<Mode, BN><<<grid, Shape::kBlock, smem, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || splits == 1) return e;
   const long long blocks = (static_cast<long long>(p.M) * p.N + kThreads - 1) / kThreads;
-  tc_splitk_kernel<<<static_cast<int>(blocks < 4096 ? blocks : 4096), kThreads, 0, stream>>>(
-      p.ws, p.out, p.M, p.N, p.ldo, splits);
+  tc_splitk_kernel<<<static_cast<int>(blocks < 4096 ? blocks : 4096), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -372,7 +412,7 @@ using namespace tc;
 int tc_gemm_tiles_n(int N) noexcept { return cdiv(N, bce_bn(N)); }
 
 int tc_gemm_splits(int M, int N, int K, int sms) noexcept {
-  const int blocks = cdiv(M, TcShape<kTcRelu>::kBM) * cdiv(N, kTcTileN);
+  const int blocks = cdiv(M, TcShape<kTcStore>::kBM) * cdiv(N, kTcTileN);
   const int most = cdiv(K, kBK) / 2;  // at least two K stages per split
   const int want = sms / blocks;
   return want < 2 || most < 2 ? 1 : (want < most ? want : most);
@@ -380,12 +420,13 @@ int tc_gemm_splits(int M, int N, int K, int sms) noexcept {
 
 cudaError_t tc_gemm_launch(TcGemmParams& p, const float* a, int lda, const float* w_hi,
                            const float* w_lo, cudaStream_t stream) noexcept {
-  if (p.M < 1 || p.N < 1 || p.K < 1 || lda % 4 != 0 || p.K % 4 != 0 ||
+  if (p.ldw == 0) p.ldw = p.K;
+  if (p.M < 1 || p.N < 1 || p.K < 1 || lda % 4 != 0 || p.ldw % 4 != 0 || p.ldw < p.K ||
       (p.mode == kTcBce && p.N % 4 != 0) ||
-      (p.mode == kTcRelu && (p.splits < 1 || p.splits > cdiv(p.K, kBK) ||
+      (p.mode == kTcStore && (p.splits < 1 || p.splits > cdiv(p.K, kBK) ||
                              (p.splits > 1 && p.ws == nullptr))))
     return cudaErrorInvalidValue;
-  if (p.mode == kTcRelu) return launch<kTcRelu, kTcTileN>(p, a, lda, w_hi, w_lo, stream);
+  if (p.mode == kTcStore) return launch<kTcStore, kTcTileN>(p, a, lda, w_hi, w_lo, stream);
   return bce_bn(p.N) == 112 ? launch<kTcBce, 112>(p, a, lda, w_hi, w_lo, stream)
                             : launch<kTcBce, 128>(p, a, lda, w_hi, w_lo, stream);
 }
@@ -396,12 +437,17 @@ cudaError_t tc_bce_finish_launch(const TcFinishParams& p, cudaStream_t stream) n
   return cudaGetLastError();
 }
 
-cudaError_t tc_split_launch(const float* w, float* hi, float* lo, long long n,
-                            cudaStream_t stream) noexcept {
-  if (n < 1) return cudaSuccess;
-  const long long blocks = (n + kThreads - 1) / kThreads;
-  tc_split_kernel<<<static_cast<int>(blocks < 4096 ? blocks : 4096), kThreads, 0, stream>>>(
-      w, hi, lo, n);
+cudaError_t tc_split_t_launch(TcSplitParams& p, cudaStream_t stream) noexcept {
+  if (p.count < 1 || p.count > kTcSplitMax) return cudaErrorInvalidValue;
+  long long blocks = 0;
+  for (int t = 0; t < p.count; ++t) {
+    if (p.rows[t] < 1 || p.cols[t] < 1) return cudaErrorInvalidValue;
+    p.first_block[t] = static_cast<int>(blocks);
+    blocks += static_cast<long long>(cdiv(p.rows[t], 32)) * cdiv(p.cols[t], 32);
+  }
+  if (blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  p.first_block[p.count] = static_cast<int>(blocks);
+  tc_split_t_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
