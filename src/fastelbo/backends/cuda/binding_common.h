@@ -117,7 +117,7 @@ class TcSplits {
 // blocks where that fills the GPU (workspace from the caching allocator).
 struct TcStore {
   const float* a = nullptr;
-  int64_t lda = 0, M = 0, K = 0;
+  int64_t lda = 0, M = 0;  // K = w->cols
   const TcHalves* w = nullptr;  // N = w->t.size(1)
   const float* bias = nullptr;
   float* out = nullptr;
