@@ -233,6 +233,41 @@ def test_console_error_is_one_line():
                            "(see 'fastelbo train --help')\n"), proc.stderr
 
 
+def test_console_exit_waits_flushes_and_keeps_the_code():
+    """cli.run (the console entry) ends with os._exit to skip torch's slow interpreter teardown;
+    before that it must still join non-daemon threads, run atexit handlers and flush stdout (a
+    pipe: block-buffered, so an unflushed line would be lost), and exit with main's code."""
+    script = ("import atexit, threading, time\n"
+              "from fastelbo import cli\n"
+              "def main():\n"
+              "    atexit.register(lambda: print('atexit ran'))\n"
+              "    threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))"
+              ").start()\n"
+              "    print('main done')\n"
+              "    return 3\n"
+              "cli.main = main\n"
+              "cli.run()\n"
+              "print('not reached')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        3, "main done\nthread done\natexit ran\n", ""), proc
+
+
+def test_console_entry_is_run():
+    """`fastelbo` (the installed script) and `python -m fastelbo.cli` both go through cli.run."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["fastelbo"] == "fastelbo.cli:run"
+    proc = subprocess.run([sys.executable, "-m", "fastelbo.cli", "--version"], check=False,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("fastelbo 0.1.0 (torch "), proc
+
+
 def test_version(capsys):
     from importlib import metadata
 

@@ -157,6 +157,8 @@ class _Check:
         self.report.workers = [{"role": role, **w.describe()}
                                for role, w in zip(self.roles, self.workers)]
         for w in self.workers:
+            w.kill(wait=False)  # all at once, then reap: their teardowns overlap
+        for w in self.workers:
             w.close()
         if self.pool is not None:
             self.pool.fill()  # the replacements start now, in the background

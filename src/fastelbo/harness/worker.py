@@ -240,14 +240,17 @@ class Worker:
         except OSError:
             return ""
 
-    def kill(self) -> None:
-        """SIGKILL the worker's own session: it and its children (nvcc, ninja, compile workers)."""
+    def kill(self, wait: bool = True) -> None:
+        """SIGKILL the worker's own session: it and its children (nvcc, ninja, compile workers);
+        then reap it, unless `wait` is False (a caller killing several reaps them after: each
+        exit tears down a CUDA context, and those teardowns then overlap)."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             if self.proc.poll() is None:  # a fork not yet in a session of its own
                 os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        if wait:
+            self.proc.wait()
 
     def close(self) -> None:
         _live.discard(self)
