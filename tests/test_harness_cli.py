@@ -136,10 +136,11 @@ class Fake:
     def run(self, *args, **kwargs):
         return WorkerOutcome(None, category="build", reason="not built: a test")
 
-    def kill(self):
+    def kill(self, wait=True):
         pass
 
-    close = kill
+    def close(self):
+        pass
 
     def describe(self):
         return {"pid": 0, "forked": False, "prestarted": False, "warm": False, "startup_s": None}
