@@ -83,6 +83,7 @@ int run(const Case& cs, unsigned seed) {
   p.K = K;
   p.mode = cs.mode;
   p.relu_a = bce;
+  p.w_finite = 1;  // finite weights: the forward's A split (tf32_split_act)
   p.act = !bce;  // the encoder's ReLU
   const int tiles = fastelbo::tc_gemm_tiles_n(N);
   const int bad_row = M > 78 ? 77 : -1;  // its x holds a 1.5: its outputs must be NaN

@@ -125,6 +125,7 @@ struct TcStore {
   bool relu = false;
   const float* mask = nullptr;
   int64_t ldm = 0;
+  bool w_finite = false;  // w holds weights (finite): A's cheaper split (TcGemmParams::w_finite)
 };
 void tc_store(const TcStore& s, const at::TensorOptions& opts, cudaStream_t stream,
               const char* what);

@@ -72,6 +72,7 @@ void tc_store(const TcStore& s, const at::TensorOptions& opts, cudaStream_t stre
   e.ldw = static_cast<int>(s.w->t.size(2));
   e.mode = fastelbo::kTcStore;
   e.act = s.relu ? 1 : 0;
+  e.w_finite = s.w_finite ? 1 : 0;
   e.splits = fastelbo::tc_gemm_splits(e.M, e.N, e.K, multiprocessors(opts.device().index()));
   at::Tensor ws;
   if (e.splits > 1) {
@@ -126,6 +127,7 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
     e.out = h.data_ptr<float>();
     e.ldo = H;
     e.relu = true;
+    e.w_finite = true;  // enc_w (an x outside [0, 1], e.g. inf, makes its row NaN anyway)
     tc_store(e, opts, stream, "tc encoder kernel");  // small chunks: K split
     const at::Tensor ml = at::linear(h, ml_w, ml_b);
     reparam(ml.narrow(1, 0, L), ml.narrow(1, L, L), eps.data_ptr<float>() + s * L, zs,
@@ -142,6 +144,7 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
     d.K = static_cast<int>(H);
     d.mode = fastelbo::kTcBce;
     d.relu_a = 1;
+    d.w_finite = 1;  // dec_w2
     check_launch(fastelbo::tc_gemm_launch(d, h.data_ptr<float>(), static_cast<int>(H),
                                           dec.t[0].data_ptr<float>(),
                                           dec.t[1].data_ptr<float>(), stream),

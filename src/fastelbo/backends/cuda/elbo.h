@@ -342,6 +342,8 @@ struct TcGemmParams {
   int M, N, K, ldo, ldx, ldm, ldw, mode;
   int act;                            // kTcStore: 1: relu (NaN kept)
   int relu_a;                         // 1: read A as relu(A) (NaN kept)
+  int w_finite;                       // 1: W's elements are finite (weights): A's split is
+                                      // tf32_split_act, else tf32_split_inf; kTcBce needs 1
   int splits;                         // kTcStore: K split this many ways (tc_gemm_splits)
   float* ws;                          // kTcStore, splits > 1: (splits, M, N) partial sums
 };

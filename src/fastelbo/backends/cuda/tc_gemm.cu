@@ -28,9 +28,12 @@
 // descriptors (start address, SBO = 1024 bytes between 8-row groups; a k8 step is +32 bytes
 // inside the swizzle atom), ldmatrix reads A (row r's 16-byte chunk c sits at chunk c ^ r % 8).
 // W's halves come pre-split (tc_split_t_launch: hi exact in TF32, lo = W - hi; binding_tc.cpp
-// splits them per forward, a few us). Both operands split with tf32_split_inf, so that an
-// infinite factor (an overflowed hidden unit; a saturated backward's gradient) gives float32's
-// +-inf, not the NaN of inf - inf or inf * 0 in the small terms.
+// splits them per forward, a few us) with tf32_split_inf, so that an infinite factor (an
+// overflowed hidden unit; a saturated backward's gradient) gives float32's +-inf, not the NaN of
+// inf - inf or inf * 0 in the small terms. A is split the same way, or, where the caller says W
+// is finite (p.w_finite: the forward's weights), by the cheaper tf32_split_act (an infinite A
+// still gives +-inf; an exact A's lo = 0 only ever meets finite W): 17-20% of these kernels'
+// time at every M (kWFinite, a template parameter, so the loop carries one of the two).
 // No torch types; launches return cudaError_t.
 #include <cstdint>
 
@@ -124,7 +127,7 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
-template <int Mode, int BN>
+template <int Mode, int BN, bool kWFinite>
 __global__ void __launch_bounds__(TcShape<Mode, BN>::kBlock, 1)
     tc_gemm_kernel(const __grid_constant__ TcGemmParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -206,7 +209,10 @@ __global__ void __launch_bounds__(TcShape<Mode, BN>::kBlock, 1)
       for (int i = 0; i < 4; ++i) {
         float v = __uint_as_float(r[i]);
         if (p.relu_a) v = relu(v);
-        tf32_split_inf(v, &hi[k][i], &lo[k][i]);
+        if (kWFinite)
+          tf32_split_act(v, &hi[k][i], &lo[k][i]);
+        else
+          tf32_split_inf(v, &hi[k][i], &lo[k][i]);
       }
     }
   };
@@ -377,7 +383,7 @@ bool encode_sw128(CUtensorMap* map, const float* base, int cols, int rows, int l
 // kTcBce's tile width: 112 where it pads N less than 128 does (tc_gemm_tiles_n follows it).
 int bce_bn(int N) { return cdiv(N, 112) * 112 < cdiv(N, 128) * 128 ? 112 : 128; }
 
-template <int Mode, int BN>
+template <int Mode, int BN, bool kWFinite>
 cudaError_t launch(TcGemmParams& p, const float* a, int lda, const float* w_hi, const float* w_lo,
                    cudaStream_t stream) {
   using Shape = TcShape<Mode, BN>;
@@ -391,12 +397,12 @@ cudaError_t launch(TcGemmParams& p, const float* a, int lda, const float* w_hi, 
     return cudaErrorInvalidValue;
   constexpr int smem = kTcSmemBytes<Mode, BN>;
   // Per device: set at every launch (cheap).
-  const cudaError_t attr = cudaFuncSetAttribute(tc_gemm_kernel<Mode, BN>,
+  const cudaError_t attr = cudaFuncSetAttribute(tc_gemm_kernel<Mode, BN, kWFinite>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   const int splits = Mode == kTcStore ? p.splits : 1;
   const dim3 grid(cdiv(p.N, BN), cdiv(p.M, bm), splits);
-  tc_gemm_kernel<Mode, BN><<<grid, Shape::kBlock, smem, stream>>>(p);
+  tc_gemm_kernel<Mode, BN, kWFinite><<<grid, Shape::kBlock, smem, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || splits == 1) return e;
   const long long blocks = (static_cast<long long>(p.M) * p.N + kThreads - 1) / kThreads;
@@ -422,13 +428,15 @@ cudaError_t tc_gemm_launch(TcGemmParams& p, const float* a, int lda, const float
                            const float* w_lo, cudaStream_t stream) noexcept {
   if (p.ldw == 0) p.ldw = p.K;
   if (p.M < 1 || p.N < 1 || p.K < 1 || lda % 4 != 0 || p.ldw % 4 != 0 || p.ldw < p.K ||
-      (p.mode == kTcBce && p.N % 4 != 0) ||
+      (p.mode == kTcBce && (p.N % 4 != 0 || p.w_finite != 1)) ||
       (p.mode == kTcStore && (p.splits < 1 || p.splits > cdiv(p.K, kBK) ||
                              (p.splits > 1 && p.ws == nullptr))))
     return cudaErrorInvalidValue;
-  if (p.mode == kTcStore) return launch<kTcStore, kTcTileN>(p, a, lda, w_hi, w_lo, stream);
-  return bce_bn(p.N) == 112 ? launch<kTcBce, 112>(p, a, lda, w_hi, w_lo, stream)
-                            : launch<kTcBce, 128>(p, a, lda, w_hi, w_lo, stream);
+  if (p.mode == kTcStore)
+    return p.w_finite ? launch<kTcStore, kTcTileN, true>(p, a, lda, w_hi, w_lo, stream)
+                      : launch<kTcStore, kTcTileN, false>(p, a, lda, w_hi, w_lo, stream);
+  return bce_bn(p.N) == 112 ? launch<kTcBce, 112, true>(p, a, lda, w_hi, w_lo, stream)
+                            : launch<kTcBce, 128, true>(p, a, lda, w_hi, w_lo, stream);
 }
 
 cudaError_t tc_bce_finish_launch(const TcFinishParams& p, cudaStream_t stream) noexcept {
