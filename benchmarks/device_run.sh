@@ -23,10 +23,12 @@ fi
 FE="python3 -m fastelbo.cli"
 CHECK_BATCHES=1,7,128,1000,4096,65536 CHECK_TRIALS=${CHECK_TRIALS:-3}
 
-run() {  # run NAME TIMEOUT CMD...: log to $LOGS/NAME.log, one summary line, never abort the rest
+run() {  # run NAME TIMEOUT CMD...: log to $LOGS/NAME.log (its first line `# CMD`, quoted), one
+  # summary line, never abort the rest
   local name=$1 limit=$2; shift 2; local t0=$SECONDS
   echo "=== $name: $*"
-  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
+  { printf '# '; printf '%q ' "$@"; echo; timeout "$limit" "$@"; } > "$LOGS/$name.log" 2>&1
+  local rc=$?
   tail -n 15 "$LOGS/$name.log"
   echo "$name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOGS/summary.txt"
   cp "$LOGS/summary.txt" "$OUT/"; tar -czf "$OUT/results.tgz" -C "$LOGS" .
@@ -76,3 +78,9 @@ for stage in "$@"; do case $stage in
   harness) run harness "${T_HARNESS:-300}" python3 benchmarks/harness_timing.py --device cuda \
              --out "$LOGS/harness_timing.jsonl" ;;
 esac; done
+# The correctness record: a gpu_tests.jsonl row per test file, sanitizer run and check logged so
+# far (benchmarks/gpu_rows.py), into $LOGS and so into results.tgz.
+if [[ " $* " =~ \ (tests|memcheck|racecheck|check|multi)\  ]]; then
+  python3 benchmarks/gpu_rows.py "$LOGS" || echo "gpu_rows.py failed: no gpu_tests.jsonl rows"
+  tar -czf "$OUT/results.tgz" -C "$LOGS" .
+fi
