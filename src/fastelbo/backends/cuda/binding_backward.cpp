@@ -34,9 +34,10 @@ bool backward_on_tc(const BackwardOptions& opt, const at::Tensor& x, const at::T
 }
 
 // The (M, N) output of a, a row-major (M, K) operand, against w's halves; into `out`.
+// w_finite: w is a weight matrix (TcStore::w_finite), not an activation or a gradient.
 void tc_into(const at::Tensor& a, int64_t lda, const TcHalves& w, const at::Tensor& out,
-             const float* bias, bool relu, const at::Tensor* mask, cudaStream_t stream,
-             const char* what) {
+             const float* bias, bool relu, const at::Tensor* mask, bool w_finite,
+             cudaStream_t stream, const char* what) {
   TcStore s;
   s.a = a.data_ptr<float>();
   s.lda = lda;
@@ -46,6 +47,7 @@ void tc_into(const at::Tensor& a, int64_t lda, const TcHalves& w, const at::Tens
   s.out = out.data_ptr<float>();
   s.ldo = out.stride(0);
   s.relu = relu;
+  s.w_finite = w_finite;
   if (mask != nullptr) {
     s.mask = mask->data_ptr<float>();
     s.ldm = mask->stride(0);
@@ -60,7 +62,7 @@ void tc_weight_grad(const at::Tensor& g, const at::Tensor& a, const at::Tensor& 
   TcSplits ops;
   const TcHalves gt = ops.add(g, true, false), at_ = ops.add(a, true, true);
   ops.launch(stream);
-  tc_into(gt.t[0], gt.t.size(2), at_, out, nullptr, false, nullptr, stream, what);
+  tc_into(gt.t[0], gt.t.size(2), at_, out, nullptr, false, nullptr, false, stream, what);
 }
 
 }  // namespace
@@ -142,7 +144,7 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
     at::Tensor ga;  // logits, then their gradient in place
     if (tc) {
       ga = at::empty({B, D}, opts);
-      tc_into(d, H, dec_h, ga, dec_b2.data_ptr<float>(), false, nullptr, stream,
+      tc_into(d, H, dec_h, ga, dec_b2.data_ptr<float>(), false, nullptr, true, stream,
               "tc logits kernel");
     } else {
       ga = at::linear(d, dec_w2, dec_b2);
@@ -159,7 +161,7 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps
     if (tc) {
       tc_weight_grad(ga, d, out[10], stream, "tc dec_w2 gradient kernel");
       g_d = at::empty({B, H}, opts);
-      tc_into(ga, D, dec_t, g_d, nullptr, false, &d, stream, "tc decoder gradient kernel");
+      tc_into(ga, D, dec_t, g_d, nullptr, false, &d, true, stream, "tc decoder gradient kernel");
     } else {
       at::mm_out(out[10], ga.t(), d);
       g_d = at::threshold_backward(at::mm(ga, dec_w2), d, 0);

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -107,6 +108,9 @@ struct TcHalves {
 class TcSplits {
  public:
   TcHalves add(const at::Tensor& src, bool trans, bool split);
+  // The row-wise concatenation of `srcs` (2-D, one column count, unit column stride), split
+  // where `split`, in one destination: at::cat and the split in this one launch.
+  TcHalves add_rows(std::initializer_list<at::Tensor> srcs, bool split);
   void launch(cudaStream_t stream);
 
  private:
@@ -133,6 +137,6 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
                      const at::Tensor& enc_b, const at::Tensor& mu_w, const at::Tensor& mu_b,
                      const at::Tensor& lv_w, const at::Tensor& lv_b, const at::Tensor& dec_w1,
                      const at::Tensor& dec_b1, const at::Tensor& dec_w2, const at::Tensor& dec_b2,
-                     std::vector<at::Tensor>& out, cudaStream_t stream);
+                     std::vector<at::Tensor>& out, int64_t latent_gemm, cudaStream_t stream);
 
 }  // namespace fastelbo::binding

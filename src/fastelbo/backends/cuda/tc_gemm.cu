@@ -31,10 +31,10 @@
 // splits them per forward, a few us) with tf32_split_inf, so that an infinite factor (an
 // overflowed hidden unit; a saturated backward's gradient) gives float32's +-inf, not the NaN of
 // inf - inf or inf * 0 in the small terms. A is split the same way, or, where the caller says W
-// is finite (p.w_finite: the forward's weights), by the cheaper tf32_split_act (an infinite A
-// still gives +-inf; an exact A's lo = 0 only ever meets finite W): it saves 6-17% of these
-// kernels' time at M = 1024 to 65536 on an H200 (kWFinite, a template parameter, so the loop
-// carries one of the two).
+// is finite (p.w_finite: weights, in the forward and in the backward's logits and hidden-layer
+// gradient), by the cheaper tf32_split_act (an infinite A still gives +-inf; an exact A's lo = 0
+// only ever meets finite W): it saves 6-17% of these kernels' time at M = 1024 to 65536 on an
+// H200 (kWFinite, a template parameter, so the loop carries one of the two).
 // No torch types; launches return cudaError_t.
 #include <cstdint>
 
