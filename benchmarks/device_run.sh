@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The benchmarks of record and the GPU checks, on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...        (benchmarks/README.md says what each stage runs)
-# Stages: build env tests memcheck racecheck check bench train iwae crossover multi jobs harness.
+# Stages: build env tests memcheck racecheck check bench profile train iwae crossover multi jobs
+# harness.
 # Each stage's log lands in $LOGS; $OUT gets summary.txt (one line per run: rc and seconds) and
 # results.tgz (every log and .jsonl), refreshed after every run so that a kill loses nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=" build env tests memcheck racecheck check bench train iwae crossover multi jobs harness "
+STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness "
 for stage in "$@"; do  # refuse a typo before any stage spends device time
   [[ $STAGES == *" $stage "* ]] || { echo "device_run.sh: unknown stage '$stage' (stages:$STAGES)" >&2; exit 2; }
 done
@@ -21,7 +22,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried in (mlxtend): the devic
     .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 FE="python3 -m fastelbo.cli"
-CHECK_BATCHES=1,7,128,1000,4096,65536 CHECK_TRIALS=${CHECK_TRIALS:-3}
+CHECK_BATCHES=1,7,128,1000,4096,65536 CHECK_TRIALS=${CHECK_TRIALS:-3} TRAIN_BATCHES=${TRAIN_BATCHES:-128}
 
 run() {  # run NAME TIMEOUT CMD...: log to $LOGS/NAME.log (its first line `# CMD`, quoted), one
   # summary line, never abort the rest
@@ -66,8 +67,13 @@ for stage in "$@"; do case $stage in
     [ -s "$LOGS/solution.py" ] && run check_export 400 $FE check vae_elbo "$LOGS/solution.py" --device cuda ;;
   bench) run bench "${T_BENCH:-300}" $FE bench vae_elbo fastelbo:auto fastelbo:cuda fastelbo:triton --device cuda \
            --batch-sizes "${BENCH_BATCHES:-128,4096,65536}" --out "$LOGS/bench.jsonl" ;;
-  train)  # speed of a training step, then 10 epochs against the reference (3 seeds)
-    run train 150 python3 benchmarks/train_bench.py --skip-compile --out "$LOGS/train.jsonl"
+  profile) run profile 200 python3 benchmarks/kernel_profile.py --out "$LOGS/kernel_profile.jsonl" ;;
+  train)  # speed of a training step at each of TRAIN_BATCHES, then 10 epochs against the
+    # reference (3 seeds; TRAIN_EPOCHS=0 leaves them out)
+    for b in ${TRAIN_BATCHES//,/ }; do
+      run "train_$b" 150 python3 benchmarks/train_bench.py --skip-compile --batch "$b" --out "$LOGS/train.jsonl"
+    done
+    [ "${TRAIN_EPOCHS:-1}" = 0 ] ||
     run train_epochs 200 python3 benchmarks/train_bench.py --epochs 10 --out "$LOGS/train.jsonl" ;;
   iwae) run iwae "${T_IWAE:-200}" python3 benchmarks/iwae_bench.py --out "$LOGS/iwae.jsonl" ;;
   crossover) run crossover 300 python3 benchmarks/crossover.py  # rewrites backends/crossover.json
