@@ -157,52 +157,6 @@ def test_tc_path(cuda, batch, dims):
     check_against_reference(cuda, x, params, eps, f64=batch <= 16384 + 7, path="tc")
 
 
-# The latent GEMMs on tensor cores need latent_dim % 4 == 0 (z is their A, with K = L): L = 4
-# and 8 (K below one 32-wide stage; mu / logvar's N = 2L far below a column tile), 12, 32.
-TC_LATENT_DIMS = [d for d in TC_DIMS if d[2] % 4 == 0]
-
-
-@pytest.mark.parametrize("latent_gemm", ["cublas", "tc"])
-@pytest.mark.parametrize("dims", TC_LATENT_DIMS, ids=case_id)
-@pytest.mark.parametrize("batch", [1, 129, 1024, 16384 + 7])
-def test_tc_latent_gemms(cuda, batch, dims, latent_gemm):
-    """Both engines of the tc path's latent GEMMs (auto picks one by chunk size), against the
-    reference and float64: ragged row tiles, K split at small B, a ragged second chunk."""
-    params = make_params(dims, seed=batch + 3)
-    x, eps = make_inputs(batch, dims, seed=batch + 4)
-    check_against_reference(cuda, x, params, eps, path="tc", latent_gemm=latent_gemm)
-
-
-def test_tc_latent_gemms_auto(cuda):
-    """auto: cuBLAS's bits for small chunks, the tensor cores' for 16384-row ones."""
-    dims = (784, 256, 32)
-    params = make_params(dims)
-    for batch, engine in ((1024, "cublas"), (16384, "tc"), (40000, "tc")):
-        x, eps = make_inputs(batch, dims, seed=batch)
-        got = cuda.forward(x, params, eps, path="tc")
-        other = "cublas" if engine == "tc" else "tc"
-        want = cuda.forward(x, params, eps, path="tc", latent_gemm=engine)
-        for g, w in zip(got, want):
-            assert torch.equal(g, w), (batch, engine)
-        # and the two engines differ in their bits, so the comparison above can fail
-        assert not all(torch.equal(g, o) for g, o in
-                       zip(got, cuda.forward(x, params, eps, path="tc", latent_gemm=other)))
-
-
-def test_tc_latent_gemm_refusals(cuda):
-    params = make_params((784, 256, 32))
-    x, eps = make_inputs(64, (784, 256, 32))
-    with pytest.raises(ValueError, match="latent_gemm must be one of"):
-        cuda.forward(x, params, eps, path="tc", latent_gemm="fp16")
-    with pytest.raises(ValueError, match="needs path='tc'"):
-        cuda.forward(x, params, eps, latent_gemm="tc")
-    params = make_params((64, 48, 2))
-    x, eps = make_inputs(64, (64, 48, 2))
-    with pytest.raises(ValueError, match="latent_dim a multiple of 4"):
-        cuda.forward(x, params, eps, path="tc", latent_gemm="tc")
-    check_against_reference(cuda, x, params, eps, path="tc", latent_gemm="cublas")
-
-
 def test_tc_path_is_auto_above_the_fast_kernel(cuda):
     """auto takes it wherever it would run the rows path and tc applies: the same bits as
     path='tc' at B = 385 and 2048; at 384 the fast cluster kernel, as path='fast'."""
@@ -303,15 +257,13 @@ def test_plan_fills_the_gpu_at_batch_128(cuda):
 
 
 @pytest.mark.parametrize("dims,scale,path", cases(
-    [(784, 256, 32), (33, 7, 5)], [4.0, 16.0], PATHS + ("tc+latent",),
-    applies=lambda d, s, p: path_applies(d, p.split("+")[0])), ids=case_id)
+    [(784, 256, 32), (33, 7, 5)], [4.0, 16.0], PATHS,
+    applies=lambda d, s, p: path_applies(d, p)), ids=case_id)
 def test_saturated_parameters(cuda, dims, scale, path):
-    """Large weights drive sigmoid to 0/1 and the logs into the -100 clamp (tc+latent: the
-    tc path with its latent GEMMs on tensor cores too, where z holds infinities)."""
+    """Large weights drive sigmoid to 0/1 and the logs into the -100 clamp."""
     params = make_params(dims, scale=scale)
     x, eps = make_inputs(257, dims, binary=True)
-    kw = {"path": "tc", "latent_gemm": "tc"} if path == "tc+latent" else {"path": path}
-    got = cuda.forward(x, params, eps, _poison=True, **kw)
+    got = cuda.forward(x, params, eps, _poison=True, path=path)
     want = torch_ref.forward(x, params, eps)
     for w, n in zip(want, NAMES):
         assert bool(torch.isfinite(w).any()), f"{n}: reference is nowhere finite; test is vacuous"
@@ -547,8 +499,6 @@ class TestBadInputs:
                 ("path must be", (x, eps, *ps), opts(path=7)),
                 ("conflict with path=rows", (x, eps, *ps), opts(rows=5, path=2)),
                 ("cluster must be", (x, eps, *ps), opts(cluster=17, path=1)),
-                ("latent_gemm must be", (x, eps, *ps), opts(latent_gemm=3)),
-                ("needs path=tc", (x, eps, *ps), opts(latent_gemm=2, path=2)),
             ]
             for want, args, options in cases:
                 print("case:", want, flush=True)

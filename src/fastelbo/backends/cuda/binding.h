@@ -19,10 +19,6 @@ namespace fastelbo::binding {
 // The forward's path (ForwardOptions::path); launch.py's PATHS names them.
 enum Path : int64_t { kPathAuto = 0, kPathCluster = 1, kPathRows = 2, kPathFast = 3, kPathTc = 4 };
 
-// A group of GEMMs' engine: cuBLAS in float32, or tensor cores in tf32x3 (tc_gemm.cu); for the
-// backward's large GEMMs and the tc forward's latent ones.
-enum Gemm : int64_t { kGemmAuto = 0, kGemmCublas = 1, kGemmTc = 2 };
-
 // How one forward launches. The defaults are the product's call; launch.py pre-builds the four
 // default objects (draw, awaits) once per extension, so the hot path parses no options.
 struct ForwardOptions {
@@ -33,10 +29,10 @@ struct ForwardOptions {
   int64_t path = kPathAuto;
   bool draw = false;     // overwrite eps with one torch.randn(B, L) draw and compute with it
   bool awaits = false;   // this thread's value check on x is in flight: wait for it first
-  // The tc path's latent GEMMs (mu / logvar, the decoder's hidden layer): auto takes tensor
-  // cores for chunks of kTcLatentMinRows rows and up (binding_tc.cpp); cublas / tc need path tc.
-  int64_t latent_gemm = kGemmAuto;
 };
+
+// The backward's large GEMMs: cuBLAS in float32, or tensor cores in tf32x3 (tc_gemm.cu).
+enum Gemm : int64_t { kGemmAuto = 0, kGemmCublas = 1, kGemmTc = 2 };
 
 // Which gradients one backward computes, and how.
 struct BackwardOptions {

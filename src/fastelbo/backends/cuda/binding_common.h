@@ -109,7 +109,7 @@ class TcSplits {
  public:
   TcHalves add(const at::Tensor& src, bool trans, bool split);
   // The row-wise concatenation of `srcs` (2-D, one column count, unit column stride), split
-  // where `split`, in one destination: at::cat and the split in this one launch.
+  // where `split` (else copied), in one destination: at::cat inside this launch.
   TcHalves add_rows(std::initializer_list<at::Tensor> srcs, bool split);
   void launch(cudaStream_t stream);
 
@@ -137,6 +137,6 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
                      const at::Tensor& enc_b, const at::Tensor& mu_w, const at::Tensor& mu_b,
                      const at::Tensor& lv_w, const at::Tensor& lv_b, const at::Tensor& dec_w1,
                      const at::Tensor& dec_b1, const at::Tensor& dec_w2, const at::Tensor& dec_b2,
-                     std::vector<at::Tensor>& out, int64_t latent_gemm, cudaStream_t stream);
+                     std::vector<at::Tensor>& out, cudaStream_t stream);
 
 }  // namespace fastelbo::binding

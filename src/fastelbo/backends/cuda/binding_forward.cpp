@@ -385,7 +385,6 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   const int64_t rows = opt.rows, cluster = opt.cluster, staged = opt.staged;
   const bool poison = opt.poison, draw = opt.draw, await_check = opt.awaits;
   int64_t path = opt.path;
-  const int64_t latent_gemm = opt.latent_gemm;
   FE_CHECK(x.defined(), "x is undefined");
   const auto dev = x.device();
   FE_CHECK_TENSOR(x, "x", dev);
@@ -427,12 +426,6 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   FE_CHECK(staged >= -1 && staged <= 1, "staged must be -1 (auto), 0 or 1, got ", staged);
   FE_CHECK(path >= kPathAuto && path <= kPathTc,
            "path must be 0 (auto), 1 (cluster), 2 (rows), 3 (fast) or 4 (tc), got ", path);
-  FE_CHECK(latent_gemm >= kGemmAuto && latent_gemm <= kGemmTc,
-           "latent_gemm must be 0 (auto), 1 (cuBLAS) or 2 (tensor cores), got ", latent_gemm);
-  FE_CHECK(latent_gemm == kGemmAuto || path == kPathTc,
-           "latent_gemm other than auto needs path=tc, got path ", path);
-  FE_CHECK(latent_gemm != kGemmTc || L % 4 == 0,
-           "latent_gemm=tc needs latent_dim a multiple of 4, got ", L);
   const bool forced_plan = rows > 0 || cluster > 0 || staged >= 0;
   FE_CHECK(!(forced_plan && (path == kPathRows || path == kPathFast || path == kPathTc)),
            "rows / cluster / staged force the cluster path; they conflict with path=rows/fast/tc");
@@ -472,12 +465,8 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
     if (draw) eps.normal_(0.0, 1.0);  // the default generator of eps's device, as torch.randn
     const bool tc = path == kPathTc ||
                     (path == kPathAuto && tc_applies(x, enc_w, dec_w2));
-    if (tc)
-      tc_rows_forward(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2,
-                      dec_b2, out, latent_gemm, stream);
-    else
-      rows_forward(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
-                   out, stream);
+    (tc ? tc_rows_forward : rows_forward)(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1,
+                                          dec_b1, dec_w2, dec_b2, out, stream);
     return out;
   };
   const int64_t cluster_max = auto_fast ? kClusterFallbackMax : kClusterMaxBatch;

@@ -21,8 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("poison", &fb::ForwardOptions::poison)
       .def_readwrite("path", &fb::ForwardOptions::path)
       .def_readwrite("draw", &fb::ForwardOptions::draw)
-      .def_readwrite("awaits", &fb::ForwardOptions::awaits)
-      .def_readwrite("latent_gemm", &fb::ForwardOptions::latent_gemm);
+      .def_readwrite("awaits", &fb::ForwardOptions::awaits);
   py::class_<fb::BackwardOptions>(m, "BackwardOptions", py::module_local(),
                                   "which gradients one backward computes (binding.h)")
       .def(py::init<>())

@@ -2,12 +2,11 @@
 // backward uses of them (binding_backward.cpp); tc_rows_forward is the rows path's
 // tensor-core variant (path "tc"): the two large GEMMs on wgmma in tf32x3 (float32 accuracy),
 // the encoder's with its bias and ReLU fused, the decoder's output layer with sigmoid, clamped
-// BCE and the row sums fused (the (B, D) logits never exist). The latent GEMMs (mu and logvar
-// as one (n, 2L) product, then the decoder's hidden layer) run on tensor cores too for large
-// chunks, else on cuBLAS (latent_gemm; kTcLatentMinRows); reparam_kl_kernel as in the rows
-// path; the hidden layer's ReLU is applied as the output layer reads it (relu_a).
-// Memory beyond the outputs: the weights' halves and, per chunk of kTcChunk rows, one (chunk,
-// H) buffer (h, then d in its place), z, mu / logvar and the BCE partials.
+// BCE and the row sums fused (the (B, D) logits never exist). The small GEMMs stay cuBLAS (mu
+// and logvar as one (n, 2L) product, then the decoder's hidden layer), reparam_kl_kernel as in
+// the rows path; the hidden layer's ReLU is applied as the output layer reads it (relu_a).
+// Memory beyond the outputs: W's halves for the two large layers and, per chunk of kTcChunk
+// rows, one (chunk, H) buffer (h, then d in its place), z, mu / logvar and the BCE partials.
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>
 
@@ -25,9 +24,6 @@ namespace {
 
 // 16384 rows: 256 x 2 encoder tiles (~2 waves of 132 SMs) and a 16 MiB (chunk, 256) buffer.
 constexpr int64_t kTcChunk = 16384;
-// From chunks of this many rows up, auto runs the latent GEMMs (mu / logvar, the decoder's hidden
-// layer) on tensor cores too; below, cuBLAS's small tiles finish first (PERF.md).
-constexpr int64_t kTcLatentMinRows = 8192;
 
 int multiprocessors(int device) {
   int sms = 0;
@@ -135,26 +131,20 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
                      const at::Tensor& enc_b, const at::Tensor& mu_w, const at::Tensor& mu_b,
                      const at::Tensor& lv_w, const at::Tensor& lv_b, const at::Tensor& dec_w1,
                      const at::Tensor& dec_b1, const at::Tensor& dec_w2, const at::Tensor& dec_b2,
-                     std::vector<at::Tensor>& out, int64_t latent_gemm, cudaStream_t stream) {
+                     std::vector<at::Tensor>& out, cudaStream_t stream) {
   const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
-  const int64_t chunk = std::min(B, kTcChunk);
-  // The latent GEMMs' engine, one for the whole call (z is their A with K = L: L % 4 == 0).
-  const bool latent_tc = latent_gemm == kGemmTc ||
-                         (latent_gemm == kGemmAuto && L % 4 == 0 && chunk >= kTcLatentMinRows);
-  // One launch makes every weight operand: the two large layers' halves, mu's and logvar's
-  // weights stacked as one (2L, H) W (mu and logvar as one (n, 2L) GEMM: h is read once), split
-  // for tensor cores or a plain copy for cuBLAS (ld = H: tc_applies has H % 4 == 0), and
-  // dec_w1's halves where the latent GEMMs run on tensor cores.
+  // One launch makes the weight operands: the two large layers' halves, and mu's and logvar's
+  // weights stacked as one (2L, H) matrix (ld = H: tc_applies has H % 4 == 0), so that mu and
+  // logvar are one (n, 2L) GEMM (h read once, one launch per chunk instead of two).
   TcSplits splits;
   const TcHalves enc = splits.add(enc_w, false, true), dec = splits.add(dec_w2, false, true);
-  const TcHalves ml = splits.add_rows({mu_w, lv_w}, latent_tc);
-  const TcHalves d1 = latent_tc ? splits.add(dec_w1, false, true) : TcHalves{};
+  const at::Tensor ml_w = splits.add_rows({mu_w, lv_w}, false).t[0];
   splits.launch(stream);
   const at::Tensor ml_b = at::cat({mu_b, lv_b});
+  const int64_t chunk = std::min(B, kTcChunk);
   const int tiles = fastelbo::tc_gemm_tiles_n(static_cast<int>(D));
   const auto opts = x.options();
   at::Tensor hbuf = at::empty({chunk, H}, opts), z = at::empty({chunk, L}, opts);
-  at::Tensor mlbuf = latent_tc ? at::empty({chunk, 2 * L}, opts) : at::Tensor();
   at::Tensor part = at::empty({chunk, tiles}, opts);
   at::Tensor bad = at::empty({chunk, tiles}, opts.dtype(at::kByte));
   for (int64_t s = 0; s < B; s += chunk) {
@@ -172,38 +162,10 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
     e.relu = true;
     e.w_finite = true;  // enc_w (an x outside [0, 1], e.g. inf, makes its row NaN anyway)
     tc_store(e, opts, stream, "tc encoder kernel");  // small chunks: K split
-    at::Tensor mls;
-    if (latent_tc) {
-      mls = mlbuf.narrow(0, 0, n);
-      TcStore m;
-      m.a = h.data_ptr<float>();
-      m.lda = H;
-      m.M = n;
-      m.w = &ml;
-      m.bias = ml_b.data_ptr<float>();
-      m.out = mls.data_ptr<float>();
-      m.ldo = 2 * L;
-      m.w_finite = true;  // mu_w, lv_w
-      tc_store(m, opts, stream, "tc mu / logvar kernel");
-    } else {
-      mls = at::linear(h, ml.t[0].narrow(1, 0, H), ml_b);
-    }
-    reparam(mls.narrow(1, 0, L), mls.narrow(1, L, L), eps.data_ptr<float>() + s * L, zs,
+    const at::Tensor ml = at::linear(h, ml_w, ml_b);
+    reparam(ml.narrow(1, 0, L), ml.narrow(1, L, L), eps.data_ptr<float>() + s * L, zs,
             out[2].data_ptr<float>() + s, stream);
-    if (latent_tc) {  // d before its ReLU (the output layer's kernel applies it), over h
-      TcStore m;
-      m.a = zs.data_ptr<float>();
-      m.lda = L;
-      m.M = n;
-      m.w = &d1;
-      m.bias = dec_b1.data_ptr<float>();
-      m.out = h.data_ptr<float>();
-      m.ldo = H;
-      m.w_finite = true;  // dec_w1
-      tc_store(m, opts, stream, "tc decoder hidden-layer kernel");
-    } else {
-      at::addmm_out(h, dec_b1, zs, dec_w1.t());
-    }
+    at::addmm_out(h, dec_b1, zs, dec_w1.t());  // d before its ReLU (the kernel applies it)
     fastelbo::TcGemmParams d{};
     d.bias = dec_b2.data_ptr<float>();
     d.x = xs.data_ptr<float>();

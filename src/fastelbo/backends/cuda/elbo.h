@@ -367,7 +367,7 @@ cudaError_t tc_bce_finish_launch(const TcFinishParams& p, cudaStream_t stream) n
 // are (trans 0: rows x cols, row stride ldt) or transposed (trans 1: cols x rows, row stride
 // ldt); lo nullptr: hi is a plain copy, not split. The backward's operands: weights transposed,
 // activations transposed so that the batch is the weight gradients' K.
-constexpr int kTcSplitMax = 8;  // the tc forward makes 5 (binding_tc.cpp)
+constexpr int kTcSplitMax = 4;
 struct TcSplitParams {
   const float* src[kTcSplitMax];
   float* hi[kTcSplitMax];

@@ -83,15 +83,12 @@ def check_tc_path(x: torch.Tensor, params: VAEParams, what: str = "path='tc'") -
 
 def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
             cluster: int = 0, staged: int = -1, path: str = "auto", draw: bool = False,
-            latent_gemm: str = "auto", _poison: bool = False):
+            _poison: bool = False):
     """(elbo, recon, kl), each (B,) float32, on the current stream; every input checked.
 
     path: "auto" (a cluster kernel for small batches, the rows path for large ones), "fast"
     (elbo_fast.cu: dims multiples of 4, any B), "cluster" (elbo.cu, any dims), "rows" (cuBLAS)
     or "tc" (the rows path on tensor cores; tc_applies says where).
-    latent_gemm: path "tc"'s latent GEMMs (mu / logvar, the decoder's hidden layer): "auto"
-    (tensor cores for large batches), "cublas" (float32) or "tc" (tf32x3; latent_dim a multiple
-    of 4); other than "auto" only with path="tc".
     rows / cluster > 0 and staged in (0, 1) force the cluster kernel's launch plan (tuning;
     tests/test_cuda_backend.py and benchmarks/cuda_sanitize.py run every plan); draw=True
     overwrites eps with one torch.randn(B, latent_dim) draw from the default generator of x's
@@ -101,21 +98,13 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     """
     params = checks.check_inputs(x, params, eps, rows=rows, cluster=cluster, staged=staged,
                                  path=path)
-    if latent_gemm not in launch.GEMMS:
-        raise ValueError(f"latent_gemm must be one of {sorted(launch.GEMMS)}, got {latent_gemm!r}")
-    if latent_gemm != "auto" and path != "tc":
-        raise ValueError(f"latent_gemm={latent_gemm!r} needs path='tc', got path={path!r}")
-    if latent_gemm == "tc" and params.dims[2] % 4:
-        raise ValueError(f"latent_gemm='tc' needs latent_dim a multiple of 4, got "
-                         f"{params.dims[2]}")
     if path == "fast":
         check_fast_path(x, params)
     elif path == "tc":
         check_tc_path(x, params)
     ext = build.extension()
     options = launch.forward_options(ext, rows=rows, cluster=cluster, staged=staged,
-                                     poison=bool(_poison), path=path, draw=bool(draw),
-                                     latent_gemm=latent_gemm)
+                                     poison=bool(_poison), path=path, draw=bool(draw))
     out = launch.forward(ext, x=x, eps=eps, params=params, options=options)
     return out[0], out[1], out[2]
 

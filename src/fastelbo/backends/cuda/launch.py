@@ -10,19 +10,14 @@ params: the ten parameter tensors in VAEParams order (enc_w, enc_b, mu_w, ..., d
 
 # The forward's paths, as binding.h's Path enum numbers them.
 PATHS = {"auto": 0, "cluster": 1, "rows": 2, "fast": 3, "tc": 4}
-# The engines of a group of GEMMs (the backward's large ones, the tc forward's latent ones), as
-# binding.h's Gemm enum numbers them.
-GEMMS = {"auto": 0, "cublas": 1, "tc": 2}
 
 
 def forward_options(ext, *, rows=0, cluster=0, staged=-1, poison=False, path="auto",
-                    draw=False, awaits=False, latent_gemm="auto"):
-    """A new ext.ForwardOptions (binding.h says what each field does); path and latent_gemm
-    (GEMMS) by name."""
+                    draw=False, awaits=False):
+    """A new ext.ForwardOptions (binding.h says what each field does); path by name."""
     opt = ext.ForwardOptions()
     opt.rows, opt.cluster, opt.staged = rows, cluster, staged
     opt.poison, opt.path, opt.draw, opt.awaits = poison, PATHS[path], draw, awaits
-    opt.latent_gemm = GEMMS[latent_gemm]
     return opt
 
 
@@ -48,6 +43,8 @@ def forward(ext, *, x, eps, params, options):
     return ext.forward(x, eps, *params, options)
 
 
+# The backward's engines for its large GEMMs, as binding.h's Gemm enum numbers them.
+GEMMS = {"auto": 0, "cublas": 1, "tc": 2}
 
 
 def backward_options(ext, *, use_elbo, use_recon, use_kl, need_x, need_eps, gemm="auto"):
