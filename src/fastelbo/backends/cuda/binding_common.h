@@ -108,9 +108,9 @@ struct TcHalves {
 class TcSplits {
  public:
   TcHalves add(const at::Tensor& src, bool trans, bool split);
-  // The row-wise concatenation of `srcs` (2-D, one column count, unit column stride), split
-  // where `split` (else copied), in one destination: at::cat inside this launch.
-  TcHalves add_rows(std::initializer_list<at::Tensor> srcs, bool split);
+  // The row-wise concatenation of `srcs` (2-D, one column count, unit column stride), copied
+  // (not split) into one (1, rows, ld) destination: at::cat inside this launch.
+  TcHalves add_rows(std::initializer_list<at::Tensor> srcs);
   void launch(cudaStream_t stream);
 
  private:

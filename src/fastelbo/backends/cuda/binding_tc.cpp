@@ -54,8 +54,9 @@ TcHalves TcSplits::add(const at::Tensor& src, bool trans, bool split) {
   return {t, cols};
 }
 
-TcHalves TcSplits::add_rows(std::initializer_list<at::Tensor> srcs, bool split) {
-  FE_CHECK(srcs.size() > 0, "tc splits: add_rows of no operand");
+TcHalves TcSplits::add_rows(std::initializer_list<at::Tensor> srcs) {
+  FE_CHECK(srcs.size() > 0 && srcs.begin()->dim() == 2, "tc splits: add_rows of no operand, or "
+           "of one that is not 2-D");
   const int64_t cols = srcs.begin()->size(1);
   int64_t rows = 0;
   for (const at::Tensor& src : srcs) {
@@ -66,13 +67,13 @@ TcHalves TcSplits::add_rows(std::initializer_list<at::Tensor> srcs, bool split) 
   FE_CHECK(p_.count + static_cast<int>(srcs.size()) <= fastelbo::kTcSplitMax, "tc splits: more "
            "than ", fastelbo::kTcSplitMax, " operands in one launch");
   const int64_t ld = (cols + 3) / 4 * 4;
-  at::Tensor t = at::empty({split ? 2 : 1, rows, ld}, srcs.begin()->options());
+  at::Tensor t = at::empty({1, rows, ld}, srcs.begin()->options());
   int64_t r0 = 0;
   for (const at::Tensor& src : srcs) {
     const int c = p_.count++;
     p_.src[c] = src.data_ptr<float>();
     p_.hi[c] = t[0].data_ptr<float>() + r0 * ld;
-    p_.lo[c] = split ? t[1].data_ptr<float>() + r0 * ld : nullptr;
+    p_.lo[c] = nullptr;
     p_.rows[c] = static_cast<int>(src.size(0));
     p_.cols[c] = static_cast<int>(cols);
     p_.lds[c] = static_cast<int>(src.stride(0));
@@ -138,7 +139,7 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tenso
   // logvar are one (n, 2L) GEMM (h read once, one launch per chunk instead of two).
   TcSplits splits;
   const TcHalves enc = splits.add(enc_w, false, true), dec = splits.add(dec_w2, false, true);
-  const at::Tensor ml_w = splits.add_rows({mu_w, lv_w}, false).t[0];
+  const at::Tensor ml_w = splits.add_rows({mu_w, lv_w}).t[0];
   splits.launch(stream);
   const at::Tensor ml_b = at::cat({mu_b, lv_b});
   const int64_t chunk = std::min(B, kTcChunk);
