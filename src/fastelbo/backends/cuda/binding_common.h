@@ -114,6 +114,9 @@ class TcSplits {
   void launch(cudaStream_t stream);
 
  private:
+  // One job: src (as it is; transposed where `trans`) into hi / lo (nullptr: a copy), row
+  // stride ld.
+  void job(const at::Tensor& src, float* hi, float* lo, int64_t ld, bool trans);
   fastelbo::TcSplitParams p_{};
 };
 // out (M, N; row stride ldo) = a (M, K; row stride lda) x w^T as kTcStore computes it: + bias

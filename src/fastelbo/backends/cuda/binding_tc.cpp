@@ -34,6 +34,18 @@ int multiprocessors(int device) {
 
 }  // namespace
 
+void TcSplits::job(const at::Tensor& src, float* hi, float* lo, int64_t ld, bool trans) {
+  const int c = p_.count++;  // the callers checked that it fits
+  p_.src[c] = src.data_ptr<float>();
+  p_.hi[c] = hi;
+  p_.lo[c] = lo;
+  p_.rows[c] = static_cast<int>(src.size(0));
+  p_.cols[c] = static_cast<int>(src.size(1));
+  p_.lds[c] = static_cast<int>(src.stride(0));
+  p_.ldt[c] = static_cast<int>(ld);
+  p_.trans[c] = trans ? 1 : 0;
+}
+
 TcHalves TcSplits::add(const at::Tensor& src, bool trans, bool split) {
   FE_CHECK(p_.count < fastelbo::kTcSplitMax, "tc splits: more than ", fastelbo::kTcSplitMax,
            " operands in one launch");
@@ -42,15 +54,7 @@ TcHalves TcSplits::add(const at::Tensor& src, bool trans, bool split) {
   const int64_t rows = trans ? src.size(1) : src.size(0), cols = trans ? src.size(0) : src.size(1);
   const int64_t ld = (cols + 3) / 4 * 4;  // TMA: 16-byte row strides
   at::Tensor t = at::empty({split ? 2 : 1, rows, ld}, src.options());
-  const int c = p_.count++;
-  p_.src[c] = src.data_ptr<float>();
-  p_.hi[c] = t[0].data_ptr<float>();
-  p_.lo[c] = split ? t[1].data_ptr<float>() : nullptr;
-  p_.rows[c] = static_cast<int>(src.size(0));
-  p_.cols[c] = static_cast<int>(src.size(1));
-  p_.lds[c] = static_cast<int>(src.stride(0));
-  p_.ldt[c] = static_cast<int>(ld);
-  p_.trans[c] = trans ? 1 : 0;
+  job(src, t[0].data_ptr<float>(), split ? t[1].data_ptr<float>() : nullptr, ld, trans);
   return {t, cols};
 }
 
@@ -70,15 +74,7 @@ TcHalves TcSplits::add_rows(std::initializer_list<at::Tensor> srcs) {
   at::Tensor t = at::empty({1, rows, ld}, srcs.begin()->options());
   int64_t r0 = 0;
   for (const at::Tensor& src : srcs) {
-    const int c = p_.count++;
-    p_.src[c] = src.data_ptr<float>();
-    p_.hi[c] = t[0].data_ptr<float>() + r0 * ld;
-    p_.lo[c] = nullptr;
-    p_.rows[c] = static_cast<int>(src.size(0));
-    p_.cols[c] = static_cast<int>(cols);
-    p_.lds[c] = static_cast<int>(src.stride(0));
-    p_.ldt[c] = static_cast<int>(ld);
-    p_.trans[c] = 0;
+    job(src, t[0].data_ptr<float>() + r0 * ld, nullptr, ld, false);
     r0 += src.size(0);
   }
   return {t, cols};
