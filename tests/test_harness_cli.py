@@ -118,7 +118,7 @@ def test_check_json_is_strict_json_of_the_documented_schema(capsys):
     text = capsys.readouterr().out
     data = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON: {c}"))
     jsonschema.validate(data, CHECK_REPORT)
-    assert code == 1 and data["schema"] == "fastelbo.check/2" and data["mode"] == "train"
+    assert code == 1 and data["schema"] == "fastelbo.check/3" and data["mode"] == "train"
     assert data["categories"] == ["shape"] and data["reference"] == "computed"
 
 

@@ -24,6 +24,7 @@ reference workers from itself, before anything touches CUDA.
 from __future__ import annotations
 
 import re
+import secrets
 import shutil
 import sys
 import tempfile
@@ -33,7 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..problems import problem_path
-from . import refcache
+from . import refcache, sandbox
 from .files import candidate_path, syntax_error
 from .judge import ENVELOPE_CATEGORIES, judge_trial, trial_from_dict
 from .regimes import plan
@@ -45,6 +46,7 @@ from .report import (
     TrialReport,
     kernelbench_note,
 )
+from .scan import scan_file
 from .worker import Worker, WorkerPool, fork_enabled, fork_safe
 
 TASKS = "fastelbo.harness.tasks:"
@@ -60,7 +62,7 @@ class DeviceUnavailable(ValueError):
 def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu",
               trials: int = 3, atol: float = 1e-4, rtol: float = 1e-4,
               batch_sizes: list[int] | None = None, scales: tuple[float, ...] = (4.0, 16.0),
-              timeout: float = 300.0, seed: int = 0, build_timeout: float = 600.0,
+              timeout: float = 300.0, seed: int | None = None, build_timeout: float = 600.0,
               forward_timeout: float = 60.0, eval_mode: bool = False,
               cache: bool | str | Path = True, pool: WorkerPool | None = None) -> CheckReport:
     """Judge `candidate` against `problem` (see README, "How check decides").
@@ -68,15 +70,23 @@ def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu"
     `timeout` bounds the reference pass and the candidate's checking pass, each; the build
     (import, extension builds, the first ModelNew) has `build_timeout`; each forward has
     `forward_timeout`, or up to `build_timeout` while it compiles (a lazy build on first call).
-    `cache`: True for the user's reference cache, False for none, or a directory. `pool`: where
-    to take started workers from (a long-lived caller keeps one; default: start them here); the
-    check refills it when it ends. DeviceUnavailable (a ValueError) for cuda without CUDA."""
+    `seed`: weights, inputs and forwards; None (the default) draws a secret one per check, so
+    no answer can be prepared in advance; the report records it, and `seed=` reproduces the
+    run. `cache`: True for the user's reference cache, False for none, or a directory; it
+    serves only a given seed (a secret seed's reference data lives in the check's private
+    directory, removed with it). `pool`: where to take started workers from (a long-lived
+    caller keeps one; default: start them here); the check refills it when it ends.
+    DeviceUnavailable (a ValueError) for cuda without CUDA."""
     validate(device=device, trials=trials, atol=atol, rtol=rtol, batch_sizes=batch_sizes,
              scales=scales, timeout=timeout, build_timeout=build_timeout,
              forward_timeout=forward_timeout)
     start = time.monotonic()
+    secret = seed is None
+    if secret:
+        seed, cache = secrets.randbelow(1 << 31), False
     report = CheckReport(problem=str(problem), candidate=str(candidate), device=device,
-                         atol=atol, rtol=rtol, trials=trials,
+                         atol=atol, rtol=rtol, trials=trials, seed=seed,
+                         seed_source="secret" if secret else "given",
                          mode="eval" if eval_mode else "train")
     try:
         prob, cand = problem_path(problem), candidate_path(candidate)
@@ -86,6 +96,7 @@ def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu"
     if bad is not None:
         report.timings["total_s"] = time.monotonic() - start
         return report.error("import", bad)
+    report.scan = scan_file(cand)
     job = _Check(report, prob, cand, device=device, seed=seed, trials=trials, atol=atol,
                  rtol=rtol, batch_sizes=batch_sizes, scales=tuple(scales), timeout=timeout,
                  build_timeout=build_timeout, forward_timeout=forward_timeout,
@@ -136,8 +147,17 @@ class _Check:
                  fork: bool = False, **opts):
         self.report, self.prob, self.cand = report, prob, cand
         self.o = SimpleNamespace(**opts)
-        self.tmp_root = None if cache is not False else tempfile.mkdtemp(prefix="fastelbo-ref-")
+        self.tmp_root = None if cache is not False else tempfile.mkdtemp(
+            prefix="reference-", dir=sandbox.private_root())
         self.root = Path(self.tmp_root or (refcache.default_root() if cache is True else cache))
+        if self.tmp_root is None:
+            refcache.seal(self.root)
+        # The candidate's worker may read neither the reference's data nor the harness's.
+        self.confine = sandbox.plan([self.root, refcache.default_root(),
+                                     sandbox.private_root()], reads=[cand, prob],
+                                    writes=[cand.parent])
+        report.confinement = self.confine["kind"]
+        report.notes.append(f"confinement: {self.confine['note']}")
         self.pool = pool
         self.fork = fork  # fork the first workers from this process (run_check says when)
         self.workers: list[Worker] = []
@@ -148,18 +168,25 @@ class _Check:
         self.resident: dict = {}  # device-resident regime -> {entry, inputs} (tasks.py)
 
     def _worker(self, role: str) -> Worker:
-        w = self.pool.take() if self.pool is not None else Worker(fork=self.fork)
+        confine = self.confine if role == "candidate" else None
+        w = (self.pool.take(confine) if self.pool is not None
+             else Worker(fork=self.fork, confine=confine))
         self.workers.append(w)
         self.roles.append(role)
         return w
 
     def close(self) -> None:
-        self.report.workers = [{"role": role, **w.describe()}
-                               for role, w in zip(self.roles, self.workers)]
         for w in self.workers:
             w.kill(wait=False)  # all at once, then reap: their teardowns overlap
         for w in self.workers:
             w.close()
+        self.report.workers = [{"role": role, **w.describe()}
+                               for role, w in zip(self.roles, self.workers)]
+        left = [p for role, w in zip(self.roles, self.workers) if role == "candidate"
+                for p in w.killed]
+        if left:
+            self.report.notes.append(f"killed {len(left)} process(es) the candidate left "
+                                     f"running: {'; '.join(left[:5])}")
         if self.pool is not None:
             self.pool.fill()  # the replacements start now, in the background
         if self.tmp_root:
@@ -174,12 +201,14 @@ class _Check:
         if name is None:
             return None
         pkey = refcache.problem_key(self.prob, self.o.seed, self.o.device, name)
-        meta = refcache.load_meta(self.root, pkey)
+        meta = refcache.load_meta(self.root, pkey, self.report.notes)
         if meta is None:
             return None
         self.pkey, self.meta = pkey, meta
         planned = self._planned()
-        missing = [g.name for g, key in planned if self._entry(key) is None]
+        missing = [g.name for g, key in planned
+                   if refcache.regime_entry(self.root, key, self.o.trials,
+                                            self.report.notes) is None]
         return None if len(missing) == len(planned) else missing
 
     def _planned(self):
@@ -194,7 +223,7 @@ class _Check:
         return str(refcache.path(self.root, self.pkey, "init.pt"))
 
     def _entry(self, key: str):
-        return refcache.regime_entry(self.root, key, self.o.trials)
+        return refcache.regime_entry(self.root, key, self.o.trials, verify=False)
 
     def _reference(self, only: list[str] | None, worker: Worker | None = None):
         o = self.o
@@ -284,7 +313,8 @@ class _Check:
             task = {"name": g.name, "scale": g.scale}
             if g.name in self.resident:  # kept by the reference's worker, inputs shared
                 files, entry = None, self.resident[g.name]["entry"]
-                task["shared_inputs"] = self.resident[g.name]["inputs"]
+                task["shared_inputs"] = [[self._hand_shared(cand_w, d) for d in trial]
+                                         for trial in self.resident[g.name]["inputs"]]
             else:
                 files = self._entry(key)
                 if files is None:
@@ -292,7 +322,7 @@ class _Check:
                                         f"{g.name}'s entry under {self.root} while checking; "
                                         "run again")
                 entry = refcache.load(files[1])
-                task["inputs"] = str(files[0])
+                task["inputs"] = self._hand(cand_w, files[0], f"regime{len(entries)}.inputs.pt")
             entry["trials"] = entry["trials"][:o.trials]
             entries[g.name] = (g, key, files, entry)
             if entry["applicable"] and all(t["deterministic"] for t in entry["trials"]):
@@ -314,7 +344,8 @@ class _Check:
         try:
             out = cand_w.run(TASKS + "check_candidate",
                              {"candidate": str(self.cand), "device": o.device, "seed": o.seed,
-                              "eval_mode": o.eval_mode, "init_file": self._init_file(),
+                              "eval_mode": o.eval_mode,
+                              "init_file": self._hand(cand_w, self._init_file(), "init.pt"),
                               "regimes": tasks},
                              timeout=o.timeout, forward_timeout=o.forward_timeout,
                              build_timeout=o.build_timeout, on_partial=judge)
@@ -343,6 +374,22 @@ class _Check:
             return report.error(out.category, f"candidate worker: {out.reason}",
                                 out.output_tail)
         return report.finish()
+
+    @staticmethod
+    def _hand(worker: Worker, source, name: str) -> str:
+        """A copy of the reference's file `source` in the candidate worker's own directory: the
+        only place it may read the reference's inputs from (never the cache itself)."""
+        target = worker.tmp / name
+        shutil.copyfile(source, target)
+        return str(target)
+
+    def _hand_shared(self, worker: Worker, desc):
+        """A device-resident input as the candidate's worker can open it: CUDA IPC handles as
+        they are; a tensor shared through a file of the reference's worker (the CPU), copied."""
+        from . import shared  # imports torch: not before the workers are forked
+        if not shared.is_shared(desc) or "path" not in desc:
+            return desc
+        return {**desc, "path": self._hand(worker, desc["path"], Path(desc["path"]).name)}
 
     def _regime(self, g, entry: dict, got: dict | None, failed: bool, why: str,
                 judged: dict | None = None) -> RegimeReport:

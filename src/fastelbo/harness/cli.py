@@ -47,14 +47,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--build-timeout", type=float, default=600.0,
                    help="seconds to import the candidate, build its extensions and construct "
                         "ModelNew (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and forwards "
-                   "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of weights, inputs and forwards (default: %(default)s, meaning a "
+                        "secret one drawn for this check; the report names it, and --seed N "
+                        "reproduces the run)")
     p.add_argument("--no-cache", action="store_true",
-                   help="recompute the reference's outputs instead of reading them from the "
-                        "cache (FASTELBO_CACHE_DIR, else ~/.cache/fastelbo) (default: "
-                        "%(default)s)")
+                   help="with --seed: recompute the reference's outputs instead of reading "
+                        "them from the cache (FASTELBO_CACHE_DIR, else ~/.cache/fastelbo); a "
+                        "secret seed never uses it (default: %(default)s)")
     p.add_argument("--json", action="store_true",
-                   help="print the report as JSON (schema fastelbo.check/2, "
+                   help="print the report as JSON (schema fastelbo.check/3, "
                         "fastelbo.harness.schema) (default: %(default)s)")
     p.set_defaults(func=_check)
 
@@ -189,6 +191,8 @@ def _compile(args) -> int:
 def _check(args) -> int:
     if args.trials < 1:
         raise UsageError(f"--trials must be >= 1, got {args.trials}")
+    if args.seed is not None and args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
     _positive(args, "--timeout", "--build-timeout", "--forward-timeout")
     for opt in ("atol", "rtol"):
         if not getattr(args, opt) >= 0:

@@ -31,6 +31,8 @@ def unsupported_output(value) -> dict:
     cls = type(value)
     name = cls.__qualname__ if cls.__module__ == "builtins" else \
         f"{cls.__module__}.{cls.__qualname__}"
+    if isinstance(value, torch.Tensor):  # type() and isinstance run none of its code
+        name += " (a torch.Tensor subclass; outputs must be exactly torch.Tensor)"
     return {UNSUPPORTED_KEY: name}
 
 

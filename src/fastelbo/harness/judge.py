@@ -30,6 +30,12 @@ def judge_trial(index: int, ref: dict, got: dict, prev: tuple | None, atol: floa
                                 "a cached result?"))
     for i in got["mutated"]:
         findings.append(Finding("input_mutated", f"input {i} was modified by the forward"))
+    for i in got.get("aliased", ()):
+        findings.append(Finding("output_aliased", f"output {i} shares storage with an input "
+                                "(outputs must be tensors of their own)"))
+    for what in got.get("tampered", ()):
+        findings.append(Finding("tampered", f"{what} (the harness's timers and output "
+                                "readers must stay as they were)"))
     for gen in ("cpu", "cuda"):
         if gen in ref["rng"] and not identical((ref["rng"][gen],), (got["rng"].get(gen),)):
             findings.append(Finding("rng", f"RNG consumption differs: the {gen.upper()} generator "

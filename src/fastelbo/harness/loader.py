@@ -150,11 +150,12 @@ def to_host(out, *, keep_device: bool = False) -> tuple:
     object, a lambda) is replaced by `compare.unsupported_output(value)`: the harness could not
     unpickle it, and compare_outputs reports it as an `output_type` finding.
     """
-    from .compare import as_tuple, unsupported_output
+    from .compare import as_tuple, unsupported_output, unsupported_type
     return tuple((t.detach().as_subclass(torch.Tensor).clone() if keep_device else
                   t.detach().as_subclass(torch.Tensor).cpu().clone())
                  if isinstance(t, torch.Tensor)
-                 else t if type(t) in PLAIN_OUTPUT_TYPES else unsupported_output(t)
+                 else t if type(t) in PLAIN_OUTPUT_TYPES or unsupported_type(t)
+                 else unsupported_output(t)
                  for t in as_tuple(out))
 
 

@@ -13,11 +13,14 @@ Under the root (FASTELBO_CACHE_DIR, else $XDG_CACHE_HOME/fastelbo, else ~/.cache
     reference/v<N>/<pkey>.init.pt     init inputs and the reference's state_dict
     reference/v<N>/<rkey>.<n>.inputs.pt   the inputs of n trials (the candidate worker's)
     reference/v<N>/<rkey>.<n>.ref.pt      their outputs, generator states, determinism
-    reference/v<N>/<rkey>.count           n, written last: the entry is complete
+    reference/v<N>/<rkey>.count           n and both files' SHA-256, written last: complete
     reference/v<N>/<rkey>.env<t>.pt   trial t's perturbed-reference envelope, once one was needed
 
 Every write is atomic (a temp file, then os.replace): two checks at once may both compute an
-entry, never read half of one. This module imports torch only to read and write .pt files, so
+entry, never read half of one. The cache heals itself: an entry whose files do not load or do
+not match the checksums recorded with it (a disk fault, a killed writer, a hand edit) is
+deleted with a one-line note, and the reference recomputes it. The root is mode 0700, and no
+candidate's worker may read it (sandbox.py). This module imports torch only to read and write .pt files, so
 the parent can look entries up before it imports torch.
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ import sysconfig
 from importlib import metadata
 from pathlib import Path
 
-CACHE_VERSION = 2   # bump when what the reference pass records changes
+CACHE_VERSION = 3   # bump when what the reference pass records changes
 MAX_BYTES = int(float(os.environ.get("FASTELBO_CACHE_MAX_GB", "4")) * 2**30)
 
 
@@ -112,27 +115,68 @@ def path(root: str | Path, key: str, suffix: str) -> Path:
     return entry_dir(root) / f"{key}.{suffix}"
 
 
-def load_meta(root: str | Path, pkey: str) -> dict | None:
-    """The problem's entry, or None when absent or stale (a dependency changed)."""
+def seal(root: str | Path) -> None:
+    """Create the cache's root, readable by its owner alone."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+
+
+def load_meta(root: str | Path, pkey: str, notes: list[str] | None = None) -> dict | None:
+    """The problem's entry, or None when absent or stale (a dependency changed); a damaged one
+    (unreadable, or its init.pt not the one recorded) is deleted, with a note."""
+    meta_file, init = path(root, pkey, "meta.json"), path(root, pkey, "init.pt")
     try:
-        meta = json.loads(path(root, pkey, "meta.json").read_text())
-    except (OSError, ValueError):
+        meta = json.loads(meta_file.read_text())
+    except OSError:
         return None
-    if not path(root, pkey, "init.pt").is_file():
+    except ValueError:
+        return _discard([meta_file, init], notes, "its problem entry does not parse")
+    if not init.is_file():
         return None
+    if meta.get("init_sha") != file_hash(init):
+        return _discard([meta_file, init], notes, "its init.pt does not match its checksum")
     if any(file_hash(p) != h for p, h in meta.get("deps", {}).items()):
         return None
     return meta
 
 
-def regime_entry(root: str | Path, rkey: str, trials: int) -> tuple[Path, Path] | None:
-    """(inputs file, reference file) of a regime entry holding at least `trials` trials."""
+def regime_entry(root: str | Path, rkey: str, trials: int, notes: list[str] | None = None,
+                 verify: bool = True) -> tuple[Path, Path] | None:
+    """(inputs file, reference file) of a regime entry holding at least `trials` trials. With
+    `verify`, both files are checked against the checksums written with the entry: a damaged
+    entry is deleted (with a note in `notes`) and reads as absent."""
+    count = path(root, rkey, "count")
     try:
-        n = int(path(root, rkey, "count").read_text())
-    except (OSError, ValueError):
+        record = json.loads(count.read_text())
+        n, sums = int(record["n"]), record["sha256"]
+    except OSError:
         return None
+    except (ValueError, KeyError, TypeError):
+        return _discard([count], notes, "its count file does not parse")
     files = regime_files(root, rkey, n)
-    return files if n >= trials and all(f.is_file() for f in files) else None
+    if n < trials:
+        return None
+    if verify and [file_hash(f) for f in files] != sums:
+        return _discard([count, *files], notes, "a file does not match its checksum")
+    return files
+
+
+def finish_entry(root: str | Path, rkey: str, n: int) -> None:
+    """Mark the entry of `n` trials complete, with its files' checksums (written last)."""
+    save({"n": n, "sha256": [file_hash(f) for f in regime_files(root, rkey, n)]},
+         path(root, rkey, "count.json"))
+    os.replace(path(root, rkey, "count.json"), path(root, rkey, "count"))
+
+
+def _discard(files: list[Path], notes: list[str] | None, why: str) -> None:
+    for f in files:
+        try:
+            f.unlink()
+        except OSError:
+            pass
+    if notes is not None:
+        notes.append(f"reference cache: discarded a damaged entry ({why}); recomputed")
 
 
 def regime_files(root: str | Path, rkey: str, n: int) -> tuple[Path, Path]:

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 RUN_FAILURES = ("import", "build", "exception", "timeout", "crash", "reference",
                 "nondeterministic_reference")
 WRONG = ("output_count", "output_type", "shape", "dtype", "nonfinite", "mismatch",
-         "zero_output", "constant_output", "cached", "input_mutated", "rng")
+         "zero_output", "constant_output", "cached", "input_mutated", "rng", "output_aliased",
+         "tampered")
 
 
 @dataclass
@@ -42,7 +43,7 @@ class TensorDiff:
 
 EXIT_PASS, EXIT_WRONG, EXIT_ERROR = 0, 1, 2
 MAX_FINDING_LINES = 3  # per regime in the table; the JSON report keeps every finding
-SCHEMA_ID = "fastelbo.check/2"
+SCHEMA_ID = "fastelbo.check/3"
 RESEEDING = ("the CPU and CUDA generators are reseeded identically before every forward of the "
              "reference and the candidate (KernelBench seeds only before building the inputs)")
 
@@ -88,6 +89,9 @@ class CheckReport:
     atol: float
     rtol: float
     trials: int
+    seed: int = 0
+    seed_source: str = "given"  # secret: drawn for this check alone; given: seed= / --seed
+    confinement: str = "none"   # the candidate worker's: landlock, user or none (sandbox.py)
     schema: str = SCHEMA_ID
     mode: str = "train"       # train: modules as constructed (KernelBench); eval: --eval-mode
     reseeding: str = RESEEDING
@@ -105,6 +109,8 @@ class CheckReport:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, and total
     # per worker process: role, pid, forked, prestarted, warm, startup_s (schema.py)
     workers: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # confinement, cache repairs, kills
+    scan: list[dict] = field(default_factory=list)  # scan.py: {line, category, text}, no verdict
     output_tail: str = ""
 
     def error(self, category: str, reason: str, output_tail: str = "") -> CheckReport:
@@ -157,6 +163,12 @@ class CheckReport:
             lines.append(f"KernelBench: {self.kernelbench}")
         if self.weights:
             lines.append(f"weights: {self.weights}")
+        lines.append(f"seed: {self.seed} ({self.seed_source}; --seed {self.seed} reproduces "
+                     "this check)")
+        lines += self.notes
+        if self.scan:
+            lines.append(f"scan (reported, not judged): {len(self.scan)} flag(s): " + "; ".join(
+                f"line {f['line']} {f['category']}" for f in self.scan[:6]))
         lines += [f"skipped {s}" for s in self.skipped]
         if self.regimes:
             lines.append(f"{'regime':<18} {'batch':>6} {'scale':>5}  {'status':<10} detail")

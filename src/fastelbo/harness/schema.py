@@ -5,7 +5,14 @@ reports against it. The output is strict JSON: a non-finite float (a relative di
 the reference is 0) is written as the string "inf", "-inf" or "nan".
 
 Top level
-    schema        "fastelbo.check/2"
+    schema        "fastelbo.check/3"
+    seed          the seed of weights, inputs and forwards; seed_source secret (drawn for this
+                  check, the default) | given (seed= / --seed, which reproduces a run)
+    confinement   what bounded the candidate's worker: landlock | user | none (sandbox.py)
+    notes         one line each: the confinement, cache entries repaired, processes the
+                  candidate left running and the check killed
+    scan          the static scan's flags (scan.py), each {line, category, text}: reported,
+                  never a verdict
     status        pass | incorrect | error, with exit_code 0 | 1 | 2 (report.py: a wrong trial
                   makes it 1 even when another regime could not run)
     categories    every finding category met, wrong answers first; reasons: one line each
@@ -70,26 +77,38 @@ _COMPILE_ERROR = {"type": "object", "additionalProperties": False,
                                  "generated": {"type": "string"},
                                  "generated_line": {"type": ["integer", "null"]}}}
 _STRINGS = {"type": "array", "items": {"type": "string"}}
+_SCAN = {"type": "object", "additionalProperties": False,
+         "required": ["line", "category", "text"],
+         "properties": {"line": {"type": "integer"}, "category": {"type": "string"},
+                        "text": {"type": "string"}}}
 _WORKER = {"type": "object", "additionalProperties": False,
-           "required": ["role", "pid", "forked", "prestarted", "warm", "startup_s"],
+           "required": ["role", "pid", "forked", "prestarted", "warm", "startup_s",
+                        "confinement", "killed"],
            "properties": {"role": {"enum": ["candidate", "reference", "envelope"]},
                           "pid": {"type": "integer"}, "forked": {"type": "boolean"},
                           "prestarted": {"type": "boolean"},
                           "warm": {"type": "boolean"},
-                          "startup_s": {"type": ["number", "null"], "minimum": 0}}}
+                          "startup_s": {"type": ["number", "null"], "minimum": 0},
+                          "confinement": {"enum": ["landlock", "user", "none"]},
+                          "killed": _STRINGS}}
 
 CHECK_REPORT = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "$id": "https://fastelbo.dev/schema/check-2.json",
+    "$id": "https://fastelbo.dev/schema/check-3.json",
     "title": "fastelbo check report",
     "type": "object",
     "additionalProperties": False,
-    "required": ["schema", "problem", "candidate", "device", "atol", "rtol", "trials", "mode",
+    "required": ["schema", "problem", "candidate", "device", "atol", "rtol", "trials", "seed",
+                 "seed_source", "confinement", "notes", "scan", "mode",
                  "reseeding", "kernelbench", "weights", "status", "exit_code", "reasons",
                  "categories", "failures", "regimes", "skipped", "compile_errors", "reference",
                  "timings", "workers", "output_tail"],
     "properties": {
-        "schema": {"const": "fastelbo.check/2"},
+        "schema": {"const": "fastelbo.check/3"},
+        "seed": {"type": "integer", "minimum": 0},
+        "seed_source": {"enum": ["secret", "given"]},
+        "confinement": {"enum": ["landlock", "user", "none"]},
+        "notes": _STRINGS, "scan": {"type": "array", "items": _SCAN},
         "problem": {"type": "string"}, "candidate": {"type": "string"},
         "device": {"type": "string"},
         "atol": {"type": "number", "minimum": 0}, "rtol": {"type": "number", "minimum": 0},

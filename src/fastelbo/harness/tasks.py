@@ -38,6 +38,7 @@ from .compare import (
     finiteness_differs,
     identical,
     perturbed,
+    unsupported_output,
     unsupported_type,
 )
 from .judge import judge_trial, needs_envelope, trial_to_dict
@@ -126,8 +127,9 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
             "deps": refcache.source_deps(before, problem), "device_name": name,
             "float_params": sum(p.numel() for p in ref.parameters() if p.is_floating_point()),
             "row_bytes": (refcache.load_meta(root, pkey) or {}).get("row_bytes")}
-    refcache.save({"init_inputs": init_inputs, "state_dict": state_dict},
-                  refcache.path(root, pkey, "init.pt"))
+    init_file = refcache.path(root, pkey, "init.pt")
+    refcache.save({"init_inputs": init_inputs, "state_dict": state_dict}, init_file)
+    meta["init_sha"] = refcache.file_hash(init_file)
     refcache.save_device_hint(root, device, name)
     digest = refcache.deps_digest(meta["deps"])
     done, resident, drawn = [], {}, {}
@@ -143,7 +145,7 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
             inputs_file, ref_file = refcache.regime_files(root, rkey, trials)
             refcache.save(inputs, inputs_file)
             refcache.save(entry, ref_file)
-            refcache.save(trials, refcache.path(root, rkey, "count"))
+            refcache.finish_entry(root, rkey, trials)
         done.append(regime.name)
         loader.release(dev)
         return inputs
@@ -285,6 +287,7 @@ def build_candidate(candidate: str, problem: str, device: str, seed: int) -> dic
     on the device (building what its constructor compiles), before any reference work ends."""
     dev = torch.device(device)
     start = time.perf_counter()
+    _snapshot()
     progress("build: importing the candidate (building its extensions)", BUILD)
     module = loader.import_candidate(candidate)
     import_s = time.perf_counter() - start
@@ -314,6 +317,7 @@ def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, ini
     dev = torch.device(device)
     module, model = _built.get(candidate, (None, None))
     if module is None:
+        _snapshot()
         progress("importing the candidate", BUILD)
         module = loader.import_candidate(candidate)
     progress("candidate: loading the reference's weights")
@@ -357,21 +361,47 @@ def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, ini
     return {}
 
 
+_snap: list = []  # integrity.Snapshot taken before the candidate's import
+
+
+def _snapshot() -> None:
+    from .integrity import Snapshot
+    _snap[:] = [Snapshot()]
+
+
 def _candidate_trial(model, inputs: list, seed: int, dev, resident: bool = False) -> dict:
-    """One forward. Its outputs are copied as soon as it returns, on the current stream (work
-    the candidate left on another stream is not waited for); in a device-resident regime the
-    copies stay on the device and are shared (kept alive until this worker exits)."""
+    """One forward. Its outputs must be plain tensors (a subclass could defer its work until
+    the harness reads it) with storage of their own (not an input's); they are copied as soon
+    as it returns, on the current stream (work the candidate left on another stream is not
+    waited for); in a device-resident regime the copies stay on the device and are shared
+    (kept alive until this worker exits). `tampered` names any timer or harness function the
+    candidate replaced, and any torch mode it left active (integrity.py)."""
     x = shared.open_all(inputs, dev) if resident else loader.to_device(inputs, dev)
     saved = [t.clone() if isinstance(t, torch.Tensor) else t for t in x]
     torch.manual_seed(seed)
-    outputs = loader.to_host(model(*x), keep_device=resident)
+    raw = as_tuple(model(*x))
+    tampered = _snap[0].changed() if _snap else []
+    storages = {t.untyped_storage().data_ptr() for t in x
+                if type(t) is torch.Tensor and t.numel()}
+    aliased = [i for i, o in enumerate(raw) if type(o) is torch.Tensor and o.numel()
+               and o.untyped_storage().data_ptr() in storages]
+    outputs = loader.to_host(tuple(unsupported_output(o) if _subclass(o) else o for o in raw),
+                             keep_device=resident)
+    del raw
     loader.sync(dev)
     rng = loader.rng_state(dev)
     mutated = [i for i, (a, b) in enumerate(zip(x, saved))
                if isinstance(a, torch.Tensor) and not identical((a,), (b,))]
     if resident:
         outputs = tuple(shared.share_all(outputs, scratch_dir()))
-    return {"outputs": outputs, "rng": rng, "mutated": mutated}
+    return {"outputs": outputs, "rng": rng, "mutated": mutated, "aliased": aliased,
+            "tampered": tampered}
+
+
+def _subclass(o) -> bool:
+    """A tensor of a subclass (exactly torch.Tensor is what the harness takes); type() runs
+    none of the subclass's code."""
+    return isinstance(o, torch.Tensor) and type(o) is not torch.Tensor
 
 
 # ---- The judge of a device-resident regime: the reference's worker, holding its outputs. ----

@@ -22,6 +22,7 @@ long-lived process (the server) never waits for an import.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import pickle
 import select
@@ -35,6 +36,8 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from . import sandbox
 
 TAIL_CHARS = 4000
 HEARTBEAT_S = 0.5
@@ -80,24 +83,31 @@ def _describe_exit(code: int) -> str:
 class Worker:
     """One started worker process; `run` sends it a task and waits under the task's limits."""
 
-    def __init__(self, env: dict[str, str] | None = None, *, fork: bool = False):
+    def __init__(self, env: dict[str, str] | None = None, *, fork: bool = False,
+                 confine: dict | None = None):
         """`env` adds to the worker's environment; `fork`: fork this process (the caller has
-        checked fork_safe(); no env then) instead of starting a new interpreter."""
-        self.tmp = Path(tempfile.mkdtemp(prefix="fastelbo-worker-"))
+        checked fork_safe(); no env then) instead of starting a new interpreter; `confine`:
+        sandbox.plan()'s confinement, applied at the worker's birth (a candidate's worker)."""
+        self.tmp = Path(tempfile.mkdtemp(prefix="worker-", dir=sandbox.private_root()))
         cmd_r, self._cmd = os.pipe()
         self._msg, msg_w = os.pipe()
         self._log_path = self.tmp / "output.log"
+        self.confine = confine
+        self.killed: list[str] = []  # processes it left behind, killed with it (kill())
+        self._reaped_tree = False
         self.forked = fork and not env
         if self.forked:
-            self.proc = _fork(cmd_r, msg_w, self.tmp, self._log_path, (self._cmd, self._msg))
+            self.proc = _fork(cmd_r, msg_w, self.tmp, self._log_path, (self._cmd, self._msg),
+                              confine)
         else:
+            extra = {**(env or {}), CONFINE_ENV: json.dumps(confine)}
             with open(self._log_path, "wb") as log:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "fastelbo.harness.worker", str(cmd_r), str(msg_w),
                      str(self.tmp)],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True, pass_fds=(cmd_r, msg_w),
-                    env={**os.environ, **env} if env else None)
+                    env={**os.environ, **extra})
         os.close(cmd_r)
         os.close(msg_w)  # the worker holds the only write end: EOF means it is gone
         self._buf = b""
@@ -230,9 +240,12 @@ class Worker:
             f" (during {self.progress})" if self.progress else "")
 
     def describe(self) -> dict:
-        """pid, forked, prestarted, warm and startup_s, for a report (what a check waited for)."""
+        """pid, forked, prestarted, warm, startup_s, its confinement and the processes it left
+        behind (killed with it), for a report."""
         return {"pid": self.proc.pid, "forked": self.forked, "prestarted": self.prestarted,
-                "warm": bool(self.warm), "startup_s": self.startup_s}
+                "warm": bool(self.warm), "startup_s": self.startup_s,
+                "confinement": (self.confine or {}).get("kind", "none"),
+                "killed": list(self.killed)}
 
     def output_tail(self) -> str:
         try:
@@ -241,9 +254,14 @@ class Worker:
             return ""
 
     def kill(self, wait: bool = True) -> None:
-        """SIGKILL the worker's own session: it and its children (nvcc, ninja, compile workers);
-        then reap it, unless `wait` is False (a caller killing several reaps them after: each
-        exit tears down a CUDA context, and those teardowns then overlap)."""
+        """SIGKILL the worker's descendants (it is their subreaper: in a new session or a daemon
+        they are still among them; each is recorded in `killed`), then its own session: it and
+        its children (nvcc, ninja, compile workers); then reap it, unless `wait` is False (a
+        caller killing several reaps them after: each exit tears down a CUDA context, and those
+        teardowns then overlap)."""
+        if not self._reaped_tree and self.proc.poll() is None:
+            self._reaped_tree = True  # once: a second pass would find the first's zombies
+            self.killed += sandbox.kill_tree(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -282,6 +300,7 @@ def fork_safe() -> bool:
 
 
 FORK_ENV = "FASTELBO_FORK_WORKERS"
+CONFINE_ENV = "FASTELBO_WORKER_CONFINE"  # the confinement, handed to a new worker
 
 
 class _Forked:
@@ -309,9 +328,11 @@ class _Forked:
             return self.returncode
 
 
-def _fork(cmd_r: int, msg_w: int, tmp: Path, log_path: Path, ours: tuple) -> _Forked:
+def _fork(cmd_r: int, msg_w: int, tmp: Path, log_path: Path, ours: tuple,
+          confine: dict | None) -> _Forked:
     """Fork a worker; `ours` are the parent's ends of its pipes, which the child must not hold
-    (the command pipe's EOF is how a worker learns that its parent is gone)."""
+    (the command pipe's EOF is how a worker learns that its parent is gone). The child keeps
+    no other descriptor of the parent's (a file of the reference's data, say)."""
     sys.stdout.flush()
     sys.stderr.flush()
     others = [*ours, *(fd for w in _live for fd in (w._cmd, w._msg))]
@@ -328,12 +349,16 @@ def _fork(cmd_r: int, msg_w: int, tmp: Path, log_path: Path, ours: tuple) -> _Fo
         os.dup2(null, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        # the parent's ends of every worker's pipes (their EOF must not wait for this one)
-        for fd in [*others, null, log]:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        # the parent's ends of every worker's pipes (their EOF must not wait for this one),
+        # and every other descriptor the parent held
+        keep = {0, 1, 2, cmd_r, msg_w}
+        for fd in [*others, null, log, *map(int, os.listdir("/proc/self/fd"))]:
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        os.environ[CONFINE_ENV] = json.dumps(confine)
         main([str(cmd_r), str(msg_w), str(tmp)])
     except BaseException:  # noqa: BLE001 - into the log, which the parent reports
         traceback.print_exc()
@@ -377,40 +402,46 @@ def _read_result(outcome: WorkerOutcome, path: Path) -> None:
 
 
 class WorkerPool:
-    """Started spare workers for a long-lived caller (the server's Session). `take()` hands out
-    a spare (the one that finished its start-up first) or, with none left, a new worker; the
-    job that took it calls `fill()` when it ends, which starts the replacements in the
-    background, so the next job finds workers whose start-up (importing torch, a CUDA context)
-    is done. `device` makes each spare create its CUDA context before it is taken. Each worker
-    taken is the caller's to close; it never comes back (a worker runs one candidate at most)."""
+    """Started spare workers for a long-lived caller (the server's Session), of two kinds: plain
+    ones (the reference's, `take()`) and ones confined with `confine` (a candidate's,
+    `take(confine)`), `spares` of each. `take` hands out a spare (the one that finished its
+    start-up first) or, with none left, a new worker; the job that took it calls `fill()` when
+    it ends, which starts the replacements in the background, so the next job finds workers
+    whose start-up (importing torch, a CUDA context) is done. `device` makes each spare create
+    its CUDA context before it is taken. Each worker taken is the caller's to close; it never
+    comes back (a worker runs one candidate at most)."""
 
     def __init__(self, spares: int = 1, *, env: dict[str, str] | None = None,
-                 device: str | None = None):
+                 device: str | None = None, confine: dict | None = None):
         self.env = {**(env or {}), **({WARM_DEVICE_ENV: device} if device else {})}
         self.spares = spares
+        self.confine = confine
         self._idle: list[Worker] = []
         self._lock = threading.Lock()
         self.fill()
 
     def fill(self) -> None:
-        """Start spares up to `spares`. One that cannot start (no memory or process slot left)
-        is not an error of the job that calls this: take() then starts the worker itself, and
-        raises there if that fails too."""
+        """Start spares up to `spares` of each kind. One that cannot start (no memory or process
+        slot left) is not an error of the job that calls this: take() then starts the worker
+        itself, and raises there if that fails too."""
         with self._lock:
             self._drop_dead()
-            while len(self._idle) < self.spares:
-                try:
-                    self._idle.append(Worker(self.env))
-                except OSError:
-                    return
+            for confine in (None, self.confine) if self.confine else (None,):
+                while sum(w.confine == confine for w in self._idle) < self.spares:
+                    try:
+                        self._idle.append(Worker(self.env, confine=confine))
+                    except OSError:
+                        return
 
-    def take(self) -> Worker:
+    def take(self, confine: dict | None = None) -> Worker:
+        """A started worker confined as `confine` asks (None: a plain one)."""
         with self._lock:
             self._drop_dead()
-            ready = [w for w in self._idle if w.poll_ready()]
-            if not ready and not self._idle:
-                return Worker(self.env)
-            worker = (ready or self._idle)[0]
+            mine = [w for w in self._idle if w.confine == confine]
+            ready = [w for w in mine if w.poll_ready()]
+            if not mine:
+                return Worker(self.env, confine=confine)
+            worker = (ready or mine)[0]
             self._idle.remove(worker)
         worker.prestarted = True
         return worker
@@ -447,10 +478,11 @@ def kill_all() -> None:
 
 
 def run_task(func: str, timeout: float, *, env: dict[str, str] | None = None,
-             **kwargs) -> WorkerOutcome:
+             confine: dict | None = None, **kwargs) -> WorkerOutcome:
     """Run `func(**kwargs)` (func = "module:name") in a fresh worker with a timeout; `env`
-    adds to (or overrides) the worker's environment, which is otherwise the harness's own."""
-    worker = Worker(env)
+    adds to (or overrides) the worker's environment, which is otherwise the harness's own;
+    `confine`: the worker's confinement (sandbox.plan())."""
+    worker = Worker(env, confine=confine)
     try:
         return worker.run(func, kwargs, timeout=timeout)
     finally:
@@ -597,6 +629,9 @@ def _run_one(task_path: Path) -> Path:
 def main(argv: list[str]) -> int:
     global _channel, _tmp
     cmd_fd, _channel, _tmp = int(argv[0]), int(argv[1]), Path(argv[2])
+    # Confinement first: no thread and no candidate code exists yet (sandbox.py). A worker
+    # that cannot apply what was promised stops here, and the parent reports its crash.
+    sandbox.enter(json.loads(os.environ.pop(CONFINE_ENV, "null")), _tmp)
     import torch  # the start-up cost a spare worker pays before it is taken
 
     # The check's tasks, imported before the first one arrives. By name, as every task is

@@ -1,0 +1,113 @@
+"""Tripwires in a candidate's worker: the timers and the functions that read its outputs.
+
+The candidate runs in the same process as the code that times it and hands its outputs over, so
+it could patch `time.perf_counter`, `torch.cuda.Event.elapsed_time`, `Tensor.clone` or the
+harness's own functions, or leave a TorchFunctionMode / TorchDispatchMode active that computes
+the real answer only when the harness copies an output (a lazy output). `Snapshot()` records
+what these names are bound to before the candidate is imported; `changed()` names every one
+that differs afterwards (checked after the import and after its forwards), and the harness
+reports it as a failure ("tampered") that names what was changed.
+
+These are tripwires, not walls: code that deliberately edits the harness's own state in its
+worker (the snapshot itself) can evade them; the static scan (scan.py) flags such code, and the
+confinement (sandbox.py) keeps the answers out of its reach whatever it patches.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+# (owner's dotted path, attribute): what the harness calls to time a forward and read its result
+_WATCHED = [
+    ("time", n) for n in ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
+                          "time", "time_ns", "process_time", "sleep")
+] + [
+    ("torch", n) for n in ("equal", "allclose", "isclose", "manual_seed", "get_rng_state",
+                           "save", "load", "empty", "empty_like", "zeros", "rand", "randn")
+] + [
+    ("torch.Tensor", n) for n in ("clone", "detach", "cpu", "to", "as_subclass", "copy_",
+                                  "contiguous", "__torch_function__", "__torch_dispatch__",
+                                  "untyped_storage", "data_ptr", "numel", "element_size")
+] + [
+    ("torch.cuda", n) for n in ("synchronize", "Event", "Stream", "current_stream", "graph",
+                                "CUDAGraph", "get_rng_state", "empty_cache", "stream",
+                                "reset_peak_memory_stats", "max_memory_allocated")
+] + [
+    ("torch.cuda.Event", n) for n in ("__init__", "__new__", "record", "elapsed_time",
+                                      "synchronize", "query", "wait")
+] + [
+    ("torch.cuda.CUDAGraph", n) for n in ("replay", "capture_begin", "capture_end")
+] + [
+    ("torch.profiler", "profile"),
+] + [
+    ("fastelbo.harness." + m, n) for m, names in (
+        ("loader", ("to_host", "to_device", "sync", "rng_state")),
+        ("compare", ("compare_outputs", "identical", "as_tuple")),
+        ("worker", ("emit", "progress", "_save", "_send")),
+        ("timing", ("measure", "event_times", "wall_per_call", "graph_time", "flush_l2")),
+        ("integrity", ("changed", "active_modes")),
+    ) for n in names
+]
+
+
+def _owner(path: str):
+    """The module or class at `path`, or None when it is not loaded (not watched then)."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        mod = sys.modules.get(".".join(parts[:i]))
+        if mod is not None:
+            obj = mod
+            for p in parts[i:]:
+                obj = getattr(obj, p, None)
+            return obj
+    return None
+
+
+def _raw(owner, name: str):
+    """The attribute as stored (a class's own descriptor, not a new bound method per access)."""
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if name in vars(klass):
+                return vars(klass)[name]
+        return None
+    return vars(owner).get(name) if hasattr(owner, "__dict__") else getattr(owner, name, None)
+
+
+class Snapshot:
+    """What every watched name is bound to now (taken before the candidate is imported)."""
+
+    def __init__(self):
+        self.bound = {}
+        for path, name in _WATCHED:
+            owner = _owner(path)
+            if owner is not None:
+                self.bound[(path, name)] = (owner, _raw(owner, name))
+
+    def changed(self) -> list[str]:
+        """'time.perf_counter was replaced', ... for every watched name bound elsewhere now,
+        and any torch function or dispatch mode left active."""
+        out = [f"{path}.{name} was replaced" for (path, name), (owner, value) in
+               self.bound.items() if _raw(owner, name) is not value]
+        return out + active_modes()
+
+
+def active_modes() -> list[str]:
+    """A TorchFunctionMode or TorchDispatchMode still active outside the candidate's call: it
+    would run the candidate's code inside the harness's own torch calls (clone, copy, compare)."""
+    out = []
+    if torch._C._len_torch_function_stack():
+        out.append("a TorchFunctionMode is left active after the forward")
+    if torch._C._len_torch_dispatch_stack():
+        out.append("a TorchDispatchMode is left active after the forward")
+    return out
+
+
+def changed(snapshot: Snapshot) -> list[str]:
+    return snapshot.changed()
+
+
+# The timers the harness uses, bound at import (before any candidate): a later patch of the
+# module attributes does not reach them, and Snapshot reports it.
+perf_counter = time.perf_counter

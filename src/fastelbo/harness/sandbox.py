@@ -1,0 +1,330 @@
+"""What a candidate's worker may reach: no reference data, no harness memory, no orphans.
+
+The reference's inputs and outputs live in two places only: the reference cache
+(refcache.default_root(), or the check's cache directory) and the harness's private directory
+(`private_root()`: every worker's scratch directory, and a check's own reference entries when
+its seed is secret). A candidate's worker is confined at birth, before any thread or candidate
+code exists, with the strongest protection this OS offers (`plan()` decides, `enter()` applies):
+
+1. **landlock** (Linux >= 5.13, any user): the worker may read everything except those two
+   directories (rules on the rest of the tree, taken at its birth), write only its own scratch
+   directory, /dev/shm and the compile caches (torch extensions, Triton, Inductor, CUDA's),
+   open only the device files a GPU job needs, and may not ptrace (read the memory of) or,
+   from ABI 6, signal any process outside its domain: the check's process and the reference's
+   worker included.
+2. **user** (running as root without Landlock): the worker drops to an unprivileged user
+   (`nobody`) before any candidate code; the cache and private directories are mode 0700,
+   root's. Used only where everything the worker must import is readable by that user.
+3. **none**: neither is available. The report says so: a candidate could then read what the
+   harness writes (with a secret seed, a per-check directory, removed at its end).
+
+Every worker, confined or not, is a child subreaper (PR_SET_CHILD_SUBREAPER): a process the
+candidate starts stays its descendant even in a new session or as a daemon, and `kill_tree()`
+ends them all with the worker. Linux only; elsewhere `plan()` reports "none".
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import stat
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ENV = "FASTELBO_SANDBOX"  # "0": no confinement (the report says so); tests use it to compare
+
+# prctl options
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+# landlock syscalls (x86-64 and arm64 share these numbers) and flags
+_SYS_CREATE, _SYS_ADD_RULE, _SYS_RESTRICT = 444, 445, 446
+_CREATE_VERSION = 1
+_RULE_PATH_BENEATH = 1
+_EXECUTE, _WRITE_FILE, _READ_FILE, _READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_REMOVE_DIR, _REMOVE_FILE, _MAKE_CHAR, _MAKE_DIR = 1 << 4, 1 << 5, 1 << 6, 1 << 7
+_MAKE_REG, _MAKE_SOCK, _MAKE_FIFO, _MAKE_BLOCK = 1 << 8, 1 << 9, 1 << 10, 1 << 11
+_MAKE_SYM, _REFER, _TRUNCATE = 1 << 12, 1 << 13, 1 << 14
+_SCOPE_SIGNAL = 1 << 1
+_FILE_RIGHTS = _EXECUTE | _WRITE_FILE | _READ_FILE | _TRUNCATE  # what a rule on a file may hold
+_READ = _EXECUTE | _READ_FILE | _READ_DIR
+# Device files a GPU job opens read-write; every other device (a raw disk, /dev/mem) is denied.
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+_DEVICE_PREFIXES = ("nvidia", "dri")
+
+
+def private_root() -> Path:
+    """The harness's own directory (mode 0700): worker scratch dirs, private reference data."""
+    root = Path(tempfile.gettempdir()) / f"fastelbo-harness-{os.getuid()}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(root, 0o700)
+    return root
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 where there is none (or it is disabled)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        abi = libc.syscall(_SYS_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_VERSION))
+    except (OSError, AttributeError):
+        return 0
+    return max(int(abi), 0)
+
+
+def plan(secrets: list[str | Path], reads: list[str | Path] = (),
+         writes: list[str | Path] = ()) -> dict:
+    """The confinement for a candidate's worker: {"kind": landlock|user|none, "deny": [...],
+    ...}. `secrets`: directories it must not read (the cache, the private root); `reads`:
+    files it must read (its candidate, the problem), checked for the "user" kind; `writes`:
+    directories it may also write (its candidate's folder), unless a secret lies inside."""
+    deny = sorted({str(Path(p).resolve()) for p in secrets})
+    write = sorted({str(Path(w).resolve()) for w in writes
+                    if not any(Path(d) == Path(w).resolve() or Path(w).resolve() in
+                               Path(d).parents for d in deny)})
+    if os.environ.get(ENV) == "0":
+        return {"kind": "none", "deny": deny, "note": f"confinement turned off ({ENV}=0)"}
+    abi = landlock_abi()
+    if abi:
+        return {"kind": "landlock", "abi": abi, "deny": deny, "write": write,
+                "note": f"Landlock ABI {abi}: reference data and harness memory sealed"}
+    if os.geteuid() == 0:
+        import pwd
+        try:
+            user = pwd.getpwnam("nobody")
+        except KeyError:
+            user = None
+        blocked = _unreadable_for_others([*sys.path, sys.prefix, *reads]) if user else ["no user"]
+        if user and not blocked:
+            return {"kind": "user", "deny": deny, "uid": user.pw_uid, "gid": user.pw_gid,
+                    "note": "worker runs as nobody; reference data is root's, mode 0700"}
+        return {"kind": "none", "deny": deny,
+                "note": f"no Landlock, and user nobody cannot read {blocked[0]}"}
+    return {"kind": "none", "deny": deny,
+            "note": "no Landlock here: a candidate could read the reference's data"}
+
+
+def _unreadable_for_others(paths) -> list[str]:
+    """Paths that exist and that a user outside owner and group could not reach."""
+    bad = []
+    for p in paths:
+        if not p or not os.path.exists(p):
+            continue
+        p = Path(p).resolve()
+        for d in [*reversed(p.parents), p]:
+            mode = os.stat(d).st_mode
+            need = stat.S_IXOTH if d.is_dir() else stat.S_IROTH
+            if not mode & need:
+                bad.append(str(d))
+                break
+    return bad
+
+
+def enter(spec: dict | None, scratch: Path) -> None:
+    """In a new worker, before any thread or candidate code: become a subreaper, then apply
+    `spec` (from plan(); None: no confinement). OSError when it cannot be applied: the worker
+    must not run the candidate unconfined when confinement was promised."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    _prctl(libc, _PR_SET_CHILD_SUBREAPER, 1)
+    if not spec or spec.get("kind") == "none":
+        return
+    caches = _compile_caches(scratch, own=spec["kind"] != "user")
+    if spec["kind"] == "user":
+        os.chown(scratch, spec["uid"], spec["gid"])
+        for d in caches:
+            os.chown(d, spec["uid"], spec["gid"])
+        _prctl(libc, _PR_SET_NO_NEW_PRIVS, 1)
+        os.setgroups([])
+        os.setgid(spec["gid"])
+        os.setuid(spec["uid"])
+        return
+    _landlock(libc, spec, scratch, caches)
+
+
+def _prctl(libc, option: int, value: int) -> None:
+    if libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+
+
+def _compile_caches(scratch: Path, own: bool) -> list[Path]:
+    """Where a confined candidate may build: torch's extension root, Triton's, Inductor's and
+    CUDA's caches, shared by its checks (a rebuilt extension costs minutes). `own`: the worker
+    keeps this user (Landlock), so the user's own caches serve, where torch puts them without
+    confinement; else (another user) a directory of that user's, under the temp dir. Set in the
+    environment either way, so that torch finds them after TMPDIR moves to the scratch dir."""
+    home = Path.home()
+    tmp = Path(tempfile.gettempdir())
+    if own:
+        dirs = {"TORCH_EXTENSIONS_DIR": home / ".cache" / "torch_extensions",
+                "TRITON_CACHE_DIR": home / ".triton" / "cache",
+                "TORCHINDUCTOR_CACHE_DIR": tmp / f"torchinductor_{_user()}",
+                "CUDA_CACHE_PATH": home / ".nv" / "ComputeCache"}
+    else:
+        base = tmp / f"fastelbo-build-{os.getuid()}"
+        dirs = {"TORCH_EXTENSIONS_DIR": base / "torch_extensions",
+                "TRITON_CACHE_DIR": base / "triton", "TORCHINDUCTOR_CACHE_DIR": base / "inductor",
+                "CUDA_CACHE_PATH": base / "nv"}
+    out = []
+    for var, default in dirs.items():
+        path = Path(os.environ.get(var) or default)
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ[var] = str(path)
+        out.append(path)
+    if own:
+        out.append(home / ".cache" / "torch")  # torch's own JIT kernels
+        out[-1].mkdir(parents=True, exist_ok=True)
+    os.environ["TMPDIR"] = str(scratch)
+    tempfile.tempdir = str(scratch)
+    return out
+
+
+def _user() -> str:
+    import getpass
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _landlock(libc, spec: dict, scratch: Path, caches: list[Path]) -> None:
+    abi = spec["abi"]
+    handled = (_EXECUTE | _WRITE_FILE | _READ_FILE | _READ_DIR | _REMOVE_DIR | _REMOVE_FILE
+               | _MAKE_CHAR | _MAKE_DIR | _MAKE_REG | _MAKE_SOCK | _MAKE_FIFO | _MAKE_BLOCK
+               | _MAKE_SYM)
+    if abi >= 2:
+        handled |= _REFER
+    if abi >= 3:
+        handled |= _TRUNCATE
+    attr = _RulesetAttr(handled, 0, _SCOPE_SIGNAL if abi >= 6 else 0)
+    size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else (16 if abi >= 4 else 8)
+    fd = libc.syscall(_SYS_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"landlock_create_ruleset: {os.strerror(err)}")
+    try:
+        def allow(path, rights: int) -> None:
+            try:
+                pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                return  # vanished meanwhile, or unreadable: nothing to grant
+            try:
+                if not stat.S_ISDIR(os.fstat(pfd).st_mode):
+                    rights &= _FILE_RIGHTS
+                rule = _PathBeneath(rights & handled, pfd)
+                if libc.syscall(_SYS_ADD_RULE, ctypes.c_int(fd), ctypes.c_int(_RULE_PATH_BENEATH),
+                                ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"landlock_add_rule({path}): {os.strerror(err)}")
+            finally:
+                os.close(pfd)
+
+        everything = handled
+        deny = [Path(d) for d in spec["deny"]]
+        special = [Path("/dev"), Path("/proc")]
+        for path in _complement(Path("/"), deny + special):
+            allow(path, _READ)
+        allow("/proc", _READ)  # other processes' memory stays behind Landlock's ptrace scope
+        allow("/dev/shm", everything)
+        for entry in os.scandir("/dev"):
+            if entry.name in _DEVICES or entry.name.startswith(_DEVICE_PREFIXES):
+                allow(entry.path, _READ | _WRITE_FILE)
+        for d in [scratch, *caches, *spec.get("write", ())]:
+            allow(d, everything)
+        _prctl(libc, _PR_SET_NO_NEW_PRIVS, 1)
+        if libc.syscall(_SYS_RESTRICT, ctypes.c_int(fd), ctypes.c_uint32(0)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"landlock_restrict_self: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _complement(root: Path, deny: list[Path]) -> list[Path]:
+    """Paths whose subtrees together hold everything under `root` except the `deny` paths
+    (entries that exist now: a file created later beside a denied path stays unreadable)."""
+    if any(root == d for d in deny):
+        return []
+    if not any(root in d.parents for d in deny):
+        return [root]
+    out = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    for entry in entries:
+        p = Path(entry.path)
+        if entry.is_symlink():
+            continue  # its target is reached (or denied) where it really is
+        out += _complement(p, deny)
+    return out
+
+
+# ---- the parent's side: the worker's process tree ----
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (a subreaper keeps orphans among them), via /proc."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def describe(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        cmd = ""
+    return f"pid {pid}: {cmd[:120] or '?'}"
+
+
+def kill_tree(pid: int) -> list[str]:
+    """SIGKILL `pid`'s descendants (stopped first, until no new one appears, so that none can
+    fork away meanwhile) and return what each was. The caller kills `pid` itself after."""
+    if not sys.platform.startswith("linux"):
+        return []
+    seen: dict[int, str] = {}
+    for _ in range(50):
+        new = [p for p in descendants(pid) if p not in seen]
+        if not new:
+            break
+        for p in new:
+            seen[p] = describe(p)
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.001)
+    for p in seen:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return list(seen.values())

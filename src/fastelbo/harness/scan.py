@@ -1,0 +1,108 @@
+"""A static scan of a candidate file: what looks like a way around the harness, reported only.
+
+As KernelBench's kernel_static_checker and GPU MODE's kernelguard do, the candidate's source is
+read (never run) and each construct an honest kernel rarely needs is flagged with its line:
+threads and processes, ctypes, signals, file access, introspection of frames and the garbage
+collector, edits of sys.modules, assignments to torch's attributes, and CUDA streams. A flag is
+not a verdict (a candidate may use a stream well); it tells a reviewer where to look, and the
+confinement (sandbox.py) and the checks of outputs and timers are what reject a cheat.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+# module imported -> category
+_MODULES = {
+    "threading": "threads", "_thread": "threads", "concurrent": "threads",
+    "multiprocessing": "processes", "subprocess": "processes", "pty": "processes",
+    "ctypes": "ctypes", "cffi": "ctypes", "signal": "signal", "gc": "introspection",
+    "inspect": "introspection", "socket": "network", "pickle": "pickle", "shutil": "file_access",
+    "glob": "file_access", "tempfile": "file_access", "mmap": "file_access",
+}
+# called name (last two dotted parts, or the bare name) -> category
+_CALLS = {
+    "open": "file_access", "Path.open": "file_access", "read_text": "file_access",
+    "read_bytes": "file_access", "listdir": "file_access", "scandir": "file_access",
+    "walk": "file_access", "rglob": "file_access", "iterdir": "file_access",
+    "torch.load": "file_access", "os.fork": "processes", "os.system": "processes",
+    "os.popen": "processes", "os.kill": "signal", "os.setsid": "processes",
+    "os.execv": "processes", "os.execvp": "processes", "os._exit": "processes",
+    "sys._getframe": "introspection", "sys.settrace": "introspection",
+    "sys.setprofile": "introspection", "globals": "introspection",
+    "setattr": "attribute_patch", "delattr": "attribute_patch",
+    "cuda.Stream": "streams", "cuda.stream": "streams", "torch.cuda.Stream": "streams",
+    "Stream": "streams", "set_stream": "streams", "cuda.set_stream": "streams",
+    "exec": "dynamic_code", "eval": "dynamic_code", "compile": "dynamic_code",
+    "__import__": "dynamic_code",
+}
+_ATTRS = {"f_back": "introspection", "f_globals": "introspection", "f_locals": "introspection",
+          "gi_frame": "introspection", "tb_frame": "introspection", "__code__": "introspection",
+          "modules": "sys_modules"}
+# what a torch attribute assignment may legitimately set: numerics switches
+_TORCH_SETTINGS = ("torch.backends.", "torch._inductor.config", "torch._dynamo.config")
+
+
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    elif isinstance(node, ast.Call):
+        parts.append(_dotted(node.func) + "()")
+    return ".".join(reversed(parts))
+
+
+def scan_source(text: str) -> list[dict]:
+    """Flags of `text`: [{line, category, text}], in line order; [] if it does not parse."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    lines = text.splitlines()
+    flags: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            flags += [(node.lineno, _MODULES[a.name.split(".")[0]]) for a in node.names
+                      if a.name.split(".")[0] in _MODULES]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            top = node.module.split(".")[0]
+            if top in _MODULES:
+                flags.append((node.lineno, _MODULES[top]))
+            elif top == "sys" and any(a.name == "modules" for a in node.names):
+                flags.append((node.lineno, "sys_modules"))
+        elif isinstance(node, ast.Call):
+            name = _dotted(node.func)
+            for key in (name, ".".join(name.split(".")[-2:]), name.split(".")[-1]):
+                if key in _CALLS:
+                    flags.append((node.lineno, _CALLS[key]))
+                    break
+        elif isinstance(node, ast.Attribute) and node.attr in _ATTRS:
+            owner = _dotted(node.value)
+            if node.attr != "modules" or owner == "sys":
+                flags.append((node.lineno, _ATTRS[node.attr]))
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                name = _dotted(t) if isinstance(t, (ast.Attribute, ast.Subscript)) else ""
+                if isinstance(t, ast.Subscript):
+                    name = _dotted(t.value)
+                if name.startswith(("torch.", "time.", "sys.modules", "builtins.", "os.")) \
+                        and not name.startswith(_TORCH_SETTINGS):
+                    flags.append((t.lineno, "attribute_patch"))
+    seen, out = set(), []
+    for line, category in sorted(flags):
+        if (line, category) not in seen:
+            seen.add((line, category))
+            out.append({"line": line, "category": category,
+                        "text": lines[line - 1].strip()[:120] if line <= len(lines) else ""})
+    return out
+
+
+def scan_file(path: str | Path) -> list[dict]:
+    try:
+        return scan_source(Path(path).read_text(errors="replace"))
+    except OSError:
+        return []
