@@ -52,14 +52,74 @@ def test_a_candidate_that_cannot_run_gives_error_rows(tmp_path):
     assert rows[-1]["status"] == "ERROR" and "kernel launch failed" in rows[-1]["error"]
 
 
+def _eager(n: int = 4, **extra) -> dict:
+    out = (torch.arange(float(n)),)
+    return {bench.EAGER: {n: {"outputs": out, "pool_outputs": [out, (torch.arange(n) + 1.0,)],
+                              "events_ms": 1.0, "wall_ms": 1.0, "flops": 10**6, "io_bytes": 1000,
+                              **extra}}}
+
+
+def _row(n: int = 4, **extra) -> dict:
+    return {"batch_size": n, "device": "cuda", "device_name": "NVIDIA H200",
+            "outputs": (torch.arange(float(n)),), **extra}
+
+
 def test_implausible_speedups_are_flagged():
-    eager_out = (torch.arange(4.0),)
-    results = {bench.EAGER: {4: {"outputs": eager_out, "events_ms": 1.0, "wall_ms": 1.0}}}
-    row = bench._finish_row({"batch_size": 4, "outputs": eager_out, "events_ms": 0.001,
-                             "wall_ms": 0.5}, results, 1e-4, 1e-4)
+    row = bench._finish_row(_row(events_ms=0.001, wall_ms=0.5), _eager(), 1e-4, 1e-4)
     assert row["status"] == "ok"
     assert row["speedup_eager_events"] == pytest.approx(1000.0)
     assert any("implausible" in f for f in row["flags"])
+
+
+def test_a_row_faster_than_its_physical_floor_is_implausible():
+    """1 GFLOP cannot run in a nanosecond on any chip: the row is IMPLAUSIBLE, whatever its
+    outputs, and the floor's fraction is reported on every timed row."""
+    results = _eager(flops=10**9)
+    fast = bench._finish_row(_row(events_ms=1e-6, wall_ms=0.5), results, 1e-4, 1e-4)
+    assert fast["status"] == "IMPLAUSIBLE" and "physical floor" in " ".join(fast["flags"])
+    honest = bench._finish_row(_row(events_ms=0.5, wall_ms=0.5), results, 1e-4, 1e-4)
+    assert honest["status"] == "ok" and 0 < honest["floor_fraction"] < 1
+    assert honest["floor_ms"] == pytest.approx(10**9 / 1979e12 * 1e3)
+
+
+def test_every_kept_timed_call_is_judged_against_its_input_set():
+    good = [(0, (torch.arange(4.0),)), (1, (torch.arange(4) + 1.0,))]
+    row = bench._finish_row(_row(wall_ms=1.0, checks=good), _eager(), 1e-4, 1e-4)
+    assert row["status"] == "ok" and row["timed_checked"] == 2
+    stale = [(0, (torch.arange(4.0),)), (1, (torch.arange(4.0),))]  # set 0's answer for set 1
+    row = bench._finish_row(_row(wall_ms=1.0, checks=stale), _eager(), 1e-4, 1e-4)
+    assert row["status"] == "INCORRECT" and "input set 1" in row["correct_detail"]
+
+
+# exploit (tests/candidates) -> the status bench must give it
+TIMING_EXPLOITS = {
+    "exploit_call_count": {"INCORRECT"},
+    "exploit_identity_memo": {"INCORRECT"},
+    "exploit_spacing_cache": {"INCORRECT"},
+    "exploit_memory_reuse": {"INCORRECT"},
+    "exploit_lazy_output": {"INCORRECT"},
+    "exploit_lazy_mode": {"TAMPERED"},
+    "exploit_patches_timers": {"TAMPERED"},
+    "reference_as_candidate": {"ok"},
+}
+
+
+@pytest.fixture(scope="module")
+def exploit_rows():
+    paths = [str(HERE / "candidates" / f"{n}.py") for n in TIMING_EXPLOITS]
+    rows, code = bench.run_bench(TINY, paths, device="cpu", batch_sizes=[5],
+                                 compile_baseline=False, quick=True, out=None)
+    return {Path(r["candidate"]).stem: r for r in rows}, code
+
+
+@pytest.mark.parametrize("name", list(TIMING_EXPLOITS))
+def test_timing_exploits_show_up_wrong_not_fast(exploit_rows, name):
+    """Behaviour that depends on call count, spacing or input identity, lazy outputs, reused
+    memory and patched timers: each row is INCORRECT or TAMPERED, and bench exits 1."""
+    rows, code = exploit_rows
+    row = rows[name]
+    assert row["status"] in TIMING_EXPLOITS[name], row
+    assert code == 1
 
 
 def test_default_candidates_on_cpu_are_auto_and_torch():

@@ -45,7 +45,7 @@ def _verdict(report) -> dict:
 
 
 def test_a_second_check_reads_the_reference_from_the_cache(cache, workers):
-    opts = {"trials": 2, "batch_sizes": [1], "scales": ()}
+    opts = {"trials": 2, "batch_sizes": [1], "scales": (), "seed": 0}
     first = run_check(TINY, CANDIDATES / "reference_as_candidate.py", **opts)
     assert first.exit_code == 0 and first.reference == "computed", first.format()
     assert len(workers) == 2  # the candidate's and the reference's
@@ -103,7 +103,7 @@ def test_an_edit_to_a_file_the_problem_imports_invalidates_its_entry(cache, tmp_
     (tmp_path / "scale_helper.py").write_text(HELPER.format(factor=2.0))
     (tmp_path / "scaled.py").write_text(PROBLEM)
     (tmp_path / "times_two.py").write_text(CANDIDATE)
-    opts = {"trials": 1, "batch_sizes": [], "scales": ()}
+    opts = {"trials": 1, "batch_sizes": [], "scales": (), "seed": 0}
     first = run_check(tmp_path / "scaled.py", tmp_path / "times_two.py", **opts)
     assert first.exit_code == 0 and first.reference == "computed", first.format()
     (tmp_path / "scale_helper.py").write_text(HELPER.format(factor=3.0))
@@ -113,7 +113,7 @@ def test_an_edit_to_a_file_the_problem_imports_invalidates_its_entry(cache, tmp_
 
 
 def test_a_stale_device_name_reruns_the_reference(cache):
-    opts = {"trials": 1, "batch_sizes": [], "scales": ()}
+    opts = {"trials": 1, "batch_sizes": [], "scales": (), "seed": 0}
     run_check(TINY, CANDIDATES / "reference_as_candidate.py", **opts)
     (meta,) = refcache.entry_dir(cache).glob("*.meta.json")
     data = json.loads(meta.read_text())
@@ -147,7 +147,7 @@ def _step_candidate(tmp_path: Path, name: str) -> Path:
 
 def test_envelopes_only_where_the_plain_tolerance_misses_and_then_cached(cache, tmp_path,
                                                                          workers):
-    opts = {"trials": 2, "batch_sizes": [], "scales": (4.0,)}
+    opts = {"trials": 2, "batch_sizes": [], "scales": (4.0,), "seed": 0}
     exact = run_check(STEP, _step_candidate(tmp_path, "exact"), **opts)
     assert exact.exit_code == 0, exact.format()
     assert not any(t.envelope for r in exact.regimes for t in r.trials)

@@ -130,7 +130,7 @@ seen = []
 
 
 class Fake:
-    def __init__(self, env=None, *, fork=False):
+    def __init__(self, env=None, *, fork=False, confine=None):
         seen.append((fork, "torch" in sys.modules))
 
     def run(self, *args, **kwargs):
@@ -179,7 +179,7 @@ def test_a_new_check_process_imports_torch_once(device, fork):
 def _check_json(candidate: Path, *options: str, fork: str = "1") -> dict:
     res = subprocess.run([sys.executable, "-m", "fastelbo.cli", "check", TINY, str(candidate),
                           "--json", "--trials", "1", "--batch-sizes", "", "--scales", "",
-                          "--no-cache", *options], capture_output=True, text=True,
+                          "--seed", "0", "--no-cache", *options], capture_output=True, text=True,
                          timeout=600, check=False, env=_cli_env(FASTELBO_FORK_WORKERS=fork))
     report = json.loads(res.stdout)
     assert res.returncode == report["exit_code"], res.stderr

@@ -67,7 +67,9 @@ class ModelNew(Model):
 @pytest.fixture(scope="module", autouse=True)
 def build_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FASTELBO_TEST_BUILD_DIR", str(tmp_path_factory.mktemp("build")))
+        build = str(tmp_path_factory.mktemp("build"))
+        mp.setenv("FASTELBO_TEST_BUILD_DIR", build)
+        mp.setenv("TORCH_EXTENSIONS_DIR", build)  # a build root a confined worker may write
         yield
 
 

@@ -46,7 +46,7 @@ def _check(name: str, root: Path, problem: Path = TINY, scales=None, candidate=N
     return run_check(problem, candidate or CANDIDATES / f"{name}.py", trials=2,
                      batch_sizes=[1, 5], scales=CORPUS[name][2] if scales is None else scales,
                      timeout=300.0, build_timeout=300.0, forward_timeout=120.0,
-                     cache=root / name)
+                     cache=root / name, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -162,15 +162,15 @@ def warm(tmp_path_factory):
     once its spare has finished starting; a session without spares checks the wrong one."""
     cache = tmp_path_factory.mktemp("cache")
     opts = {"timeout": TIMEOUT, "build_timeout": TIMEOUT, "forward_timeout": HANG_FORWARD_S,
-            "cache": cache, **OPTIONS}
+            "cache": cache, "seed": 0, **OPTIONS}  # a given seed: the cache serves it
     out = {}
     with Session(TINY, "cpu", **opts) as s:
         out["first"] = s.run_correctness(str(CORRECT))
         for name, cand in (("wrong", WRONG), ("hang", HANGS), ("again", CORRECT)):
             out[f"{name}_ready"] = s.wait_ready(TIMEOUT)
-            out[f"{name}_spares"] = [w.proc.pid for w in s._pool._idle]
+            out[f"{name}_spares"] = [w.proc.pid for w in s._pool._idle if w.confine]
             out[name] = s.run_correctness(str(cand))
-        [spare] = s._pool._idle
+        [spare] = [w for w in s._pool._idle if w.confine]
         out["compile"] = s.compile_kernel(str(CORRECT))
         out["compile_spare"] = (spare._tasks, spare.proc.poll() is not None)
         out["left"] = list(s._pool._idle)
@@ -184,9 +184,9 @@ def warm(tmp_path_factory):
 def test_a_repeated_check_runs_in_the_started_spare(warm):
     first = warm["first"]
     assert first["exit_code"] == 0 and first["reference"] == "computed"
-    # the session's spare ran the candidate; the reference needed a second worker
-    assert [(w["role"], w["prestarted"]) for w in first["workers"]] == [
-        ("candidate", True), ("reference", False)]
+    # the session's spares ran the candidate (confined) and the reference
+    assert [(w["role"], w["prestarted"], w["confinement"]) for w in first["workers"]] == [
+        ("candidate", True, first["confinement"]), ("reference", True, "none")]
     wrong = warm["wrong"]
     assert warm["wrong_ready"] and len(warm["wrong_spares"]) == 1
     assert wrong["reference"] == "cached" and wrong["exit_code"] == 1

@@ -110,8 +110,8 @@ def test_survives_a_hanging_candidate_and_checks_the_next(served):
     report = served["correct"]  # sent as source text, after the hang, on the same server
     assert report["exit_code"] == 0 and report["status"] == "pass"
     # in the spare the server started when the hang's check ended, not in the hung worker
-    [worker] = report["workers"]
-    assert worker["prestarted"] and worker["pid"] != served["hang"]["workers"][0]["pid"]
+    worker = report["workers"][0]
+    assert worker["role"] == "candidate" and worker["prestarted"] and worker["pid"] != served["hang"]["workers"][0]["pid"]
     assert [(r["name"], r["status"], len(r["trials"])) for r in report["regimes"]] == [
         ("default", "PASS", 1), ("batch=1", "PASS", 1), ("batch=5", "PASS", 1),
         ("variant:binary", "PASS", 1)]

@@ -8,13 +8,21 @@ device-to-host sync per forward); a candidate that does not read it is unaffecte
 records the setting as "validate". A batch size that fails gives an ERROR row and the
 others still run: an exception is caught in the worker, and after a crash, a hang or a broken
 CUDA context the sizes left are rerun in fresh workers, one each. Rows are appended to a jsonl
-file with the device, versions and commit (results.py). A speedup is only as good as the output
-behind it, so a row whose quick check fails is marked INCORRECT, and speedups over 100x are
-flagged as implausible.
+file with the device, versions, commit and seed (results.py).
+
+A speedup is only as good as the output behind it, and the candidate shares its process with
+the timer, so a row is "ok" only when (1) its seeded forward and every timed call kept for
+judging (timing.py: fresh inputs from a pool of distinct sets, a random one in eight and the
+last of each metric) match eager's outputs for the same input set (else INCORRECT); (2) no
+timer or output reader was replaced and no torch mode was left active (integrity.py; else
+TAMPERED); (3) no metric beats the physical floor (floor.py; else IMPLAUSIBLE). Any of these
+makes `bench` exit 1. The candidate's worker is confined as check's is (sandbox.py). Speedups
+over 100x eager are flagged as well.
 """
 from __future__ import annotations
 
-from functools import partial
+import random
+import secrets
 
 import torch
 
@@ -22,14 +30,16 @@ from .. import backends
 from ..contract import ENV_VAR as VALIDATE_ENV
 from ..contract import enabled_by_env
 from . import loader
+from .check import confinement
 from .compare import compare_outputs
+from .floor import count_flops, floors, nbytes
 from .results import append_jsonl, environment, utc_now
-from .timing import Budget, measure
-from .worker import progress, run_task, traceback_tail
+from .timing import Budget, Pool, measure, pool_size
+from .worker import TaskError, progress, run_task, traceback_tail
 
 EAGER, COMPILED = "eager", "torch.compile"
 IMPLAUSIBLE = 100.0   # x eager; faster than this is more likely skipped work than a kernel
-METRICS = ("events_ms", "graph_ms", "wall_ms")
+METRICS = ("events_ms", "events_warm_ms", "graph_ms", "wall_ms")
 
 
 def default_candidates(device: str) -> list[str]:
@@ -62,7 +72,9 @@ def _unavailable(name: str, dev: torch.device) -> str | None:
 def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                 batch_sizes: list[int] | None, seed: int, quick: bool, graph_reps: int,
                 eval_mode: bool = False) -> dict:
-    """Worker side: outputs of one seeded forward and the metrics, per batch size.
+    """Worker side: per batch size, outputs of one seeded forward, the metrics (timing.py) and
+    the timed calls' outputs (`checks`); eager also returns its outputs for every pool set
+    (what the others' timed calls are judged against) and the problem's FLOPs and bytes.
 
     A batch size that raises gives a row with "error"; if the device is unusable afterwards,
     the sizes not yet run are returned as "unfinished" for the parent to retry elsewhere.
@@ -74,11 +86,16 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     if batch_sizes is None:
         batch_sizes = sorted({1, default}) if isinstance(default, int) else [None]
     reference, weights = loader.build_model(mod.Model, init, seed)
+    snapshot = None
     if kind == "candidate":
+        from .integrity import Snapshot
+        snapshot = Snapshot()  # before the candidate's import: what it may not replace
         progress("importing the candidate")
         cls = loader.import_candidate(candidate).ModelNew
         model, weights = loader.build_model(cls, init, seed, reference.state_dict())
         del reference
+        if snapshot.changed():  # a patched timer or an active mode would skew all that follows
+            raise TaskError("tampered", "; ".join(snapshot.changed()))
     else:
         model = reference
     model = model.to(dev)
@@ -95,13 +112,22 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
         progress(f"{kind} {candidate or ''} batch {n}")
         row = {"batch_size": n if n is not None else default, "weights": weights}
         try:
-            inputs = loader.to_device(loader.draw_inputs(mod, seed + 1000, n), dev)
-            torch.manual_seed(seed)
-            row["outputs"] = loader.to_host(model(*inputs))
-            row.update(measure(partial(model, *inputs), dev, budget, reps))
+            pool = _pool(mod, seed, n, dev, quick)
+            row["outputs"] = loader.to_host(model(*pool.fresh(0)), strict=True)
+            if kind == EAGER:  # the reference for every timed call of every entry
+                row["pool_outputs"] = [loader.to_host(model(*pool.fresh(j)))
+                                       for j in range(len(pool.sets))]
+                row["flops"] = count_flops(model, pool.fresh(0))
+                row["io_bytes"] = nbytes(pool.sets[0]) + nbytes(row["outputs"])
+            metrics, checks = measure(model, pool, dev, budget, reps)
+            check = metrics.pop("graph_check", None)
+            row.update(metrics, pool=len(pool.sets), checks_skipped=checks.skipped,
+                       checks=[(j, loader.to_host(o)) for j, o in checks],
+                       graph_check=check and (check[0], loader.to_host(check[1])))
+            row["tampered"] = snapshot.changed() if snapshot is not None else []
         except Exception as exc:  # noqa: BLE001 - one batch size failing is that row's result
             row = {**row, "error": traceback_tail(exc), "category": "exception"}
-            inputs = None  # drop this size's device tensors before release()
+            pool = None  # drop this size's device tensors before release()
             if not loader.usable(dev):
                 rows.append(row)
                 unfinished = batch_sizes[i + 1:]
@@ -111,23 +137,33 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     return {"batch_sizes": batch_sizes, "rows": rows, "unfinished": unfinished}
 
 
+def _pool(mod, seed: int, n: int | None, dev: torch.device, quick: bool) -> Pool:
+    """The batch size's distinct input sets (the same in every entry's worker: one seed)."""
+    first = loader.draw_inputs(mod, seed + 1000, n)
+    count = pool_size(nbytes(first), quick)
+    sets = [first] + [loader.draw_inputs(mod, seed + 1000 * (j + 1), n) for j in range(1, count)]
+    return Pool([loader.to_device(x, dev) for x in sets], [seed + j for j in range(count)],
+                random.Random(f"{seed}/{n}"))
+
+
 def _entry_rows(sizes: list[int] | None, timeout: float, env: dict[str, str] | None,
-                **task) -> tuple[list[dict], list[int] | None]:
+                confine: dict | None, **task) -> tuple[list[dict], list[int] | None]:
     """One entry's worker rows (metrics, or "error"), and the batch sizes they cover.
 
     Sizes left by a worker that died (crash, timeout) or lost its device are rerun one per
     fresh worker, so one bad size costs only its own row. An exception outside the per-size loop
     (import, build, construction) concerns every size alike: one ERROR row each, no rerun.
     """
-    outcome = run_task("fastelbo.harness.bench:bench_entry", timeout, env=env,
+    outcome = run_task("fastelbo.harness.bench:bench_entry", timeout, env=env, confine=confine,
                        batch_sizes=sizes, **task)
     if outcome.ok:
         rows = list(outcome.result["rows"])
         for n in outcome.result["unfinished"]:
-            rows += _entry_rows([n], timeout, env, **task)[0]
+            rows += _entry_rows([n], timeout, env, confine, **task)[0]
         return rows, outcome.result["batch_sizes"]
     if sizes and len(sizes) > 1 and outcome.category in ("crash", "timeout"):
-        return [r for n in sizes for r in _entry_rows([n], timeout, env, **task)[0]], sizes
+        return [r for n in sizes for r in _entry_rows([n], timeout, env, confine, **task)[0]], \
+            sizes
     return [{"batch_size": n, "error": outcome.reason, "category": outcome.category}
             for n in (sizes or [None])], sizes
 
@@ -135,38 +171,47 @@ def _entry_rows(sizes: list[int] | None, timeout: float, env: dict[str, str] | N
 def run_bench(problem: str, candidates: list[str] | None = None, *, device: str | None = None,
               batch_sizes: list[int] | None = None, out: str | None = None,
               compile_baseline: bool = True, graph_reps: int = 100, quick: bool = False,
-              timeout: float = 600.0, seed: int = 0, atol: float = 1e-4,
+              timeout: float = 600.0, seed: int | None = None, atol: float = 1e-4,
               rtol: float = 1e-4, validate: bool = True,
               eval_mode: bool = False) -> tuple[list[dict], int]:
     """Rows (one per entry and batch size) and an exit code: 0 all correct, 1 some row
-    INCORRECT or flagged, 2 some entry could not run."""
+    INCORRECT, TAMPERED, IMPLAUSIBLE or flagged, 2 some entry could not run. `seed`: of the
+    weights and of every input set; None draws a secret one (the rows record it)."""
     from ..problems import problem_path
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     prob = str(problem_path(problem))
+    seed = secrets.randbelow(1 << 31) if seed is None else seed
     # (row label, worker kind, candidate file): baselines first, they are what rows divide by.
     entries = [(EAGER, EAGER, None)] + ([(COMPILED, COMPILED, None)] if compile_baseline else [])
     entries += [(c, "candidate", str(loader.candidate_path(c)))
                 for c in (candidates or default_candidates(device))]
     env = None if validate else {VALIDATE_ENV: "0"}
-    base = {**environment(device), "date": utc_now(), "problem": str(problem),
+    base = {**environment(device), "date": utc_now(), "problem": str(problem), "seed": seed,
             "quick": quick, "graph_reps": graph_reps if device.startswith("cuda") else None,
             # what the workers ran with: off by request or already off in this environment
-            "validate": validate and enabled_by_env(), "mode": "eval" if eval_mode else "train"}
+            "validate": validate and enabled_by_env(), "mode": "eval" if eval_mode else "train",
+            "l2": "flushed before each events_ms call" if device.startswith("cuda") else None}
+    confine = confinement()
     results: dict[str, dict[int, dict]] = {}
     rows, code = [], 0
     for name, kind, path in entries:
-        got, sizes = _entry_rows(batch_sizes, timeout, env, problem=prob, kind=kind,
-                                 candidate=path, device=device, seed=seed, quick=quick,
-                                 graph_reps=graph_reps, eval_mode=eval_mode)
+        got, sizes = _entry_rows(batch_sizes, timeout, env,
+                                 confine if kind == "candidate" else None, problem=prob,
+                                 kind=kind, candidate=path, device=device, seed=seed,
+                                 quick=quick, graph_reps=graph_reps, eval_mode=eval_mode)
         batch_sizes = batch_sizes or sizes
         results[name] = {r["batch_size"]: r for r in got if "error" not in r}
         for r in got:
-            if "error" in r:
-                code = 2
+            if "error" in r:  # could not run (2), unless what stopped it was tampering (1)
+                tampered = r["category"] == "tampered"
+                code = max(code, 1 if tampered else 2)
                 rows.append({**base, "candidate": name, "batch_size": r["batch_size"],
-                             "status": "ERROR", "error": r["error"], "flags": [r["category"]]})
+                             "status": "TAMPERED" if tampered else "ERROR",
+                             "error": r["error"], "flags": [r["category"]]})
                 continue
-            row = _finish_row({**base, "candidate": name, **r}, results, atol, rtol)
+            row = _finish_row({**base, "candidate": name, "confinement": (
+                confine if kind == "candidate" else {}).get("kind", "none"), **r},
+                results, atol, rtol)
             code = max(code, 1 if row["status"] != "ok" or row["flags"] else 0)
             rows.append(row)
         if kind == EAGER and not results[EAGER]:
@@ -177,27 +222,83 @@ def run_bench(problem: str, candidates: list[str] | None = None, *, device: str 
 
 
 def _finish_row(row: dict, results: dict, atol: float, rtol: float) -> dict:
-    """Correctness against eager, speedups vs eager and torch.compile, flags."""
+    """Correctness against eager (the seeded forward, then every timed call kept), the floor,
+    speedups vs eager and torch.compile, flags. The tensors leave the row here."""
     n, outputs = row["batch_size"], row.pop("outputs")
+    checks, graph = row.pop("checks", []), row.pop("graph_check", None)
+    row.pop("pool_outputs", None)
     eager = results[EAGER].get(n)
+    row["flags"] = []
     if eager is None:  # eager failed at this size: speed without a correctness check
         row.update(correct=None, status="UNCHECKED", correct_detail="eager failed at this size",
                    flags=["UNCHECKED"])
     else:
-        cmp = compare_outputs(eager["outputs"], outputs, atol, rtol)
-        row["correct"] = cmp.ok
-        row["status"] = "ok" if cmp.ok else "INCORRECT"
-        row["correct_detail"] = "; ".join(f"[{f.category}] {f.message}"
-                                          for f in cmp.findings[:3])
-        row["flags"] = [] if cmp.ok else ["INCORRECT"]
+        row["status"], row["correct_detail"], row["timed_checked"] = _judge(
+            outputs, checks, graph, eager, atol, rtol)
+        row["correct"] = row["status"] == "ok"
+        if row["status"] != "ok":
+            row["flags"].append("INCORRECT")
+        if eager.get("io_bytes") is not None:
+            row.update(floors(eager.get("flops"), eager["io_bytes"], row["device"].split(":")[0],
+                              row.get("device_name", "")))
+    if row.get("tampered"):
+        row["status"] = "TAMPERED"
+        row["flags"].append("tampered: " + "; ".join(row["tampered"]))
     for base_name, tag in ((EAGER, "eager"), (COMPILED, "compile")):
         base = results.get(base_name, {}).get(n)
         for metric in METRICS:
             key = f"speedup_{tag}_{metric[:-3]}"
             mine, theirs = row.get(metric), base.get(metric) if base else None
             row[key] = theirs / mine if mine and theirs else None
+    _floor(row)
     if any((row.get(f"speedup_eager_{m[:-3]}") or 0) > IMPLAUSIBLE for m in METRICS):
         row["flags"].append(f"implausible speedup (>{IMPLAUSIBLE:g}x vs eager)")
     if row.get("stream_escape"):
         row["flags"].append("work escaped the timed stream (synced wall >> event time)")
     return row
+
+
+def _judge(outputs, checks: list, graph, eager: dict, atol: float,
+           rtol: float) -> tuple[str, str, int]:
+    """(status, detail, timed calls judged): the seeded forward against eager's, each kept
+    timed call against eager's outputs for its input set, and the graph's first forward where
+    eager's own graph reproduces eager's outputs (random draws inside a graph may not)."""
+    cmp = compare_outputs(eager["outputs"], outputs, atol, rtol)
+    if not cmp.ok:
+        return "INCORRECT", _detail("the seeded forward", cmp), 0
+    refs = eager["pool_outputs"]
+    for k, (j, outs) in enumerate(checks):
+        cmp = compare_outputs(refs[j], outs, atol, rtol)
+        if not cmp.ok:
+            return "INCORRECT", _detail(f"timed call (kept {k}, input set {j})", cmp), k
+    detail = ""
+    own = eager.get("graph_check")
+    if graph is not None and own is not None:
+        if compare_outputs(refs[own[0]], own[1], atol, rtol).ok:
+            cmp = compare_outputs(refs[graph[0]], graph[1], atol, rtol)
+            if not cmp.ok:
+                return "INCORRECT", _detail("the CUDA graph's first forward", cmp), len(checks)
+        else:
+            detail = ("graph outputs not judged: the reference's own graph replay differs from "
+                      "its eager call (random draws inside a graph)")
+    return "ok", detail, len(checks)
+
+
+def _detail(what: str, cmp) -> str:
+    return f"{what}: " + "; ".join(f"[{f.category}] {f.message}" for f in cmp.findings[:3])
+
+
+def _floor(row: dict) -> None:
+    """floor_fraction (floor / cold time) and, below the floor, status IMPLAUSIBLE."""
+    if row.get("floor_ms") is None:
+        return
+    cold = row.get("events_ms") or row.get("wall_ms")
+    row["floor_fraction"] = row["floor_ms"] / cold if cold else None
+    below = [m for m, floor in (("events_ms", row["floor_ms"]), ("wall_ms", row["floor_warm_ms"]),
+                                ("events_warm_ms", row["floor_warm_ms"]),
+                                ("graph_ms", row["floor_warm_ms"]))
+             if row.get(m) is not None and row[m] < floor]
+    if below and row["status"] == "ok":
+        row["status"] = "IMPLAUSIBLE"
+        row["flags"].append(f"faster than the physical floor ({row['floor_ms'] * 1e3:.3g} us "
+                            f"cold, {row['floor_source']}) in {', '.join(below)}")

@@ -108,6 +108,14 @@ def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu"
         report.timings["total_s"] = time.monotonic() - start
 
 
+def confinement(root: Path | None = None, reads=()) -> dict:
+    """A candidate's worker's confinement (sandbox.plan): it may read neither the reference
+    cache (`root`, and the user's default one) nor the harness's private directory. The same
+    for every check of a Session, whose spares are born with it."""
+    return sandbox.plan([root or refcache.default_root(), refcache.default_root(),
+                         sandbox.private_root()], reads=reads)
+
+
 def _prefork() -> bool:
     """In a process that has not imported torch (a new `fastelbo check`), and so has not touched
     CUDA, import it here, once, with the workers' tasks, and fork the workers from this process
@@ -152,10 +160,7 @@ class _Check:
         self.root = Path(self.tmp_root or (refcache.default_root() if cache is True else cache))
         if self.tmp_root is None:
             refcache.seal(self.root)
-        # The candidate's worker may read neither the reference's data nor the harness's.
-        self.confine = sandbox.plan([self.root, refcache.default_root(),
-                                     sandbox.private_root()], reads=[cand, prob],
-                                    writes=[cand.parent])
+        self.confine = confinement(self.root, reads=[cand, prob])
         report.confinement = self.confine["kind"]
         report.notes.append(f"confinement: {self.confine['note']}")
         self.pool = pool
@@ -389,7 +394,7 @@ class _Check:
         from . import shared  # imports torch: not before the workers are forked
         if not shared.is_shared(desc) or "path" not in desc:
             return desc
-        return {**desc, "path": self._hand(worker, desc["path"], Path(desc["path"]).name)}
+        return {**desc, "path": self._hand(worker, desc["path"], f"input-{Path(desc['path']).name}")}
 
     def _regime(self, g, entry: dict, got: dict | None, failed: bool, why: str,
                 judged: dict | None = None) -> RegimeReport:

@@ -171,7 +171,9 @@ def run_compile(candidate: str | Path, timeout: float = 600.0,
     if bad is not None:  # no worker needed to say so
         report.reason = bad
         return report
-    worker = pool.take() if pool is not None else Worker()
+    from .check import confinement  # the candidate's import runs confined, as in a check
+    confine = confinement(reads=[path])
+    worker = pool.take(confine) if pool is not None else Worker(confine=confine)
     try:
         outcome = worker.run("fastelbo.harness.tasks:import_only", {"candidate": str(path)},
                              timeout=timeout)

@@ -6,9 +6,10 @@ The reference's inputs and outputs live in two places only: the reference cache
 its seed is secret). A candidate's worker is confined at birth, before any thread or candidate
 code exists, with the strongest protection this OS offers (`plan()` decides, `enter()` applies):
 
-1. **landlock** (Linux >= 5.13, any user): the worker may read everything except those two
-   directories (rules on the rest of the tree, taken at its birth), write only its own scratch
-   directory, /dev/shm and the compile caches (torch extensions, Triton, Inductor, CUDA's),
+1. **landlock** (Linux >= 5.13, any user): the worker may read every file except those in the
+   two directories (rules on the rest of the tree, taken at its birth; directory listings stay
+   readable everywhere), write only its own scratch directory ($TMPDIR), /dev/shm and the
+   compile caches (torch extensions, Triton, Inductor, CUDA's: not its candidate's folder),
    open only the device files a GPU job needs, and may not ptrace (read the memory of) or,
    from ABI 6, signal any process outside its domain: the check's process and the reference's
    worker included.
@@ -75,21 +76,18 @@ def landlock_abi() -> int:
     return max(int(abi), 0)
 
 
-def plan(secrets: list[str | Path], reads: list[str | Path] = (),
-         writes: list[str | Path] = ()) -> dict:
+def plan(secrets: list[str | Path], reads: list[str | Path] = ()) -> dict:
     """The confinement for a candidate's worker: {"kind": landlock|user|none, "deny": [...],
-    ...}. `secrets`: directories it must not read (the cache, the private root); `reads`:
-    files it must read (its candidate, the problem), checked for the "user" kind; `writes`:
-    directories it may also write (its candidate's folder), unless a secret lies inside."""
-    deny = sorted({str(Path(p).resolve()) for p in secrets})
-    write = sorted({str(Path(w).resolve()) for w in writes
-                    if not any(Path(d) == Path(w).resolve() or Path(w).resolve() in
-                               Path(d).parents for d in deny)})
+    ...}, equal for equal secrets (a pool's spares serve any check with the same). `secrets`:
+    directories it must not read (the cache, the private root); `reads`: files it must read
+    (its candidate, the problem), checked for the "user" kind."""
+    paths = {Path(p).resolve() for p in secrets}
+    deny = sorted(str(p) for p in paths if not any(q in p.parents for q in paths))
     if os.environ.get(ENV) == "0":
         return {"kind": "none", "deny": deny, "note": f"confinement turned off ({ENV}=0)"}
     abi = landlock_abi()
     if abi:
-        return {"kind": "landlock", "abi": abi, "deny": deny, "write": write,
+        return {"kind": "landlock", "abi": abi, "deny": deny,
                 "note": f"Landlock ABI {abi}: reference data and harness memory sealed"}
     if os.geteuid() == 0:
         import pwd
@@ -237,6 +235,7 @@ def _landlock(libc, spec: dict, scratch: Path, caches: list[Path]) -> None:
         everything = handled
         deny = [Path(d) for d in spec["deny"]]
         special = [Path("/dev"), Path("/proc")]
+        allow("/", _READ_DIR)  # names everywhere (imports list directories), contents not
         for path in _complement(Path("/"), deny + special):
             allow(path, _READ)
         allow("/proc", _READ)  # other processes' memory stays behind Landlock's ptrace scope
@@ -244,7 +243,7 @@ def _landlock(libc, spec: dict, scratch: Path, caches: list[Path]) -> None:
         for entry in os.scandir("/dev"):
             if entry.name in _DEVICES or entry.name.startswith(_DEVICE_PREFIXES):
                 allow(entry.path, _READ | _WRITE_FILE)
-        for d in [scratch, *caches, *spec.get("write", ())]:
+        for d in [scratch, *caches]:
             allow(d, everything)
         _prctl(libc, _PR_SET_NO_NEW_PRIVS, 1)
         if libc.syscall(_SYS_RESTRICT, ctypes.c_int(fd), ctypes.c_uint32(0)) != 0:

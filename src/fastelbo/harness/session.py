@@ -15,11 +15,12 @@ crash or hang comes back as a verdict and the session carries on. Jobs run one a
 session on the CPU, and per CUDA device across every session of the machine (a thread lock
 plus a lock file), so no two checks or timings share a GPU.
 
-Warm workers: the session keeps `spares` worker processes started (torch imported, the
-harness's tasks loaded, the device's CUDA context created). A check or compile takes one,
-uses it for one candidate, closes it, and the replacement starts in the background when the
-job ends; so with the problem's reference cached a repeated check costs the candidate's own
-work. Each report's `workers` says which worker ran what and whether it was warm. Benchmarks
+Warm workers: the session keeps `spares` worker processes of each kind started (torch
+imported, the harness's tasks loaded, the device's CUDA context created): candidates' workers,
+confined from birth (sandbox.py), and the reference's. A check takes one of each (a compile a
+candidate's), uses it for one candidate, closes it, and the replacements start in the
+background when the job ends; so a repeated check, its secret seed's reference included,
+costs the two workers' own work. Each report's `workers` says which worker ran what and whether it was warm. Benchmarks
 use fresh workers of their own, and start timing only once the spares are idle.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pathlib import Path
 
 from ..problems import problem_path
 from .bench import run_bench
-from .check import run_check
+from .check import confinement, run_check
 from .compile import CompileReport, run_compile
 from .files import BUILTIN_PREFIX
 from .worker import STARTUP_TIMEOUT, WorkerPool
@@ -123,7 +124,11 @@ class Session:
         self._dir = Path(tempfile.mkdtemp(prefix="fastelbo-session-"))
         self._lock = threading.Lock()
         # Started last, once every argument is known good: nothing to clean up before this.
-        self._pool = WorkerPool(spares, device=self._key) if spares else None
+        cache = check_options.get("cache", True)
+        root = (None if cache is True or check_options.get("seed") is None or cache is False
+                else Path(cache))
+        self._pool = (WorkerPool(spares, device=self._key, confine=confinement(root))
+                      if spares else None)
         self._cleanup = weakref.finalize(self, _cleanup, self._dir, self._pool)
 
     # -- the four tools ------------------------------------------------------------------------

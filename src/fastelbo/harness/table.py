@@ -19,20 +19,22 @@ def _cells(row: dict) -> list[str]:
                                      f"{row['events_p80_ms']:.4f})")
     graph = _ms(row.get("graph_ms")) if not row.get("graph_error") else "n/a"
     mem = row.get("peak_mem_bytes")
+    frac = row.get("floor_fraction")
     notes = list(row.get("flags", []))
     for key in ("error", "graph_error", "correct_detail"):
         if row.get(key):
             notes.append(str(row[key]).splitlines()[-1][:120])
     return [str(row["candidate"]), str(row["batch_size"]), row.get("status", ""), ev,
-            _ms(row.get("wall_ms")), graph, "-" if mem is None else f"{mem / 2**20:.2f}",
+            _ms(row.get("events_warm_ms")), _ms(row.get("wall_ms")), graph,
+            "-" if frac is None else f"{frac:.1%}", "-" if mem is None else f"{mem / 2**20:.2f}",
             _x(row.get("speedup_eager_events") or row.get("speedup_eager_wall")),
             _x(row.get("speedup_eager_graph")), _x(row.get("speedup_compile_events")
                                                   or row.get("speedup_compile_wall")),
             "; ".join(notes)]
 
 
-HEADERS = ["candidate", "batch", "status", "events ms (p20-p80)", "wall ms", "graph ms",
-           "peak MiB", "x eager", "x eager (graph)", "x compile", "notes"]
+HEADERS = ["candidate", "batch", "status", "cold ms (p20-p80)", "warm ms", "wall ms",
+           "graph ms", "floor", "peak MiB", "x eager", "x eager (graph)", "x compile", "notes"]
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -41,7 +43,10 @@ def print_rows(rows: list[dict]) -> None:
     title = (f"{rows[0]['problem']} on {rows[0]['device']} ({rows[0]['device_name']}), "
              f"torch {rows[0]['torch']}, commit {rows[0]['commit']}")
     if rows[0]["device"] == "cpu":
-        title += " -- CPU timings: wall clock only"
+        title += " -- CPU timings: wall clock of single calls on fresh inputs"
+    else:
+        title += (" -- cold: events around one call after an L2 flush (KernelBench's way); "
+                  "warm: back to back; floor: the physical floor / cold time")
     if rows[0].get("validate") is False:
         title += " -- FASTELBO_VALIDATE=0 (no per-call value check)"
     cells = [_cells(r) for r in rows]

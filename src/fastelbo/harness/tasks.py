@@ -38,7 +38,6 @@ from .compare import (
     finiteness_differs,
     identical,
     perturbed,
-    unsupported_output,
     unsupported_type,
 )
 from .judge import judge_trial, needs_envelope, trial_to_dict
@@ -385,8 +384,7 @@ def _candidate_trial(model, inputs: list, seed: int, dev, resident: bool = False
                 if type(t) is torch.Tensor and t.numel()}
     aliased = [i for i, o in enumerate(raw) if type(o) is torch.Tensor and o.numel()
                and o.untyped_storage().data_ptr() in storages]
-    outputs = loader.to_host(tuple(unsupported_output(o) if _subclass(o) else o for o in raw),
-                             keep_device=resident)
+    outputs = loader.to_host(raw, keep_device=resident, strict=True)
     del raw
     loader.sync(dev)
     rng = loader.rng_state(dev)
@@ -397,11 +395,6 @@ def _candidate_trial(model, inputs: list, seed: int, dev, resident: bool = False
     return {"outputs": outputs, "rng": rng, "mutated": mutated, "aliased": aliased,
             "tampered": tampered}
 
-
-def _subclass(o) -> bool:
-    """A tensor of a subclass (exactly torch.Tensor is what the harness takes); type() runs
-    none of the subclass's code."""
-    return isinstance(o, torch.Tensor) and type(o) is not torch.Tensor
 
 
 # ---- The judge of a device-resident regime: the reference's worker, holding its outputs. ----

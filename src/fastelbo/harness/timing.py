@@ -1,23 +1,51 @@
-"""Timers for one zero-argument forward `fn`: CUDA events, host wall clock, CUDA-graph replay.
+"""Time a forward on fresh inputs, keeping what it returned so that the timed calls are judged.
 
-Each metric answers a different question: events give device time per forward (median and
-p20/p80 over single calls); wall time per call includes launch overhead, which dominates small
-batches; graph replay removes launch overhead, which is what a CUDA-graph user gets. Comparing
-event time with synchronize-bracketed wall time over the same calls catches work that escaped
-to another stream (events on the current stream would not see it).
+Every timed call gets inputs of its own: a copy of one of a pool of distinct input sets (every
+other call in new storage, the others in the previous call's storage, refilled), in shuffled order with no set twice in a row, after the generators
+are seeded for that set (`Pool`). The outputs of a random sample of the timed calls (all of up
+to 16, else at least one in eight, and always the last) are kept and come back as `checks`, [(set, outputs)], for
+the parent to compare with the reference's outputs for that set: a candidate whose behaviour
+depends on call count, spacing or input identity shows up wrong, not fast.
+
+Metrics, each answering its own question:
+- `events_ms` (GPU; the default, as KernelBench times): device time of one call with a cold L2,
+  flushed before the call and outside the timed window (a write of twice the L2's size, and a
+  reset of persisting L2 lines); median and p20 / p80.
+- `events_warm_ms`: the same without the flush, back to back (a warm L2: small problems' weights
+  stay in it; a best case).
+- `wall_ms`: host time per call of N calls and one synchronize (launch overhead included);
+  on the CPU, the median of single calls' host times.
+- `graph_ms`: one CUDA graph of `graph_reps` forwards, replayed; what a CUDA-graph user gets.
+  Its first forward is judged too, on a pool set copied into the captured inputs.
+- `kernels` (GPU): device time per call of each kernel, from torch.profiler: a kernel that runs
+  elsewhere or on a side stream shows up there.
+The timers are bound here at import, before any candidate: patching `time.perf_counter` or
+`torch.cuda.Event` later does not reach them (integrity.py reports such a patch).
 """
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
+_perf = time.perf_counter
+_Event = torch.cuda.Event
+_record = torch.cuda.Event.record
+_elapsed = torch.cuda.Event.elapsed_time
+_sync_all = torch.cuda.synchronize
+
 # A stream escape is flagged only when synced wall time per call exceeds event time per call
 # by both this factor and this many ms: small kernels are dominated by launch overhead, which
 # inflates wall time without any escape.
 ESCAPE_FACTOR, ESCAPE_MIN_MS = 2.0, 0.05
+SAMPLE_EVERY = 8      # at least one timed call in this many is judged (and always the last)
+JUDGE_ALL = 16        # up to this many timed calls, every one is judged
+POOL_BYTES = 1 << 29  # the pool's inputs at most (512 MiB), as 2 to POOL_MAX sets
+POOL_MAX = 16
+TOP_KERNELS = 8
 
 
 @dataclass
@@ -30,12 +58,89 @@ class Budget:
 
     @classmethod
     def quick(cls) -> Budget:
-        return cls(warmup=2, reps=5, calls=5, target_s=0.02)
+        return cls(warmup=2, reps=8, calls=5, target_s=0.02)
 
     def scaled(self, est_s: float) -> tuple[int, int]:
         """(reps, calls) shrunk so each metric takes about target_s, but at least 3."""
         n = max(3, int(self.target_s / max(est_s, 1e-7)))
         return min(self.reps, n), min(self.calls, n)
+
+
+def pool_size(set_bytes: int, quick: bool = False) -> int:
+    """How many distinct input sets the pool holds: as many as POOL_BYTES allows, 2 to 16."""
+    return max(2, min(4 if quick else POOL_MAX, POOL_BYTES // max(set_bytes, 1)))
+
+
+class Pool:
+    """Distinct input sets on the device and the seed of each set's forward. `fresh(j)` seeds
+    the generators for set j and returns new copies of its inputs (the clones are made on the
+    current stream, before any timed window opens)."""
+
+    def __init__(self, sets: list[list], seeds: list[int], rng: random.Random):
+        self.sets, self.seeds, self.rng = sets, seeds, rng
+        self._last, self._prev = -1, None
+
+    def order(self, n: int) -> list[int]:
+        """n set indices, shuffled, no set twice in a row (nor as the previous order's end)."""
+        out = []
+        for _ in range(n):
+            if self._last < 0:
+                j = self.rng.randrange(len(self.sets))
+            else:  # any set but the last one
+                j = self.rng.randrange(len(self.sets) - 1)
+                j = j + 1 if j >= self._last else j
+            out.append(j)
+            self._last = j
+        return out
+
+    def fresh(self, j: int) -> list:
+        """Set j's inputs for one call: new tensors every other call, and otherwise the
+        previous call's tensors refilled with set j (same storage, other contents), so that
+        a candidate keying answers on input identity returns a stale one."""
+        prev, self._prev = self._prev, None
+        if prev is not None and all(
+                not isinstance(t, torch.Tensor) or (isinstance(p, torch.Tensor)
+                                                   and p.shape == t.shape and p.dtype == t.dtype)
+                for p, t in zip(prev, self.sets[j])):
+            x = [p.copy_(t) if isinstance(t, torch.Tensor) else t
+                 for p, t in zip(prev, self.sets[j])]
+        else:
+            x = [t.clone() if isinstance(t, torch.Tensor) else t for t in self.sets[j]]
+            self._prev = x
+        torch.manual_seed(self.seeds[j])
+        return x
+
+    def sample(self, n: int) -> set[int]:
+        """Which of n timed calls are judged: every one of up to JUDGE_ALL, else a random 1 in
+        SAMPLE_EVERY at least, and always the last."""
+        if n <= JUDGE_ALL:
+            return set(range(n))
+        k = max(1, -(-n // SAMPLE_EVERY))
+        return set(self.rng.sample(range(n), k)) | {n - 1}
+
+
+KEEP_BYTES = 1 << 30  # outputs kept for judging, at most (each metric's last always is)
+
+
+class Checks(list):
+    """The timed calls' outputs kept for judging, [(set, outputs)], as device copies (no sync
+    inside a timing loop). Past KEEP_BYTES only each metric's last call is kept (a problem
+    whose outputs take GBs); `skipped` counts the sampled calls left unjudged so."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes, self.skipped = 0, 0
+
+    def keep(self, j: int, out, last: bool) -> None:
+        from .compare import as_tuple
+        from .loader import to_host
+        size = sum(t.numel() * t.element_size() for t in as_tuple(out)
+                   if isinstance(t, torch.Tensor))
+        if self.bytes + size > KEEP_BYTES and not last:
+            self.skipped += 1
+            return
+        self.bytes += size
+        self.append((j, to_host(out, keep_device=True, strict=True)))
 
 
 def quantiles(ms: list[float]) -> tuple[float, float, float]:
@@ -46,121 +151,220 @@ def quantiles(ms: list[float]) -> tuple[float, float, float]:
     return statistics.median(ms), q[1], q[7]
 
 
-def warm_up(fn, device: torch.device, budget: Budget) -> float:
-    """Run the warm-up calls; return a rough per-call time in seconds."""
-    fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(max(1, budget.warmup)):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - t0) / max(1, budget.warmup)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        _sync_all(device)
 
 
-def event_times(fn, reps: int) -> tuple[float, float, float]:
-    """Device time of single forwards (ms): events around each call, all read after one sync."""
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(reps)]
-    for start, end in pairs:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return quantiles([s.elapsed_time(e) for s, e in pairs])
+class L2Flush:
+    """Evicts the L2 before a timed call, as KernelBench and GPU MODE do: a write of twice the
+    L2's size, then a reset of persisting L2 lines (cudaCtxResetPersistingL2Cache)."""
+
+    def __init__(self, device: torch.device):
+        size = torch.cuda.get_device_properties(device).L2_cache_size or (64 << 20)
+        self.buf = torch.empty(2 * size // 4, dtype=torch.int32, device=device)
+        self.reset = _persisting_reset()
+
+    def __call__(self) -> None:
+        self.buf.fill_(1)
+        if self.reset is not None:
+            self.reset()
 
 
-def wall_per_call(fn, device: torch.device, calls: int, rounds: int = 5) -> float:
-    """Host time per call (ms): N calls, one synchronize, divide; median over rounds."""
+def _persisting_reset():
+    import ctypes
+    for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so"):
+        try:
+            fn = ctypes.CDLL(name).cudaCtxResetPersistingL2Cache
+        except (OSError, AttributeError):
+            continue
+        return lambda: fn()
+    return None
+
+
+def event_times(model, pool: Pool, reps: int, flush: L2Flush | None,
+                checks: Checks) -> tuple[float, float, float]:
+    """Device time of single calls (ms), each on fresh inputs, with the L2 flushed before each
+    when `flush`: events around the call only; the sampled calls' outputs go to `checks`."""
+    order, sample = pool.order(reps), pool.sample(reps)
+    pairs = []
+    for k, j in enumerate(order):
+        x = pool.fresh(j)
+        if flush is not None:
+            flush()
+        start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+        _record(start)
+        out = model(*x)
+        _record(end)
+        pairs.append((start, end))
+        if k in sample:
+            checks.keep(j, out, k == reps - 1)
+        del out, x
+    _sync_all()
+    return quantiles([_elapsed(s, e) for s, e in pairs])
+
+
+def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: Checks,
+                  rounds: int = 5) -> float:
+    """Host time per call (ms): N calls on fresh inputs prepared beforehand, one synchronize,
+    divide; median over rounds. The last call of each round is judged (the generators are
+    seeded for its set just before it; the others' noise is not judged)."""
     per = []
     for _ in range(rounds):
+        order = pool.order(calls)
+        inputs = [pool.fresh(j) for j in order]
         _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
+        t0 = _perf()
+        for k, x in enumerate(inputs):
+            if k == calls - 1:
+                torch.manual_seed(pool.seeds[order[k]])
+            out = model(*x)
         _sync(device)
-        per.append((time.perf_counter() - t0) * 1e3 / calls)
+        per.append((_perf() - t0) * 1e3 / calls)
+        checks.keep(order[-1], out, len(per) == rounds)
+        del out, inputs
     return statistics.median(per)
 
 
-def escape_check(fn, calls: int) -> tuple[float, float, bool]:
+def single_calls(model, pool: Pool, reps: int, checks: Checks) -> float:
+    """CPU: host time of single calls on fresh inputs (ms, median); sampled outputs judged."""
+    order, sample, ms = pool.order(reps), pool.sample(reps), []
+    for k, j in enumerate(order):
+        x = pool.fresh(j)
+        t0 = _perf()
+        out = model(*x)
+        ms.append((_perf() - t0) * 1e3)
+        if k in sample:
+            checks.keep(j, out, k == reps - 1)
+    return statistics.median(ms)
+
+
+def escape_check(model, pool: Pool, calls: int) -> tuple[float, float, bool]:
     """(event ms per call, synced wall ms per call, escaped?) over the same N calls."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e3 / calls
-    event = start.elapsed_time(end) / calls
+    order = pool.order(calls)
+    inputs = [pool.fresh(j) for j in order]
+    start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+    _sync_all()
+    t0 = _perf()
+    _record(start)
+    for x in inputs:
+        model(*x)
+    _record(end)
+    _sync_all()
+    wall = (_perf() - t0) * 1e3 / calls
+    event = _elapsed(start, end) / calls
     escaped = wall > ESCAPE_FACTOR * event and wall - event > ESCAPE_MIN_MS
     return event, wall, escaped
 
 
-def graph_time(fn, graph_reps: int, replays: int = 5) -> tuple[float | None, str]:
-    """ms per forward from replaying one CUDA graph holding `graph_reps` forwards: the median
-    over `replays` replays, each timed by its own events on the current stream, / graph_reps.
+def graph_time(model, pool: Pool, graph_reps: int, replays: int = 5) -> dict:
+    """ms per forward from replaying one CUDA graph holding `graph_reps` forwards (median over
+    `replays` replays, each timed by its own events, / graph_reps), and `graph_check`: a pool
+    set copied into the captured inputs, the generators seeded for it, one replay, and the
+    first captured forward's outputs (the parent judges them, where the reference's own graph
+    reproduces its eager outputs).
 
     Warm-up runs on a side stream first (as the PyTorch CUDA-graph docs require, so lazy
     initialisation and allocator warm-up happen outside capture).
     """
     try:
+        static = pool.fresh(0)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(3):
-                fn()
+                model(*static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(graph_reps):
-                fn()
-        graph.replay()  # the first replay uploads the graph; not timed
-        torch.cuda.synchronize()
-        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                 for _ in range(replays)]
+            first = model(*static)
+            for _ in range(graph_reps - 1):
+                model(*static)
+        j = pool.order(1)[0]
+        for dst, src in zip(static, pool.sets[j]):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+        torch.manual_seed(pool.seeds[j])
+        graph.replay()
+        from .loader import to_host
+        check = (j, to_host(first, keep_device=True, strict=True))
+        _sync_all()
+        pairs = [(_Event(enable_timing=True), _Event(enable_timing=True)) for _ in range(replays)]
         for start, end in pairs:
-            start.record()
+            _record(start)
             graph.replay()
-            end.record()
-        torch.cuda.synchronize()
+            _record(end)
+        _sync_all()
     except Exception as exc:  # noqa: BLE001 - a capture failure is a result, not a crash
-        return None, f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    ms = statistics.median(s.elapsed_time(e) for s, e in pairs) / graph_reps
+        return {"graph_ms": None, "graph_error": f"capture failed: {type(exc).__name__}: "
+                                                 f"{str(exc).splitlines()[0][:200]}"}
+    ms = statistics.median(_elapsed(s, e) for s, e in pairs) / graph_reps
     del graph
-    return ms, ""
+    return {"graph_ms": ms, "graph_error": "", "graph_check": check}
 
 
-def peak_memory(fn, device: torch.device) -> int:
+def peak_memory(model, pool: Pool, device: torch.device) -> int:
     """Bytes allocated at peak during one forward beyond what was allocated before it."""
-    torch.cuda.synchronize(device)
+    x = pool.fresh(0)
+    _sync_all(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    out = fn()
-    torch.cuda.synchronize(device)
+    out = model(*x)
+    _sync_all(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del out
     return int(peak)
 
 
-def measure(fn, device: torch.device, budget: Budget, graph_reps: int) -> dict:
-    """Every metric for one forward. On CPU only wall time exists (no events, no graphs)."""
-    est = warm_up(fn, device, budget)
-    reps, calls = budget.scaled(est)
-    m = {"wall_ms": wall_per_call(fn, device, calls)}
+def kernel_times(model, pool: Pool, calls: int = 5) -> dict:
+    """Device time per call of each kernel the forward ran (torch.profiler, CUPTI), whatever
+    stream it ran on: {kernel_ms, kernels: [{name, us, count}] of the TOP_KERNELS longest}."""
+    from torch.profiler import ProfilerActivity, profile
+    inputs = [pool.fresh(j) for j in pool.order(calls)]
+    _sync_all()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for x in inputs:
+            model(*x)
+        _sync_all()
+    totals: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t = totals.setdefault(e.name, [0.0, 0])
+            t[0] += e.time_range.elapsed_us()
+            t[1] += 1
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    return {"kernel_ms": sum(v[0] for v in totals.values()) / calls / 1e3,
+            "kernels": [{"name": n[:120], "us": v[0] / calls, "count": v[1] / calls}
+                        for n, v in top]}
+
+
+def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps: int,
+            profile: bool = True) -> tuple[dict, Checks]:
+    """(every metric, checks): see the module docstring. On the CPU only host time exists."""
+    for j in pool.order(max(1, budget.warmup)):
+        model(*pool.fresh(j))
+    _sync(device)
+    t0 = _perf()
+    for j in pool.order(3):
+        model(*pool.fresh(j))
+    _sync(device)
+    reps, calls = budget.scaled((_perf() - t0) / 3)
+    checks = Checks()
     if device.type != "cuda":
-        return m
+        return {"wall_ms": single_calls(model, pool, reps, checks)}, checks
     # Events, streams and synchronize() act on the current device: make it the measured one
     # (cuda:1 timed with cuda:0's stream would time nothing).
     with torch.cuda.device(device):
-        m["events_ms"], m["events_p20_ms"], m["events_p80_ms"] = event_times(fn, reps)
-        m["bracket_event_ms"], m["synced_wall_ms"], m["stream_escape"] = escape_check(fn, calls)
-        m["peak_mem_bytes"] = peak_memory(fn, device)
-        m["graph_ms"], m["graph_error"] = graph_time(fn, graph_reps)
-    return m
+        m = {}
+        m["events_ms"], m["events_p20_ms"], m["events_p80_ms"] = event_times(
+            model, pool, reps, L2Flush(device), checks)
+        m["events_warm_ms"], m["events_warm_p20_ms"], m["events_warm_p80_ms"] = event_times(
+            model, pool, reps, None, checks)
+        m["wall_ms"] = wall_per_call(model, pool, device, calls, checks)
+        m["bracket_event_ms"], m["synced_wall_ms"], m["stream_escape"] = escape_check(
+            model, pool, calls)
+        m["peak_mem_bytes"] = peak_memory(model, pool, device)
+        if profile:
+            m.update(kernel_times(model, pool))
+        m.update(graph_time(model, pool, graph_reps))
+    return m, checks
