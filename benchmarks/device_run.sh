@@ -7,7 +7,7 @@
 # results.tgz (every log and .jsonl), refreshed after every run so that a kill loses nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness "
+STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness kbtiming "
 for stage in "$@"; do  # refuse a typo before any stage spends device time
   [[ $STAGES == *" $stage "* ]] || { echo "device_run.sh: unknown stage '$stage' (stages:$STAGES)" >&2; exit 2; }
 done
@@ -83,6 +83,9 @@ for stage in "$@"; do case $stage in
   jobs) run jobs "${T_JOBS:-450}" python3 benchmarks/jobs.py --device cuda --out "$LOGS/jobs.jsonl" ;;
   harness) run harness "${T_HARNESS:-300}" python3 benchmarks/harness_timing.py --device cuda \
              --out "$LOGS/harness_timing.jsonl" ;;
+  kbtiming)  # bench's cold column against KernelBench's own timing (its timing.py in $KB_TIMING)
+    run kbtiming "${T_KB:-300}" python3 benchmarks/kernelbench_timing.py --kb "${KB_TIMING:-.kb/timing.py}" \
+      --out "$LOGS/kernelbench_timing.jsonl" ;;
 esac; done
 # The correctness record: a gpu_tests.jsonl row per test file, sanitizer run and check logged so
 # far (benchmarks/gpu_rows.py), into $LOGS and so into results.tgz.

@@ -40,6 +40,9 @@ from .worker import TaskError, progress, run_task, traceback_tail
 EAGER, COMPILED = "eager", "torch.compile"
 IMPLAUSIBLE = 100.0   # x eager; faster than this is more likely skipped work than a kernel
 METRICS = ("events_ms", "events_warm_ms", "graph_ms", "wall_ms")
+# Kernel time per call (the profiler, every stream) beyond this multiple of the event window
+# (the current stream) plus this many ms is work the window did not see.
+ESCAPE_KERNEL_FACTOR, ESCAPE_KERNEL_MS = 1.5, 0.02
 
 
 def default_candidates(device: str) -> list[str]:
@@ -255,6 +258,11 @@ def _finish_row(row: dict, results: dict, atol: float, rtol: float) -> dict:
         row["flags"].append(f"implausible speedup (>{IMPLAUSIBLE:g}x vs eager)")
     if row.get("stream_escape"):
         row["flags"].append("work escaped the timed stream (synced wall >> event time)")
+    kernels, window = row.get("kernel_ms"), row.get("events_warm_ms")
+    if kernels and window and kernels > ESCAPE_KERNEL_FACTOR * window + ESCAPE_KERNEL_MS:
+        row["flags"].append(f"device time outside the timed window: the profiler saw "
+                            f"{kernels * 1e3:.1f} us of kernels per call, the events "
+                            f"{window * 1e3:.1f} us (a side stream?)")
     return row
 
 

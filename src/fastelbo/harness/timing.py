@@ -10,7 +10,8 @@ depends on call count, spacing or input identity shows up wrong, not fast.
 Metrics, each answering its own question:
 - `events_ms` (GPU; the default, as KernelBench times): device time of one call with a cold L2,
   flushed before the call and outside the timed window (a write of twice the L2's size, and a
-  reset of persisting L2 lines); median and p20 / p80.
+  reset of persisting L2 lines), the device idle before the flush (a synchronize, as KernelBench
+  does: the call's launch latency counts); median and p20 / p80.
 - `events_warm_ms`: the same without the flush, back to back (a warm L2: small problems' weights
   stay in it; a best case).
 - `wall_ms`: host time per call of N calls and one synchronize (launch overhead included);
@@ -190,7 +191,8 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None,
     pairs = []
     for k, j in enumerate(order):
         x = pool.fresh(j)
-        if flush is not None:
+        if flush is not None:  # as KernelBench: idle device, then the flush, then the call
+            _sync_all()
             flush()
         start, end = _Event(enable_timing=True), _Event(enable_timing=True)
         _record(start)

@@ -1,0 +1,86 @@
+"""`fastelbo bench`'s cold-L2 column against KernelBench's own timing, same run, same GPU.
+
+    PYTHONPATH=src python3 benchmarks/kernelbench_timing.py --kb PATH/kernelbench/timing.py \
+        [--batches 128,1024,4096,65536] [--out rows.jsonl]
+
+For each batch size: the exported single-file solution (`fastelbo export --kernelbench`) and
+the reference Model timed by KernelBench's `time_execution_with_cuda_event` (its file, loaded
+from --kb: a synchronize, a 256 MB write to clear the L2, events around one call, 100 trials),
+then by `fastelbo bench` (cold column: `events_ms`). A row per batch and module, with both
+numbers and their ratio (issue #36's target: the solution's within 15%).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from fastelbo import export
+from fastelbo.harness import loader
+from fastelbo.harness.bench import run_bench
+from fastelbo.harness.results import append_jsonl, environment, utc_now
+from fastelbo.problems import problem_path
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def kernelbench_ms(kb, cls, batch: int) -> tuple[float, float]:
+    """(mean, median) ms per call under KernelBench's timing of `cls` at `batch`."""
+    prob = loader.problem_module(problem_path("vae_elbo"))
+    torch.manual_seed(0)
+    model = cls(*prob.get_init_inputs()).cuda()
+    with loader.batch_size_set(prob, batch):
+        inputs = [t.cuda() for t in prob.get_inputs()]
+    with torch.no_grad():
+        times = kb.time_execution_with_cuda_event(model, inputs, num_warmup=3, num_trials=100,
+                                                  verbose=False, device=torch.device("cuda:0"))
+    return statistics.mean(times), statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kb", required=True, help="KernelBench's src/kernelbench/timing.py")
+    ap.add_argument("--batches", default="128,1024,4096,65536",
+                    help="batch sizes (default: %(default)s)")
+    ap.add_argument("--out", default=None, help="jsonl to append rows to (default: none)")
+    args = ap.parse_args(argv)
+    kb = _load(Path(args.kb), "kernelbench_timing")
+    solution = Path(tempfile.mkdtemp()) / "solution.py"
+    export.write_kernelbench(solution)
+    modules = {"exported solution": _load(solution, "fastelbo_solution").ModelNew,
+               "eager reference": loader.problem_module(problem_path("vae_elbo")).Model}
+    base = {**environment("cuda"), "date": utc_now(), "problem": "vae_elbo"}
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ours, _ = run_bench("vae_elbo", [str(solution)], device="cuda", batch_sizes=[batch],
+                            compile_baseline=False)
+        cold = {"exported solution": ours[-1], "eager reference": ours[0]}
+        for name, cls in modules.items():
+            kb_mean, kb_median = kernelbench_ms(kb, cls, batch)
+            fe = cold[name]
+            row = {**base, "module": name, "batch_size": batch, "kernelbench_mean_ms": kb_mean,
+                   "kernelbench_median_ms": kb_median, "fastelbo_cold_ms": fe.get("events_ms"),
+                   "fastelbo_warm_ms": fe.get("events_warm_ms"),
+                   "fastelbo_graph_ms": fe.get("graph_ms"), "fastelbo_status": fe["status"],
+                   "ratio_to_kernelbench_median": (fe.get("events_ms") or 0) / kb_median}
+            rows.append(row)
+            print(f"{name:18} B={batch:6}  KernelBench {kb_median:.4f} ms (mean {kb_mean:.4f})"
+                  f"  fastelbo cold {row['fastelbo_cold_ms']:.4f} ms  ratio "
+                  f"{row['ratio_to_kernelbench_median']:.3f}  ({fe['status']})")
+    if args.out:
+        append_jsonl(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
