@@ -224,14 +224,16 @@ def test_compile_uses_a_spare_and_close_stops_the_rest(warm):
 
 @pytest.mark.gpu
 def test_a_repeated_cuda_check_runs_in_a_warm_spare(tmp_path):
-    """On a GPU: the spare has made its CUDA context before it is taken, and passes."""
+    """On a GPU: the spares (the candidate's, confined, and the reference's: a secret seed's
+    reference is computed every check) have made their CUDA contexts before they are taken."""
     with Session(TINY, "cuda", timeout=TIMEOUT, build_timeout=TIMEOUT, cache=tmp_path,
                  **OPTIONS) as s:
         first = s.run_correctness(str(CORRECT))
         assert s.wait_ready(TIMEOUT)
         again = s.run_correctness(str(CORRECT))
-    assert (first["exit_code"], again["exit_code"], again["reference"]) == (0, 0, "cached")
-    assert [(w["prestarted"], w["warm"]) for w in again["workers"]] == [(True, True)]
+    assert (first["exit_code"], again["exit_code"], again["reference"]) == (0, 0, "computed")
+    assert [(w["role"], w["prestarted"], w["warm"]) for w in again["workers"]] == [
+        ("candidate", True, True), ("reference", True, True)]
 
 
 def test_compile_dict_maps_build_errors_and_lists_resources():

@@ -89,8 +89,15 @@ class Snapshot:
         """'time.perf_counter was replaced', ... for every watched name bound elsewhere now,
         and any torch function or dispatch mode left active."""
         out = [f"{path}.{name} was replaced" for (path, name), (owner, value) in
-               self.bound.items() if _raw(owner, name) is not value]
+               self.bound.items() if not _same(_raw(owner, name), value)]
         return out + active_modes()
+
+
+def _same(now, then) -> bool:
+    """The same binding, or torch's own wrapper of it (importing torch._dynamo rebinds
+    torch.manual_seed to torch._disable_dynamo(torch.manual_seed), with __wrapped__ set)."""
+    return now is then or (getattr(now, "__wrapped__", None) is then
+                           and getattr(now, "__module__", "").startswith("torch"))
 
 
 def active_modes() -> list[str]:

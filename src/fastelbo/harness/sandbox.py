@@ -239,6 +239,7 @@ def _landlock(libc, spec: dict, scratch: Path, caches: list[Path]) -> None:
         for path in _complement(Path("/"), deny + special):
             allow(path, _READ)
         allow("/proc", _READ)  # other processes' memory stays behind Landlock's ptrace scope
+        allow(f"/proc/{os.getpid()}", everything)  # its own: the CUDA driver writes there
         allow("/dev/shm", everything)
         for entry in os.scandir("/dev"):
             if entry.name in _DEVICES or entry.name.startswith(_DEVICE_PREFIXES):
