@@ -94,12 +94,13 @@ class Pool:
             self._last = j
         return out
 
-    def fresh(self, j: int) -> list:
+    def fresh(self, j: int, recycle: bool = True) -> list:
         """Set j's inputs for one call: new tensors every other call, and otherwise the
         previous call's tensors refilled with set j (same storage, other contents), so that
-        a candidate keying answers on input identity returns a stale one."""
+        a candidate keying answers on input identity returns a stale one. `recycle=False`
+        for inputs prepared ahead of a loop (they must not share storage)."""
         prev, self._prev = self._prev, None
-        if prev is not None and all(
+        if recycle and prev is not None and all(
                 not isinstance(t, torch.Tensor) or (isinstance(p, torch.Tensor)
                                                    and p.shape == t.shape and p.dtype == t.dtype)
                 for p, t in zip(prev, self.sets[j])):
@@ -217,7 +218,7 @@ def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: C
     per = []
     for _ in range(rounds):
         order = pool.order(calls)
-        inputs = [pool.fresh(j) for j in order]
+        inputs = [pool.fresh(j, recycle=False) for j in order]
         _sync(device)
         t0 = _perf()
         for k, x in enumerate(inputs):
@@ -247,7 +248,7 @@ def single_calls(model, pool: Pool, reps: int, checks: Checks) -> float:
 def escape_check(model, pool: Pool, calls: int) -> tuple[float, float, bool]:
     """(event ms per call, synced wall ms per call, escaped?) over the same N calls."""
     order = pool.order(calls)
-    inputs = [pool.fresh(j) for j in order]
+    inputs = [pool.fresh(j, recycle=False) for j in order]
     start, end = _Event(enable_timing=True), _Event(enable_timing=True)
     _sync_all()
     t0 = _perf()
@@ -325,18 +326,21 @@ def kernel_times(model, pool: Pool, calls: int = 5) -> dict:
     """Device time per call of each kernel the forward ran (torch.profiler, CUPTI), whatever
     stream it ran on: {kernel_ms, kernels: [{name, us, count}] of the TOP_KERNELS longest}."""
     from torch.profiler import ProfilerActivity, profile
-    inputs = [pool.fresh(j) for j in pool.order(calls)]
+    inputs = [pool.fresh(j, recycle=False) for j in pool.order(calls)]
     _sync_all()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for x in inputs:
             model(*x)
         _sync_all()
     totals: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            t = totals.setdefault(e.name, [0.0, 0])
-            t[0] += e.time_range.elapsed_us()
-            t[1] += 1
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:  # older torch
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us > 0:  # a kernel, copy or memset (host-side ops have no self device time)
+            t = totals.setdefault(e.key, [0.0, 0])
+            t[0] += us
+            t[1] += e.count
     top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     return {"kernel_ms": sum(v[0] for v in totals.values()) / calls / 1e3,
             "kernels": [{"name": n[:120], "us": v[0] / calls, "count": v[1] / calls}
