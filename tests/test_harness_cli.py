@@ -130,6 +130,8 @@ seen = []
 
 
 class Fake:
+    killed = []
+
     def __init__(self, env=None, *, fork=False, confine=None):
         seen.append((fork, "torch" in sys.modules))
 

@@ -219,7 +219,7 @@ def test_a_hang_in_a_spare_is_reported_and_the_next_spare_checks_on(warm):
 def test_compile_uses_a_spare_and_close_stops_the_rest(warm):
     assert warm["compile"]["exit_code"] == 0
     assert warm["compile_spare"] == (1, True)  # it ran the compile, its one task, and is gone
-    assert warm["replaced"] and warm["closed"] == [True]  # its replacement, stopped by close
+    assert warm["replaced"] and warm["closed"] == [True, True]  # the spares, stopped by close
 
 
 @pytest.mark.gpu

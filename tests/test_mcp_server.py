@@ -28,9 +28,9 @@ CALL_TIMEOUT = 600.0  # the client's wait for one tool call
 TAG = "FASTELBO_TEST_SERVER_TAG"  # marks this test's server and workers in /proc
 
 
-def _params(cwd: Path, tag: str) -> StdioServerParameters:
+def _params(cwd: Path, tag: str, **extra: str) -> StdioServerParameters:
     src = str(HERE.parent / "src")
-    env = {**os.environ, TAG: tag,
+    env = {**os.environ, **extra, TAG: tag,
            "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
     return StdioServerParameters(
         command=sys.executable, cwd=cwd, env=env,
@@ -129,14 +129,17 @@ def test_stopping_the_server_kills_its_running_workers(tmp_path):
     """The client closes while a worker runs a candidate that hangs at import: the SDK
     terminates the server, and the server takes the worker (in a session of its own, out of
     the SDK's reach) with it."""
-    tag, started = uuid.uuid4().hex, tmp_path / "started"
+    # a confined worker writes only its scratch dir and the compile caches: it says it started
+    # in the extension root the server's environment names
+    ext = tmp_path / "ext"
+    tag, started = uuid.uuid4().hex, ext / "started"
     hangs_at_import = (f"import pathlib\nimport time\n\npathlib.Path({str(started)!r}).touch()\n"
                        "while True:\n    time.sleep(1)\n")
     alive = []
 
     async def scenario():
-        async with stdio_client(_params(tmp_path, tag)) as (read, write), \
-                ClientSession(read, write) as client:
+        async with stdio_client(_params(tmp_path, tag, TORCH_EXTENSIONS_DIR=str(ext))) as (
+                read, write), ClientSession(read, write) as client:
             await client.initialize()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(client.call_tool, "compile_kernel", {"source": hangs_at_import})

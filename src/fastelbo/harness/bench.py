@@ -29,8 +29,7 @@ import torch
 from .. import backends
 from ..contract import ENV_VAR as VALIDATE_ENV
 from ..contract import enabled_by_env
-from . import loader
-from .check import confinement
+from . import loader, sandbox
 from .compare import compare_outputs
 from .floor import count_flops, floors, nbytes
 from .results import append_jsonl, environment, utc_now
@@ -194,7 +193,7 @@ def run_bench(problem: str, candidates: list[str] | None = None, *, device: str 
             # what the workers ran with: off by request or already off in this environment
             "validate": validate and enabled_by_env(), "mode": "eval" if eval_mode else "train",
             "l2": "flushed before each events_ms call" if device.startswith("cuda") else None}
-    confine = confinement()
+    confine = sandbox.for_candidates()
     results: dict[str, dict[int, dict]] = {}
     rows, code = [], 0
     for name, kind, path in entries:

@@ -108,14 +108,6 @@ def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu"
         report.timings["total_s"] = time.monotonic() - start
 
 
-def confinement(root: Path | None = None, reads=()) -> dict:
-    """A candidate's worker's confinement (sandbox.plan): it may read neither the reference
-    cache (`root`, and the user's default one) nor the harness's private directory. The same
-    for every check of a Session, whose spares are born with it."""
-    return sandbox.plan([root or refcache.default_root(), refcache.default_root(),
-                         sandbox.private_root()], reads=reads)
-
-
 def _prefork() -> bool:
     """In a process that has not imported torch (a new `fastelbo check`), and so has not touched
     CUDA, import it here, once, with the workers' tasks, and fork the workers from this process
@@ -160,7 +152,7 @@ class _Check:
         self.root = Path(self.tmp_root or (refcache.default_root() if cache is True else cache))
         if self.tmp_root is None:
             refcache.seal(self.root)
-        self.confine = confinement(self.root, reads=[cand, prob])
+        self.confine = sandbox.for_candidates(self.root, reads=[cand, prob])
         report.confinement = self.confine["kind"]
         report.notes.append(f"confinement: {self.confine['note']}")
         self.pool = pool

@@ -14,6 +14,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import sandbox
 from .files import candidate_path, syntax_error
 from .worker import Worker, WorkerPool
 
@@ -171,8 +172,9 @@ def run_compile(candidate: str | Path, timeout: float = 600.0,
     if bad is not None:  # no worker needed to say so
         report.reason = bad
         return report
-    from .check import confinement  # the candidate's import runs confined, as in a check
-    confine = confinement(reads=[path])
+    # the candidate's import runs confined, as in a check (as the pool's spares are)
+    confine = pool.confine if pool is not None and pool.confine else \
+        sandbox.for_candidates(reads=[path])
     worker = pool.take(confine) if pool is not None else Worker(confine=confine)
     try:
         outcome = worker.run("fastelbo.harness.tasks:import_only", {"candidate": str(path)},

@@ -105,6 +105,14 @@ def plan(secrets: list[str | Path], reads: list[str | Path] = ()) -> dict:
             "note": "no Landlock here: a candidate could read the reference's data"}
 
 
+def for_candidates(root: str | Path | None = None, reads=()) -> dict:
+    """A candidate's worker's confinement: it may read neither the reference cache (`root`,
+    and the user's default one) nor the harness's private directory. The same for every check
+    of a Session (whose spares are born with it) and for compile and bench."""
+    from .refcache import default_root
+    return plan([root or default_root(), default_root(), private_root()], reads=reads)
+
+
 def _unreadable_for_others(paths) -> list[str]:
     """Paths that exist and that a user outside owner and group could not reach."""
     bad = []

@@ -42,8 +42,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..problems import problem_path
+from . import sandbox
 from .bench import run_bench
-from .check import confinement, run_check
+from .check import run_check
 from .compile import CompileReport, run_compile
 from .files import BUILTIN_PREFIX
 from .worker import STARTUP_TIMEOUT, WorkerPool
@@ -127,7 +128,7 @@ class Session:
         cache = check_options.get("cache", True)
         root = (None if cache is True or check_options.get("seed") is None or cache is False
                 else Path(cache))
-        self._pool = (WorkerPool(spares, device=self._key, confine=confinement(root))
+        self._pool = (WorkerPool(spares, device=self._key, confine=sandbox.for_candidates(root))
                       if spares else None)
         self._cleanup = weakref.finalize(self, _cleanup, self._dir, self._pool)
 
