@@ -42,6 +42,10 @@ METRICS = ("events_ms", "events_warm_ms", "graph_ms", "wall_ms")
 # Kernel time per call (the profiler, every stream) beyond this multiple of the event window
 # (the current stream) plus this many ms is work the window did not see.
 ESCAPE_KERNEL_FACTOR, ESCAPE_KERNEL_MS = 1.5, 0.02
+# A cold call's host time from its start event to an idle device (a synchronize waits for every
+# stream) beyond this multiple of its event time plus this many ms: work on another stream. On
+# the current stream the events see launch gaps too, so the two differ by a synchronize's cost.
+ESCAPE_SYNC_FACTOR, ESCAPE_SYNC_MS = 3.0, 0.01
 
 
 def default_candidates(device: str) -> list[str]:
@@ -257,6 +261,11 @@ def _finish_row(row: dict, results: dict, atol: float, rtol: float) -> dict:
         row["flags"].append(f"implausible speedup (>{IMPLAUSIBLE:g}x vs eager)")
     if row.get("stream_escape"):
         row["flags"].append("work escaped the timed stream (synced wall >> event time)")
+    event, synced = row.get("events_ms"), row.get("events_synced_ms")
+    if event is not None and synced is not None and synced > ESCAPE_SYNC_FACTOR * event + \
+            ESCAPE_SYNC_MS:
+        row["flags"].append(f"work outside the timed stream: a cold call took {event * 1e3:.1f} us "
+                            f"by its events but {synced * 1e3:.1f} us until the device was idle")
     kernels, window = row.get("kernel_ms"), row.get("events_warm_ms")
     if kernels and window and kernels > ESCAPE_KERNEL_FACTOR * window + ESCAPE_KERNEL_MS:
         row["flags"].append(f"device time outside the timed window: the profiler saw "

@@ -185,10 +185,13 @@ def _persisting_reset():
     return None
 
 
-def event_times(model, pool: Pool, reps: int, flush: L2Flush | None,
-                checks: Checks) -> tuple[float, float, float]:
+def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Checks,
+                synced: list | None = None) -> tuple[float, float, float]:
     """Device time of single calls (ms), each on fresh inputs, with the L2 flushed before each
-    when `flush`: events around the call only; the sampled calls' outputs go to `checks`."""
+    when `flush`: events around the call only; the sampled calls' outputs go to `checks`. With
+    `synced`, each call is followed by a synchronize (as KernelBench's are), and the host time
+    from its start event to that synchronize goes there: work on another stream is in it, not
+    in the events."""
     order, sample = pool.order(reps), pool.sample(reps)
     pairs = []
     for k, j in enumerate(order):
@@ -199,9 +202,13 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None,
             _sync_all()
             flush()
         start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+        t0 = _perf()
         _record(start)
         out = model(*x)
         _record(end)
+        if synced is not None:
+            _sync_all()
+            synced.append((_perf() - t0) * 1e3)
         pairs.append((start, end))
         if k in sample:
             checks.keep(j, out, k == reps - 1)
@@ -364,9 +371,10 @@ def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps:
     # Events, streams and synchronize() act on the current device: make it the measured one
     # (cuda:1 timed with cuda:0's stream would time nothing).
     with torch.cuda.device(device):
-        m = {}
+        m, synced = {}, []
         m["events_ms"], m["events_p20_ms"], m["events_p80_ms"] = event_times(
-            model, pool, reps, L2Flush(device), checks)
+            model, pool, reps, L2Flush(device), checks, synced)
+        m["events_synced_ms"] = statistics.median(synced)
         m["events_warm_ms"], m["events_warm_p20_ms"], m["events_warm_p80_ms"] = event_times(
             model, pool, reps, None, checks)
         m["wall_ms"] = wall_per_call(model, pool, device, calls, checks)
