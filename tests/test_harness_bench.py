@@ -64,11 +64,13 @@ def _row(n: int = 4, **extra) -> dict:
             "outputs": (torch.arange(float(n)),), **extra}
 
 
-def test_implausible_speedups_are_flagged():
+def test_large_speedups_get_a_note_not_a_verdict():
+    """A loaded host can make eager 100x slower than it is: over 100x is a note; the floor and
+    the judged timed calls are the verdicts."""
     row = bench._finish_row(_row(events_ms=0.001, wall_ms=0.5), _eager(), 1e-4, 1e-4)
-    assert row["status"] == "ok"
+    assert row["status"] == "ok" and row["flags"] == []
     assert row["speedup_eager_events"] == pytest.approx(1000.0)
-    assert any("implausible" in f for f in row["flags"])
+    assert any("look twice" in n for n in row["notes"])
 
 
 def test_a_row_faster_than_its_physical_floor_is_implausible():

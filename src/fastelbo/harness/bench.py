@@ -17,7 +17,7 @@ last of each metric) match eager's outputs for the same input set (else INCORREC
 timer or output reader was replaced and no torch mode was left active (integrity.py; else
 TAMPERED); (3) no metric beats the physical floor (floor.py; else IMPLAUSIBLE). Any of these
 makes `bench` exit 1. The candidate's worker is confined as check's is (sandbox.py). Speedups
-over 100x eager are flagged as well.
+over 100x eager get a note.
 """
 from __future__ import annotations
 
@@ -257,8 +257,10 @@ def _finish_row(row: dict, results: dict, atol: float, rtol: float) -> dict:
             mine, theirs = row.get(metric), base.get(metric) if base else None
             row[key] = theirs / mine if mine and theirs else None
     _floor(row)
-    if any((row.get(f"speedup_eager_{m[:-3]}") or 0) > IMPLAUSIBLE for m in METRICS):
-        row["flags"].append(f"implausible speedup (>{IMPLAUSIBLE:g}x vs eager)")
+    # A note, not a verdict: a loaded host can slow eager's calls that much; the physical
+    # floor (_floor) and the judged timed calls are what reject a cheat.
+    row["notes"] = [f"speedup over {IMPLAUSIBLE:g}x eager: look twice"] if any(
+        (row.get(f"speedup_eager_{m[:-3]}") or 0) > IMPLAUSIBLE for m in METRICS) else []
     if row.get("stream_escape"):
         row["flags"].append("work escaped the timed stream (synced wall >> event time)")
     event, synced = row.get("events_ms"), row.get("events_synced_ms")

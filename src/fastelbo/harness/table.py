@@ -20,7 +20,7 @@ def _cells(row: dict) -> list[str]:
     graph = _ms(row.get("graph_ms")) if not row.get("graph_error") else "n/a"
     mem = row.get("peak_mem_bytes")
     frac = row.get("floor_fraction")
-    notes = list(row.get("flags", []))
+    notes = list(row.get("flags", [])) + list(row.get("notes", []))
     for key in ("error", "graph_error", "correct_detail"):
         if row.get(key):
             notes.append(str(row[key]).splitlines()[-1][:120])
