@@ -25,6 +25,9 @@ from pathlib import Path
 from .rundir import PLOTS
 
 RECONSTRUCTIONS, SAMPLES, CURVES = PLOTS
+RECONSTRUCTIONS_SIZE, RECONSTRUCTIONS_TITLE = (10, 1.6), ("test images (top) and "
+                                                         "reconstructions at z = mu (bottom)")
+SAMPLES_SIZE, SAMPLES_TITLE = (6, 6), "64 samples, z ~ N(0, I)"
 SRC = Path(__file__).resolve().parents[2]  # the folder holding this fastelbo package
 
 
@@ -114,18 +117,26 @@ def draw(out: Path, pairs, samples, loss_curve, epochs) -> None:
     """The three PNGs in `out`. pairs: (2n, D) test images then their reconstructions; samples:
     (64, D) decoded prior draws; loss_curve: (k, 2) step, running -ELBO; epochs: (m, 3) step,
     train ELBO, test ELBO (values in [0, 1] for the images, D a square or drawn as one row).
-    Margins are fixed, not tight_layout's: its extra layout pass was a third of the drawing."""
+    Margins are fixed, not tight_layout's: its extra layout pass was a third of the drawing.
+    (Drawing two of them in forked copies of the child was tried: slower on 2 busy cores, the
+    copies' page faults costing more than the parallel drawing saved.)"""
+    _images(out / RECONSTRUCTIONS, pairs, 2, pairs.shape[0] // 2, RECONSTRUCTIONS_SIZE,
+            RECONSTRUCTIONS_TITLE)
+    _images(out / SAMPLES, samples, 8, 8, SAMPLES_SIZE, SAMPLES_TITLE)
+    _curves(out / CURVES, loss_curve, epochs)
+
+
+def _images(path: Path | None, images, rows: int, cols: int, size, title: str) -> None:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 1.6))
-    n = pairs.shape[0] // 2
-    _grid(fig.add_axes((0.01, 0.01, 0.98, 0.8)), pairs, 2, n,
-          "test images (top) and reconstructions at z = mu (bottom)")
-    _save(fig, out / RECONSTRUCTIONS)
+    fig = Figure(figsize=size)
+    top = 1 - 0.3 / size[1]  # room for the title: 0.3 inch
+    _grid(fig.add_axes((0.01, 0.01, 0.98, top - 0.01)), images, rows, cols, title)
+    _save(fig, path)
 
-    fig = Figure(figsize=(6, 6))
-    _grid(fig.add_axes((0.02, 0.02, 0.96, 0.91)), samples, 8, 8, "64 samples, z ~ N(0, I)")
-    _save(fig, out / SAMPLES)
+
+def _curves(path: Path | None, loss_curve, epochs) -> None:
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4))
     ax = fig.add_axes((0.11, 0.12, 0.86, 0.85))
@@ -137,42 +148,46 @@ def draw(out: Path, pairs, samples, loss_curve, epochs) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("nats per image")
     ax.legend()
-    _save(fig, out / CURVES)
+    _save(fig, path)
 
 
-def _save(fig, path: Path) -> None:
+def _save(fig, path: Path | None) -> None:
+    if path is None:  # the warm-up: drawn to memory
+        fig.savefig(io.BytesIO(), dpi=100, format="png")
+        return
     tmp = path.with_name(_tmp_name(path.name))
     fig.savefig(tmp, dpi=100, format="png")
     os.replace(tmp, path)
 
 
 def _warm_up() -> None:
-    """One small figure with text, a line and an image, drawn to memory: the first draw's costs
-    (fonts, Agg) are paid while the run trains."""
+    """The three figures, drawn to memory from stand-in data: the first draw's costs (fonts,
+    glyphs, colormaps, Agg, the PNG encoder) are paid while the run trains, not after it."""
     import numpy as np
-    from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(2, 2))
-    ax = fig.subplots()
-    ax.imshow(np.zeros((4, 4)), cmap="gray", vmin=0, vmax=1, interpolation="nearest")
-    ax.plot([0, 1], [0, 1], "o-", label="x")
-    ax.set_title("warm")
-    ax.legend()
-    fig.savefig(io.BytesIO(), dpi=20, format="png")
+    images = np.linspace(0, 1, 64 * 784, dtype=np.float32).reshape(64, 784)
+    _images(None, images[:32], 2, 16, RECONSTRUCTIONS_SIZE, RECONSTRUCTIONS_TITLE)
+    _images(None, images, 8, 8, SAMPLES_SIZE, SAMPLES_TITLE)
+    curve = np.array([[25.0, 300.0], [50.0, 250.0]])
+    _curves(None, curve, np.array([[31.0, -300.0, -250.0], [62.0, -250.0, -240.0]]))
 
 
 def _child() -> int:
+    """`python -m fastelbo.training.render`: warm up, read the data, draw, exit."""
     import numpy as np
 
     _warm_up()
     raw = sys.stdin.buffer.read()
-    if not raw:  # the run ended before its pictures (an error, Ctrl-C): nothing to draw
-        return 0
-    with np.load(io.BytesIO(raw), allow_pickle=False) as data:
-        draw(Path(str(data["out"])), data["pairs"], data["samples"], data["loss_curve"],
-             data["epochs"])
+    if raw:  # empty: the run ended before its pictures (an error, Ctrl-C): nothing to draw
+        with np.load(io.BytesIO(raw), allow_pickle=False) as data:
+            draw(Path(str(data["out"])), data["pairs"], data["samples"], data["loss_curve"],
+                 data["epochs"])
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_child())
+    code = _child()
+    # Leave without the interpreter's teardown (0.3 s of a 2-core CPU with matplotlib loaded),
+    # which the run would wait for; the PNGs are closed and renamed already.
+    sys.stderr.flush()
+    os._exit(code)
