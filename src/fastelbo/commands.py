@@ -26,9 +26,9 @@ exactly), summary.json (losses, test ELBO per epoch, timings) and, unless --no-p
 reconstructions.png, samples.png and curves.png. The summary is rewritten with every
 checkpoint and records its step; until the run ends it says "complete": false. An --out
 that holds a run already is refused unless --resume or --overwrite says what to do with
-it. On a GPU the whole step (forward, backward, Adam) runs as one CUDA graph. Under `torchrun --nproc-per-node N -m fastelbo.cli
-train ...` the global --batch-size is split over the ranks and the run equals a
-single-process run; only rank 0 writes.
+it. On a GPU the whole step (forward, backward, Adam) runs as one CUDA graph. Under
+`torchrun --nproc-per-node N -m fastelbo.cli train ...` the global --batch-size is split
+over the ranks and the run equals a single-process run; only rank 0 writes.
 
 On a 2-core CPU the default 10 epochs take 10-15 s, about 5 s of it start-up (torch).
 """
