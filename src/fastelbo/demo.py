@@ -22,7 +22,7 @@ def steps(device: str, out: Path, epochs: int, samples: int) -> list[tuple[str, 
         ("verify", ["check", "vae_elbo", "fastelbo:auto", "--device", device, "--trials", "2"]),
         ("speed", bench),
         ("train", ["train", "--epochs", str(epochs), "--device", device,
-                   "--out", str(out / "train")]),
+                   "--out", str(out / "train"), "--overwrite"]),  # the demo's own run
         ("evaluate", ["evaluate", str(out / "train"), "--samples", str(samples), "--device", device,
                       "--json", str(out / "evaluate.json")] + ([] if gpu else ["--limit", "200"])),
     ]

@@ -5,12 +5,15 @@ runs as one CUDA graph (training/step.py), under torchrun with its gradient all-
 --no-graph runs it eagerly. Under `torchrun --nproc-per-node N` (NCCL, or gloo on CPU) the global
 --batch-size is split over the ranks and the result equals a single process's run (same batches,
 same noise, same gradient up to the order of additions); only rank 0 writes.
-Outputs in --out: checkpoint.safetensors, summary.json, reconstructions.png, samples.png,
-curves.png. The options are defined (and range-checked) in fastelbo/commands.py.
+Outputs in --out (training/rundir.py: never mixed with an earlier run's): checkpoint.safetensors
+and summary.json, written together after every epoch and at the end, and reconstructions.png,
+samples.png, curves.png, drawn by a child process (training/render.py) that training/launch.py
+starts before this module imports torch. The options are defined (and range-checked) in
+fastelbo/commands.py.
 """
 from __future__ import annotations
 
-import json
+import functools
 import time
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from .contract import validation
 from .errors import Interrupted, UsageError
 from .model import ModelNew
 from .ops.elbo import resolve_backend
-from .training import checkpoint, dist
+from .training import checkpoint, dist, rundir
 from .training.step import Batches, EagerStep, GraphStep
 
 LOG_EVERY = 25  # steps between reads of the loss (each read is one device sync)
@@ -34,21 +37,16 @@ RESUME_KEYS = ("data", "dims", "batch_size", "seed", "binarize", "lr")
 DATA_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError)  # data.load's refusals
 
 
-def main(args) -> int:
-    """The `fastelbo train` job: args checked against this machine, then dist.run(train)."""
+def main(args, renderer=None) -> int:
+    """The `fastelbo train` job, after training/launch.py checked --out and started `renderer`
+    (None: no PNGs): args checked against this machine, then dist.run(train)."""
     check_device(args.device)
-    out = Path(args.out or default_out(args.data, args.dims, args.seed))
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out}: exists and is not a directory")
+    out = rundir.out_of(args)
     try:
-        return dist.run(train, args)
+        return dist.run(functools.partial(train, renderer=renderer), args)
     except KeyboardInterrupt:
         close_progress_bars()
         raise Interrupted(f"train interrupted; {resume_note(out)}") from None
-
-
-def default_out(data_spec: str, dims: str, seed: int) -> str:
-    return f"runs/{Path(data_spec).stem}-{'x'.join(map(str, parse_dims(dims)))}-s{seed}"
 
 
 def resume_note(out: Path) -> str:
@@ -103,7 +101,18 @@ def _config(args) -> dict:
     return {k: v for k, v in vars(args).items() if k != "func"}
 
 
-def train(args, world: dist.World, device: torch.device) -> dict:
+def _head(args, world: dist.World, device: torch.device, backend: str, use_graph: bool,
+          spe: int) -> dict:
+    """What every summary.json of this run says first, partial or complete."""
+    return {"args": _config(args), "version": __version__, "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "world_size": world.size, "backend": backend, "cuda_graph": use_graph,
+            "steps_per_epoch": spe}
+
+
+def train(args, world: dist.World, device: torch.device, renderer=None) -> dict:
+    """The run; its summary. `renderer` (rank 0's training/render.Renderer, or None) draws the
+    PNGs from the final weights while the run finishes."""
     t0 = time.perf_counter()
     dims = parse_dims(args.dims)
     check_backend(args.backend, device)
@@ -115,7 +124,7 @@ def train(args, world: dist.World, device: torch.device) -> dict:
     if args.batch_size > n_train or args.batch_size % world.size:
         raise UsageError(f"--batch-size {args.batch_size}: must be at most the {n_train} "
                          f"training images and divisible by the {world.size} rank(s)")
-    out = Path(args.out or default_out(args.data, args.dims, args.seed))
+    out = rundir.out_of(args)
     batches = Batches(ds.train.to(device), args.batch_size, dims[2], args.seed,
                       binarize=args.binarize, world=world)
     x_test = data.fixed_binarization(ds.test, args.seed) if args.binarize else ds.test
@@ -149,8 +158,9 @@ def train(args, world: dist.World, device: torch.device) -> dict:
                          f"--epochs or --max-steps to train on")
     backend = resolve_backend(args.backend, x_test[:args.batch_size // world.size])
 
-    if world.main:
-        out.mkdir(parents=True, exist_ok=True)
+    head = _head(args, world, device, backend, use_graph, spe)
+    if world.main:  # the arguments hold: remove what describes another step (rundir.py)
+        rundir.make_room(out, resume=args.resume)
     from tqdm import tqdm
     # disable=None: a bar on a terminal, silence in logs and CI.
     bar = tqdm(total=total, initial=step, disable=None if world.main else True, desc="train",
@@ -200,10 +210,15 @@ def train(args, world: dist.World, device: torch.device) -> dict:
                                   f"test ELBO {test_elbo:.3f}")
                 history["window"] = [float(window), window_n]
                 tk = time.perf_counter()
-                if world.main:
-                    checkpoint.save(out / checkpoint.NAME, model, opt,
-                                    {"step": step, "epoch": step / spe, "args": _config(args),
-                                     "history": history})
+                if world.main:  # a summary of the checkpoint's step, marked partial, with it
+                    with rundir.written_together():
+                        checkpoint.save(out / checkpoint.NAME, model, opt,
+                                        {"step": step, "epoch": step / spe,
+                                         "args": _config(args), "history": history})
+                        rundir.write_json(out / rundir.SUMMARY, {
+                            **head, "complete": False, "steps": step,
+                            "steps_this_run": step - start, "epochs": history["epochs"],
+                            "loss_curve": history["loss_curve"]})
                 ckpt_s += time.perf_counter() - tk
     _sync(device)
     t_end = time.perf_counter()
@@ -211,18 +226,20 @@ def train(args, world: dist.World, device: torch.device) -> dict:
     steady_n = step - steady[0] if steady else 0
     steady_s = t_end - steady[1] - (eval_s + ckpt_s - steady[2]) if steady_n else None
     bar.close()
+    loss_curve = history["loss_curve"] + ([[step, _global_mean(window / window_n, world)]]
+                                          if window_n else [])
+    if renderer is not None:  # drawn while the rest is done; waited for before the summary
+        from .training import plots
+
+        renderer.submit(out, **plots.arrays(model.vae_params(), x_test, loss_curve,
+                                            history["epochs"], args.seed))
     last = history["epochs"][-1] if history["epochs"] else None
     # A run ending on an epoch boundary has just evaluated these weights on this noise.
     final = (last["test_elbo"] if last is not None and last["step"] == step
              else test_elbo_of(model, x_test, test_eps))
     summary = {
-        "args": _config(args), "version": __version__, "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "world_size": world.size, "backend": backend, "cuda_graph": use_graph,
-        "steps": step, "steps_this_run": step - start, "steps_per_epoch": spe,
-        "epochs": history["epochs"],
-        "loss_curve": history["loss_curve"] + ([[step, _global_mean(window / window_n, world)]]
-                                               if window_n else []),
+        **head, "complete": True, "steps": step, "steps_this_run": step - start,
+        "epochs": history["epochs"], "loss_curve": loss_curve,
         "final": {"step": step, "test_elbo": final},
         "timings": {"total_s": time.perf_counter() - t0, "train_s": train_s,
                     "capture_s": capture_s, "eval_s": eval_s, "checkpoint_s": ckpt_s},
@@ -234,12 +251,12 @@ def train(args, world: dist.World, device: torch.device) -> dict:
                    "steps_per_s": steady_n / steady_s if steady_n else None,
                    "images_per_s": steady_n * args.batch_size / steady_s if steady_n else None},
     }
-    if world.main:
-        if not args.no_plots:
-            from .training import plots
-            summary["plots"] = [str(p) for p in plots.save_all(
-                out, model.vae_params(), x_test, summary, args.seed)]
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if renderer is not None:
+        tw = time.perf_counter()
+        summary["plots"] = {"step": step, "files": renderer.wait()}
+        summary["timings"]["plots_wait_s"] = time.perf_counter() - tw
+    if world.main:  # complete: the checkpoint's step, and the PNGs (if any) exist and show it
+        rundir.write_json(out / rundir.SUMMARY, summary)
         print(f"final test ELBO {final:.3f} nats after {step} steps; wrote {out}")
     return summary
 

@@ -18,8 +18,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from . import rundir
+
 FORMAT = "fastelbo-checkpoint-1"
-NAME = "checkpoint.safetensors"
+NAME = rundir.CHECKPOINT
 # Hyperparameters restored from a checkpoint; implementation flags (fused, capturable, foreach)
 # stay as built for the current device, so a GPU checkpoint resumes on CPU and back.
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
