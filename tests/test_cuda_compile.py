@@ -1,14 +1,19 @@
 """The cuda backend's sources compile for sm_90 with no register spills (no GPU needed).
 
-nvcc is found via CUDA_HOME / PATH / /usr/local/cuda; without it every test here is skipped
-(a failure under FASTELBO_REQUIRE_GPU=1). curand_kernel.h comes from the toolkit or from the
-nvidia-curand package (the dev extra), whose headers any nvcc 12+ compiles.
+nvcc is found via CUDA_HOME / CUDA_PATH / /usr/local/cuda / PATH; without it every test here
+skips, except where the CI variable is set (CI's machine has the toolkit: a missing nvcc fails
+there) or under FASTELBO_REQUIRE_GPU=1 (every skip fails). curand_kernel.h comes from the toolkit
+or from the nvidia-curand package (the dev extra), whose headers any nvcc 12+ compiles.
 The torch CPU wheel ships the c10/ATen headers but not c10/cuda/impl/cuda_cmake_macros.h
 (generated at torch build time), so those compiles define C10_CUDA_NO_CMAKE_CONFIGURE_FILE.
+
+Every compile is one job of `builds` (below): run once per session, in parallel, and cached
+across sessions under a hash of its command and inputs, as the extension itself is cached.
 """
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.util
 import os
 import re
@@ -17,6 +22,7 @@ import struct
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,12 +41,14 @@ def _nvcc() -> str | None:
 
 
 NVCC = _nvcc()
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) not found")
+# CI's machine has the CUDA toolkit: there a missing nvcc is a failure, not a skip.
+NVCC_EXPECTED = os.environ.get("CI", "").lower() not in ("", "0", "false")
 
 TORCH_INCLUDES = [f"-I{p}" for p in cpp_ext.include_paths()]
 TORCH_NVCC_DEFINES = [*cpp_ext.COMMON_NVCC_FLAGS, "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"]
 # The backend's own flags minus -lineinfo, plus the register / spill report.
 NVCC_FLAGS = [f for f in cuda_backend.NVCC_FLAGS if f != "-lineinfo"] + ["-Xptxas", "-v"]
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _run(cmd: list[str]) -> str:
@@ -48,6 +56,145 @@ def _run(cmd: list[str]) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)}\nfailed:\n{out[-6000:]}"
     return out
+
+
+@pytest.fixture(scope="session")
+def nvcc() -> str:
+    if NVCC is None:
+        why = "nvcc (CUDA toolkit) not found in CUDA_HOME, CUDA_PATH, /usr/local/cuda or PATH"
+        if NVCC_EXPECTED:
+            pytest.fail(f"{why}, and CI is set: CI's machine must have it", pytrace=False)
+        pytest.skip(why)
+    return NVCC
+
+
+class Builds:
+    """The compiles of this file, each run once: `start(jobs)` sets them going on a pool (the
+    compilers are single-threaded: on CI's 2 cores two at once halve the wait), `out(name)`
+    waits for one and returns its output (the ptxas report) and folder (its products), failing
+    with the command's output if it failed. A job is (argv, inputs): argv may name "{dir}", the
+    job's folder, where `inputs` ({file name: text}) are written first. A finished job is kept
+    in `root`/<hash of argv, inputs, the files of the backend and the tools, the compilers'
+    versions>, so an unchanged job is not run again (pytest's cache keeps that folder across
+    sessions; `pytest --cache-clear` empties it)."""
+
+    def __init__(self, root: Path):
+        self.root, self.jobs, self.done = root, {}, {}
+        workers = int(os.environ.get("MAX_JOBS") or 0) or min(os.cpu_count() or 1, 8)
+        self.pool = ThreadPoolExecutor(workers)
+        tools = [_run([t, "--version"]) for t in (NVCC, _cxx()) if t]
+        files = sorted([*cuda_backend.HERE.iterdir(), *(BENCH / "experiments").iterdir()])
+        self.salt = repr((tools, [(f.name, f.read_bytes()) for f in files if f.is_file()]))
+
+    def start(self, jobs: dict[str, tuple[list[str], dict[str, str]]]) -> None:
+        for name, job in jobs.items():
+            if name not in self.jobs:
+                self.jobs[name] = job
+                self.done[name] = self.pool.submit(self._build, *job)
+
+    def _build(self, argv: list[str], inputs: dict[str, str]) -> tuple[int, str, Path]:
+        key = hashlib.sha256(repr((argv, sorted(inputs.items()), self.salt)).encode())
+        folder = self.root / key.hexdigest()[:16]
+        if (folder / "rc").exists():
+            return int((folder / "rc").read_text()), (folder / "log").read_text(), folder
+        work = Path(f"{folder}.part{os.getpid()}")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        for name, text in inputs.items():
+            (work / name).write_text(text)
+        cmd = [a.replace("{dir}", str(work)) for a in argv]
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        log = (proc.stdout + proc.stderr).replace(str(work), "{dir}")
+        (work / "log").write_text(f"{' '.join(argv)}\n{log}")
+        (work / "rc").write_text(str(proc.returncode))
+        shutil.rmtree(folder, ignore_errors=True)
+        work.rename(folder)  # a killed run leaves a .part folder, never a half-written job
+        return proc.returncode, log, folder
+
+    def out(self, name: str) -> tuple[str, Path]:
+        rc, log, folder = self.done[name].result()
+        assert rc == 0, f"{' '.join(self.jobs[name][0])}\nfailed:\n{log[-6000:]}"
+        return log, folder
+
+
+def _cxx() -> str | None:
+    return shutil.which("c++") or shutil.which("g++")
+
+
+def _host_compile_job(source: str, text: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """`source` (a backend file, or a file `text` written into the job's folder) compiled by the
+    host compiler as cpp_extension.load compiles a .cpp (the torch, Python and CUDA headers;
+    the backend's CXX_FLAGS) into {dir}/out.o."""
+    import torch
+
+    path = str(cuda_backend.HERE / source) if text is None else "{dir}/" + source
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    argv = [_cxx(), "-std=c++20", *cuda_backend.CXX_FLAGS, "-c", path, "-o", "{dir}/out.o",
+            *TORCH_INCLUDES, f"-I{sysconfig.get_paths()['include']}",
+            f"-I{Path(NVCC).parent.parent / 'include'}", f"-I{cuda_backend.HERE}",
+            "-DTORCH_EXTENSION_NAME=fastelbo_test", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"]
+    return argv, ({} if text is None else {source: text})
+
+
+def _exe_job(main: str, *flags: str) -> tuple[list[str], dict[str, str]]:
+    """A host program `main` (CUDA C++ text) built by nvcc into {dir}/exe."""
+    return [NVCC, "-std=c++17", *flags, f"-I{cuda_backend.HERE}", "-o", "{dir}/exe",
+            "{dir}/main.cu"], {"main.cu": main}
+
+
+def _jobs_of(test: str) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """The jobs a test of this file reads (by the test function's name)."""
+    kernels = {f"kernel:{s}": ([NVCC, *NVCC_FLAGS, *TORCH_NVCC_DEFINES, "-c",
+                                str(cuda_backend.HERE / s), "-o", "{dir}/k.o"], {})
+               for s in cuda_backend.KERNEL_SOURCES}
+    if test == "test_benchmark_tools_build":
+        gencode = [f for f in cuda_backend.NVCC_FLAGS if "sm_90a" in f]
+        return {f"tool:{s}": ([NVCC, "-O3", "-std=c++17", *gencode, f"-I{cuda_backend.HERE}",
+                               "-o", "{dir}/tool", str(BENCH / s)], {}) for s in BENCH_CU}
+    if test == "test_kernel_compiles_sm90_without_spills":
+        return kernels
+    if test == "test_binding_compiles_with_torch_headers_and_links_up":
+        return {f"binding:{n}": _host_compile_job(n)
+                for n in (*cuda_backend.BINDING_SOURCES, cuda_backend.BINDING_MODULE)}
+    if test == "test_export_inline_source_compiles":
+        # The device code is the kernels' own (per file, above); here nvcc checks the single
+        # unit's syntax for the device and compiles its host side (the binding's entry points).
+        flags = [f for f in NVCC_FLAGS if f not in ("-Xptxas", "-v")]
+        return {**kernels,
+                "export:cuda": ([NVCC, *flags, "-fdevice-syntax-only", *TORCH_NVCC_DEFINES,
+                                 *TORCH_INCLUDES, "-c", "{dir}/inline.cu", "-o", "{dir}/out.o"],
+                                {"inline.cu": export.LOAD_INLINE_CUDA_PRELUDE
+                                 + export.cuda_source()}),
+                "export:cpp": _host_compile_job("main.cpp", export.LOAD_INLINE_CPP_PRELUDE
+                                                + export.cpp_source())}
+    if test == "test_philox_matches_tritons_stream":
+        return {"philox": _exe_job(_PHILOX_MAIN % (", ".join(f"{s}ULL" for s in PHILOX_SEEDS),
+                                                   ", ".join(f"{o}ULL" for o in PHILOX_OFFSETS)))}
+    if test == "test_philox_known_answers":
+        return {"kat": _exe_job(_KAT_MAIN)}
+    if test == "test_torch_randn_words_follow_curand":
+        try:
+            include = _curand_include()
+        except AssertionError:
+            return {}  # the test says where it looked
+        # -O3: its 1,716 draws step curand up to 2^25 times each (~300 s unoptimised, ~10 s)
+        return {"curand": _exe_job(_CURAND_MAIN, "-O3", f"-I{include}")}
+    return {}
+
+
+@pytest.fixture(scope="session")
+def builds(request, nvcc, tmp_path_factory):
+    """The jobs of every selected test of this file, started together at the first use."""
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    root = cache.mkdir("fastelbo-nvcc") if cache else tmp_path_factory.mktemp("nvcc")
+    b = Builds(Path(root))
+    here = Path(__file__).name
+    for item in request.session.items:
+        if item.path.name == here:
+            b.start(_jobs_of(getattr(item, "originalname", item.name)))
+    yield b
+    b.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
@@ -119,22 +266,29 @@ def test_every_kernel_source_is_listed():
 BENCH_CU = ("experiments/cuda_trace.cu", "experiments/tc_gemm_bench.cu")
 
 
-@needs_nvcc
 @pytest.mark.parametrize("source", BENCH_CU)
-def test_benchmark_tools_build(source, tmp_path):
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    gencode = [f for f in cuda_backend.NVCC_FLAGS if "sm_90a" in f]
-    assert gencode, cuda_backend.NVCC_FLAGS
-    _run([NVCC, "-O3", "-std=c++17", *gencode, f"-I{cuda_backend.HERE}",
-          "-o", str(tmp_path / "tool"), str(bench / source)])
+def test_benchmark_tools_build(source, builds):
+    assert [f for f in cuda_backend.NVCC_FLAGS if "sm_90a" in f], cuda_backend.NVCC_FLAGS
+    _, folder = builds.out(f"tool:{source}")
+    assert (folder / "tool").is_file()
 
 
-@needs_nvcc
 @pytest.mark.parametrize("source", cuda_backend.KERNEL_SOURCES)
-def test_kernel_compiles_sm90_without_spills(source, tmp_path):
-    out = _run([NVCC, *NVCC_FLAGS, "-c", str(cuda_backend.HERE / source),
-                "-o", str(tmp_path / "k.o")])
-    _check_kernels(_ptxas_report(out), EXPECTED_KERNELS[source])
+def test_kernel_compiles_sm90_without_spills(source, builds):
+    """Each kernel file compiled alone, as cpp_extension.load compiles it (torch's nvcc flags
+    and the backend's)."""
+    _check_kernels(_ptxas_report(builds.out(f"kernel:{source}")[0]), EXPECTED_KERNELS[source])
+
+
+def test_kernel_and_binding_files_define_no_macros():
+    """The exported file compiles these files as one translation unit (after every header),
+    and its test takes their machine code from the per-file builds: that holds while none of
+    them defines a macro (which would reach the files after it there) or a __constant__
+    (one 64 KiB bank for the whole unit)."""
+    for name in (*cuda_backend.KERNEL_SOURCES, *cuda_backend.BINDING_SOURCES):
+        text = (cuda_backend.HERE / name).read_text()
+        assert not re.search(r"^\s*#\s*(define|undef)\b", text, re.MULTILINE), name
+        assert "__constant__" not in text, name
 
 
 def test_kernel_sources_have_no_torch_and_no_fast_math():
@@ -152,23 +306,6 @@ def test_sources_are_package_data():
         assert f.suffix in (".cu", ".cpp", ".h", ".cuh"), f  # pyproject package-data patterns
 
 
-def _host_compile(source: Path, obj: Path) -> None:
-    """`source` compiled by the host compiler as cpp_extension.load compiles a .cpp (the
-    torch, Python and CUDA headers; the backend's CXX_FLAGS)."""
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler")
-    py_include = sysconfig.get_paths()["include"]
-    cuda_include = str(Path(NVCC).parent.parent / "include")
-    import torch
-
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    _run([cxx, "-std=c++20", *cuda_backend.CXX_FLAGS, "-c", str(source), "-o", str(obj),
-          *TORCH_INCLUDES, f"-I{py_include}", f"-I{cuda_include}", f"-I{cuda_backend.HERE}",
-          "-DTORCH_EXTENSION_NAME=fastelbo_test", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-          "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"])
-
-
 def _binding_symbols(obj: Path) -> tuple[set[str], set[str]]:
     """(defined in text, undefined) fastelbo::binding functions of an object file, demangled."""
     nm = shutil.which("nm")
@@ -182,14 +319,11 @@ def _binding_symbols(obj: Path) -> tuple[set[str], set[str]]:
     return defined, undefined
 
 
-@needs_nvcc
-def test_binding_compiles_with_torch_headers_and_links_up(tmp_path):
+def test_binding_compiles_with_torch_headers_and_links_up(builds):
     """Each binding file compiles alone, and every entry point binding_module.cpp binds is
     defined by exactly one of the others (what the extension's link needs)."""
-    objs = {}
-    for name in (*cuda_backend.BINDING_SOURCES, cuda_backend.BINDING_MODULE):
-        objs[name] = tmp_path / f"{name}.o"
-        _host_compile(cuda_backend.HERE / name, objs[name])
+    objs = {name: builds.out(f"binding:{name}")[1] / "out.o"
+            for name in (*cuda_backend.BINDING_SOURCES, cuda_backend.BINDING_MODULE)}
     _, needed = _binding_symbols(objs[cuda_backend.BINDING_MODULE])
     defined = [_binding_symbols(objs[n])[0] for n in cuda_backend.BINDING_SOURCES]
     assert len(needed) >= 13, needed  # every entry point of binding.h
@@ -260,23 +394,24 @@ def test_export_holds_every_binding_file_once():
         assert part.count("// ---- binding.h ----") == 1
 
 
-@needs_nvcc
 @pytest.mark.slow
-def test_export_inline_source_compiles(tmp_path):
-    """The exported cuda_sources, with load_inline's prelude, compile with nvcc for sm_90; its
-    cpp_sources with the host compiler; and the module's entry points are all defined in the
-    CUDA unit (what load_inline's link needs)."""
+def test_export_inline_source_compiles(builds, tmp_path):
+    """The exported cuda_sources, with load_inline's prelude, compile with nvcc for sm_90 (the
+    unit's host side, and its device syntax: the kernels' machine code is the per-file builds',
+    the same text with the same flags, held to no spills here too); its cpp_sources with the
+    host compiler; and the module's entry points are all defined in the CUDA unit (what
+    load_inline's link needs)."""
     mod = _load_solution(export.write_kernelbench(tmp_path / "solution.py"))
-    cu, cpp = tmp_path / "inline.cu", tmp_path / "main.cpp"
-    cu.write_text(export.LOAD_INLINE_CUDA_PRELUDE + mod.CUDA_SOURCE)
-    cpp.write_text(export.LOAD_INLINE_CPP_PRELUDE + mod.CPP_SOURCE)
-    out = _run([NVCC, *NVCC_FLAGS, *TORCH_NVCC_DEFINES, *TORCH_INCLUDES, "-c", str(cu),
-                "-o", str(tmp_path / "inline.o")])
-    _check_kernels(_ptxas_report(out),
-                   {k: n for per in EXPECTED_KERNELS.values() for k, n in per.items()})
-    _host_compile(cpp, tmp_path / "main.o")
-    defined, _ = _binding_symbols(tmp_path / "inline.o")
-    _, needed = _binding_symbols(tmp_path / "main.o")
+    assert (mod.CUDA_SOURCE, mod.CPP_SOURCE) == (export.cuda_source(), export.cpp_source())
+    for source in cuda_backend.KERNEL_SOURCES:  # each kernel file whole, as built alone
+        text = export._INCLUDE_HEADER.sub("", (cuda_backend.HERE / source).read_text())
+        assert f"// ---- {source} ----\n{text}" in mod.CUDA_SOURCE, source
+    report = {}
+    for source in cuda_backend.KERNEL_SOURCES:
+        report.update(_ptxas_report(builds.out(f"kernel:{source}")[0]))
+    _check_kernels(report, {k: n for per in EXPECTED_KERNELS.values() for k, n in per.items()})
+    defined, _ = _binding_symbols(builds.out("export:cuda")[1] / "out.o")
+    _, needed = _binding_symbols(builds.out("export:cpp")[1] / "out.o")
     assert len(needed) >= 13 and needed <= defined, needed - defined
 
 
@@ -329,16 +464,10 @@ for seed in %s:
 """
 
 
-@needs_nvcc
-def test_philox_matches_tritons_stream(tmp_path):
+def test_philox_matches_tritons_stream(builds):
     """philox.cuh draws tl.randint4x's integers and tl.rand's uniforms for the same (seed,
     offset): the cuda IWAE kernel's noise is the Triton kernel's."""
-    main = tmp_path / "philox_main.cu"
-    main.write_text(_PHILOX_MAIN % (", ".join(f"{s}ULL" for s in PHILOX_SEEDS),
-                                    ", ".join(f"{o}ULL" for o in PHILOX_OFFSETS)))
-    exe = tmp_path / "philox"
-    _run([NVCC, "-std=c++17", f"-I{cuda_backend.HERE}", "-o", str(exe), str(main)])
-    ours = [line.split() for line in _run([str(exe)]).splitlines()]
+    ours = [line.split() for line in _run([str(builds.out("philox")[1] / "exe")]).splitlines()]
     theirs = [line.split() for line in _run(
         [sys.executable, "-c", _TRITON_PHILOX % (list(PHILOX_OFFSETS), list(PHILOX_SEEDS))]
     ).splitlines()]
@@ -372,13 +501,8 @@ _KAT_OUT = ["6627e8d5 e169c58d bc57ac4c 9b00dbd8", "408f276d 41c83b0e a20bc7c6 6
             "d16cfe09 94fdcceb 5001e420 24126ea1"]
 
 
-@needs_nvcc
-def test_philox_known_answers(tmp_path):
-    main = tmp_path / "kat.cu"
-    main.write_text(_KAT_MAIN)
-    exe = tmp_path / "kat"
-    _run([NVCC, "-std=c++17", f"-I{cuda_backend.HERE}", "-o", str(exe), str(main)])
-    assert _run([str(exe)]).split("\n")[:3] == _KAT_OUT
+def test_philox_known_answers(builds):
+    assert _run([str(builds.out("kat")[1] / "exe")]).split("\n")[:3] == _KAT_OUT
 
 
 # curand's own device API made host-callable (its QUALIFIERS macro), driven the way PyTorch's
@@ -429,15 +553,10 @@ def _curand_include() -> str:
     return found
 
 
-@needs_nvcc
-def test_torch_randn_words_follow_curand(tmp_path):
+def test_torch_randn_words_follow_curand(builds):
     """The words torch_randn_words picks are those curand_init(seed, t, offset) + curand4 give
     the thread of PyTorch's normal_ launch that writes element i (the GPU tests then check the
     floats against torch.randn itself)."""
-    inc = _curand_include()
-    main = tmp_path / "curand_main.cu"
-    main.write_text(_CURAND_MAIN)
-    exe = tmp_path / "curand_cmp"
-    _run([NVCC, "-std=c++17", f"-I{inc}", f"-I{cuda_backend.HERE}", "-o", str(exe), str(main)])
-    n, bad = map(int, _run([str(exe)]).split())
+    _curand_include()
+    n, bad = map(int, _run([str(builds.out("curand")[1] / "exe")]).split())
     assert n == 4 * 11 * 3 * 13 and bad == 0
