@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from interpret import IN_CHILD
+from interpret import IN_CHILD, shard
 
 REQUIRE_GPU = os.environ.get("FASTELBO_REQUIRE_GPU") == "1"
 
@@ -49,9 +49,11 @@ def pytest_report_header(config):
 def pytest_collection_modifyitems(config, items):
     other = "interpreter_parent" if IN_CHILD else "interpreter_child"
     deselected = [item for item in items if other in item.keywords]
+    items[:] = [item for item in items if other not in item.keywords]
+    items[:], not_ours = shard(items)  # an interpreter child's share, where it has one
+    deselected += not_ours
     if deselected:
         config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if other not in item.keywords]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
