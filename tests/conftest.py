@@ -1,8 +1,10 @@
 """Shared test configuration.
 
-- `gpu`-marked tests skip where CUDA is not available. With FASTELBO_REQUIRE_GPU=1 (every
-  device run sets it) any skip or xfail, of any test, is a failure instead: a GPU machine
-  without nvcc, below compute capability 9.0 or with a broken triton cannot pass by skipping.
+- `gpu`- and `multi_gpu`-marked tests skip where CUDA is not available. With
+  FASTELBO_REQUIRE_GPU=1 (every device run sets it) any skip or xfail, of any test, is a
+  failure instead: a GPU machine without nvcc, below compute capability 9.0 or with a broken
+  triton cannot pass by skipping. A `multi_gpu` test is not `gpu`: `-m gpu` on one GPU leaves
+  it out, `-m multi_gpu` (device_run.sh's `multi` stage) runs it.
 - The Triton interpreter cases run in a child pytest (interpret.py); each process deselects
   the other's cases rather than skipping them, so that a skip only ever means "no GPU here".
 """
@@ -58,7 +60,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords or "multi_gpu" in item.keywords:
             item.add_marker(skip)
 
 

@@ -38,7 +38,10 @@ def run_steps(cfg, world: World, group) -> dict:
     train.build, Batches' shards and noise), on this rank's device."""
     dev = torch.device("cuda", world.local_rank) if cfg["device"] == "cuda" else torch.device("cpu")
     dtype = getattr(torch, cfg["dtype"])
-    model, opt = build(cfg["dims"], cfg["backend"], dev, cfg["lr"], 0, capturable=cfg["graph"])
+    # Each rank builds its model from a seed of its own (rank 0 and one process from 0): only
+    # FlatGradients' broadcast of rank 0's parameters makes the ranks start equal.
+    model, opt = build(cfg["dims"], cfg["backend"], dev, cfg["lr"], world.rank,
+                       capturable=cfg["graph"])
     model.to(dtype)  # before any step: Adam holds the same Parameter objects, no state yet
     batches = Batches(_data(cfg).to(dev, dtype), cfg["batch"], cfg["dims"][2], 0,
                       binarize=cfg["binarize"], world=world)
@@ -139,10 +142,10 @@ GPU = {"device": "cuda", "backend": "auto", "dims": (784, 256, 32), "rows": 4096
        "steps": 100, "binarize": False, "graph": True, "dtype": "float32"}
 
 
-@pytest.mark.gpu
-# World 2 needs two GPUs: marked multi_gpu, run by device_run.sh's `multi` stage on a machine of
-# several GPUs, deselected (-m "not multi_gpu") by its one-GPU `tests` stage.
-@pytest.mark.parametrize("size", [1, pytest.param(2, marks=pytest.mark.multi_gpu)])
+# World 1 is a `gpu` test; world 2 needs two GPUs, so it is `multi_gpu` only (not selected by
+# `-m gpu` on a one-GPU machine): device_run.sh's `multi` stage runs it on several GPUs.
+@pytest.mark.parametrize("size", [pytest.param(1, marks=pytest.mark.gpu),
+                                  pytest.param(2, marks=pytest.mark.multi_gpu)])
 def test_nccl_graph_step_equals_one_process(size, tmp_path):
     """The captured step with its NCCL all-reduce, per-GPU batch 128, 100 steps, against one
     process's captured step over the same global batch."""
