@@ -73,10 +73,11 @@ class Builds:
     compilers are single-threaded: on CI's 2 cores two at once halve the wait), `out(name)`
     waits for one and returns its output (the ptxas report) and folder (its products), failing
     with the command's output if it failed. A job is (argv, inputs): argv may name "{dir}", the
-    job's folder, where `inputs` ({file name: text}) are written first. A finished job is kept
-    in `root`/<hash of argv, inputs, the files of the backend and the tools, the compilers'
-    versions>, so an unchanged job is not run again (pytest's cache keeps that folder across
-    sessions; `pytest --cache-clear` empties it)."""
+    job's folder, where `inputs` ({file name: text}) are written first. A job that passed is
+    kept in `root`/<hash of argv, inputs, the files of the backend and the tools, the
+    compilers' versions>, so an unchanged one is not run again (pytest's cache keeps that folder
+    across sessions; `pytest --cache-clear` empties it). `prune()` drops the jobs of other
+    sources and compilers, so the cache holds one set of builds."""
 
     def __init__(self, root: Path):
         self.root, self.jobs, self.done = root, {}, {}
@@ -84,7 +85,8 @@ class Builds:
         self.pool = ThreadPoolExecutor(workers)
         tools = [_run([t, "--version"]) for t in (NVCC, _cxx()) if t]
         files = sorted([*cuda_backend.HERE.iterdir(), *(BENCH / "experiments").iterdir()])
-        self.salt = repr((tools, [(f.name, f.read_bytes()) for f in files if f.is_file()]))
+        salt = repr((tools, [(f.name, f.read_bytes()) for f in files if f.is_file()]))
+        self.salt = hashlib.sha256(salt.encode()).hexdigest()
 
     def start(self, jobs: dict[str, tuple[list[str], dict[str, str]]]) -> None:
         for name, job in jobs.items():
@@ -95,8 +97,8 @@ class Builds:
     def _build(self, argv: list[str], inputs: dict[str, str]) -> tuple[int, str, Path]:
         key = hashlib.sha256(repr((argv, sorted(inputs.items()), self.salt)).encode())
         folder = self.root / key.hexdigest()[:16]
-        if (folder / "rc").exists():
-            return int((folder / "rc").read_text()), (folder / "log").read_text(), folder
+        if (folder / "salt").exists():
+            return 0, (folder / "log").read_text(), folder
         work = Path(f"{folder}.part{os.getpid()}")
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
@@ -104,12 +106,21 @@ class Builds:
             (work / name).write_text(text)
         cmd = [a.replace("{dir}", str(work)) for a in argv]
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
-        log = (proc.stdout + proc.stderr).replace(str(work), "{dir}")
-        (work / "log").write_text(f"{' '.join(argv)}\n{log}")
-        (work / "rc").write_text(str(proc.returncode))
+        log = proc.stdout + proc.stderr
+        if proc.returncode:  # kept for the test's message only: a failure is never cached
+            return proc.returncode, log, work
+        (work / "log").write_text(log)
+        (work / "salt").write_text(self.salt)  # written last: the job is complete
         shutil.rmtree(folder, ignore_errors=True)
         work.rename(folder)  # a killed run leaves a .part folder, never a half-written job
-        return proc.returncode, log, folder
+        return 0, log, folder
+
+    def prune(self) -> None:
+        for folder in self.root.iterdir():  # not the .part folders of builds under way
+            salt = folder / "salt"
+            if ".part" not in folder.name and not (salt.exists() and
+                                                   salt.read_text() == self.salt):
+                shutil.rmtree(folder, ignore_errors=True)
 
     def out(self, name: str) -> tuple[str, Path]:
         rc, log, folder = self.done[name].result()
@@ -195,6 +206,7 @@ def builds(request, nvcc, tmp_path_factory):
             b.start(_jobs_of(getattr(item, "originalname", item.name)))
     yield b
     b.pool.shutdown(wait=True, cancel_futures=True)
+    b.prune()
 
 
 def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
