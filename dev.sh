@@ -42,6 +42,6 @@ case "$cmd" in
   demo) exec "$py" -m fastelbo.cli demo "$@" ;;
   test) say "ruff ..."
         "$py" -m ruff check src tests benchmarks
-        exec "$py" -m pytest -q "$@" ;;
+        exec "$py" -m pytest "$@" ;;  # a line per file: which one is running
   *) echo "usage: ./dev.sh demo|test [args]" >&2; exit 2 ;;
 esac
