@@ -80,6 +80,8 @@ def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu"
     validate(device=device, trials=trials, atol=atol, rtol=rtol, batch_sizes=batch_sizes,
              scales=scales, timeout=timeout, build_timeout=build_timeout,
              forward_timeout=forward_timeout)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be None (a secret one) or an int >= 0, got {seed!r}")
     start = time.monotonic()
     secret = seed is None
     if secret:
