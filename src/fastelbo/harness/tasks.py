@@ -396,7 +396,6 @@ def _candidate_trial(model, inputs: list, seed: int, dev, resident: bool = False
             "tampered": tampered}
 
 
-
 # ---- The judge of a device-resident regime: the reference's worker, holding its outputs. ----
 
 @torch.no_grad()
