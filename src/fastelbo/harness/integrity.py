@@ -15,7 +15,6 @@ confinement (sandbox.py) keeps the answers out of its reach whatever it patches.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
@@ -47,7 +46,7 @@ _WATCHED = [
         ("compare", ("compare_outputs", "identical", "as_tuple")),
         ("worker", ("emit", "progress", "_save", "_send")),
         ("timing", ("measure", "event_times", "wall_per_call", "graph_time", "flush_l2")),
-        ("integrity", ("changed", "active_modes")),
+        ("integrity", ("active_modes", "_same")),
     ) for n in names
 ]
 
@@ -110,11 +109,3 @@ def active_modes() -> list[str]:
         out.append("a TorchDispatchMode is left active after the forward")
     return out
 
-
-def changed(snapshot: Snapshot) -> list[str]:
-    return snapshot.changed()
-
-
-# The timers the harness uses, bound at import (before any candidate): a later patch of the
-# module attributes does not reach them, and Snapshot reports it.
-perf_counter = time.perf_counter

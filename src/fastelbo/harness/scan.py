@@ -20,21 +20,22 @@ _MODULES = {
     "inspect": "introspection", "socket": "network", "pickle": "pickle", "shutil": "file_access",
     "glob": "file_access", "tempfile": "file_access", "mmap": "file_access",
 }
-# called name (last two dotted parts, or the bare name) -> category
+# a builtin called by its bare name -> category
+_BUILTINS = {"open": "file_access", "exec": "dynamic_code", "eval": "dynamic_code",
+             "compile": "dynamic_code", "__import__": "dynamic_code", "globals": "introspection",
+             "setattr": "attribute_patch", "delattr": "attribute_patch"}
+# a called attribute (its last two dotted parts, or its last) -> category
 _CALLS = {
-    "open": "file_access", "Path.open": "file_access", "read_text": "file_access",
+    "Path.open": "file_access", "read_text": "file_access",
     "read_bytes": "file_access", "listdir": "file_access", "scandir": "file_access",
     "walk": "file_access", "rglob": "file_access", "iterdir": "file_access",
     "torch.load": "file_access", "os.fork": "processes", "os.system": "processes",
     "os.popen": "processes", "os.kill": "signal", "os.setsid": "processes",
     "os.execv": "processes", "os.execvp": "processes", "os._exit": "processes",
     "sys._getframe": "introspection", "sys.settrace": "introspection",
-    "sys.setprofile": "introspection", "globals": "introspection",
-    "setattr": "attribute_patch", "delattr": "attribute_patch",
+    "sys.setprofile": "introspection",
     "cuda.Stream": "streams", "cuda.stream": "streams", "torch.cuda.Stream": "streams",
     "Stream": "streams", "set_stream": "streams", "cuda.set_stream": "streams",
-    "exec": "dynamic_code", "eval": "dynamic_code", "compile": "dynamic_code",
-    "__import__": "dynamic_code",
 }
 _ATTRS = {"f_back": "introspection", "f_globals": "introspection", "f_locals": "introspection",
           "gi_frame": "introspection", "tb_frame": "introspection", "__code__": "introspection",
@@ -73,7 +74,10 @@ def scan_source(text: str) -> list[dict]:
                 flags.append((node.lineno, _MODULES[top]))
             elif top == "sys" and any(a.name == "modules" for a in node.names):
                 flags.append((node.lineno, "sys_modules"))
-        elif isinstance(node, ast.Call):
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in _BUILTINS:
+                flags.append((node.lineno, _BUILTINS[node.func.id]))
+        elif isinstance(node, ast.Call):  # a method or module function: torch.compile is none
             name = _dotted(node.func)
             for key in (name, ".".join(name.split(".")[-2:]), name.split(".")[-1]):
                 if key in _CALLS:

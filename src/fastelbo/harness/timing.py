@@ -168,9 +168,9 @@ class L2Flush:
         self.reset = _persisting_reset()
 
     def __call__(self) -> None:
-        """Before a cold call, with the caller's synchronize between: the reset (a driver call
-        that may block the host) first, then the write, left in flight as KernelBench leaves
-        its own (the host queues the call behind it)."""
+        """The write, left in flight as KernelBench leaves its own (the host queues the call
+        behind it). The caller resets persisting lines (`reset`, a driver call that may block
+        the host) before its synchronize."""
         self.buf.fill_(1)
 
 
