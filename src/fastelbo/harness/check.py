@@ -388,7 +388,8 @@ class _Check:
         from . import shared  # imports torch: not before the workers are forked
         if not shared.is_shared(desc) or "path" not in desc:
             return desc
-        return {**desc, "path": self._hand(worker, desc["path"], f"input-{Path(desc['path']).name}")}
+        name = f"input-{Path(desc['path']).name}"
+        return {**desc, "path": self._hand(worker, desc["path"], name)}
 
     def _regime(self, g, entry: dict, got: dict | None, failed: bool, why: str,
                 judged: dict | None = None) -> RegimeReport:

@@ -20,7 +20,8 @@ Every write is atomic (a temp file, then os.replace): two checks at once may bot
 entry, never read half of one. The cache heals itself: an entry whose files do not load or do
 not match the checksums recorded with it (a disk fault, a killed writer, a hand edit) is
 deleted with a one-line note, and the reference recomputes it. The root is mode 0700, and no
-candidate's worker may read it (sandbox.py). This module imports torch only to read and write .pt files, so
+candidate's worker may read it (sandbox.py). This module imports torch only to read and write
+.pt files, so
 the parent can look entries up before it imports torch.
 """
 from __future__ import annotations
@@ -164,9 +165,8 @@ def regime_entry(root: str | Path, rkey: str, trials: int, notes: list[str] | No
 
 def finish_entry(root: str | Path, rkey: str, n: int) -> None:
     """Mark the entry of `n` trials complete, with its files' checksums (written last)."""
-    save({"n": n, "sha256": [file_hash(f) for f in regime_files(root, rkey, n)]},
-         path(root, rkey, "count.json"))
-    os.replace(path(root, rkey, "count.json"), path(root, rkey, "count"))
+    sums = [file_hash(f) for f in regime_files(root, rkey, n)]
+    save(json.dumps({"n": n, "sha256": sums}), path(root, rkey, "count"))  # atomic, as all
 
 
 def _discard(files: list[Path], notes: list[str] | None, why: str) -> None:

@@ -15,13 +15,14 @@ crash or hang comes back as a verdict and the session carries on. Jobs run one a
 session on the CPU, and per CUDA device across every session of the machine (a thread lock
 plus a lock file), so no two checks or timings share a GPU.
 
-Warm workers: the session keeps `spares` worker processes of each kind started (torch
-imported, the harness's tasks loaded, the device's CUDA context created): candidates' workers,
-confined from birth (sandbox.py), and the reference's. A check takes one of each (a compile a
+Warm workers: the session keeps `spares` worker processes of each kind started (torch imported,
+the harness's tasks loaded, the device's CUDA context created): candidates' workers, confined
+from birth (sandbox.py), and the reference's. A check takes one of each (a compile a
 candidate's), uses it for one candidate, closes it, and the replacements start in the
-background when the job ends; so a repeated check, its secret seed's reference included,
-costs the two workers' own work. Each report's `workers` says which worker ran what and whether it was warm. Benchmarks
-use fresh workers of their own, and start timing only once the spares are idle.
+background when the job ends; so a repeated check, its secret seed's reference included, costs
+the two workers' own work. Each report's `workers` says which worker ran what and whether it
+was warm. Benchmarks use fresh workers of their own, and start timing only once the spares are
+idle.
 """
 from __future__ import annotations
 

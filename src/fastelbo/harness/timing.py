@@ -1,11 +1,12 @@
 """Time a forward on fresh inputs, keeping what it returned so that the timed calls are judged.
 
 Every timed call gets inputs of its own: a copy of one of a pool of distinct input sets (every
-other call in new storage, the others in the previous call's storage, refilled), in shuffled order with no set twice in a row, after the generators
-are seeded for that set (`Pool`). The outputs of a random sample of the timed calls (all of up
-to 16, else at least one in eight, and always the last) are kept and come back as `checks`, [(set, outputs)], for
-the parent to compare with the reference's outputs for that set: a candidate whose behaviour
-depends on call count, spacing or input identity shows up wrong, not fast.
+other call in new storage, the others in the previous call's storage, refilled), in shuffled
+order with no set twice in a row, after the generators are seeded for that set (`Pool`). The
+outputs of a random sample of the timed calls (all of up to 16, else at least one in eight, and
+always the last) are kept and come back as `checks`, [(set, outputs)], for the parent to
+compare with the reference's outputs for that set: a candidate whose behaviour depends on call
+count, spacing or input identity shows up wrong, not fast.
 
 Metrics, each answering its own question:
 - `events_ms` (GPU; the default, as KernelBench times): device time of one call with a cold L2,

@@ -94,11 +94,10 @@ class Worker:
         self._log_path = self.tmp / "output.log"
         self.confine = confine
         self.killed: list[str] = []  # processes it left behind, killed with it (kill())
-        self._reaped_tree = False
+        self._tree_killed = False
         self.forked = fork and not env
         if self.forked:
-            self.proc = _fork(cmd_r, msg_w, self.tmp, self._log_path, (self._cmd, self._msg),
-                              confine)
+            self.proc = _fork(cmd_r, msg_w, self.tmp, self._log_path, confine)
         else:
             extra = {**(env or {}), CONFINE_ENV: json.dumps(confine)}
             with open(self._log_path, "wb") as log:
@@ -259,8 +258,8 @@ class Worker:
         its children (nvcc, ninja, compile workers); then reap it, unless `wait` is False (a
         caller killing several reaps them after: each exit tears down a CUDA context, and those
         teardowns then overlap)."""
-        if not self._reaped_tree and self.proc.poll() is None:
-            self._reaped_tree = True  # once: a second pass would find the first's zombies
+        if not self._tree_killed and self.proc.poll() is None:
+            self._tree_killed = True  # once: a second pass would find the first's zombies
             self.killed += sandbox.kill_tree(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -328,14 +327,12 @@ class _Forked:
             return self.returncode
 
 
-def _fork(cmd_r: int, msg_w: int, tmp: Path, log_path: Path, ours: tuple,
-          confine: dict | None) -> _Forked:
-    """Fork a worker; `ours` are the parent's ends of its pipes, which the child must not hold
-    (the command pipe's EOF is how a worker learns that its parent is gone). The child keeps
-    no other descriptor of the parent's (a file of the reference's data, say)."""
+def _fork(cmd_r: int, msg_w: int, tmp: Path, log_path: Path, confine: dict | None) -> _Forked:
+    """Fork a worker. The child keeps no descriptor of the parent's but its own two pipe ends:
+    not the parent's ends of any worker's pipes (the command pipe's EOF is how a worker learns
+    that its parent is gone), nor any file the parent had open (the reference's data, say)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    others = [*ours, *(fd for w in _live for fd in (w._cmd, w._msg))]
     with warnings.catch_warnings():
         # Python 3.12+ counts OpenBLAS's idle native threads and warns; they reset at a fork.
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -349,15 +346,11 @@ def _fork(cmd_r: int, msg_w: int, tmp: Path, log_path: Path, ours: tuple,
         os.dup2(null, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        # the parent's ends of every worker's pipes (their EOF must not wait for this one),
-        # and every other descriptor the parent held
-        keep = {0, 1, 2, cmd_r, msg_w}
-        for fd in [*others, null, log, *map(int, os.listdir("/proc/self/fd"))]:
-            if fd not in keep:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        top = max(os.sysconf("SC_OPEN_MAX"), cmd_r + 1, msg_w + 1)
+        low, high = sorted((cmd_r, msg_w))
+        os.closerange(3, low)  # everything else from 3 up: null and log too, after the dup2s
+        os.closerange(low + 1, high)
+        os.closerange(high + 1, top)
         os.environ[CONFINE_ENV] = json.dumps(confine)
         main([str(cmd_r), str(msg_w), str(tmp)])
     except BaseException:  # noqa: BLE001 - into the log, which the parent reports
