@@ -31,7 +31,7 @@ from ..contract import ENV_VAR as VALIDATE_ENV
 from ..contract import enabled_by_env
 from . import loader, sandbox
 from .compare import compare_outputs
-from .floor import count_flops, floors, nbytes
+from .floor import count_flops, floors
 from .results import append_jsonl, environment, utc_now
 from .timing import Budget, Pool, measure, pool_size
 from .worker import TaskError, progress, run_task, traceback_tail
@@ -124,7 +124,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                 row["pool_outputs"] = [loader.to_host(model(*pool.fresh(j)))
                                        for j in range(len(pool.sets))]
                 row["flops"] = count_flops(model, pool.fresh(0))
-                row["io_bytes"] = nbytes(pool.sets[0]) + nbytes(row["outputs"])
+                row["io_bytes"] = loader.nbytes(pool.sets[0]) + loader.nbytes(row["outputs"])
             metrics, checks = measure(model, pool, dev, budget, reps)
             check = metrics.pop("graph_check", None)
             row.update(metrics, pool=len(pool.sets), checks_skipped=checks.skipped,
@@ -146,7 +146,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
 def _pool(mod, seed: int, n: int | None, dev: torch.device, quick: bool) -> Pool:
     """The batch size's distinct input sets (the same in every entry's worker: one seed)."""
     first = loader.draw_inputs(mod, seed + 1000, n)
-    count = pool_size(nbytes(first), quick)
+    count = pool_size(loader.nbytes(first), quick)
     sets = [first] + [loader.draw_inputs(mod, seed + 1000 * (j + 1), n) for j in range(1, count)]
     return Pool([loader.to_device(x, dev) for x in sets], [seed + j for j in range(count)],
                 random.Random(f"{seed}/{n}"))

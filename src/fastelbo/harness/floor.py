@@ -45,11 +45,6 @@ def count_flops(model, inputs: list) -> int | None:
         return None
 
 
-def nbytes(values) -> int:
-    import torch
-    return sum(t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor))
-
-
 def floors(flops: int | None, io_bytes: int, device_type: str,
            device_name: str) -> dict:
     """{floor_ms (cold), floor_warm_ms (FLOPs only), floor_source}."""

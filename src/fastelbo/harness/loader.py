@@ -165,6 +165,11 @@ def to_host(out, *, keep_device: bool = False, strict: bool = False) -> tuple:
                  for t in as_tuple(out))
 
 
+def nbytes(values) -> int:
+    """Bytes of the tensors among `values` (anything else counts nothing)."""
+    return sum(t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor))
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -96,10 +96,6 @@ def resident_threshold(dev: torch.device) -> float:
     return RESIDENT_BYTES if dev.type == "cuda" else float("inf")
 
 
-def _nbytes(values) -> int:
-    return sum(t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor))
-
-
 @torch.no_grad()
 def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: float,
                    rtol: float, trials: int, root: str, batch_sizes: list[int] | None,
@@ -152,7 +148,7 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
     if only is None or "default" in only:
         first = run(Regime("default"))
         if first and meta["default_batch"]:
-            meta["row_bytes"] = _nbytes(first[0]) // meta["default_batch"]
+            meta["row_bytes"] = loader.nbytes(first[0]) // meta["default_batch"]
     regimes, _ = plan(meta["default_batch"], meta["variants"], batch_sizes, scales,
                       meta["row_bytes"], meta["float_params"])
     refcache.save(meta, refcache.path(root, pkey, "meta.json"))
@@ -248,7 +244,7 @@ def _reference_trial(model, inputs, seed, dev, atol, rtol,
     seeded = loader.rng_state(dev)
     raw = model(*_copies(export))
     if resident is None:
-        resident = _nbytes(export) + _nbytes(as_tuple(raw)) >= resident_threshold(dev)
+        resident = loader.nbytes(export) + loader.nbytes(as_tuple(raw)) >= resident_threshold(dev)
     first, is_tuple = loader.to_host(raw, keep_device=resident), isinstance(raw, (tuple, list))
     del raw
     bad = [f"output {i} is a {name}" for i, o in enumerate(first)

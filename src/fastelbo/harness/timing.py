@@ -136,9 +136,8 @@ class Checks(list):
 
     def keep(self, j: int, out, last: bool) -> None:
         from .compare import as_tuple
-        from .loader import to_host
-        size = sum(t.numel() * t.element_size() for t in as_tuple(out)
-                   if isinstance(t, torch.Tensor))
+        from .loader import nbytes, to_host
+        size = nbytes(as_tuple(out))
         if self.bytes + size > KEEP_BYTES and not last:
             self.skipped += 1
             return
