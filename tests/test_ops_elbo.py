@@ -94,6 +94,29 @@ def test_custom_op_gradients_when_only_some_outputs_are_used(fake_gpu_backend, u
         torch.testing.assert_close(g, w, equal_nan=True, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_gpu_backend_model_with_grad_equals_eager(request, device):
+    """torch.compile of a GPU backend's model, value check on (graph breaks), forward and
+    backward: as eager. On torch 2.11 dynamo traced VAEParams._make(map(...)) as an empty
+    VAEParams and this raised IndexError (a CPU run here shows it with torch 2.11)."""
+    if device == "cpu":
+        request.getfixturevalue("fake_gpu_backend")
+    else:
+        request.getfixturevalue("cuda")
+    _, new = twins((16, 8, 3), backend="cuda", device=device)
+    x = torch.rand(6, 16, device=device)
+    compiled = torch.compile(new, backend="aot_eager")
+    grads = []
+    for model in (new, compiled):
+        torch.manual_seed(4)
+        out = model(x)
+        grads.append((out, torch.autograd.grad(out[0].sum(), list(new.parameters()))))
+    assert_outputs_close(grads[1][0], grads[0][0])
+    assert_outputs_close(grads[1][1], grads[0][1], atol=1e-5, rtol=1e-5,
+                         names=tuple(n for n, _ in new.named_parameters()))
+
+
 def test_compiled_model_keeps_the_rng_contract_and_the_value_check():
     """Under torch.compile the noise is still the eager randn, and bad x still raises."""
     ref, new = twins((16, 8, 3))

@@ -195,7 +195,9 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
     name = resolve_backend(backend, x, verdict)
     plain = verdict.plain  # every tensor already contiguous, of a plain tensor type
     if not plain:  # .contiguous() returns the tensor itself when it already is
-        x, params = x.contiguous(), VAEParams._make(map(torch.Tensor.contiguous, params))
+        # A list, not VAEParams._make(map(...)): torch 2.11's dynamo traces that as an empty
+        # VAEParams (IndexError at the op's call under torch.compile with autograd).
+        x, params = x.contiguous(), VAEParams(*[p.contiguous() for p in params])
     mod = backends.module(name)
     if eps is None and mod.DRAWS_NOISE and not _needs_op(x, None, params, plain):
         return mod.forward_drawing(x, params, verdict)  # it waits before drawing or launching
