@@ -23,6 +23,12 @@ during the run (a shared machine) touches every job alike. Jobs:
                                      test images on a GPU, 20 on a CPU]
   plain IWAE                         the same estimate over the same images, one image at a time
                                      in plain PyTorch (K samples per image in one batch)
+  MCP initialize                     an MCP client (the SDK's stdio client) spawns `fastelbo
+                                     serve` (vae_elbo on the device); work: spawn to initialized
+  MCP run_correctness x2             the same server, then run_correctness of fastelbo:auto
+                                     twice back to back (--trials 1, no scale regimes); work: the
+                                     second call, which should find its workers warm
+                                     (both need the mcp package; left out without it)
 
 Rows (JSON lines, tagged with device name, torch version, commit and date) are appended to
 --out when given; a table goes to stdout. "CPU s" is the child's user + system time (all its
@@ -32,6 +38,7 @@ useful part (train: summary.json's train_s, the plain loop's seconds; evaluate: 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -154,6 +161,40 @@ print(json.dumps({"work_s": time.perf_counter() - t0, "log_likelihood": mean}))
 '''
 
 
+# An MCP client: spawns `fastelbo serve` over stdio and prints what it timed as JSON.
+MCP_CLIENT = r'''
+import json, os, sys, time
+import anyio
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+
+mode, device = sys.argv[1], sys.argv[2]
+serve = ["-m", "fastelbo.cli", "serve", "--problem", "vae_elbo", "--device", device,
+         "--trials", "1", "--scales", ""]
+
+async def main():
+    params = StdioServerParameters(command=sys.executable, args=serve, env=dict(os.environ))
+    t0 = time.perf_counter()
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        out = {"work_s": time.perf_counter() - t0}
+        if mode == "repeat":
+            times = []
+            for _ in range(2):
+                t = time.perf_counter()
+                res = await client.call_tool("run_correctness", {"source": "fastelbo:auto"})
+                times.append(time.perf_counter() - t)
+                if getattr(res, "is_error", getattr(res, "isError", False)):
+                    sys.exit(f"run_correctness failed: {res.content[0].text}")
+                if json.loads(res.content[0].text)["exit_code"] != 0:
+                    sys.exit(f"run_correctness did not pass: {res.content[0].text}")
+            out = {"work_s": times[1], "first_s": times[0]}
+    print(json.dumps(out))
+
+anyio.run(main)
+'''
+
+
 def jobs(args, tmp: Path) -> list[dict]:
     """name, argv (with {i}: the round), and how to read the job's own work time."""
     py, cli = sys.executable, [sys.executable, "-m", "fastelbo.cli"]
@@ -161,8 +202,15 @@ def jobs(args, tmp: Path) -> list[dict]:
     limit = ["--limit", str(args.limit)] if args.limit else []
     (tmp / "plain_train.py").write_text(PLAIN_TRAIN)
     (tmp / "plain_iwae.py").write_text(PLAIN_IWAE)
+    (tmp / "mcp_client.py").write_text(MCP_CLIENT)
     run = tmp / "train-warm"  # the warm-up round's `fastelbo train`, evaluated by both IWAEs
     first = (FIRST_FORWARD, args.device)
+    mcp = [] if importlib.util.find_spec("mcp") is None else [
+        {"job": "MCP initialize", "work": "stdout",
+         "argv": [py, str(tmp / "mcp_client.py"), "initialize", args.device]},
+        {"job": "MCP run_correctness x2", "work": "stdout",
+         "argv": [py, str(tmp / "mcp_client.py"), "repeat", args.device]},
+    ]
     return [
         {"job": "import torch", "argv": [py, "-c", "import torch"]},
         {"job": "import fastelbo", "argv": [py, "-c", "import fastelbo"]},
@@ -187,6 +235,7 @@ def jobs(args, tmp: Path) -> list[dict]:
         {"job": "plain IWAE", "work": "stdout",
          "argv": [py, str(tmp / "plain_iwae.py"), str(SPEC), args.device,
                   str(run / "checkpoint.safetensors"), str(args.samples), str(args.limit or 0)]},
+        *mcp,
     ]
 
 
@@ -308,6 +357,13 @@ def print_table(rows: list[dict]) -> None:
     ratio = med["fastelbo evaluate"] / med["plain IWAE"]
     print(f"evaluate / plain IWAE: {ratio:.2f}; evaluate: {med['fastelbo evaluate']:.2f} s "
           f"(H200 target <= 4 at K=5000, 1,000 images)")
+    if "MCP initialize" in by:
+        first = by["MCP run_correctness x2"].get("first_s")
+        print(f"MCP: spawn to initialized {by['MCP initialize']['work_s']:.2f} s; "
+              f"run_correctness back to back: second {by['MCP run_correctness x2']['work_s']:.2f}"
+              f" s (first {first:.2f} s, which starts the harness)")
+    else:
+        print("MCP jobs left out: the mcp package is not installed")
 
 
 if __name__ == "__main__":

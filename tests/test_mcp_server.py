@@ -1,8 +1,12 @@
 """`fastelbo serve` as an MCP client sees it: the SDK's own client spawns `python -m fastelbo.cli
-serve` over stdio, lists the tools, checks a correct and a wrong candidate, and survives a
-hanging one; stopping the server stops the workers it still had running."""
+serve` over stdio, lists the tools before the server has imported torch, checks a correct and a
+wrong candidate (compact results that validate against the tools' outputSchema; the full report
+on request, valid under the check report's schema), survives a hanging one, and answers a
+check sent right after another from warm workers; stopping the server stops the workers it
+still had running."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -12,20 +16,24 @@ import uuid
 from pathlib import Path
 
 import anyio
+import jsonschema
 import pytest
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 from fastelbo.cli import build_parser
 from fastelbo.errors import UsageError
-from fastelbo.harness.server import TOOLS, json_safe
+from fastelbo.harness.schema import CHECK_REPORT
+from fastelbo.harness.server import SPARES, TOOLS, json_safe
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"
 CANDIDATES = HERE / "candidates"
+CORRECT = CANDIDATES / "reference_as_candidate.py"
 HANG_TIMEOUT = 45.0  # per worker; generous for a loaded 2-core machine
 CALL_TIMEOUT = 600.0  # the client's wait for one tool call
 TAG = "FASTELBO_TEST_SERVER_TAG"  # marks this test's server and workers in /proc
+COMPACT_BYTES = 2048  # a wrong candidate's verdict, as the client receives it
 
 
 def _params(cwd: Path, tag: str, **extra: str) -> StdioServerParameters:
@@ -56,32 +64,68 @@ def _tagged(tag: str) -> list[int]:
     return pids
 
 
+def _torch_loaded(tag: str) -> list[tuple[int, bool]]:
+    """(pid, whether it has imported torch: its native library is mapped) of each tagged
+    process still there."""
+    out = []
+    for pid in _tagged(tag):
+        try:
+            out.append((pid, "libtorch" in Path(f"/proc/{pid}/maps").read_text()))
+        except OSError:  # gone meanwhile
+            continue
+    return out
+
+
+def _field(obj, name: str):
+    """An SDK object's field under mcp 2's name, or mcp 1's camelCase one."""
+    camel = name.split("_")[0] + "".join(w.title() for w in name.split("_")[1:])
+    return getattr(obj, name, getattr(obj, camel, None))
+
+
 def _result(call) -> dict:
-    """A tool result's JSON text (the same in the structured content) as a dict."""
-    assert not getattr(call, "is_error", getattr(call, "isError", False)), call.content
-    return json.loads(call.content[0].text)
+    """A tool result's structured content, with the text the client received."""
+    assert not _field(call, "is_error"), call.content
+    return {"structured": _field(call, "structured_content"), "text": call.content[0].text}
 
 
 async def _scenario(cwd: Path) -> dict:
-    out = {}
-    async with stdio_client(_params(cwd, uuid.uuid4().hex)) as (read, write), \
+    out, tag = {}, uuid.uuid4().hex
+    async with stdio_client(_params(cwd, tag)) as (read, write), \
             ClientSession(read, write) as client:
         await client.initialize()
-        out["tools"] = sorted(t.name for t in (await client.list_tools()).tools)
+        tools = (await client.list_tools()).tools
+        out["tools"] = sorted(t.name for t in tools)
+        out["schemas"] = {t.name: _field(t, "output_schema") for t in tools}
+        out["started"] = _torch_loaded(tag)
 
         async def call(name, **arguments):
             with anyio.fail_after(CALL_TIMEOUT):  # the client's own timeout is typed per version
-                return _result(await client.call_tool(name, arguments))
+                return {"tool": name, **_result(await client.call_tool(name, arguments))}
 
-        out["wrong"] = await call("run_correctness",
-                                  source=str(CANDIDATES / "kl_sign_flipped.py"))
-        out["hang"] = await call("run_correctness", source=str(CANDIDATES / "hangs.py"))
-        out["correct"] = await call(
-            "run_correctness", source=(CANDIDATES / "reference_as_candidate.py").read_text(),
-            trials=1)
         with anyio.fail_after(CALL_TIMEOUT):
             bad = await client.call_tool("run_correctness", {"source": "x.py", "trials": 0})
-        out["bad_trials_is_error"] = getattr(bad, "is_error", getattr(bad, "isError", None))
+        out["bad_trials"] = (_field(bad, "is_error"), bad.content[0].text)
+        out["after_bad"] = _torch_loaded(tag)
+        out["compile"] = await call("compile_kernel",
+                                    source=str(CANDIDATES / "import_error.py"))
+        out["wrong"] = await call("run_correctness",
+                                  source=str(CANDIDATES / "kl_sign_flipped.py"))
+        out["hang"] = await call("run_correctness", source=str(CANDIDATES / "hangs.py"),
+                                 detail=True)
+        out["correct"] = await call("run_correctness", source=CORRECT.read_text(), trials=1,
+                                    detail=True)
+        path = out["correct"]["structured"]["report_path"]
+        out["correct_file"] = json.loads(Path(path).read_text())
+        # benchmark waits for the spares to be started before it times: the two checks after
+        # it start from SPARES started workers of each kind
+        out["bench"] = await call("benchmark", source=str(CORRECT), batch_sizes=[1],
+                                  quick=True, compile_baseline=False)
+        out["first"] = await call("run_correctness", source=str(CORRECT), trials=1)
+        out["second"] = await call("run_correctness", source=str(CORRECT), trials=1,
+                                   detail=True)
+        out["submit"] = await call("submit_kernel", source=str(CORRECT))
+        out["server_torch"] = [loaded for pid, loaded in _torch_loaded(tag)
+                               if pid == out["started"][0][0]]
     return out
 
 
@@ -93,32 +137,115 @@ def served(tmp_path_factory):
     return out
 
 
-def test_lists_the_four_tools(served):
+def _calls(served) -> list[dict]:
+    return [v for v in served.values() if isinstance(v, dict) and "tool" in v]
+
+
+def test_lists_the_four_tools_with_typed_results(served):
     assert served["tools"] == sorted(TOOLS) == sorted(
         ["benchmark", "compile_kernel", "run_correctness", "submit_kernel"])
+    for name, schema in served["schemas"].items():
+        assert schema["type"] == "object" and "report_path" in schema["required"], name
+        assert {"status", "exit_code", "detail"} <= set(schema["properties"]), name
 
 
-def test_wrong_candidate_is_incorrect(served):
-    report = served["wrong"]
-    assert report["exit_code"] == 1 and report["categories"] == ["mismatch"]
-    assert [r["status"] for r in report["regimes"]] == ["FAIL"] * 4
+def test_every_result_validates_against_its_output_schema(served):
+    calls = _calls(served)
+    assert {c["tool"] for c in calls} == set(TOOLS)
+    for c in calls:
+        jsonschema.validate(c["structured"], served["schemas"][c["tool"]])
+        assert json.loads(c["text"]) == c["structured"]
+
+
+def test_initialize_and_list_tools_come_before_torch(served):
+    """The server alone (no worker yet), without torch, until a tool runs; torch is loaded
+    once one has (the probe can see it)."""
+    assert len(served["started"]) == 1 and served["started"][0][1] is False
+    assert served["server_torch"] == [True]
+
+
+def test_invalid_arguments_are_a_tool_error_before_any_work(served):
+    """trials=0 is refused by the tool's input schema (ge=1): the SDK's validation error, and
+    the Session (torch, workers) never started for it."""
+    is_error, text = served["bad_trials"]
+    assert is_error is True and "greater_than_equal" in text and "trials" in text
+    assert served["after_bad"] == served["started"]
+
+
+def test_wrong_candidate_is_a_compact_incorrect_verdict(served):
+    wrong = served["wrong"]
+    report = wrong["structured"]
+    assert len(wrong["text"]) <= COMPACT_BYTES
+    assert len(json.dumps(report)) <= COMPACT_BYTES
+    assert report["status"] == "incorrect" and report["exit_code"] == 1
+    assert report["reasons"][0].startswith("[mismatch]") and report["detail"] is None
+    assert [(r["name"], r["status"], r["passed"], r["trials"]) for r in report["regimes"]] == [
+        (name, "FAIL", 0, 2) for name in ("default", "batch=1", "batch=5", "variant:binary")]
+    assert all(r["max_abs"] > 1e-3 for r in report["regimes"])
+    worst = report["worst"]
+    assert worst["regime"] in [r["name"] for r in report["regimes"]]
+    assert worst["n_bad"] >= 1 and worst["index"].startswith("[")
+    assert isinstance(worst["got"], float) and isinstance(worst["expected"], float)
+    assert worst["got"] != worst["expected"]
+    assert Path(report["report_path"]).name.endswith("-run_correctness.json")
+
+
+def test_import_error_is_at_its_file_and_line(served):
+    result = served["compile"]["structured"]
+    assert result["status"] == "error" and result["exit_code"] == 2
+    error = result["errors"][0]
+    assert (Path(error["file"]).name, error["line"]) == ("import_error.py", 2)
+    assert "fastelbo_no_such_module" in error["message"]
+
+
+def test_detail_is_the_full_report(served):
+    correct = served["correct"]["structured"]
+    jsonschema.validate(correct["detail"], CHECK_REPORT)
+    assert correct["detail"] == served["correct_file"]  # and the file at report_path holds it
+    assert correct["status"] == correct["detail"]["status"] == "pass"
+    jsonschema.validate(served["second"]["structured"]["detail"], CHECK_REPORT)
 
 
 def test_survives_a_hanging_candidate_and_checks_the_next(served):
-    assert served["hang"]["exit_code"] == 2 and served["hang"]["categories"][0] == "timeout"
-    assert f"timeout after {HANG_TIMEOUT:g} s" in served["hang"]["reasons"][0]
-    report = served["correct"]  # sent as source text, after the hang, on the same server
+    hang = served["hang"]["structured"]
+    assert hang["exit_code"] == 2 and hang["detail"]["categories"][0] == "timeout"
+    assert f"timeout after {HANG_TIMEOUT:g} s" in hang["reasons"][0]
+    report = served["correct"]["structured"]["detail"]  # sent as source text, after the hang
     assert report["exit_code"] == 0 and report["status"] == "pass"
-    # in the spare the server started when the hang's check ended, not in the hung worker
+    # in a spare the server had started, not in the hung worker
     worker = report["workers"][0]
-    assert worker["role"] == "candidate" and worker["prestarted"] and worker["pid"] != served["hang"]["workers"][0]["pid"]
+    assert worker["role"] == "candidate" and worker["prestarted"]
+    assert worker["pid"] != hang["detail"]["workers"][0]["pid"]
     assert [(r["name"], r["status"], len(r["trials"])) for r in report["regimes"]] == [
         ("default", "PASS", 1), ("batch=1", "PASS", 1), ("batch=5", "PASS", 1),
         ("variant:binary", "PASS", 1)]
 
 
-def test_invalid_arguments_are_a_tool_error(served):
-    assert served["bad_trials_is_error"] is True
+def test_a_check_right_after_another_finds_warm_workers(served):
+    """SPARES (two) started workers of each kind: the second of two back-to-back checks takes
+    the other started ones, not the replacements the first began as it ended."""
+    assert SPARES >= 2
+    assert served["first"]["structured"]["status"] == "pass"
+    workers = served["second"]["structured"]["detail"]["workers"]
+    assert {w["role"] for w in workers} == {"candidate", "reference"}
+    assert all(w["prestarted"] and w["warm"] for w in workers), workers
+
+
+def test_benchmark_rows_are_compact(served):
+    bench = served["bench"]["structured"]
+    assert bench["exit_code"] == 0 and bench["status"] == "ok"
+    assert [(r["entry"], r["batch_size"], r["status"]) for r in bench["rows"]] == [
+        ("eager", 1, "ok"), ("candidate", 1, "ok")]
+    row = bench["rows"][1]
+    assert row["ms"]["wall"] > 0 and row["speedup_eager"]["wall"] > 0 and row["flags"] == []
+
+
+def test_submit_names_the_solution_without_its_text(served):
+    result = served["submit"]["structured"]
+    assert result["status"] == "pass" and result["exit_code"] == 0
+    assert set(result["solution"]) == {"path", "sha256", "imports"}
+    assert result["solution"]["sha256"] == hashlib.sha256(CORRECT.read_bytes()).hexdigest()
+    assert result["solution"]["imports"] == ["fastelbo"]
 
 
 def test_nothing_is_written_into_the_working_directory(served):
@@ -157,7 +284,8 @@ def test_stopping_the_server_kills_its_running_workers(tmp_path):
 
     try:
         assert anyio.run(scenario) == []
-        assert len(alive) == 3  # the server, the confined worker in the hang, the plain spare
+        # the server, the confined worker in the hang, the other spares
+        assert len(alive) == 1 + 2 * SPARES
     finally:
         for pid in _tagged(tag):  # a failed run must not leave a hanging process behind
             os.kill(pid, signal.SIGKILL)

@@ -274,7 +274,7 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
                    help="seconds for a candidate's import and build (default %(default)s)")
     p.add_argument("--submit-dir", default=None,
                    help="directory that receives each accepted solution file (default: none; "
-                        "the solution's text is in submit_kernel's result)")
+                        "submit_kernel's result names the checked file and its sha256)")
     p.set_defaults(func=_serve)
 
 
@@ -284,19 +284,20 @@ def _serve(args) -> int:
     _positive(args, "--timeout", "--build-timeout")
     batch_sizes = _numbers(args.batch_sizes, int, "--batch-sizes")
     scales = tuple(_numbers(args.scales, float, "--scales"))
-    _device(args.device)
+    # No CUDA probe here (it imports torch): the server answers `initialize` first, and a
+    # missing GPU is the first tool call's error.
+    _device(args.device, probe=False)
     try:
         import mcp  # noqa: F401
     except ModuleNotFoundError:
         raise UsageError("fastelbo serve needs the MCP SDK: pip install 'fastelbo[mcp]' "
                          "(or pip install 'mcp>=1.10')") from None
-    from .session import Session
+    from ..problems import problem_path
     try:
-        session = Session(args.problem, args.device, trials=args.trials,
-                          batch_sizes=batch_sizes, scales=scales,
-                          timeout=args.timeout, build_timeout=args.build_timeout,
-                          submit_dir=args.submit_dir)
-    except (ValueError, FileNotFoundError) as exc:
+        problem = problem_path(args.problem)
+    except FileNotFoundError as exc:
         raise UsageError(str(exc)) from None
-    from .server import serve
-    return serve(session)
+    from .server import serve  # imports no torch: the session starts at the first tool call
+    return serve(problem, args.device, trials=args.trials, batch_sizes=batch_sizes,
+                 scales=scales, timeout=args.timeout, build_timeout=args.build_timeout,
+                 submit_dir=args.submit_dir)

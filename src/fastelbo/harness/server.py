@@ -1,25 +1,38 @@
 """`fastelbo serve`: a Session's four tools over the Model Context Protocol (stdio transport).
 
-Built on the official `mcp` SDK (`MCPServer` in mcp 2, `FastMCP` in mcp 1.10+). Each tool runs
-its Session call on a thread, so the server keeps answering (tool lists, pings) while a check
-runs; the Session queues the jobs themselves one at a time. Results are the Session's dicts
-with non-finite floats spelled "inf", "-inf", "nan" (JSON has no such numbers). When the server
-is stopped (SIGTERM from the client, SIGINT, SIGHUP, or a normal exit) it kills the workers
-still running: they live in sessions of their own, so a client's kill of the server's process
-group would not reach a hanging candidate.
+Built on the official `mcp` SDK (`MCPServer` in mcp 2, `FastMCP` in mcp 1.10+). The server
+answers `initialize` and lists its tools before torch is imported: the Session (torch, the
+harness, the spare workers) is built by the first tool call, on a thread. It keeps SPARES warm
+workers of each kind, so a check sent as soon as the previous one ends finds its workers
+started.
+
+Results fit a context window: each tool returns a compact result (summary.py), typed by
+tool_results.py, which the SDK publishes as the tool's outputSchema and validates. The full
+report (the Session's dict, as `fastelbo check --json` for a check) is written to a JSON file
+in the session's directory, named by `report_path`, and comes back in `detail` when the call
+sets detail=true. Non-finite floats are spelled "inf", "-inf", "nan" (JSON has no such
+numbers).
+
+Each tool runs its Session call on a thread, so the server keeps answering (tool lists, pings)
+while a check runs; the Session queues the jobs themselves one at a time. When the server is
+stopped (SIGTERM from the client, SIGINT, SIGHUP, or a normal exit) it kills the workers still
+running: they live in sessions of their own, so a client's kill of the server's process group
+would not reach a hanging candidate.
 """
 from __future__ import annotations
 
 import atexit
-import functools
+import itertools
+import json
 import math
 import os
 import signal
 import sys
+import threading
 from typing import Annotated, Any
 
 import anyio
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 try:
     from mcp.server.mcpserver import MCPServer
@@ -28,10 +41,14 @@ except ModuleNotFoundError:  # mcp 1.x
     from mcp.server.fastmcp import FastMCP as MCPServer
     from mcp.server.fastmcp.exceptions import ToolError
 
-from . import worker
-from .session import Session
+from ..problems import problem_path
+from . import summary, worker  # neither imports torch
+from .tool_results import BenchResult, CheckResult, CompileResult, SubmitResult
 
 TOOLS = ("compile_kernel", "run_correctness", "benchmark", "submit_kernel")
+# Warm workers of each kind (candidate, reference). A check takes one of each and starts their
+# replacements when it ends; with two, a check sent right then takes the other, started one.
+SPARES = 2
 
 INSTRUCTIONS = """\
 Judge KernelBench-style candidate kernels against the reference problem {problem} on {device}.
@@ -40,14 +57,21 @@ signature as the problem's Model (CUDA via torch.utils.cpp_extension.load_inline
 plain PyTorch). Pass it as source text, or as a path on the server's machine.
 Loop: compile_kernel (seconds: import and build errors at candidate lines, registers and
 spills), then run_correctness (the verdict: exit_code 0 pass, 1 incorrect, 2 could not run,
-with reasons and per-trial differences), then benchmark (speed against eager PyTorch and
-torch.compile), and submit_kernel for the final full check and the single-file solution.
-Every candidate runs in an isolated process with timeouts: a crash or hang is a verdict."""
+with reasons, one line per regime and the worst element), then benchmark (speed against eager
+PyTorch and torch.compile), and submit_kernel for the final full check and the single-file
+solution. Results are compact (under 2 KB for a wrong candidate); the full report is in the
+JSON file at report_path, or in `detail` when you pass detail=true (per trial and output
+differences, timings, workers, worker output). The first call starts the harness (torch and
+warm workers): it takes longer. Every candidate runs in an isolated process with timeouts: a
+crash or hang is a verdict."""
 
 Source = Annotated[str, Field(description=(
     "the candidate: Python source text of a module defining ModelNew (text containing a "
     "newline is taken as source), or a path to such a file on the server's machine, or "
     "fastelbo:<backend> for a built-in one"))]
+Detail = Annotated[bool, Field(description=(
+    "also return the full report in `detail` (large: per trial and output differences, "
+    "timings, workers); it is always in the file at report_path"))]
 
 
 def json_safe(value: Any) -> Any:
@@ -61,37 +85,81 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-async def _call(fn, *args, **kwargs) -> dict[str, Any]:
-    """Run a blocking Session call on a thread; its errors become the tool's error text."""
-    try:
-        result = await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
-    except Exception as exc:  # the client must see what went wrong, whatever it was
-        raise ToolError(f"{type(exc).__name__}: {exc}") from exc
-    return json_safe(result)
+class LazySession:
+    """The server's Session, built by the first tool call (on its thread), so that starting
+    the server imports neither torch nor the harness's heavy modules. `problem` is resolved
+    now: a wrong name is the user's mistake at start-up, not the first call's."""
+
+    def __init__(self, problem: str | os.PathLike, device: str, **options):
+        self.problem = problem_path(problem)  # FileNotFoundError naming it
+        self.device = device
+        self._options = {"spares": SPARES, **options}
+        self._session = None
+        self._lock = threading.Lock()
+        self._reports = itertools.count(1)
+
+    def get(self):
+        """The Session, built on first use (a failure, such as no CUDA, is raised each time)."""
+        with self._lock:
+            if self._session is None:
+                from .session import Session
+                self._session = Session(self.problem, self.device, **self._options)
+            return self._session
+
+    async def run(self, tool: str, call, compact, result: type[BaseModel],
+                  detail: bool) -> BaseModel:
+        """`call(session)` on a thread; its dict (made strict JSON) is saved in full and
+        returned as `result`: compact(full), report_path, and with `detail` the full dict.
+        Any error becomes the tool's error text."""
+        def work() -> BaseModel:
+            session = self.get()
+            full = json_safe(call(session))
+            out = compact(full)
+            path = session.directory / "reports" / f"{next(self._reports):04d}-{tool}.json"
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(json.dumps(full, indent=1))
+            out["report_path"] = str(path)
+            if detail:
+                out["detail"] = full
+            return result.model_validate(out)
+
+        try:
+            return await anyio.to_thread.run_sync(work)
+        except Exception as exc:  # the client must see what went wrong, whatever it was
+            raise ToolError(f"{type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        session = self._session  # no lock: called from a signal handler
+        if session is not None:
+            session.close()
 
 
-def build_server(session: Session) -> MCPServer:
-    """An MCP server whose four tools call `session`."""
+def build_server(lazy: LazySession) -> MCPServer:
+    """An MCP server whose four tools call `lazy`'s Session."""
     server = MCPServer("fastelbo", instructions=INSTRUCTIONS.format(
-        problem=session.problem.name, device=session.device))
+        problem=lazy.problem.name, device=lazy.device))
 
     @server.tool()
-    async def compile_kernel(source: Source) -> dict[str, Any]:
+    async def compile_kernel(source: Source, detail: Detail = False) -> CompileResult:
         """Import the candidate in an isolated worker, building any inline CUDA/C++
-        extension; no reference work. Returns status, exit_code, errors (each {file, line,
-        message}, compiler errors mapped to candidate lines), and per extension its kernels'
-        registers, shared memory and local (spill) bytes."""
-        return await _call(session.compile_kernel, source)
+        extension; no reference work. Returns status, exit_code, the reason, errors (each
+        {file, line, message}, compiler errors mapped to candidate lines), and per extension
+        its kernels' registers, shared memory and local (spill) bytes."""
+        return await lazy.run("compile_kernel", lambda s: s.compile_kernel(source),
+                              summary.compile_result, CompileResult, detail)
 
     @server.tool()
     async def run_correctness(source: Source, trials: Annotated[int | None, Field(
             description="trials per regime (default: the server's --trials)", ge=1)] = None,
-    ) -> dict[str, Any]:
+            detail: Detail = False) -> CheckResult:
         """Check the candidate against the problem's reference Model in every regime (default
-        inputs, other batch sizes, saturating parameter scales, input variants): the report
-        of `fastelbo check --json`, with status (pass, incorrect, error), exit_code (0, 1,
-        2), reasons, and per regime and trial the findings and max abs / rel differences."""
-        return await _call(session.run_correctness, source, trials)
+        inputs, other batch sizes, saturating parameter scales, input variants). Returns
+        status (pass, incorrect, error), exit_code (0, 1, 2), the first reasons, one line per
+        regime (status, trials passed, largest abs / rel difference), the worst element
+        (where, the first wrong element's got / expected, where |diff| peaks) and errors at
+        file:line; detail=true adds the report of `fastelbo check --json`."""
+        return await lazy.run("run_correctness", lambda s: s.run_correctness(source, trials),
+                              summary.check, CheckResult, detail)
 
     @server.tool()
     async def benchmark(
@@ -101,26 +169,32 @@ def build_server(session: Session) -> MCPServer:
         quick: Annotated[bool, Field(description="few repetitions (a smoke run)")] = False,
         compile_baseline: Annotated[bool, Field(
             description="also time torch.compile of the reference")] = True,
-    ) -> dict[str, Any]:
+        detail: Detail = False,
+    ) -> BenchResult:
         """Time the candidate against eager PyTorch (and torch.compile): one row per entry
-        and batch size, with times in ms, speedups, and a quick correctness status."""
-        return await _call(session.benchmark, source, batch_sizes=batch_sizes, quick=quick,
-                           compile_baseline=compile_baseline)
+        and batch size, with its status, times in ms and speedups by metric, and flags;
+        detail=true adds `fastelbo bench`'s full rows."""
+        return await lazy.run(
+            "benchmark", lambda s: s.benchmark(source, batch_sizes=batch_sizes, quick=quick,
+                                               compile_baseline=compile_baseline),
+            summary.bench, BenchResult, detail)
 
     @server.tool()
-    async def submit_kernel(source: Source) -> dict[str, Any]:
+    async def submit_kernel(source: Source, detail: Detail = False) -> SubmitResult:
         """The final full check (as run_correctness, with the server's settings) plus
-        `solution`: the single-file solution's path, text, sha256 and non-stdlib imports."""
-        return await _call(session.submit_kernel, source)
+        `solution`: the single-file solution's path, sha256 and non-stdlib imports;
+        detail=true adds the full report and the solution's text."""
+        return await lazy.run("submit_kernel", lambda s: s.submit_kernel(source),
+                              summary.submit, SubmitResult, detail)
 
     return server
 
 
-def _stop_workers_on_exit(session: Session) -> None:
+def _stop_workers_on_exit(lazy: LazySession) -> None:
     """Kill in-flight workers (and remove the session's files) however the server ends."""
     def cleanup() -> None:
         worker.kill_all()
-        session.close()
+        lazy.close()
 
     def on_signal(signum, frame) -> None:
         cleanup()
@@ -131,10 +205,14 @@ def _stop_workers_on_exit(session: Session) -> None:
         signal.signal(sig, on_signal)
 
 
-def serve(session: Session, transport: str = "stdio") -> int:
-    server = build_server(session)
-    _stop_workers_on_exit(session)
-    print(f"fastelbo serve: {session.problem} on {session.device}, tools "
-          f"{', '.join(TOOLS)}, MCP over {transport}", file=sys.stderr)
+def serve(problem: str | os.PathLike, device: str, transport: str = "stdio",
+          **options) -> int:
+    """Serve a Session of `problem` on `device` (`options`: Session's keywords), built by the
+    first tool call."""
+    lazy = LazySession(problem, device, **options)
+    server = build_server(lazy)
+    _stop_workers_on_exit(lazy)
+    print(f"fastelbo serve: {lazy.problem} on {device}, tools {', '.join(TOOLS)}, MCP over "
+          f"{transport}; the harness starts at the first tool call", file=sys.stderr)
     server.run(transport)
     return 0

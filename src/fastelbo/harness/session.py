@@ -224,6 +224,12 @@ class Session:
             path.write_text(source)
         return str(path)
 
+    @property
+    def directory(self) -> Path:
+        """The session's own temporary directory (sources written from text; the server's
+        reports): removed by close()."""
+        return self._dir
+
     def _exclusive(self):
         return _gpu_exclusive(self._key) if self._key.startswith("cuda") else self._lock
 
