@@ -300,6 +300,19 @@ def test_serve_usage_errors_name_the_argument():
             args.func(args)
 
 
+def test_serve_refuses_a_cuda_device_the_driver_does_not_have():
+    """Asked without torch (the server imports it at the first tool call): the count agrees
+    with torch's, and a device past it (cuda without a GPU, as in CI) is a usage error."""
+    import torch
+
+    from fastelbo.harness.cli import cuda_device_count
+    count = cuda_device_count()
+    assert count == torch.cuda.device_count()
+    args = build_parser().parse_args(["serve", "--device", f"cuda:{count}"])
+    with pytest.raises(UsageError, match=f"the CUDA driver sees {count} device"):
+        args.func(args)
+
+
 def test_the_cli_and_the_package_do_not_import_mcp():
     code = ("import sys, fastelbo, fastelbo.cli; fastelbo.cli.build_parser(); "
             "print(sorted(m for m in sys.modules if m == 'mcp' or m.startswith('mcp.')))")

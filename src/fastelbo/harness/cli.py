@@ -161,6 +161,27 @@ def _device(text: str | None, option: str = "--device", probe: bool = True) -> N
             raise UsageError(f"{option} {text}, but CUDA is not available here")
 
 
+# The CUDA driver's device count (0 without a driver), for a process that must not import torch
+# or initialise CUDA itself: a server whose workers may be forked (a CUDA context does not
+# survive a fork). Honours CUDA_VISIBLE_DEVICES, as torch does.
+_COUNT = """import ctypes
+try:
+    lib = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    raise SystemExit(print(0))
+n = ctypes.c_int(0)
+print(n.value if lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0 else 0)
+"""
+
+
+def cuda_device_count() -> int:
+    """How many CUDA devices the driver sees, asked in a child (`python -I -S`, ~30 ms)."""
+    import subprocess
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", _COUNT], capture_output=True,
+                          text=True, timeout=60, check=False)
+    return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
+
+
 def _candidate(name: str) -> str:
     from .files import candidate_path
     try:
@@ -284,9 +305,14 @@ def _serve(args) -> int:
     _positive(args, "--timeout", "--build-timeout")
     batch_sizes = _numbers(args.batch_sizes, int, "--batch-sizes")
     scales = tuple(_numbers(args.scales, float, "--scales"))
-    # No CUDA probe here (it imports torch): the server answers `initialize` first, and a
-    # missing GPU is the first tool call's error.
+    # No torch here (its import is seconds: the server answers `initialize` first); the
+    # driver's device count, asked by a child, says whether --device cuda can work.
     _device(args.device, probe=False)
+    if args.device and args.device.startswith("cuda"):
+        index, count = int(args.device.partition(":")[2] or 0), cuda_device_count()
+        if index >= count:
+            raise UsageError(f"--device {args.device}, but the CUDA driver sees "
+                             f"{count} device(s) here")
     try:
         import mcp  # noqa: F401
     except ModuleNotFoundError:
