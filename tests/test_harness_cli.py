@@ -178,6 +178,41 @@ def test_a_new_check_process_imports_torch_once(device, fork):
         assert res.stderr == "fastelbo: error: --device cuda, but CUDA is not available here\n"
 
 
+@pytest.mark.parametrize("gpu", [True, False])
+def test_check_runs_on_cuda_where_there_is_one_unless_told(gpu, monkeypatch, capsys):
+    """check's default device is bench's: cuda where torch sees a GPU, else cpu (chosen once the
+    workers are started); the report names it, and the workers' tasks get it."""
+    from fastelbo.harness import check
+    from fastelbo.harness.worker import WorkerOutcome
+    asked = []
+
+    class Fake:  # a worker whose tasks fail at once, recording the device they were given
+        def __init__(self, env=None, *, fork=False, confine=None):
+            self.killed = []
+
+        def run(self, func, kwargs, **limits):
+            asked.append((func.rpartition(":")[2], kwargs.get("device")))
+            return WorkerOutcome(None, category="build", reason="not built: a test")
+
+        def kill(self, wait=True):
+            pass
+
+        def close(self):
+            pass
+
+        def describe(self):
+            return {"pid": 0, "forked": False, "prestarted": False, "warm": False,
+                    "startup_s": None}
+    monkeypatch.setattr(check, "Worker", Fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert main(["check", TINY, GOOD, "--no-cache"]) == 2
+    device = "cuda" if gpu else "cpu"
+    assert f" against {TINY} on {device} (" in capsys.readouterr().out
+    assert ("build_candidate", device) in asked, asked
+    assert main(["check", TINY, GOOD, "--no-cache", "--device", "cpu"]) == 2
+    assert f" against {TINY} on cpu (" in capsys.readouterr().out
+
+
 def _check_json(candidate: Path, *options: str, fork: str = "1") -> dict:
     res = subprocess.run([sys.executable, "-m", "fastelbo.cli", "check", TINY, str(candidate),
                           "--json", "--trials", "1", "--batch-sizes", "", "--scales", "",

@@ -75,7 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=CHECK_DESCRIPTION, formatter_class=RAW)
     p.add_argument("problem", help="built-in problem name (vae_elbo) or a problem file")
     p.add_argument("candidate", help="candidate file or fastelbo:<backend>")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: %(default)s, meaning cuda if available, "
+                        "else cpu, as bench)")
     p.add_argument("--trials", type=int, default=3, help="trials per regime (default: %(default)s)")
     p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance "
                    "(default: %(default)s)")

@@ -154,7 +154,8 @@ class CheckReport:
         return _strict(asdict(self))
 
     def format(self) -> str:
-        lines = [(f"check {self.candidate} against {self.problem} on {self.device} "
+        on = f" on {self.device}" if self.device else ""  # "": stopped before choosing one
+        lines = [(f"check {self.candidate} against {self.problem}{on} "
                   f"(atol={self.atol:g}, rtol={self.rtol:g}, {self.trials} trial(s) per regime)")]
         mode = ("training (as constructed, as KernelBench runs them; --eval-mode for .eval())"
                 if self.mode == "train" else "eval (--eval-mode)")

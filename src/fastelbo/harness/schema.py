@@ -6,6 +6,8 @@ the reference is 0) is written as the string "inf", "-inf" or "nan".
 
 Top level
     schema        "fastelbo.check/3"
+    device        where the check ran: cpu, cuda or cuda:N (without a device given, cuda where
+                  torch sees a GPU); "" when it stopped before choosing one (a syntax error)
     seed          the seed of weights, inputs and forwards; seed_source secret (drawn for this
                   check, the default) | given (seed= / --seed, which reproduces a run)
     confinement   what bounded the candidate's worker: landlock | user | none (sandbox.py)
