@@ -12,6 +12,7 @@ import torch
 from fastelbo.cli import main
 from fastelbo.harness.check import run_check
 from fastelbo.harness.compare import PERTURB_RUNS, compare_outputs, degenerate, diff_tensors
+from fastelbo.harness.report import CheckReport, RegimeReport, TrialReport
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"
@@ -241,6 +242,26 @@ def test_diff_names_the_worst_element():
     diff, findings = diff_tensors(ref, got, atol=1e-4, rtol=1e-4)
     assert not diff.ok and diff.n_bad == 1 and diff.max_abs == pytest.approx(0.5)
     assert "[1, 0]" in findings[0].message and "candidate 3.5" in findings[0].message
+
+
+def test_rel_is_shown_only_where_the_reference_is_above_atol():
+    """An element near zero that passes on atol (a 5e-6 difference at 1e-5) is not a 50 %
+    relative difference: rel counts the elements above atol, and the table says so. What
+    passes is unchanged."""
+    ref = torch.tensor([1e-5, 2.0, -3.0], dtype=torch.float64)
+    got = ref + torch.tensor([5e-6, 2e-6, 0.0], dtype=torch.float64)
+    diff, findings = diff_tensors(ref, got, atol=1e-4, rtol=1e-4)
+    assert diff.ok and not findings and diff.n_bad == 0
+    assert diff.max_abs == pytest.approx(5e-6, rel=1e-3)
+    assert diff.max_rel == pytest.approx(1e-6, rel=1e-2)  # 2e-6 at 2.0; not 0.5 at 1e-5
+    report = CheckReport("p.py", "c.py", "cpu", 1e-4, 1e-4, 1)
+    report.regimes = [RegimeReport("default", 4, 1.0, None, "PASS",
+                                   trials=[TrialReport(0, 1, True, diffs=[diff])])]
+    text = report.format()
+    assert "out0 abs 5.0e-06 rel 1.0e-06" in text, text
+    assert "rel abs / |reference|, over the elements where |reference| > atol (0.0001)" in text
+    small = diff_tensors(torch.tensor([1e-5]), torch.tensor([1.5e-5]), 1e-4, 1e-4)[0]
+    assert small.ok and small.max_rel == 0.0  # no element where rel means something
 
 
 def test_nan_positions_must_match_and_nan_equal_nan_passes():

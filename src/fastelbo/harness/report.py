@@ -31,7 +31,7 @@ class TensorDiff:
     index: int
     ok: bool
     max_abs: float = 0.0
-    max_rel: float = 0.0
+    max_rel: float = 0.0  # |diff| / |ref| over the elements where |ref| > atol (0: none there)
     n_bad: int = 0
     n_envelope: int = 0   # outside allclose, accepted only through the perturbed-reference envelope
     message: str = ""
@@ -184,6 +184,7 @@ class CheckReport:
                              f"{_first_lines(f.message)}")
             if len(found) > MAX_FINDING_LINES:
                 lines.append(f"{'':<18}   (+{len(found) - MAX_FINDING_LINES} more; --json has all)")
+        lines += _legend(self.regimes, self.atol)
         for e in self.compile_errors:
             where = f"{e.file}:{e.line}" if e.line else f"{e.generated}:{e.generated_line}"
             lines.append(f"{where}: {e.message}")
@@ -230,6 +231,15 @@ def _trial_summary(regime: RegimeReport) -> str:
     if regime.envelope_runs:  # per trial, in trial order
         text += "  ill-conditioned: " + ", ".join(str(t.ill_conditioned) for t in regime.trials)
     return text
+
+
+def _legend(regimes: list[RegimeReport], atol: float) -> list[str]:
+    """What the table's numbers mean, for the columns it shows."""
+    lines = []
+    if any(t.diffs for r in regimes for t in r.trials):
+        lines.append(f"max diff: abs |candidate - reference|; rel abs / |reference|, over the "
+                     f"elements where |reference| > atol ({atol:g})")
+    return lines
 
 
 def kernelbench_note(default_trials: list[dict], eval_mode: bool) -> str:
