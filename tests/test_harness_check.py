@@ -12,7 +12,7 @@ import torch
 from fastelbo.cli import main
 from fastelbo.harness.check import run_check
 from fastelbo.harness.compare import PERTURB_RUNS, compare_outputs, degenerate, diff_tensors
-from fastelbo.harness.report import CheckReport, RegimeReport, TrialReport
+from fastelbo.harness.report import CheckReport, RegimeReport, TensorDiff, TrialReport
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"
@@ -262,6 +262,23 @@ def test_rel_is_shown_only_where_the_reference_is_above_atol():
     assert "rel abs / |reference|, over the elements where |reference| > atol (0.0001)" in text
     small = diff_tensors(torch.tensor([1e-5]), torch.tensor([1.5e-5]), 1e-4, 1e-4)[0]
     assert small.ok and small.max_rel == 0.0  # no element where rel means something
+
+
+def test_ill_conditioned_counts_are_shown_when_there_are_some_and_explained():
+    def regime(*counts):
+        trials = [TrialReport(i, i, True, diffs=[TensorDiff(0, True, 1e-6, 1e-6)],
+                              ill_conditioned=n) for i, n in enumerate(counts)]
+        return RegimeReport("scale=4", 4, 4.0, None, "PASS", trials=trials,
+                            envelope_runs=PERTURB_RUNS)
+    report = CheckReport("p.py", "c.py", "cpu", 1e-4, 1e-4, 3)
+    report.regimes = [regime(0, 0, 0)]
+    assert "ill-conditioned" not in report.format(), report.format()
+    report.regimes.append(regime(0, 3, 0))
+    lines = report.format().splitlines()
+    assert [line.split("  ill-conditioned: ")[1] for line in lines
+            if "  ill-conditioned: " in line] == ["0, 3, 0"], lines
+    assert (f"ill-conditioned: per trial, elements outside allclose accepted within the "
+            f"spread of {PERTURB_RUNS} reference runs") in "\n".join(lines)
 
 
 def test_nan_positions_must_match_and_nan_equal_nan_passes():

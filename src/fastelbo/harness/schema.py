@@ -26,7 +26,8 @@ Top level
                   its batch size, parameter scale, input variant, note, and per trial its seed,
                   verdict, findings, and per output max_abs / max_rel / n_bad / n_envelope
                   (max_rel: |diff| / |reference| over the elements where |reference| > atol,
-                  0 when there are none)
+                  0 when there are none; n_envelope, summed per trial as ill_conditioned: the
+                  elements outside allclose accepted through the perturbed-reference envelope)
     compile_errors  compiler diagnostics mapped to candidate lines (a failed build)
     reference     cached | computed | partly cached ("" when it never ran)
     timings       seconds: build_s, reference_s, candidate_s, envelope_s (when needed), total_s
