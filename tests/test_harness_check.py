@@ -6,6 +6,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 
@@ -393,7 +394,6 @@ def test_cli_unexpected_harness_error_exits_2(capsys, monkeypatch):
 
 
 def test_every_corpus_report_is_strict_json_of_the_documented_schema(reports):
-    jsonschema = pytest.importorskip("jsonschema")
     from fastelbo.harness import check as check_module
     from fastelbo.harness.compare import PERTURB_RUNS as RUNS
     from fastelbo.harness.schema import CHECK_REPORT

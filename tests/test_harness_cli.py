@@ -10,6 +10,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 
@@ -114,7 +115,6 @@ def test_bench_prints_its_table_and_writes_rows_only_where_out_says(tmp_path, mo
 
 
 def test_check_json_is_strict_json_of_the_documented_schema(capsys):
-    jsonschema = pytest.importorskip("jsonschema")
     from fastelbo.harness.schema import CHECK_REPORT
     code = main(["check", TINY, str(HERE / "candidates" / "wrong_shape.py"), "--json",
                  "--trials", "1", "--batch-sizes", "", "--scales", "", "--no-cache"])
