@@ -52,10 +52,13 @@ for stage in "$@"; do case $stage in
     for f in $(gpu_test_files); do
       run "$(basename "$f" .py)" "${T_TEST:-300}" python3 -m pytest -q -m "gpu and not multi_gpu" -p no:cacheprovider -rfEs "$f"
     done
-    # the host-side tests that want the device's toolkit (curand_kernel.h; skipped without it;
-    # HOST_TESTS=0 leaves them out when the noise code has not changed)
-    [ "${HOST_TESTS:-1}" = 0 ] || run test_cuda_compile_host 180 python3 -m pytest -q -p no:cacheprovider -rs \
-      tests/test_cuda_compile.py -k "known_answers or follow_curand or philox" ;;
+    # every test that wants the device's toolkit and no GPU (the nvcc fixture, test_cuda_compile's
+    # own, marked needs_nvcc by conftest.py: the kernels' sm_90 builds without spills, the
+    # binding, the exported file, the tools, the noise against curand and Triton); HOST_TESTS=0
+    # leaves them out when no CUDA source has changed. One file: the device lacks the dev extra
+    # (mcp, jsonschema), which other test files import.
+    [ "${HOST_TESTS:-1}" = 0 ] || run test_needs_nvcc "${T_NVCC:-420}" python3 -m pytest -q -p no:cacheprovider -rfEs \
+      -m needs_nvcc tests/test_cuda_compile.py ;;
   memcheck) sanitize memcheck "${T_MEMCHECK:-120}" ;;
   racecheck) sanitize racecheck "${T_RACE:-300}" ;;
   check)  # the harness's verdict on fastelbo itself: every regime, odd dims, the exported file

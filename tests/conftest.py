@@ -5,6 +5,9 @@
   failure instead: a GPU machine without nvcc, below compute capability 9.0 or with a broken
   triton cannot pass by skipping. A `multi_gpu` test is not `gpu`: `-m gpu` on one GPU leaves
   it out, `-m multi_gpu` (device_run.sh's `multi` stage) runs it.
+- A test that takes the `nvcc` fixture (test_cuda_compile.py: the toolkit, no GPU) is marked
+  `needs_nvcc` here, so that `-m needs_nvcc` (device_run.sh's `tests` stage) selects them all;
+  it skips without nvcc, unless CI, FASTELBO_REQUIRE_GPU=1 or FASTELBO_REQUIRE_NVCC=1 is set.
 - The Triton interpreter cases run in a child pytest (interpret.py); each process deselects
   the other's cases rather than skipping them, so that a skip only ever means "no GPU here".
 """
@@ -56,6 +59,9 @@ def pytest_collection_modifyitems(config, items):
     deselected += not_ours
     if deselected:
         config.hook.pytest_deselected(items=deselected)
+    for item in items:
+        if "nvcc" in getattr(item, "fixturenames", ()):  # directly or through another fixture
+            item.add_marker("needs_nvcc")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

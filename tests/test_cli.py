@@ -304,6 +304,20 @@ def test_every_option_has_help_with_its_default():
                 assert "default" in action.help, (name, action.dest, action.help)
 
 
+def test_every_command_has_a_help_line_and_a_description():
+    """`fastelbo --help` lists every command with one line and names each in its own text;
+    `fastelbo COMMAND --help` says what the command does, not only its options."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    lines = {a.dest: a.help for a in sub._choices_actions}
+    assert set(lines) == set(sub.choices) >= {"train", "evaluate", "demo", "compile", "check",
+                                              "bench", "export", "serve"}
+    for name, command in sub.choices.items():
+        assert lines[name] and "\n" not in lines[name], name
+        assert command.description and len(command.description.split()) >= 20, name
+        assert re.search(rf"\b{name}\b", parser.description), name
+
+
 def test_range_types():
     positive = commands.int_at_least(1)
     assert positive("7") == 7

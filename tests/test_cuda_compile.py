@@ -1,9 +1,11 @@
 """The cuda backend's sources compile for sm_90 with no register spills (no GPU needed).
 
-nvcc is found via CUDA_HOME / CUDA_PATH / /usr/local/cuda / PATH; without it every test here
-skips, except where the CI variable is set (CI's machine has the toolkit: a missing nvcc fails
-there) or under FASTELBO_REQUIRE_GPU=1 (every skip fails). curand_kernel.h comes from the toolkit
-or from the nvidia-curand package (the dev extra), whose headers any nvcc 12+ compiles.
+nvcc is found via CUDA_HOME / CUDA_PATH / /usr/local/cuda / PATH. The tests that need it (the
+`nvcc` fixture; conftest.py marks them `needs_nvcc`, and device_run.sh's `tests` stage runs them
+all) skip without it, except where a missing nvcc is a failure: CI set (CI's machine has the
+toolkit), FASTELBO_REQUIRE_GPU=1 (a device run) or FASTELBO_REQUIRE_NVCC=1. curand_kernel.h
+comes from the toolkit or from the nvidia-curand package (the dev extra), whose headers any
+nvcc 12+ compiles.
 The torch CPU wheel ships the c10/ATen headers but not c10/cuda/impl/cuda_cmake_macros.h
 (generated at torch build time), so those compiles define C10_CUDA_NO_CMAKE_CONFIGURE_FILE.
 
@@ -41,8 +43,16 @@ def _nvcc() -> str | None:
 
 
 NVCC = _nvcc()
-# CI's machine has the CUDA toolkit: there a missing nvcc is a failure, not a skip.
-NVCC_EXPECTED = os.environ.get("CI", "").lower() not in ("", "0", "false")
+REQUIRE_NVCC = "FASTELBO_REQUIRE_NVCC"
+
+
+def nvcc_required() -> str | None:
+    """What makes a missing nvcc a failure here rather than a skip, or None: CI (its machine
+    has the CUDA toolkit), a device run (FASTELBO_REQUIRE_GPU=1) or FASTELBO_REQUIRE_NVCC=1."""
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        return "CI is set"
+    return next((f"{var}=1" for var in (REQUIRE_NVCC, "FASTELBO_REQUIRE_GPU")
+                 if os.environ.get(var) == "1"), None)
 
 TORCH_INCLUDES = [f"-I{p}" for p in cpp_ext.include_paths()]
 TORCH_NVCC_DEFINES = [*cpp_ext.COMMON_NVCC_FLAGS, "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"]
@@ -60,10 +70,13 @@ def _run(cmd: list[str]) -> str:
 
 @pytest.fixture(scope="session")
 def nvcc() -> str:
+    """nvcc's path; a test that takes it is marked needs_nvcc (conftest.py)."""
     if NVCC is None:
         why = "nvcc (CUDA toolkit) not found in CUDA_HOME, CUDA_PATH, /usr/local/cuda or PATH"
-        if NVCC_EXPECTED:
-            pytest.fail(f"{why}, and CI is set: CI's machine must have it", pytrace=False)
+        required = nvcc_required()
+        if required:
+            pytest.fail(f"{why}, and {required}: a missing nvcc fails, it does not skip",
+                        pytrace=False)
         pytest.skip(why)
     return NVCC
 
@@ -270,6 +283,66 @@ def _check_kernels(report: dict[str, dict[str, int]], expected: dict[str, int]) 
         # __launch_bounds__(256, 2): two blocks per SM need <= 128 registers per thread.
         limit = 255 if any(k in name for k in ONE_BLOCK_PER_SM) else 128
         assert r["registers"] <= limit, (name, r)
+
+
+# ---- The nvcc tests themselves: marked, run on the device, and not skipped where required ----
+
+HERE = Path(__file__).resolve()
+NVCC_STILL_MISSING = ("test_benchmark_tools_build", "test_kernel_compiles_sm90_without_spills",
+                      "test_binding_compiles_with_torch_headers_and_links_up",
+                      "test_export_inline_source_compiles")  # device_run.sh ran none of these
+# In a child pytest: this module without nvcc, whatever the machine has.
+HIDE_NVCC = """import sys
+
+
+def pytest_collection_finish(session):
+    sys.modules["test_cuda_compile"].NVCC = None
+"""
+
+
+def _child_pytest(*args: str, env: dict[str, str] | None = None, plugin_dir: Path | None = None):
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("CI", REQUIRE_NVCC, "FASTELBO_REQUIRE_GPU")}
+    paths = [str(HERE.parents[1] / "src"), *([str(plugin_dir)] if plugin_dir else []),
+             clean.get("PYTHONPATH", "")]
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                          cwd=HERE.parents[1], capture_output=True, text=True, check=False,
+                          env={**clean, **(env or {}),
+                               "PYTHONPATH": os.pathsep.join(filter(None, paths))})
+
+
+def test_every_nvcc_test_is_marked_and_device_run_runs_them_all():
+    """conftest.py marks each test that takes the nvcc fixture (here: through `builds`) as
+    needs_nvcc, and device_run.sh's `tests` stage selects by that mark, not by name."""
+    tree = ast.parse(HERE.read_text())
+    takes = {f.name for f in tree.body if isinstance(f, ast.FunctionDef)
+             and f.name.startswith("test_") and {a.arg for a in f.args.args} & {"nvcc", "builds"}}
+    assert set(NVCC_STILL_MISSING) < takes
+    res = _child_pytest("--collect-only", "-m", "needs_nvcc", str(HERE))
+    marked = {line.split("::")[1].split("[")[0] for line in res.stdout.splitlines()
+              if line.startswith("tests/")}
+    assert marked == takes, res.stdout + res.stderr
+    script = (HERE.parents[1] / "benchmarks" / "device_run.sh").read_text().replace("\\\n", " ")
+    (command,) = [line for line in script.splitlines() if "run test_needs_nvcc" in line]
+    assert command.endswith(" -m needs_nvcc tests/test_cuda_compile.py ;;"), command
+    assert " -k " not in command, command
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", [{}, {REQUIRE_NVCC: "1"}, {"FASTELBO_REQUIRE_GPU": "1"}],
+                         ids=["default", "require_nvcc", "require_gpu"])
+def test_a_missing_nvcc_skips_unless_it_is_required(env, tmp_path):
+    (tmp_path / "hide_nvcc.py").write_text(HIDE_NVCC)
+    res = _child_pytest("-p", "hide_nvcc", "-rs", f"{HERE}::test_philox_known_answers",
+                        env=env, plugin_dir=tmp_path)
+    out = res.stdout + res.stderr
+    assert "nvcc (CUDA toolkit) not found" in out, out
+    if not env:
+        assert res.returncode == 0 and "1 skipped" in out, out
+    else:
+        (var,) = env
+        assert res.returncode == 1 and "1 error" in out, out
+        assert f"{var}=1: a missing nvcc fails, it does not skip" in out, out
 
 
 def test_every_kernel_source_is_listed():

@@ -60,6 +60,21 @@ def test_a_second_check_reads_the_reference_from_the_cache(cache, workers):
     assert more.reference == "computed" and more.exit_code == 0
 
 
+def test_without_a_device_the_reference_worker_started_for_the_probe_is_let_go(cache, workers):
+    """device None (check's default): the reference's worker starts before the device is chosen
+    (a CUDA probe must follow the forks); when the cache then holds every regime it is let go,
+    and the report lists the candidate's worker alone."""
+    opts = {"trials": 1, "batch_sizes": [1], "scales": (), "seed": 0, "device": None}
+    first = run_check(TINY, CANDIDATES / "reference_as_candidate.py", **opts)
+    assert first.exit_code == 0 and first.reference == "computed", first.format()
+    assert first.device in ("cpu", "cuda")
+    again = run_check(TINY, CANDIDATES / "kl_sign_flipped.py", **opts)
+    assert again.exit_code == 1 and again.reference == "cached", again.format()
+    assert len(workers) == 4 and again.device == first.device
+    assert [w["role"] for w in again.to_dict()["workers"]] == ["candidate"]
+    assert workers[3].proc.poll() is not None  # the reference's spare: closed
+
+
 HELPER = "FACTOR = {factor}\n"
 PROBLEM = """import sys
 from pathlib import Path

@@ -1,5 +1,6 @@
 """compare.diff_tensors in chunks: the same TensorDiff and findings as in one piece, and as the
-pre-chunking implementation (`_reference_diff_tensors`, kept here verbatim as the spec)."""
+pre-chunking implementation (`_reference_diff_tensors`, kept here as the spec: verbatim but for
+max_rel's elements, |ref| > atol since issue #37)."""
 from __future__ import annotations
 
 import math
@@ -64,7 +65,9 @@ def _reference_diff_tensors(ref, got, atol, rtol, index=0, runs=None, fragile=No
     absdiff = (g - r).abs()
     beyond = finite & (absdiff > atol + rtol * r.abs())
     err = torch.where(finite & judged, absdiff, torch.zeros((), dtype=torch.float64))
-    rel = err / r.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    # since issue #37: |diff| / |ref| only where |ref| > atol (was: over every element)
+    big = r.abs() > atol
+    rel = torch.where(big, err / torch.where(big, r.abs(), 1.0), 0.0)
     outside = beyond & judged
     env = outside & _reference_envelope_accepts([ref, *runs], got, atol, rtol) if runs else \
         torch.zeros_like(outside)
@@ -134,8 +137,7 @@ CASES = [(shape, seed, runs, fragile) for shape in SHAPES for seed in range(3)
 
 
 def _key(result):
-    """A result as comparable data: NaN == NaN (max_rel is NaN wherever ref has a NaN: there
-    err is 0 and |ref| NaN, in the spec too)."""
+    """A result as comparable data: NaN == NaN (a NaN in max_abs or max_rel compares equal)."""
     diff, findings = result
     fields = {k: "nan" if isinstance(v, float) and math.isnan(v) else v
               for k, v in diff.to_dict().items()}

@@ -4,7 +4,15 @@ from __future__ import annotations
 import runpy
 from pathlib import Path
 
-from fastelbo.harness.compile import locate, map_compiler_errors, parse_resource_usage, run_compile
+from fastelbo.harness import compile as compile_mod
+from fastelbo.harness.compile import (
+    CompileReport,
+    KernelResources,
+    locate,
+    map_compiler_errors,
+    parse_resource_usage,
+    run_compile,
+)
 
 CANDIDATES = Path(__file__).parent / "candidates"
 INLINE = CANDIDATES / "inline_cuda.py"
@@ -84,6 +92,43 @@ def test_plain_python_candidate_compiles_without_extensions():
     report = run_compile(CANDIDATES / "reference_as_candidate.py", timeout=60)
     assert report.exit_code == 0, report.format()
     assert "no compiled extension" in report.format()
+
+
+# Extension modules of the standard library (lib-dynload) that torch and the harness do not
+# import: a candidate importing them loads a .so it did not build.
+STDLIB_EXTENSIONS = ("_statistics", "_zoneinfo", "syslog", "termios", "_testbuffer", "xxlimited")
+
+
+def test_a_pure_python_candidate_reports_no_extension_of_python_itself(tmp_path, monkeypatch):
+    """Python's own extension modules (lib-dynload) that the import loads are not the
+    candidate's: no extension listed, and no cuobjdump note about them (cuobjdump hidden)."""
+    cand = tmp_path / "stdlib_user.py"
+    cand.write_text("".join(f"try:\n    import {m}  # noqa: F401\nexcept ImportError:\n"
+                            f"    pass\n" for m in STDLIB_EXTENSIONS)
+                    + "from fastelbo.problems import load_problem\n\n"
+                      "Model = load_problem('vae_elbo').Model\n\n\n"
+                      "class ModelNew(Model):\n    pass\n")
+    monkeypatch.setattr(compile_mod, "cuobjdump", lambda: None)
+    report = run_compile(cand, timeout=120)
+    assert report.exit_code == 0, report.format()
+    assert report.extensions == {}, report.extensions
+    assert any("lib-dynload" in p for p in report.installed), report.installed  # loaded, apart
+    text = report.format()
+    assert "no compiled extension" in text and "cuobjdump" not in text, text
+
+
+def test_a_missing_cuobjdump_is_one_note_not_one_per_extension(monkeypatch):
+    monkeypatch.setattr(compile_mod, "cuobjdump", lambda: None)
+    libs = ["/b/one.so", "/b/two.so"]
+    report = CompileReport("/c/cand.py", exit_code=0,
+                           extensions={lib: compile_mod.resource_usage(lib) for lib in libs})
+    report.extensions["/b/three.so"] = ([KernelResources("k", 32, 0, 0, 0)], "")
+    lines = report.format().splitlines()
+    assert [line for line in lines if "cuobjdump" in line] == [
+        f"({compile_mod.NO_CUOBJDUMP})"], lines
+    assert [line for line in lines if line.endswith(".so:")] == [f"{lib}:" for lib in
+                                                                 (*libs, "/b/three.so")]
+    assert "  k: 32 registers, 0 B shared, 0 B local (spills), 0 B stack" in lines
 
 
 def test_parse_cuobjdump_resource_usage():

@@ -89,8 +89,17 @@ def test_resident_reports_equal_the_ordinary_path(resident, tmp_path, name):
 
 def test_resident_envelope_is_computed_by_the_judge(tmp_path, monkeypatch):
     """The step problem's rounding flip: wrong on default inputs, accepted in the scaled regime
-    only through the envelope, which the judge computes for the trials that missed."""
+    only through the envelope, which the judge computes for the trials that missed. Resident
+    for real: every regime is judged by the reference's worker (judge_pass, with the envelope
+    for the scaled one), none goes through the cache or the check's own envelope pass."""
     monkeypatch.setenv(RESIDENT_ENV, "0")
+    calls = []
+
+    class Recorded(check.Worker):
+        def run(self, func, kwargs, **limits):
+            calls.append((func.rpartition(":")[2], kwargs.get("name"), kwargs.get("envelope")))
+            return super().run(func, kwargs, **limits)
+    monkeypatch.setattr(check, "Worker", Recorded)
     cand = tmp_path / "rounds_down.py"
     cand.write_text("import torch\nfrom fastelbo.problems import load_module\n"
                     f"Model = load_module({str(STEP)!r}).Model\n\n\n"
@@ -103,6 +112,10 @@ def test_resident_envelope_is_computed_by_the_judge(tmp_path, monkeypatch):
     assert scaled.status == "PASS" and scaled.envelope_runs == PERTURB_RUNS, report.format()
     assert [t.ill_conditioned for t in scaled.trials] == [16, 16]
     assert all(t.envelope for t in scaled.trials)
+    assert sorted(c for c in calls if c[0] == "judge_pass") == [
+        ("judge_pass", "default", False), ("judge_pass", "scale=4", True)], calls
+    assert not [c for c in calls if c[0] == "envelope_pass"], calls
+    assert not list((tmp_path / "cache").rglob("*.ref.pt")), "a regime was cached, not resident"
 
 
 def test_extra_batch_regime_is_sized_to_the_budget():

@@ -7,6 +7,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from fastelbo.harness.check import run_check
@@ -166,7 +167,6 @@ def test_kernelbench_note_names_each_difference():
 
 
 def test_every_report_matches_the_documented_schema(reports):
-    jsonschema = pytest.importorskip("jsonschema")
     from fastelbo.harness.schema import CHECK_REPORT
     for report in reports.values():
         jsonschema.validate(json.loads(json.dumps(report.to_dict(), allow_nan=False)),

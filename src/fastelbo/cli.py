@@ -1,8 +1,9 @@
 """fastelbo: a VAE whose ELBO runs in fused GPU kernels, and a harness for KernelBench kernels.
 
-Train and evaluate a VAE (train, evaluate, demo), or judge a candidate kernel file that
-defines ModelNew against a reference problem (compile, check, bench, export).
-Run `fastelbo COMMAND --help` for a command's options.
+Train and evaluate a VAE (train, evaluate, demo), judge a candidate kernel file that
+defines ModelNew against a reference problem (compile, check, bench), write fastelbo's kernels
+as a KernelBench solution (export), or serve the harness to an agent over MCP (serve).
+Run `fastelbo COMMAND --help` for what a command does and its options.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from .errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 # the parsed args and returning an exit code. Both import nothing heavy: parsing needs no torch.
 SUBCOMMANDS = (
     "fastelbo.commands",     # train, evaluate, demo
-    "fastelbo.harness.cli",  # compile, check, bench, export
+    "fastelbo.harness.cli",  # compile, check, bench, export, serve
 )
 DEBUG_ENV = "FASTELBO_DEBUG"
 EXIT_INTERNAL = 1

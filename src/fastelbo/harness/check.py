@@ -59,7 +59,7 @@ class DeviceUnavailable(ValueError):
     they are killed first, before any verdict."""
 
 
-def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu",
+def run_check(problem: str | Path, candidate: str | Path, *, device: str | None = "cpu",
               trials: int = 3, atol: float = 1e-4, rtol: float = 1e-4,
               batch_sizes: list[int] | None = None, scales: tuple[float, ...] = (4.0, 16.0),
               timeout: float = 300.0, seed: int | None = None, build_timeout: float = 600.0,
@@ -76,6 +76,8 @@ def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu"
     serves only a given seed (a secret seed's reference data lives in the check's private
     directory, removed with it). `pool`: where to take started workers from (a long-lived
     caller keeps one; default: start them here); the check refills it when it ends.
+    `device` None: cuda where torch sees a GPU, else cpu (bench's default), chosen once the
+    workers are started; the report names the one chosen ("" if the check stopped before).
     DeviceUnavailable (a ValueError) for cuda without CUDA."""
     validate(device=device, trials=trials, atol=atol, rtol=rtol, batch_sizes=batch_sizes,
              scales=scales, timeout=timeout, build_timeout=build_timeout,
@@ -86,7 +88,7 @@ def run_check(problem: str | Path, candidate: str | Path, *, device: str = "cpu"
     secret = seed is None
     if secret:
         seed, cache = secrets.randbelow(1 << 31), False
-    report = CheckReport(problem=str(problem), candidate=str(candidate), device=device,
+    report = CheckReport(problem=str(problem), candidate=str(candidate), device=device or "",
                          atol=atol, rtol=rtol, trials=trials, seed=seed,
                          seed_source="secret" if secret else "given",
                          mode="eval" if eval_mode else "train")
@@ -122,10 +124,10 @@ def _prefork() -> bool:
     return fork_safe()
 
 
-def validate(*, device: str, trials: int, atol: float, rtol: float, batch_sizes, scales,
+def validate(*, device: str | None, trials: int, atol: float, rtol: float, batch_sizes, scales,
              timeout: float, build_timeout: float, forward_timeout: float) -> None:
     """ValueError naming the first bad argument (the CLI turns it into a usage error)."""
-    if not isinstance(device, str) or not DEVICE.fullmatch(device):
+    if device is not None and (not isinstance(device, str) or not DEVICE.fullmatch(device)):
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
     if not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be an int >= 1, got {trials!r}")
@@ -173,6 +175,12 @@ class _Check:
         self.workers.append(w)
         self.roles.append(role)
         return w
+
+    def _drop(self, worker: Worker) -> None:
+        """Let go of a worker that was started but is not needed (not in the report)."""
+        i = self.workers.index(worker)
+        del self.workers[i], self.roles[i]
+        worker.close()
 
     def close(self) -> None:
         for w in self.workers:
@@ -254,8 +262,18 @@ class _Check:
             # The reference's is started here, not in a thread: a failed build must kill it.
             cand_w = self._worker("candidate")
             t0 = time.monotonic()
-            only = self._lookup()
-            ref_w = None if only == [] else self._worker("reference")
+            if o.device is None:
+                # Which device needs a CUDA probe, which must follow the forks: the reference's
+                # worker is started first, and let go if the cache turns out to hold every regime.
+                ref_w = self._worker("reference")
+                o.device = report.device = available_device()
+                only = self._lookup()
+                if only == []:
+                    self._drop(ref_w)
+                    ref_w = None
+            else:
+                only = self._lookup()
+                ref_w = None if only == [] else self._worker("reference")
             self.fork = False  # a later worker (an envelope's, a rerun's) comes after the probe
             build = threads.submit(cand_w.run, TASKS + "build_candidate",
                                    {"candidate": str(self.cand), "problem": str(self.prob),
@@ -481,6 +499,12 @@ class _Check:
                     regime.note += (f", {fragile_seen[regime.name]} fragile (finite in only "
                                     "some perturbed runs) excluded")
         self.report.timings["envelope_s"] = time.monotonic() - t0
+
+
+def available_device() -> str:
+    """cuda where torch sees a GPU, else cpu. Probes CUDA: only once the workers are forked."""
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 PERTURB_RUNS = 16  # compare.PERTURB_RUNS (compare imports torch; tests hold the two equal)

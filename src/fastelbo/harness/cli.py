@@ -14,21 +14,70 @@ import traceback
 
 from ..errors import UsageError
 
+RAW = argparse.RawDescriptionHelpFormatter  # descriptions keep their paragraphs
 EXIT_ERROR = 2  # "could not judge", as in report.EXIT_ERROR
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
+COMPILE_DESCRIPTION = """\
+Import a candidate in a confined worker, as check does, building the extensions its import
+builds (torch.utils.cpp_extension.load_inline). A build error is shown at the candidate's own
+line; on success, the registers, shared memory and spills of each kernel of the extensions the
+candidate built (read with the CUDA toolkit's cuobjdump). Kernels compiled on their first call
+(Triton, a lazy load_inline) are built by check, not here.
+
+Exit 0 when the candidate imports, 2 when it does not (with the reason).
+"""
+
+CHECK_DESCRIPTION = """\
+Judge whether a candidate's ModelNew computes what the problem's Model computes. Regimes: the
+problem's get_inputs(), other batch sizes and parameters scaled into saturation; in each, fresh
+inputs per trial and the same seed before the forward of both. Every output is compared (count,
+shape, dtype, allclose, NaN/inf positions), and a trial also fails on a cached, zero or
+row-constant output, a mutated input or a different number of random draws. The candidate runs
+in a worker process of its own, confined where the OS allows, with time limits.
+
+Exit 0: correct; 1: some trial was wrong; 2: something could not run (the reason is shown).
+"""
+
+BENCH_DESCRIPTION = """\
+Time candidates against the problem's eager Model and torch.compile, each in a worker of its
+own, on fresh inputs per call; on a GPU with the L2 flushed before each cold call, and in a
+CUDA graph. A row is ok only when its outputs, timed calls included, match eager's, no timer
+was replaced and no time beats the physical floor. Rows go to the table, and to --out's jsonl
+with the device, versions and commit.
+
+Exit 0: every row ok; 1: some row INCORRECT, TAMPERED, IMPLAUSIBLE or flagged; 2: some
+entry could not run.
+"""
+
+EXPORT_DESCRIPTION = """\
+Write fastelbo's CUDA backend as one KernelBench solution file: a Python file that imports
+torch only, with the kernels inlined as text and built by load_inline on first use (nvcc and
+an sm_90 GPU where it runs). `fastelbo check vae_elbo FILE` judges it as any candidate.
+"""
+
+SERVE_DESCRIPTION = """\
+Serve the harness to an agent over the Model Context Protocol (stdio): compile_kernel,
+run_correctness (check), benchmark (bench) and submit_kernel (a full check, then the solution
+file), each against --problem on --device. Needs the MCP SDK (pip install 'fastelbo[mcp]').
+"""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compile", help="import a candidate, show build errors or resource usage")
+    p = sub.add_parser("compile", help="import a candidate, show build errors or resource usage",
+                       description=COMPILE_DESCRIPTION, formatter_class=RAW)
     p.add_argument("candidate", help="candidate file or fastelbo:<backend>")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds for the import and its builds (default: %(default)s)")
     p.set_defaults(func=_compile)
 
-    p = sub.add_parser("check", help="judge a candidate against a problem's reference Model")
+    p = sub.add_parser("check", help="judge a candidate against a problem's reference Model",
+                       description=CHECK_DESCRIPTION, formatter_class=RAW)
     p.add_argument("problem", help="built-in problem name (vae_elbo) or a problem file")
     p.add_argument("candidate", help="candidate file or fastelbo:<backend>")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: %(default)s, meaning cuda if available, "
+                        "else cpu, as bench)")
     p.add_argument("--trials", type=int, default=3, help="trials per regime (default: %(default)s)")
     p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance "
                    "(default: %(default)s)")
@@ -60,7 +109,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "fastelbo.harness.schema) (default: %(default)s)")
     p.set_defaults(func=_check)
 
-    p = sub.add_parser("bench", help="time candidates against eager PyTorch and torch.compile")
+    p = sub.add_parser("bench", help="time candidates against eager PyTorch and torch.compile",
+                       description=BENCH_DESCRIPTION, formatter_class=RAW)
     p.add_argument("problem", help="built-in problem name (vae_elbo) or a problem file")
     p.add_argument("candidates", nargs="*",
                    help="candidate files or fastelbo:<backend> (default: fastelbo:auto and "
@@ -91,7 +141,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "records validate=false (default: %(default)s)")
     p.set_defaults(func=_bench)
 
-    p = sub.add_parser("export", help="write a self-contained KernelBench solution file")
+    p = sub.add_parser("export", help="write fastelbo's kernels as one KernelBench solution file",
+                       description=EXPORT_DESCRIPTION, formatter_class=RAW)
     p.add_argument("--kernelbench", required=True, metavar="PATH",
                    help="solution file to write (required; default: %(default)s)")
     p.set_defaults(func=_export)
@@ -281,8 +332,8 @@ def _export(args) -> int:
 # -- serve: the agent-facing tools over MCP (harness/server.py; imports mcp only when run) ------
 
 def _register_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve compile_kernel, run_correctness, benchmark and "
-                                     "submit_kernel as MCP tools (for agents; stdio)")
+    p = sub.add_parser("serve", help="the harness as MCP tools for an agent (stdio)",
+                       description=SERVE_DESCRIPTION, formatter_class=RAW)
     p.add_argument("--problem", default="vae_elbo",
                    help="built-in problem name or a problem file (default %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")

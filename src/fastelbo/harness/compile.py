@@ -4,7 +4,8 @@ torch.utils.cpp_extension.load_inline writes the inline sources into a build dir
 (main.cpp, cuda.cu) after a few #include lines of its own, so compiler errors name lines of
 those generated files. We map them back by locating the generated line in the candidate file,
 using the surrounding lines to pick among repeats. On success we list registers, shared memory
-and spills per kernel of each extension the import loaded, read with `cuobjdump`.
+and spills per kernel of each extension the candidate built or loaded (not the modules of Python
+or of its installed packages), read with `cuobjdump`.
 """
 from __future__ import annotations
 
@@ -115,11 +116,19 @@ def _demangle(name: str) -> str:
     return res.stdout.strip() or name
 
 
-def resource_usage(library: str) -> tuple[list[KernelResources], str]:
-    """(kernels, note); the note says why nothing could be read."""
-    tool = shutil.which("cuobjdump")
+NO_CUOBJDUMP = "cuobjdump not found on PATH: resource usage unavailable"
+
+
+def cuobjdump() -> str | None:
+    return shutil.which("cuobjdump")
+
+
+def resource_usage(library: str, tool: str | None = None) -> tuple[list[KernelResources], str]:
+    """(kernels, note); the note says why nothing could be read. `tool`: cuobjdump's path
+    (default: looked up on PATH)."""
+    tool = tool or cuobjdump()
     if tool is None:
-        return [], "cuobjdump not found on PATH: resource usage unavailable"
+        return [], NO_CUOBJDUMP
     res = subprocess.run([tool, "--dump-resource-usage", library], capture_output=True,
                          text=True, check=False)
     if res.returncode != 0:
@@ -135,6 +144,8 @@ class CompileReport:
     reason: str = ""
     errors: list[MappedError] = field(default_factory=list)
     extensions: dict[str, tuple[list[KernelResources], str]] = field(default_factory=dict)
+    # extensions of Python and its installed packages the import loaded too (not inspected)
+    installed: list[str] = field(default_factory=list)
     output_tail: str = ""
 
     def format(self) -> str:
@@ -149,11 +160,13 @@ class CompileReport:
                          "compile on first call)")
         for lib, (kernels, note) in self.extensions.items():
             lines.append(f"{lib}:")
-            if note:
+            if note and note != NO_CUOBJDUMP:  # that one is said once, below
                 lines.append(f"  {note}")
             for k in kernels:
                 lines.append(f"  {k.name}: {k.registers} registers, {k.shared_bytes} B shared, "
                              f"{k.local_bytes} B local (spills), {k.stack_bytes} B stack")
+        if any(note == NO_CUOBJDUMP for _, note in self.extensions.values()):
+            lines.append(f"({NO_CUOBJDUMP})")
         return "\n".join(lines)
 
 
@@ -189,6 +202,8 @@ def run_compile(candidate: str | Path, timeout: float = 600.0,
         report.errors = map_compiler_errors(outcome.reason + "\n" + outcome.output_tail, path)
         return report
     report.exit_code = 0
+    report.installed = outcome.result.get("installed", [])
+    tool = cuobjdump()  # looked up once: without it, one note for every extension
     for lib in outcome.result["extensions"]:
-        report.extensions[lib] = resource_usage(lib)
+        report.extensions[lib] = resource_usage(lib, tool) if tool else ([], NO_CUOBJDUMP)
     return report

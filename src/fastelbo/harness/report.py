@@ -31,7 +31,7 @@ class TensorDiff:
     index: int
     ok: bool
     max_abs: float = 0.0
-    max_rel: float = 0.0
+    max_rel: float = 0.0  # |diff| / |ref| over the elements where |ref| > atol (0: none there)
     n_bad: int = 0
     n_envelope: int = 0   # outside allclose, accepted only through the perturbed-reference envelope
     message: str = ""
@@ -154,7 +154,8 @@ class CheckReport:
         return _strict(asdict(self))
 
     def format(self) -> str:
-        lines = [(f"check {self.candidate} against {self.problem} on {self.device} "
+        on = f" on {self.device}" if self.device else ""  # "": stopped before choosing one
+        lines = [(f"check {self.candidate} against {self.problem}{on} "
                   f"(atol={self.atol:g}, rtol={self.rtol:g}, {self.trials} trial(s) per regime)")]
         mode = ("training (as constructed, as KernelBench runs them; --eval-mode for .eval())"
                 if self.mode == "train" else "eval (--eval-mode)")
@@ -183,6 +184,7 @@ class CheckReport:
                              f"{_first_lines(f.message)}")
             if len(found) > MAX_FINDING_LINES:
                 lines.append(f"{'':<18}   (+{len(found) - MAX_FINDING_LINES} more; --json has all)")
+        lines += _legend(self.regimes, self.atol)
         for e in self.compile_errors:
             where = f"{e.file}:{e.line}" if e.line else f"{e.generated}:{e.generated_line}"
             lines.append(f"{where}: {e.message}")
@@ -226,9 +228,26 @@ def _trial_summary(regime: RegimeReport) -> str:
             worst[d.index] = (max(a, d.max_abs), max(r, d.max_rel))
     diffs = "  ".join(f"out{i} abs {a:.1e} rel {r:.1e}" for i, (a, r) in sorted(worst.items()))
     text = f"{passed}/{len(regime.trials)} trials ok  max diff: {diffs}"
-    if regime.envelope_runs:  # per trial, in trial order
+    if _ill_conditioned(regime):  # per trial, in trial order
         text += "  ill-conditioned: " + ", ".join(str(t.ill_conditioned) for t in regime.trials)
     return text
+
+
+def _ill_conditioned(regime: RegimeReport) -> bool:
+    return bool(regime.envelope_runs) and any(t.ill_conditioned for t in regime.trials)
+
+
+def _legend(regimes: list[RegimeReport], atol: float) -> list[str]:
+    """What the table's numbers mean, for the columns it shows."""
+    lines = []
+    if any(t.diffs for r in regimes for t in r.trials):
+        lines.append(f"max diff: abs |candidate - reference|; rel abs / |reference|, over the "
+                     f"elements where |reference| > atol ({atol:g})")
+    runs = next((r.envelope_runs for r in regimes if _ill_conditioned(r)), 0)
+    if runs:
+        lines.append(f"ill-conditioned: per trial, elements outside allclose accepted within "
+                     f"the spread of {runs} reference runs with rounding-level perturbations")
+    return lines
 
 
 def kernelbench_note(default_trials: list[dict], eval_mode: bool) -> str:

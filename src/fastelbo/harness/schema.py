@@ -1,11 +1,13 @@
 """The one schema of a check's result: `fastelbo check --json`, the Python API and the MCP tools.
 
 `CHECK_REPORT` is a JSON Schema (draft 2020-12) of `CheckReport.to_dict()`; tests validate
-reports against it. The output is strict JSON: a non-finite float (a relative difference where
-the reference is 0) is written as the string "inf", "-inf" or "nan".
+reports against it. The output is strict JSON: a non-finite float (a difference beyond float64's
+range) is written as the string "inf", "-inf" or "nan".
 
 Top level
     schema        "fastelbo.check/3"
+    device        where the check ran: cpu, cuda or cuda:N (without a device given, cuda where
+                  torch sees a GPU); "" when it stopped before choosing one (a syntax error)
     seed          the seed of weights, inputs and forwards; seed_source secret (drawn for this
                   check, the default) | given (seed= / --seed, which reproduces a run)
     confinement   what bounded the candidate's worker: landlock | user | none (sandbox.py)
@@ -23,6 +25,9 @@ Top level
     regimes       per regime: status PASS | FAIL | ERROR | N/A | REF-NONDET | NOT RUN | INCOMPLETE,
                   its batch size, parameter scale, input variant, note, and per trial its seed,
                   verdict, findings, and per output max_abs / max_rel / n_bad / n_envelope
+                  (max_rel: |diff| / |reference| over the elements where |reference| > atol,
+                  0 when there are none; n_envelope, summed per trial as ill_conditioned: the
+                  elements outside allclose accepted through the perturbed-reference envelope)
     compile_errors  compiler diagnostics mapped to candidate lines (a failed build)
     reference     cached | computed | partly cached ("" when it never ran)
     timings       seconds: build_s, reference_s, candidate_s, envelope_s (when needed), total_s

@@ -516,10 +516,13 @@ def _fold(op):
 
 
 def import_only(candidate: str) -> dict:
-    """Import the candidate (building any inline extension) and list the extensions it loaded.
+    """Import the candidate (building any inline extension) and list the extensions it loaded:
+    {"extensions": the candidate's own, "installed": those of Python and its packages}.
 
     load_inline does not register its module in sys.modules, so the candidate's globals and
-    the extension build root (files written during the import) are searched as well.
+    the extension build root (files written during the import) are searched as well. A module
+    of the interpreter's library or site-packages (lib-dynload/math.so, numpy's) is not the
+    candidate's: it is listed apart, and `fastelbo compile` inspects only the others.
     """
     import os
     from types import ModuleType
@@ -535,5 +538,20 @@ def import_only(candidate: str) -> dict:
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     if root.is_dir():
         found += [str(p) for p in root.rglob("*.so") if p.stat().st_mtime >= start]
-    return {"extensions": sorted({str(Path(p).resolve()) for p in found
-                                  if p and str(p).endswith((".so", ".pyd"))})}
+    libs = sorted({Path(p).resolve() for p in found if p and str(p).endswith((".so", ".pyd"))})
+    roots = _installed_roots()
+    installed = [p for p in libs if any(p.is_relative_to(r) for r in roots)]
+    return {"extensions": [str(p) for p in libs if p not in installed],
+            "installed": [str(p) for p in installed]}
+
+
+def _installed_roots() -> list[Path]:
+    """Where the interpreter's own modules and installed packages live: the standard library
+    (lib-dynload among it) and every site-packages."""
+    import site
+    import sysconfig
+
+    paths = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    paths.update(getattr(site, "getsitepackages", list)())
+    paths.add(site.getusersitepackages())
+    return [Path(p).resolve() for p in paths if p]
