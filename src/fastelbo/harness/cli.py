@@ -225,12 +225,23 @@ print(n.value if lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) ==
 """
 
 
-def cuda_device_count() -> int:
-    """How many CUDA devices the driver sees, asked in a child (`python -I -S`, ~30 ms)."""
+def cuda_device_counter():
+    """Start asking the driver how many CUDA devices it sees, in a child (`python -I -S`);
+    the returned function waits for the answer (so the caller's own imports overlap it)."""
     import subprocess
-    done = subprocess.run([sys.executable, "-I", "-S", "-c", _COUNT], capture_output=True,
-                          text=True, timeout=60, check=False)
-    return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
+    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _COUNT], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    def count() -> int:
+        out, _ = proc.communicate(timeout=60)
+        return int(out.strip() or 0) if proc.returncode == 0 else 0
+
+    return count
+
+
+def cuda_device_count() -> int:
+    """How many CUDA devices the driver sees, asked in a child (no torch, no CUDA here)."""
+    return cuda_device_counter()()
 
 
 def _candidate(name: str) -> str:
@@ -359,11 +370,8 @@ def _serve(args) -> int:
     # No torch here (its import is seconds: the server answers `initialize` first); the
     # driver's device count, asked by a child, says whether --device cuda can work.
     _device(args.device, probe=False)
-    if args.device and args.device.startswith("cuda"):
-        index, count = int(args.device.partition(":")[2] or 0), cuda_device_count()
-        if index >= count:
-            raise UsageError(f"--device {args.device}, but the CUDA driver sees "
-                             f"{count} device(s) here")
+    cuda = args.device is not None and args.device.startswith("cuda")
+    counter = cuda_device_counter() if cuda else None  # runs while the SDK imports
     try:
         import mcp  # noqa: F401
     except ModuleNotFoundError:
@@ -375,6 +383,11 @@ def _serve(args) -> int:
     except FileNotFoundError as exc:
         raise UsageError(str(exc)) from None
     from .server import serve  # imports no torch: the session starts at the first tool call
+    if cuda:
+        index, count = int(args.device.partition(":")[2] or 0), counter()
+        if index >= count:
+            raise UsageError(f"--device {args.device}, but the CUDA driver sees "
+                             f"{count} device(s) here")
     return serve(problem, args.device, trials=args.trials, batch_sizes=batch_sizes,
                  scales=scales, timeout=args.timeout, build_timeout=args.build_timeout,
                  submit_dir=args.submit_dir)
