@@ -128,36 +128,15 @@ def test_check_json_is_strict_json_of_the_documented_schema(capsys):
     assert data["categories"] == ["shape"] and data["reference"] == "computed"
 
 
-FAKE_WORKERS = '''
+FAKE_WORKERS = f'''
 import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
 from fastelbo.harness import check
-from fastelbo.harness.worker import WorkerOutcome
-seen = []
-
-
-class Fake:
-    killed = []
-
-    def __init__(self, env=None, *, fork=False, confine=None):
-        seen.append((fork, "torch" in sys.modules))
-
-    def run(self, *args, **kwargs):
-        return WorkerOutcome(None, category="build", reason="not built: a test")
-
-    def kill(self, wait=True):
-        pass
-
-    def close(self):
-        pass
-
-    def describe(self):
-        return {"pid": 0, "forked": False, "prestarted": False, "warm": False, "startup_s": None}
-
-
-check.Worker = Fake
+from fake_workers import FailingWorker
+check.Worker = FailingWorker
 from fastelbo.cli import main
 code = main(["check", sys.argv[1], sys.argv[2], "--no-cache", "--device", sys.argv[3]])
-print(seen, "torch" in sys.modules, code)
+print(FailingWorker.created, "torch" in sys.modules, code)
 '''
 
 
@@ -188,28 +167,11 @@ def test_a_new_check_process_imports_torch_once(device, fork):
 def test_check_runs_on_cuda_where_there_is_one_unless_told(gpu, monkeypatch, capsys):
     """check's default device is bench's: cuda where torch sees a GPU, else cpu (chosen once the
     workers are started); the report names it, and the workers' tasks get it."""
+    from fake_workers import FailingWorker
     from fastelbo.harness import check
-    from fastelbo.harness.worker import WorkerOutcome
     asked = []
-
-    class Fake:  # a worker whose tasks fail at once, recording the device they were given
-        def __init__(self, env=None, *, fork=False, confine=None):
-            self.killed = []
-
-        def run(self, func, kwargs, **limits):
-            asked.append((func.rpartition(":")[2], kwargs.get("device")))
-            return WorkerOutcome(None, category="build", reason="not built: a test")
-
-        def kill(self, wait=True):
-            pass
-
-        def close(self):
-            pass
-
-        def describe(self):
-            return {"pid": 0, "forked": False, "prestarted": False, "warm": False,
-                    "startup_s": None}
-    monkeypatch.setattr(check, "Worker", Fake)
+    monkeypatch.setattr(FailingWorker, "asked", asked)
+    monkeypatch.setattr(check, "Worker", FailingWorker)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     assert main(["check", TINY, GOOD, "--no-cache"]) == 2
     device = "cuda" if gpu else "cpu"

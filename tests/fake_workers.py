@@ -1,0 +1,30 @@
+"""A harness Worker stand-in whose every task fails at once (a build failure), recording what
+it was made with and asked: for tests of what check decides before any real worker runs, in
+this process (monkeypatch check.Worker) or in a new one (a `python -c` that sets it)."""
+import sys
+from typing import ClassVar
+
+from fastelbo.harness.worker import WorkerOutcome
+
+
+class FailingWorker:
+    created: ClassVar[list] = []  # (fork, torch imported) per worker, in order
+    asked: ClassVar[list] = []    # (task name, its device) per task, in order
+
+    def __init__(self, env=None, *, fork=False, confine=None):
+        self.killed = []
+        FailingWorker.created.append((fork, "torch" in sys.modules))
+
+    def run(self, func, kwargs, **limits):
+        FailingWorker.asked.append((func.rpartition(":")[2], kwargs.get("device")))
+        return WorkerOutcome(None, category="build", reason="not built: a test")
+
+    def kill(self, wait=True):
+        pass
+
+    def close(self):
+        pass
+
+    def describe(self):
+        return {"pid": 0, "forked": False, "prestarted": False, "warm": False,
+                "startup_s": None}
