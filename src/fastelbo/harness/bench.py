@@ -26,9 +26,7 @@ import secrets
 
 import torch
 
-from .. import backends
-from ..contract import ENV_VAR as VALIDATE_ENV
-from ..contract import enabled_by_env
+from .. import plugin
 from . import loader, sandbox
 from .compare import compare_outputs
 from .floor import count_flops, floors
@@ -56,20 +54,19 @@ def default_candidates(device: str) -> list[str]:
     outcome = run_task("fastelbo.harness.bench:available_candidates", 600.0, device=device)
     if outcome.ok:
         return outcome.result["candidates"]
-    # Let each backend's own entry say what is wrong with it.
-    return ["fastelbo:auto"] + [f"fastelbo:{name}" for name in backends.NAMES]
+    # Let each built-in's own entry say what is wrong with it.
+    return plugin.candidate_names()
 
 
 def available_candidates(device: str) -> dict:
     """Worker side of default_candidates."""
     dev = torch.device(device)
-    return {"candidates": ["fastelbo:auto"] + [f"fastelbo:{name}" for name in backends.NAMES
-                                               if _unavailable(name, dev) is None]}
+    return {"candidates": [c for c in plugin.candidate_names() if _unavailable(c, dev) is None]}
 
 
-def _unavailable(name: str, dev: torch.device) -> str | None:
+def _unavailable(candidate: str, dev: torch.device) -> str | None:
     try:
-        return backends.unavailable_reason(name, dev)
+        return plugin.unavailable_reason(candidate, dev)
     except Exception as exc:  # noqa: BLE001 - a broken backend is skipped, not fatal to bench
         return f"{type(exc).__name__}: {exc}"
 
@@ -191,11 +188,11 @@ def run_bench(problem: str, candidates: list[str] | None = None, *, device: str 
     entries = [(EAGER, EAGER, None)] + ([(COMPILED, COMPILED, None)] if compile_baseline else [])
     entries += [(c, "candidate", str(loader.candidate_path(c)))
                 for c in (candidates or default_candidates(device))]
-    env = None if validate else {VALIDATE_ENV: "0"}
+    env = None if validate else {plugin.VALIDATION_ENV: "0"}
     base = {**environment(device), "date": utc_now(), "problem": str(problem), "seed": seed,
             "quick": quick, "graph_reps": graph_reps if device.startswith("cuda") else None,
             # what the workers ran with: off by request or already off in this environment
-            "validate": validate and enabled_by_env(), "mode": "eval" if eval_mode else "train",
+            "validate": validate and plugin.validation_enabled(), "mode": "eval" if eval_mode else "train",
             "l2": "flushed before each events_ms call" if device.startswith("cuda") else None}
     confine = sandbox.for_candidates()
     results: dict[str, dict[int, dict]] = {}

@@ -327,15 +327,12 @@ def _export(args) -> int:
     target = Path(args.kernelbench)
     if target.is_dir():
         raise UsageError(f"--kernelbench {args.kernelbench} is a directory; give a file path")
+    from ..plugin import Unavailable, write_export
     try:
-        from .. import export
-    except ModuleNotFoundError as exc:
-        if exc.name != "fastelbo.export":
-            raise
-        print("fastelbo export: fastelbo.export is not available in this build "
-              "(src/fastelbo/export.py is missing)", file=sys.stderr)
+        path = write_export(target)
+    except Unavailable as exc:
+        print(f"fastelbo export: {exc}", file=sys.stderr)
         return 2
-    path = export.write_kernelbench(target)
     print(f"wrote {path}")
     return 0
 

@@ -6,7 +6,8 @@ import ast
 import threading
 from pathlib import Path
 
-BUILTIN_PREFIX = "fastelbo:"
+from ..plugin import PREFIX as BUILTIN_PREFIX
+
 # CPython 3.11's AST constructor keeps its recursion bookkeeping where two threads parsing at
 # once corrupt it ("SystemError: AST constructor recursion depth mismatch", gh-106905): checks
 # run from threads (a Session, the tests' pools) parse one at a time.
@@ -17,7 +18,7 @@ def candidate_path(name: str | Path) -> Path:
     """`fastelbo:<backend>` names a built-in candidate; anything else is a file path."""
     text = str(name)
     if text.startswith(BUILTIN_PREFIX):
-        from ..candidates import candidate_path as builtin
+        from ..plugin import candidate_path as builtin
         try:
             return builtin(text[len(BUILTIN_PREFIX):])
         except ValueError as exc:

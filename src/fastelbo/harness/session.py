@@ -181,8 +181,8 @@ class Session:
         the modules it imports beyond the standard library (a single-file solution needs no
         more than torch). An accepted solution (exit 0) is also copied into `submit_dir`."""
         if isinstance(source, str) and source.startswith(BUILTIN_PREFIX):
-            from .. import export
-            source = export.kernelbench_source()
+            from ..plugin import export_source
+            source = export_source()
         cand = self._candidate(source)
         result = self._check(cand, None)
         text = Path(cand).read_text() if Path(cand).is_file() else ""
