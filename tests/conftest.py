@@ -7,8 +7,10 @@
   it out, `-m multi_gpu` (device_run.sh's `multi` stage) runs it.
 - The Triton interpreter cases run in a child pytest (interpret.py); each process deselects
   the other's cases rather than skipping them, so that a skip only ever means "no GPU here".
+- FASTELBO_TEST_TIMES=file appends each test's CPU and wall seconds to that file.
 """
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,36 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or "multi_gpu" in item.keywords:
             item.add_marker(skip)
+
+
+TIMES = os.environ.get("FASTELBO_TEST_TIMES")  # a file: per-test CPU and wall seconds
+
+
+def _cpu() -> tuple[float, float]:
+    """(this process's, its reaped children's) user + system CPU seconds."""
+    import resource  # POSIX only, as the harness's workers are
+
+    own, kids = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                     resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With FASTELBO_TEST_TIMES=path, append a line per test (setup, call and teardown):
+    own CPU s, children's CPU s, wall s, node id. On a loaded machine CPU time says more than
+    wall time. A child counts once it has been reaped, so a test that reaps another's (a pool's
+    spare, a module fixture's worker) is charged for it."""
+    if not TIMES:
+        return (yield)
+    where = "[interpreter child] " if IN_CHILD else ""  # its CPU is also its parent's
+    (own, kids), wall = _cpu(), time.perf_counter()
+    try:
+        return (yield)
+    finally:
+        (own2, kids2), wall2 = _cpu(), time.perf_counter()
+        with open(TIMES, "a") as f:
+            f.write(f"{own2 - own:.2f}\t{kids2 - kids:.2f}\t{wall2 - wall:.2f}\t{where}{item.nodeid}\n")
 
 
 def _required(report) -> None:
