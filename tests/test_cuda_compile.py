@@ -194,9 +194,11 @@ def _jobs_of(test: str) -> dict[str, tuple[list[str], dict[str, str]]]:
     return {}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def builds(request, nvcc, tmp_path_factory):
-    """The jobs of every selected test of this file, started together at the first use."""
+    """The jobs of every selected test of this file, started together at the first use. Its
+    pool's threads end with this file: a later test that forks (the harness's workers) may
+    only while no other thread runs."""
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
     root = cache.mkdir("fastelbo-nvcc") if cache else tmp_path_factory.mktemp("nvcc")
     b = Builds(Path(root))
