@@ -8,6 +8,8 @@
 - The Triton interpreter cases run in a child pytest (interpret.py); each process deselects
   the other's cases rather than skipping them, so that a skip only ever means "no GPU here".
 - FASTELBO_TEST_TIMES=file appends each test's CPU and wall seconds to that file.
+- Under pytest-xdist (`./dev.sh test` runs with `-n`): a line per test file still, and the
+  files holding a `slow` test first.
 """
 import os
 import time
@@ -42,6 +44,28 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "interpreter_child: runs only in the TRITON_INTERPRET=1 "
                                        "child pytest (interpret.py)")
     config.addinivalue_line("markers", "interpreter_parent: launches that child; not run in it")
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(_FileLines(config), "fastelbo-file-lines")
+
+
+class _FileLines:
+    """Under pytest-xdist (`-n`), whose controller shows only the letters: each letter on a line
+    headed by its test file, as pytest writes without xdist, so that the output says which
+    file is running. A new line starts whenever the file changes (the workers' files take
+    turns)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    @pytest.hookimpl(tryfirst=True)  # before the terminal reporter writes the letter
+    def pytest_runtest_logreport(self, report):
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is None or self.config.get_verbosity() > 0:
+            return
+        _, letter, _ = self.config.hook.pytest_report_teststatus(report=report,
+                                                                 config=self.config)
+        if letter:
+            tr.write_fspath_result(report.nodeid, "")
 
 
 def pytest_report_header(config):
@@ -51,6 +75,12 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER") and not IN_CHILD:
+        # Under -n (dev.sh: one file per worker at a time, in this order), the files holding a
+        # `slow` test go first, so that none of them starts last, alone, on a core. Every
+        # worker sorts alike: they must agree on the order.
+        slow = {item.path for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.path not in slow)  # stable: file order otherwise
     other = "interpreter_parent" if IN_CHILD else "interpreter_child"
     deselected = [item for item in items if other in item.keywords]
     items[:] = [item for item in items if other not in item.keywords]

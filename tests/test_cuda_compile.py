@@ -286,6 +286,7 @@ def test_every_kernel_source_is_listed():
 BENCH_CU = ("experiments/cuda_trace.cu", "experiments/tc_gemm_bench.cu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", BENCH_CU)
 def test_benchmark_tools_build(source, builds):
     assert [f for f in cuda_backend.NVCC_FLAGS if "sm_90a" in f], cuda_backend.NVCC_FLAGS
@@ -293,6 +294,7 @@ def test_benchmark_tools_build(source, builds):
     assert (folder / "tool").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", cuda_backend.KERNEL_SOURCES)
 def test_kernel_compiles_sm90_without_spills(source, builds):
     """Each kernel file compiled alone, as cpp_extension.load compiles it (torch's nvcc flags
@@ -339,6 +341,7 @@ def _binding_symbols(obj: Path) -> tuple[set[str], set[str]]:
     return defined, undefined
 
 
+@pytest.mark.slow
 def test_binding_compiles_with_torch_headers_and_links_up(builds):
     """Each binding file compiles alone, and every entry point binding_module.cpp binds is
     defined by exactly one of the others (what the extension's link needs)."""

@@ -77,6 +77,7 @@ def _regime_status(report: dict) -> dict[str, str]:
     return {r["name"]: r["status"] for r in report["regimes"]}
 
 
+@pytest.mark.slow
 def test_correct_source_text_passes_every_regime(results):
     report = results["correct_text"]
     assert report["exit_code"] == 0 and report["status"] == "pass", report["reasons"]
@@ -184,6 +185,7 @@ def warm(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_a_repeated_check_runs_in_the_started_spare(warm):
     first = warm["first"]
     assert first["exit_code"] == 0 and first["reference"] == "computed"
