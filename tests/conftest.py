@@ -12,6 +12,7 @@
   files holding a `slow` test first.
 """
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -41,6 +42,10 @@ def syntax_error_candidate(tmp_path_factory) -> Path:
 
 
 def pytest_configure(config):
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started as a background job of a non-interactive shell (`cmd &` in a script): SIGINT
+        # came ignored, and so would reach no Ctrl-C test (test_cli, test_train) or its child.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line("markers", "interpreter_child: runs only in the TRITON_INTERPRET=1 "
                                        "child pytest (interpret.py)")
     config.addinivalue_line("markers", "interpreter_parent: launches that child; not run in it")
