@@ -9,7 +9,8 @@ py=.venv/bin/python
 TORCH=2.13.0
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 say() { echo "dev.sh: $*" >&2; }
-if ! "$py" -c "import fastelbo, pytest, hypothesis, triton, mlxtend, safetensors, tqdm, ruff, mcp" 2>/dev/null; then
+if ! "$py" -c "import fastelbo, pytest, xdist, hypothesis, triton, mlxtend, safetensors, tqdm, ruff, mcp" \
+    2>/dev/null; then
   if [ ! -x "$py" ]; then
     say "creating .venv with $(python3 --version) ..."
     python3 -m venv .venv
@@ -42,6 +43,11 @@ case "$cmd" in
   demo) exec "$py" -m fastelbo.cli demo "$@" ;;
   test) say "ruff ..."
         "$py" -m ruff check src tests benchmarks
-        exec "$py" -m pytest "$@" ;;  # a line per file: which one is running
+        # pytest-xdist: a worker per core (at most 4), each test file on one worker (its
+        # module fixtures run once), files in collection order, those with a slow test first
+        # (conftest.py); still a line per file: which one is running. `-n 0` after `test` runs
+        # them in this process instead.
+        exec "$py" -m pytest -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder \
+          "$@" ;;
   *) echo "usage: ./dev.sh demo|test [args]" >&2; exit 2 ;;
 esac

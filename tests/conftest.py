@@ -10,8 +10,13 @@
   it skips without nvcc, unless CI, FASTELBO_REQUIRE_GPU=1 or FASTELBO_REQUIRE_NVCC=1 is set.
 - The Triton interpreter cases run in a child pytest (interpret.py); each process deselects
   the other's cases rather than skipping them, so that a skip only ever means "no GPU here".
+- FASTELBO_TEST_TIMES=file appends each test's CPU and wall seconds to that file.
+- Under pytest-xdist (`./dev.sh test` runs with `-n`): a line per test file still, and the
+  files holding a `slow` test first.
 """
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -40,9 +45,35 @@ def syntax_error_candidate(tmp_path_factory) -> Path:
 
 
 def pytest_configure(config):
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started as a background job of a non-interactive shell (`cmd &` in a script): SIGINT
+        # came ignored, and so would reach no Ctrl-C test (test_cli, test_train) or its child.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line("markers", "interpreter_child: runs only in the TRITON_INTERPRET=1 "
                                        "child pytest (interpret.py)")
     config.addinivalue_line("markers", "interpreter_parent: launches that child; not run in it")
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(_FileLines(config), "fastelbo-file-lines")
+
+
+class _FileLines:
+    """Under pytest-xdist (`-n`), whose controller shows only the letters: each letter on a line
+    headed by its test file, as pytest writes without xdist, so that the output says which
+    file is running. A new line starts whenever the file changes (the workers' files take
+    turns)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    @pytest.hookimpl(tryfirst=True)  # before the terminal reporter writes the letter
+    def pytest_runtest_logreport(self, report):
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is None or self.config.get_verbosity() > 0:
+            return
+        _, letter, _ = self.config.hook.pytest_report_teststatus(report=report,
+                                                                 config=self.config)
+        if letter:
+            tr.write_fspath_result(report.nodeid, "")
 
 
 def pytest_report_header(config):
@@ -52,6 +83,12 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER") and not IN_CHILD:
+        # Under -n (dev.sh: one file per worker at a time, in this order), the files holding a
+        # `slow` test go first, so that none of them starts last, alone, on a core. Every
+        # worker sorts alike: they must agree on the order.
+        slow = {item.path for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.path not in slow)  # stable: file order otherwise
     other = "interpreter_parent" if IN_CHILD else "interpreter_child"
     deselected = [item for item in items if other in item.keywords]
     items[:] = [item for item in items if other not in item.keywords]
@@ -68,6 +105,36 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or "multi_gpu" in item.keywords:
             item.add_marker(skip)
+
+
+TIMES = os.environ.get("FASTELBO_TEST_TIMES")  # a file: per-test CPU and wall seconds
+
+
+def _cpu() -> tuple[float, float]:
+    """(this process's, its reaped children's) user + system CPU seconds."""
+    import resource  # POSIX only, as the harness's workers are
+
+    own, kids = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                     resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With FASTELBO_TEST_TIMES=path, append a line per test (setup, call and teardown):
+    own CPU s, children's CPU s, wall s, node id. On a loaded machine CPU time says more than
+    wall time. A child counts once it has been reaped, so a test that reaps another's (a pool's
+    spare, a module fixture's worker) is charged for it."""
+    if not TIMES:
+        return (yield)
+    where = "[interpreter child] " if IN_CHILD else ""  # its CPU is also its parent's
+    (own, kids), wall = _cpu(), time.perf_counter()
+    try:
+        return (yield)
+    finally:
+        (own2, kids2), wall2 = _cpu(), time.perf_counter()
+        with open(TIMES, "a") as f:
+            f.write(f"{own2 - own:.2f}\t{kids2 - kids:.2f}\t{wall2 - wall:.2f}\t{where}{item.nodeid}\n")
 
 
 def _required(report) -> None:

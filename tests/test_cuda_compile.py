@@ -207,9 +207,11 @@ def _jobs_of(test: str) -> dict[str, tuple[list[str], dict[str, str]]]:
     return {}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def builds(request, nvcc, tmp_path_factory):
-    """The jobs of every selected test of this file, started together at the first use."""
+    """The jobs of every selected test of this file, started together at the first use. Its
+    pool's threads end with this file: a later test that forks (the harness's workers) may
+    only while no other thread runs."""
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
     root = cache.mkdir("fastelbo-nvcc") if cache else tmp_path_factory.mktemp("nvcc")
     b = Builds(Path(root))
@@ -357,6 +359,7 @@ def test_every_kernel_source_is_listed():
 BENCH_CU = ("experiments/cuda_trace.cu", "experiments/tc_gemm_bench.cu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", BENCH_CU)
 def test_benchmark_tools_build(source, builds):
     assert [f for f in cuda_backend.NVCC_FLAGS if "sm_90a" in f], cuda_backend.NVCC_FLAGS
@@ -364,6 +367,7 @@ def test_benchmark_tools_build(source, builds):
     assert (folder / "tool").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", cuda_backend.KERNEL_SOURCES)
 def test_kernel_compiles_sm90_without_spills(source, builds):
     """Each kernel file compiled alone, as cpp_extension.load compiles it (torch's nvcc flags
@@ -410,6 +414,7 @@ def _binding_symbols(obj: Path) -> tuple[set[str], set[str]]:
     return defined, undefined
 
 
+@pytest.mark.slow
 def test_binding_compiles_with_torch_headers_and_links_up(builds):
     """Each binding file compiles alone, and every entry point binding_module.cpp binds is
     defined by exactly one of the others (what the extension's link needs)."""

@@ -102,6 +102,7 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((u.double() - v.double()).abs().max()) for u, v in zip(a, b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_two_gloo_ranks_equal_one_process(dtype, tmp_path):
     cfg = dict(CPU, dtype=dtype)

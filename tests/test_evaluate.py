@@ -98,6 +98,7 @@ def test_per_image_values(run_dir, tmp_path):
     assert r["log_likelihood"]["mean"] == pytest.approx(ll.mean(), rel=1e-12)
 
 
+@pytest.mark.slow
 @parent_only
 def test_triton_backend_in_interpreter():
     out = run_children(__file__, "-m", "not gpu", "-k", "interpreted", timeout=600)

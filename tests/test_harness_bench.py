@@ -114,6 +114,7 @@ def exploit_rows():
     return {Path(r["candidate"]).stem: r for r in rows}, code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TIMING_EXPLOITS))
 def test_timing_exploits_show_up_wrong_not_fast(exploit_rows, name):
     """Behaviour that depends on call count, spacing or input identity, lazy outputs, reused
@@ -148,6 +149,7 @@ def test_cuda_bench_measures_events_graph_and_memory(tmp_path):
     assert not row["stream_escape"]
 
 
+@pytest.mark.slow
 def test_a_failing_batch_size_does_not_abort_the_others(tmp_path):
     """Raises at batch 5 (caught in the worker), kills its worker at batch 7 (the sizes are then
     rerun one worker each): each bad size gets its own ERROR row, 1 and 3 still measure."""

@@ -44,6 +44,7 @@ def _verdict(report) -> dict:
     return data
 
 
+@pytest.mark.slow
 def test_a_second_check_reads_the_reference_from_the_cache(cache, workers):
     opts = {"trials": 2, "batch_sizes": [1], "scales": (), "seed": 0}
     first = run_check(TINY, CANDIDATES / "reference_as_candidate.py", **opts)

@@ -67,6 +67,7 @@ def reports(syntax_error_candidate):
         return dict(zip(CORPUS, pool.map(_check, paths)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CORPUS))
 def test_corpus_verdict_and_reason(reports, name):
     code, category, text = CORPUS[name]
@@ -147,6 +148,7 @@ class ModelNew(Model):
 """
 
 
+@pytest.mark.slow
 def test_a_build_inside_a_forward_gets_the_build_limit_not_the_forward_limit(tmp_path,
                                                                              monkeypatch):
     """While a forward compiles (a child process runs, or the main thread is in cpp_extension,

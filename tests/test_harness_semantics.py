@@ -68,6 +68,7 @@ def _statuses(report) -> dict[str, str]:
     return {r.name: r.status for r in report.regimes}
 
 
+@pytest.mark.slow
 def test_batchnorm_with_running_stats_is_wrong_in_training_mode(reports):
     report = reports["bn_running"]
     assert report.mode == "train" and report.exit_code == 1, report.format()

@@ -40,8 +40,11 @@ def results(tmp_path_factory):
     sessions = []
 
     def job(name):
-        s = _session(HANG_TIMEOUT) if name == "hang_then_correct" else \
-            _session(submit_dir=submit_dir) if name == "submit" else _session()
+        # No spares: each job starts its own two workers, as the spares would have been, and
+        # nothing is started after it only to be closed (the spares' path is `warm`'s).
+        s = _session(HANG_TIMEOUT, spares=0) if name == "hang_then_correct" else \
+            _session(submit_dir=submit_dir, spares=0) if name == "submit" else \
+            _session(spares=0)
         sessions.append(s)
         if name == "correct_text":
             return s.run_correctness(CORRECT.read_text()), s
@@ -74,6 +77,7 @@ def _regime_status(report: dict) -> dict[str, str]:
     return {r["name"]: r["status"] for r in report["regimes"]}
 
 
+@pytest.mark.slow
 def test_correct_source_text_passes_every_regime(results):
     report = results["correct_text"]
     assert report["exit_code"] == 0 and report["status"] == "pass", report["reasons"]
@@ -181,6 +185,7 @@ def warm(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_a_repeated_check_runs_in_the_started_spare(warm):
     first = warm["first"]
     assert first["exit_code"] == 0 and first["reference"] == "computed"
@@ -275,7 +280,7 @@ def test_jobs_of_one_session_run_one_at_a_time(monkeypatch):
         return Report()
 
     monkeypatch.setattr(session_mod, "run_check", fake_check)
-    s = _session()
+    s = _session(spares=0)  # the checks are fakes: no worker is needed
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(s.run_correctness, ["a.py", "b.py"]))
     assert seen == [1, 1]
@@ -319,7 +324,7 @@ def test_bad_arguments_raise_before_any_work(tmp_path):
         Session(TINY, spares=-1)
     with pytest.raises(TypeError, match="the session's pool is its own"):
         Session(TINY, pool=None)
-    with Session(TINY) as s:
+    with Session(TINY, spares=0) as s:  # refused before any worker would be taken
         with pytest.raises(TypeError, match="source must be Python source text or a path"):
             s.run_correctness(42)
         with pytest.raises(ValueError, match="trials must be an integer >= 1"):

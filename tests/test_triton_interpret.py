@@ -23,6 +23,7 @@ from reference import assert_outputs_close, bce_epilogue_cases, bce_probe_params
 CHILD_CASES = 3 * 3 * 3 + 3 * 2 + 3 + 5 + 3 + 6
 
 
+@pytest.mark.slow
 @parent_only
 def test_in_interpreter():
     run_children(__file__, timeout=600, passed=CHILD_CASES, shards=2)

@@ -28,6 +28,7 @@ from reference import iwae_probe_params as _probe_params
 CHILD_CASES = 3 * 3 * 2 * 2 + 2 + 2 + 4
 
 
+@pytest.mark.slow
 @parent_only
 def test_in_interpreter():
     run_children(__file__, "-m", "not gpu", passed=CHILD_CASES, shards=2)
