@@ -20,9 +20,9 @@ def candidate_path(name: str) -> Path:
 
 
 def candidate_names() -> list[str]:
-    """Every built-in candidate, `fastelbo:auto` first."""
-    from . import backends
-    return [PREFIX + "auto"] + [PREFIX + name for name in backends.NAMES]
+    """Every built-in candidate, `fastelbo:auto` first (the files candidate_path serves)."""
+    from .candidates import NAMES
+    return [PREFIX + name for name in NAMES]
 
 
 def unavailable_reason(candidate: str, device) -> str | None:

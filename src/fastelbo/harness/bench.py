@@ -192,7 +192,8 @@ def run_bench(problem: str, candidates: list[str] | None = None, *, device: str 
     base = {**environment(device), "date": utc_now(), "problem": str(problem), "seed": seed,
             "quick": quick, "graph_reps": graph_reps if device.startswith("cuda") else None,
             # what the workers ran with: off by request or already off in this environment
-            "validate": validate and plugin.validation_enabled(), "mode": "eval" if eval_mode else "train",
+            "validate": validate and plugin.validation_enabled(),
+            "mode": "eval" if eval_mode else "train",
             "l2": "flushed before each events_ms call" if device.startswith("cuda") else None}
     confine = sandbox.for_candidates()
     results: dict[str, dict[int, dict]] = {}
