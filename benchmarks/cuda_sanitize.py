@@ -74,9 +74,9 @@ def quick() -> int:
     x = torch.rand(1 + 5 * 33, device="cuda")  # the value check, aligned and not
     backend.unavailable_reason(x.device)
     for v in (x[:165].view(5, 33), x[1:].view(5, 33)):
-        ok = backend.x_in_unit_range(v) is True
+        ok = backend.in_unit_range(v) is True
         v[2, 7] = float("nan")
-        ok &= backend.x_in_unit_range(v) is False
+        ok &= backend.in_unit_range(v) is False
         v[2, 7] = 0.5
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} value check, offset {v.data_ptr() % 16} B", flush=True)

@@ -168,12 +168,12 @@ def pytest_make_collect_report(collector):
 def fake_gpu_backend(monkeypatch):
     """'cuda' and 'triton' answered by the torch spec, so fastelbo.ops takes the GPU backends'
     path (the torch.library custom ops and their backward) on a CPU."""
+    from fake_backends import gpu_stand_in
     from fastelbo import backends
-    from fastelbo.backends import torch_ref
 
-    real = backends.module
+    real, stand_in = backends.module, gpu_stand_in()
     monkeypatch.setattr(backends, "module",
-                        lambda name: torch_ref if name in ("cuda", "triton") else real(name))
+                        lambda name: stand_in if name in ("cuda", "triton") else real(name))
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
 
 

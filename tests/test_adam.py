@@ -49,6 +49,45 @@ def test_state_dict_is_torch_adams():
         assert set(st) == set(rsd["state"][i])
 
 
+class _NativeStandIn:
+    """A device's native backend whose adam_step records its call and runs torch's math."""
+
+    def __init__(self):
+        self.calls = []
+
+    def unavailable_reason(self, device):
+        return None
+
+    def adam_step(self, params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
+                  weight_decay):
+        self.calls.append([float(s) for s in steps])
+        for p, g, m, v, k in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+            g = g + weight_decay * p
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            c1, c2 = 1 - beta1 ** float(k), 1 - beta2 ** float(k)
+            p.addcdiv_(m, (v.sqrt() / c2 ** 0.5).add_(eps), value=-lr / c1)
+        return True
+
+
+def test_the_step_reaches_the_native_backend_through_the_protocol(monkeypatch):
+    """Adam asks backends.native(device) and calls its adam_step (never a backend module by
+    name): on a CPU made to have a native backend, the stand-in runs every step, with the step
+    counts already incremented, and the result is torch's."""
+    from fastelbo import backends
+
+    native = _NativeStandIn()
+    monkeypatch.setattr(backends, "native", lambda device: native)
+    got, _ = run(Adam, "cpu", weight_decay=0.1)
+    assert native.calls == [[float(k)] * len(SHAPES) for k in range(1, 6)]
+    want, _ = run(torch.optim.Adam, "cpu", weight_decay=0.1)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    monkeypatch.setattr(backends, "native", lambda device: None)  # no native backend: torch's
+    again, _ = run(Adam, "cpu", weight_decay=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(again, want))
+
+
 def _kernel_available():
     from fastelbo.backends import cuda as cuda_backend
 

@@ -108,8 +108,46 @@ def test_the_cuda_value_check_stays_out_of_cpu_tensors():
     takes the torch-ops check (and never triggers an extension build)."""
     from fastelbo.backends import cuda
 
-    assert cuda.x_in_unit_range(torch.rand(3, 4)) is None
-    assert cuda.start_range_check(torch.rand(3, 4)) is False
+    assert cuda.in_unit_range(torch.rand(3, 4)) is None
+    assert cuda.start_value_check(torch.rand(3, 4)) is None
+    assert cuda.start_checks(torch.rand(3, 4), [torch.rand(1)] * 10, None, True) is None
+
+
+def test_start_checks_takes_the_native_backends_lanes(model, monkeypatch):
+    """start_checks asks backends.native(x.device) through the protocol: its one-call lane's
+    verdict is taken as it is; where that lane declines, the contract's checks run and the
+    lane's started value check is the verdict; where that declines too, in_unit_range (then
+    torch ops) decides at once. Bad metadata is still the contract's error."""
+    from fastelbo import backends
+    from fastelbo.ops.checks import check_values, start_checks
+
+    lane_verdict, started = backends.Verdict(plain=True), backends.Verdict(checked=True)
+    answers = {"start_checks": lane_verdict, "start_value_check": started,
+               "in_unit_range": None}
+    calls = []
+
+    def member(name):
+        return lambda *a: calls.append(name) or answers[name]
+
+    native = type("Native", (), {n: staticmethod(member(n)) for n in answers})()
+    monkeypatch.setattr(backends, "native", lambda device: native)
+    params, x = model.vae_params(), torch.rand(5, 16)
+    assert start_checks(x, params, None) is lane_verdict and calls == ["start_checks"]
+    answers["start_checks"] = None
+    assert start_checks(x, params, None) is started
+    with pytest.raises(ValueError, match="eps must have shape"):
+        start_checks(x, params, torch.randn(5, 2))
+    answers["start_value_check"] = None
+    calls.clear()
+    assert start_checks(x, params, None).checked
+    assert calls == ["start_checks", "start_value_check", "in_unit_range"]
+    bad = x.clone()
+    bad[1, 2] = 1.5
+    answers["in_unit_range"] = True  # the lane's answer, not the torch ops', decides
+    check_values(bad)
+    answers["in_unit_range"] = None
+    with pytest.raises(ValueError, match=r"first x\[1, 2\] = 1.5"):
+        check_values(bad)
 
 
 def test_start_checks_on_cpu_gives_its_verdict_at_once(model):

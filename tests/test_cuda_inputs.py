@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fastelbo.backends import cuda
+from fastelbo.backends import Verdict, cuda
 from fastelbo.backends.cuda import build, launch
 from fastelbo.params import VAEParams
 
@@ -300,11 +300,23 @@ def test_forward_options_by_name(fake, monkeypatch):
                                      "draw": True}
 
 
-class _Verdict:
-    plain = False
+class _Given(Verdict):
+    """A verdict already given, logging its wait()."""
 
-    def __init__(self, in_flight, log):
-        self.in_flight, self.log = in_flight, log
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def wait(self):
+        self.log.append("wait")
+
+
+class _InFlight(cuda.RangeCheck):
+    """The cuda backend's own check in flight, logging wait() and fail()."""
+
+    def __init__(self, log):
+        super().__init__(torch.empty(0))
+        self.log = log
 
     def wait(self):
         self.log.append("wait")
@@ -312,6 +324,10 @@ class _Verdict:
     def fail(self):
         self.log.append("fail")
         raise ValueError("x must lie in [0, 1] (stand-in)")
+
+
+def _Verdict(in_flight, log):
+    return _InFlight(log) if in_flight else _Given(log)
 
 
 def test_forward_prepared_hands_a_check_in_flight_to_the_binding(fake, monkeypatch):

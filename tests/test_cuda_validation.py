@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fastelbo
+from fastelbo.backends import GIVEN_PLAIN
 from fastelbo.ops.checks import check_values
 from reference import assert_outputs_close
 
@@ -27,7 +28,7 @@ def test_range_check_agrees_with_torch(cuda, shape):
     g = torch.Generator(device="cuda").manual_seed(sum(shape))
     x = torch.rand(*shape, device="cuda", generator=g)
     x.view(-1)[0], x.view(-1)[-1] = 0.0, 1.0  # the interval's ends are inside
-    assert cuda.x_in_unit_range(x) is True
+    assert cuda.in_unit_range(x) is True
     n = x.numel()
     positions = sorted({0, n - 1, n // 2, n - n % 4 if n % 4 else n - 1,
                         int(torch.randint(n, (1,), generator=g, device="cuda"))})
@@ -35,12 +36,12 @@ def test_range_check_agrees_with_torch(cuda, shape):
         for pos in positions:
             y = x.clone()
             y.view(-1)[pos] = value
-            assert cuda.x_in_unit_range(y) is False, (value, pos)
+            assert cuda.in_unit_range(y) is False, (value, pos)
             with pytest.raises(ValueError, match="must lie in"):
                 check_values(y)
     y = x.clone()
     y.view(-1)[n // 2] = -0.0
-    assert cuda.x_in_unit_range(y) is True  # -0.0 >= 0
+    assert cuda.in_unit_range(y) is True  # -0.0 >= 0
 
 
 def test_range_check_on_an_unaligned_view(cuda):
@@ -49,11 +50,11 @@ def test_range_check_on_an_unaligned_view(cuda):
     base = torch.rand(1 + 37 * 29, device="cuda")
     x = base[1:].view(37, 29)
     assert x.data_ptr() % 16 and x.is_contiguous()
-    assert cuda.x_in_unit_range(x) is True
+    assert cuda.in_unit_range(x) is True
     for pos in (0, 17, x.numel() - 1):
         y_base = base.clone()
         y_base[1 + pos] = 1.5
-        assert cuda.x_in_unit_range(y_base[1:].view(37, 29)) is False, pos
+        assert cuda.in_unit_range(y_base[1:].view(37, 29)) is False, pos
 
 
 def test_models_forward_refuses_bad_x_through_the_fast_check(cuda):
@@ -66,30 +67,39 @@ def test_models_forward_refuses_bad_x_through_the_fast_check(cuda):
 
 
 def test_started_checks_give_the_same_verdicts(cuda):
-    """range_check_start / finish (the check fastelbo.ops overlaps with its own work) agree
-    with x_in_unit_range; a check started and never finished (an exception between the two)
-    is waited out by the next start, which then gives its own verdict."""
+    """start_value_check and its RangeCheck's wait() (the check fastelbo.ops overlaps with its
+    own work) agree with in_unit_range; a check started and never waited for (an exception
+    between the two) is waited out by the next start, which then gives its own verdict."""
     cuda = runs(cuda)
-    dev = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device="cuda").manual_seed(11)
     good = torch.rand(1000, 781, device="cuda", generator=g)
     bad = good.clone()
     bad[999, 780] = float("nan")
     for x, want in ((good, True), (bad, False), (good, True)):
-        assert cuda.start_range_check(x) is True
-        assert cuda.finish_range_check(dev) is want
+        check = cuda.start_value_check(x)
+        assert isinstance(check, cuda.RangeCheck) and check.in_flight and check.checked
+        assert _passes(check) is want
     for first, second, want in ((bad, good, True), (good, bad, False)):
-        cuda.start_range_check(first)  # abandoned
-        cuda.start_range_check(second)
-        assert cuda.finish_range_check(dev) is want
+        cuda.start_value_check(first)  # abandoned
+        assert _passes(cuda.start_value_check(second)) is want
     big = torch.rand(8193, 784, device="cuda", generator=g)  # more blocks than the others
-    cuda.start_range_check(big)
+    cuda.start_value_check(big)
     small = torch.rand(3, 5, device="cuda", generator=g)
     small[2, 4] = -1.0
-    cuda.start_range_check(small)  # its one flag, not big's stale ones, decides
-    assert cuda.finish_range_check(dev) is False
-    cuda.start_range_check(big)
-    assert cuda.finish_range_check(dev) is True
+    check = cuda.start_value_check(small)  # its one flag, not big's stale ones, decides
+    with pytest.raises(ValueError, match=r"x\[2, 4\] = -1"):
+        check.wait()
+    assert _passes(cuda.start_value_check(big)) is True
+
+
+def _passes(check) -> bool:
+    """A started check's verdict: whether its wait() returns (False: it raised the contract's
+    ValueError)."""
+    try:
+        check.wait()
+    except ValueError:
+        return False
+    return True
 
 
 def test_checks_of_two_threads_do_not_mix(cuda):
@@ -108,9 +118,9 @@ def test_checks_of_two_threads_do_not_mix(cuda):
     def worker(x, want):
         torch.cuda.set_device(dev)
         for _ in range(50):
-            cuda.start_range_check(x)
+            check = cuda.start_value_check(x)
             barrier.wait()  # both started before either finishes
-            verdicts[want].append(cuda.finish_range_check(dev))
+            verdicts[want].append(_passes(check))
             barrier.wait()
 
     threads = [threading.Thread(target=worker, args=a) for a in ((good, True), (bad, False))]
@@ -154,28 +164,27 @@ def _plain_inputs(batch=6, dims=(33, 20, 5)):
     return x, params, torch.randn(batch, dims[2], device="cuda")
 
 
-def test_checked_start_takes_the_plain_case_and_starts_the_value_check(cuda):
-    """start_checks' lane in one binding call: plain inputs pass (1 with the value check in
-    flight, 0 without it), and the verdict is the value check's."""
+def test_start_checks_takes_the_plain_case_and_starts_the_value_check(cuda):
+    """start_checks' lane in one binding call: plain inputs pass (a plain RangeCheck in
+    flight, or GIVEN_PLAIN without a value check), and the verdict is the value check's."""
     cuda = runs(cuda)
     x, params, eps = _plain_inputs()
     for e in (None, eps):
-        assert cuda.checked_start(x, params, e, True) == 1
-        assert cuda.finish_range_check(x.device) is True
-        assert cuda.checked_start(x, params, e, False) == 0
+        check = cuda.start_checks(x, params, e, True)
+        assert isinstance(check, cuda.RangeCheck) and check.plain and _passes(check) is True
+        assert cuda.start_checks(x, params, e, False) is GIVEN_PLAIN
     x[5, 32] = float("nan")
-    assert cuda.checked_start(x, params, None, True) == 1
-    assert cuda.finish_range_check(x.device) is False
+    assert _passes(cuda.start_checks(x, params, None, True)) is False
 
 
-def test_checked_start_runs_no_value_check_inside_a_capture(cuda):
+def test_start_checks_runs_no_value_check_inside_a_capture(cuda):
     cuda = runs(cuda)
     x, params, eps = _plain_inputs()
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        status = cuda.checked_start(x, params, eps, True)
-    assert status == 0
+        verdict = cuda.start_checks(x, params, eps, True)
+    assert verdict is GIVEN_PLAIN
 
 
 _MUTATIONS = {
@@ -191,7 +200,7 @@ _MUTATIONS = {
 @pytest.mark.parametrize("mutation", list(_MUTATIONS))
 @pytest.mark.parametrize("name", ["x", "eps", "enc_w", "enc_b", "mu_w", "mu_b", "lv_w", "lv_b",
                                   "dec_w1", "dec_b1", "dec_w2", "dec_b2"])
-def test_checked_start_leaves_everything_else_to_the_python_checks(cuda, name, mutation):
+def test_start_checks_leaves_everything_else_to_the_python_checks(cuda, name, mutation):
     """Any tensor off the plain case gives None (nothing started), so that start_checks' own
     checks decide: they raise their precise error, or accept it for another path."""
     from fastelbo.ops.checks import check_inputs
@@ -202,7 +211,7 @@ def test_checked_start_leaves_everything_else_to_the_python_checks(cuda, name, m
     named[name] = _MUTATIONS[mutation](named[name])
     x, eps = named.pop("x"), named.pop("eps")
     params = type(params)(**named)
-    assert cuda.checked_start(x, params, eps, True) is None
+    assert cuda.start_checks(x, params, eps, True) is None
     with fastelbo.validation(False):
         if mutation in ("non-contiguous", "a Parameter subclass"):
             check_inputs(x, params, eps)  # valid: fastelbo.ops makes it contiguous
@@ -211,12 +220,12 @@ def test_checked_start_leaves_everything_else_to_the_python_checks(cuda, name, m
                 check_inputs(x, params, eps)
 
 
-def test_checked_start_refuses_a_batch_of_zero_and_one_dimensional_x(cuda):
+def test_start_checks_refuses_a_batch_of_zero_and_one_dimensional_x(cuda):
     cuda = runs(cuda)
     x, params, _ = _plain_inputs()
-    assert cuda.checked_start(x[:0], params, None, True) is None
-    assert cuda.checked_start(x[0], params, None, True) is None
-    assert cuda.checked_start(x[:, :-1].contiguous(), params, None, True) is None
+    assert cuda.start_checks(x[:0], params, None, True) is None
+    assert cuda.start_checks(x[0], params, None, True) is None
+    assert cuda.start_checks(x[:, :-1].contiguous(), params, None, True) is None
 
 
 def test_auto_takes_the_graph_rules_inside_a_capture_and_the_eager_ones_outside(cuda,

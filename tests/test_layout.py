@@ -162,12 +162,116 @@ def test_the_plugin_names_the_contracts_switch():
     assert plugin.VALIDATION_ENV == contract.ENV_VAR
 
 
-def test_the_ops_do_not_probe_backends():
-    for path in (PKG / "ops").glob("*.py"):
-        tree = ast.parse(path.read_text())
-        probes = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call)
-                  and getattr(n.func, "id", None) in ("getattr", "hasattr")]
-        assert not probes, f"{path.name} probes with getattr/hasattr at lines {probes}"
+_PROBES = {"getattr", "hasattr", "dir", "vars"}
+
+
+def _probes(tree: ast.AST) -> list[int]:
+    """Lines that look a name up at run time: getattr / hasattr / dir / vars (builtins.x
+    included), or a handler of AttributeError."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call):
+            f = n.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) \
+                and isinstance(f.value, ast.Name) and f.value.id == "builtins" else None
+            if name in _PROBES:
+                out.append(n.lineno)
+        elif isinstance(n, ast.ExceptHandler) and n.type is not None and "AttributeError" in {
+                getattr(e, "id", None) for e in ast.walk(n.type)}:
+            out.append(n.lineno)
+    return out
+
+
+def _is_backend_call(node: ast.AST, getters: set[str] = frozenset()) -> bool:
+    """backends.module(...) or backends.native(...), or a call of one of `getters` (local
+    functions returning one): an expression giving a backend module."""
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    return (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+            and f.value.id == "backends" and f.attr in ("module", "native")
+            or isinstance(f, ast.Name) and f.id in getters)
+
+
+def _backend_members_used(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, attribute) for every attribute read off a backend module: directly off
+    backends.module(...) / backends.native(...) or a local function returning one, or off a
+    name any of them was assigned to."""
+    getters: set[str] = set()
+    for _ in range(3):  # a getter may call another
+        getters |= {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                    for r in ast.walk(f) if isinstance(r, ast.Return) and r.value is not None
+                    and any(_is_backend_call(c, getters) for c in ast.walk(r.value))}
+    handles = {t.id for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))
+               and n.value is not None
+               and any(_is_backend_call(c, getters) for c in ast.walk(n.value))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+               if isinstance(t, ast.Name)}
+    return [(n.lineno, n.attr) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+            and (_is_backend_call(n.value, getters)
+                 or isinstance(n.value, ast.Name) and n.value.id in handles)]
+
+
+def _protocol_members() -> set[str]:
+    from fastelbo import backends
+    return {n for n in (*vars(backends.Backend), *backends.Backend.__annotations__)
+            if not n.startswith("_")}
+
+
+CALLERS = sorted([*(PKG / "ops").glob("*.py"), PKG / "training" / "adam.py"])
+
+
+@pytest.mark.parametrize("path", CALLERS, ids=lambda p: str(p.relative_to(PKG)))
+def test_the_ops_call_backends_only_through_the_protocol(path):
+    """No run-time probing, no backend module imported by name, and nothing read off a
+    backend module but a member of backends.Backend."""
+    tree = ast.parse(path.read_text())
+    assert not _probes(tree), f"{path.name} probes names at lines {_probes(tree)}"
+    mod = _module_name(path)
+    direct = sorted(n for n in GRAPH[mod] | _string_imports(mod)
+                    if n.startswith("fastelbo.backends."))
+    assert not direct, f"{mod} imports {direct}: reach a backend through fastelbo.backends"
+    outside = [(line, a) for line, a in _backend_members_used(tree)
+               if a not in _protocol_members()]
+    assert not outside, f"{path.name} reads backend members outside the protocol: {outside}"
+    branches = _name_branches(tree)
+    assert not branches, f"{path.name} branches on a backend's name at lines {branches}"
+
+
+def _name_branches(tree: ast.AST) -> list[int]:
+    """Lines comparing something with a backend's name ("torch", "cuda", "triton"), a device
+    type (`x.type == "cuda"`) excepted."""
+    from fastelbo.backends import NAMES
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Compare)
+            and any(isinstance(c, ast.Constant) and c.value in NAMES
+                    for c in (n.left, *n.comparators))
+            and not any(isinstance(c, ast.Attribute) and c.attr == "type"
+                        for c in (n.left, *n.comparators))]
+
+
+def test_the_protocol_rule_sees_what_it_should():
+    """Each way around the protocol, planted in a snippet, is caught."""
+    planted = {
+        "builtins.getattr(backends.module('cuda'), 'x')": "probe",
+        "try:\n    mod.x\nexcept AttributeError:\n    pass": "probe",
+        "'x' in dir(mod)": "probe", "vars(mod).get('x')": "probe",
+        "backends.module(name).checked_start(x)": "member",
+        "lane = None if c else backends.native(d)\nlane.finish_range_check(d)": "member",
+        "def _cuda():\n    return backends.module('cuda')\n_cuda().start_range_check(x)": "member",
+    }
+    planted["if name == 'torch':\n    pass"] = "branch"
+    for src, kind in planted.items():
+        tree = ast.parse(src)
+        found = _probes(tree) if kind == "probe" else _name_branches(tree) \
+            if kind == "branch" else [a for _, a in _backend_members_used(tree)
+                                      if a not in _protocol_members()]
+        assert found, src
+    assert not _name_branches(ast.parse("x.device.type == 'cuda' or backend == 'auto'"))
+    fine = "mod = backends.module(name)\nmod.forward_prepared(x, p, e, verdict=v)"
+    assert not _probes(ast.parse(fine)) and not [
+        a for _, a in _backend_members_used(ast.parse(fine)) if a not in _protocol_members()]
+    graph = dict(GRAPH)
+    assert "fastelbo.backends.cuda" not in graph["fastelbo.training.adam"]
 
 
 @pytest.mark.parametrize("path", sorted(p for p in PKG.rglob("*")
@@ -194,3 +298,4 @@ def test_each_backend_provides_the_protocol(name):
             assert p.name in have, f"{name}.{member} lacks parameter {p.name}"
             assert have[p.name].kind == p.kind, f"{name}.{member}({p.name}) kind differs"
     assert isinstance(mod.DTYPES, tuple) and isinstance(mod.DRAWS_NOISE, bool)
+    assert isinstance(mod.TRACEABLE, bool) and isinstance(mod.IWAE_GENERATOR, bool)

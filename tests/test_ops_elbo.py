@@ -3,6 +3,7 @@ opaque torch.library op that torch.compile traces (forward and backward)."""
 import pytest
 import torch
 
+from fake_backends import gpu_stand_in
 from fastelbo import backends
 from fastelbo.backends import torch_ref
 from fastelbo.contract import validation
@@ -135,9 +136,7 @@ def test_compiled_model_keeps_the_rng_contract_and_the_value_check():
 
 def test_gpu_backend_dtype_error_comes_before_the_noise_draw(monkeypatch):
     """A backend's DTYPES are enforced before the draw: the generator is left untouched."""
-    import types
-    fake = types.SimpleNamespace(DTYPES=(torch.float32,), DRAWS_NOISE=False,
-                                 forward_prepared=torch_ref.forward_prepared)
+    fake = gpu_stand_in(DTYPES=(torch.float32,))
     monkeypatch.setattr(backends, "module", lambda name: fake)
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
     _, new = twins((16, 8, 3), dtype=torch.float64)
@@ -154,7 +153,6 @@ def op_calls(fake_gpu_backend, monkeypatch):
 
     'cuda' is answered by a stand-in module whose forward_prepared is the torch spec, so both
     routes run the same arithmetic on a CPU."""
-    import types
     calls = {"op": 0, "backend": 0}
     real_op = elbo_op._elbo_forward
 
@@ -162,15 +160,15 @@ def op_calls(fake_gpu_backend, monkeypatch):
         calls["op"] += 1
         return real_op(*args)
 
-    def forward_prepared(x, params, eps):
+    def forward_prepared(x, params, eps, *, verdict=None):
         calls["backend"] += 1
         return torch_ref.forward(x, params, eps)
 
     def forward(*args, **kwargs):
         raise AssertionError("ops calls forward_prepared where a backend has it")
 
-    fake = types.SimpleNamespace(DTYPES=(torch.float32,), DRAWS_NOISE=False, forward=forward,
-                                 forward_prepared=forward_prepared, backward=torch_ref.backward)
+    fake = gpu_stand_in(DTYPES=(torch.float32,), forward=forward,
+                        forward_prepared=forward_prepared)
     real_module = backends.module
     monkeypatch.setattr(backends, "module",
                         lambda name: fake if name == "cuda" else real_module(name))
@@ -282,11 +280,11 @@ def test_compile_under_no_grad_still_traces_the_op(op_calls):
     assert_outputs_close(got, want, bits=True)
 
 
-class _Verdict:
+class _Verdict(backends.Verdict):
     """A value check, as ops.checks.start_checks returns: logs its wait, may fail."""
-    in_flight = plain = checked = False
 
     def __init__(self, log, bad):
+        super().__init__()
         self.log, self.bad = log, bad
 
     def wait(self):
@@ -313,7 +311,7 @@ def test_the_value_verdict_comes_before_any_draw_or_launch(op_calls, monkeypatch
     monkeypatch.setattr(fake, "DRAWS_NOISE", True)
     real_prepared = fake.forward_prepared
     monkeypatch.setattr(fake, "forward_prepared",
-                        lambda *a: log.append("backend") or real_prepared(*a))
+                        lambda *a, **k: log.append("backend") or real_prepared(*a, **k))
     _, new = twins((16, 8, 3), backend="cuda")
     x = torch.rand(6, 16)
     eps = torch.randn(6, 3) if given_eps else None

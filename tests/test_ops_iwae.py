@@ -122,7 +122,7 @@ def test_per_image_noise_ignores_batching_and_chunking(monkeypatch):
 def test_errors():
     _, params, x, eps = setup(k=4)
     for bad in ("CUDA", "Triton", ""):
-        with pytest.raises(ValueError, match=r"one of \('auto', 'torch', 'triton', 'cuda'\)"):
+        with pytest.raises(ValueError, match=r"one of \('auto', 'torch', 'cuda', 'triton'\)"):
             iwae_log_likelihood(x, params, 4, backend=bad)
     with pytest.raises(ValueError, match=r"eps must have shape \(5, 6, 3\)"):
         iwae_log_likelihood(x, params, 5, eps=eps)
@@ -191,7 +191,7 @@ def test_auto_is_torch_on_cuda_without_triton(monkeypatch):
 
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError,
-                       match=r"one of \('auto', 'torch', 'triton', 'cuda'\), got 'mojo'"):
+                       match=r"one of \('auto', 'torch', 'cuda', 'triton'\), got 'mojo'"):
         resolve_backend("mojo", "cpu")
 
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 # The tensor types that need no dispatch of their own: a plain tensor or a Parameter (fastelbo.ops
-# and the cuda backend's checked_start take their fast lanes only for these).
+# and the cuda backend's start_checks take their fast lanes only for these).
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 

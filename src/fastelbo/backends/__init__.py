@@ -19,6 +19,10 @@ import torch
 from ..params import VAEParams
 
 NAMES = ("torch", "cuda", "triton")
+# fastelbo.ops.iwae's `auto` on a GPU: the first that takes the call. The fused kernels first,
+# cuda the faster (the decoder's hidden layer stays in shared memory), then the spec, which
+# takes every call.
+IWAE_ORDER = ("cuda", "triton", "torch")
 _MODULES = {"torch": ".torch_ref", "cuda": ".cuda", "triton": ".triton"}
 _CROSSOVER = Path(__file__).with_name("crossover.json")
 
@@ -26,30 +30,86 @@ _CROSSOVER = Path(__file__).with_name("crossover.json")
 _LOADED: dict[str, ModuleType] = {}
 
 
+class Verdict:
+    """The ops' value check on x (fastelbo.contract: every value in [0, 1], none NaN), as they
+    hand it to a backend. This class is a verdict already given: wait() returns at once (the
+    check passed, or did not apply). A backend's lane may return one still in flight on x's
+    device (`in_flight`, a subclass whose wait() blocks for it and raises the contract's
+    ValueError if it did not pass).
+
+    plain: the lane that gave it found every tensor of the call contiguous float32, of a plain
+    tensor type, on a device it runs on, so the ops skip .contiguous() and backends re-checks.
+    checked: once wait() has returned, every value of x is known to be in [0, 1] (a value check
+    ran), so no row needs the NaN-row masking of calls made with validation off.
+    """
+    __slots__ = ("checked", "plain")
+    in_flight = False
+
+    def __init__(self, *, plain: bool = False, checked: bool = False):
+        self.plain, self.checked = plain, checked
+
+    def wait(self) -> None:
+        """Return once the check has passed; the contract's ValueError if it has not."""
+
+    def settled(self) -> Verdict:
+        """This verdict once wait() has returned: a given one with the same plain and checked."""
+        return self
+
+
+GIVEN, GIVEN_PLAIN, CHECKED = Verdict(), Verdict(plain=True), Verdict(checked=True)
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """What each backend module provides. The ops validate every input against
-    fastelbo.contract, resolve the backend and make every tensor contiguous before calling
-    `forward_prepared`, `forward_drawing`, `backward` or `iwae`: those see prepared inputs only.
+    """What each backend module provides: everything fastelbo.ops (and training's Adam) call on
+    a backend. The ops validate every input against fastelbo.contract, resolve the backend and
+    make every tensor contiguous before calling `forward_prepared`, `forward_drawing`,
+    `backward` or `iwae_log_likelihood`: those see prepared inputs only.
 
-    `verdict` (forward_prepared, forward_drawing) is fastelbo.ops.checks' value check on x,
+    `verdict` (forward_prepared, forward_drawing) is the ops' value check on x (a Verdict),
     possibly still in flight: wait() on it (or, the cuda backend, let the binding wait) before
     anything reads x; a backend that launches nothing before waiting may ignore where it waits.
+    The checks run before the call's backend is chosen, so their lanes (start_checks,
+    start_value_check, in_unit_range) are those of `native(x.device)`, whichever backend then
+    runs the call; a backend without lanes returns None from each.
     """
 
     DTYPES: tuple[torch.dtype, ...]
     """The dtypes it computes in; the ops send any other dtype nowhere but 'torch'."""
     DRAWS_NOISE: bool
     """Whether forward_drawing draws the op's torch.randn itself (else the ops draw it)."""
+    TRACEABLE: bool
+    """Whether its forward is torch operations that autograd and tracers see through: the
+    ops call it directly, never behind their custom op (which GPU kernels need)."""
+    IWAE_GENERATOR: bool
+    """Whether iwae_log_likelihood takes `generator` and `chunk` (chunked torch draws); else
+    it draws its noise in-kernel from `seed`."""
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """None when this backend runs on `device`, else why not (a sentence)."""
 
+    def start_checks(self, x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None,
+                     validate: bool) -> Verdict | None:
+        """Every check of the ops (contract.check_elbo_call) in one step, and with `validate`
+        the value check started, for the lane's plain case (contiguous float32 tensors of plain
+        types on a device it runs on): a plain Verdict. None where it does not apply or a check
+        failed: the ops then run the contract's checks themselves (and raise its error)."""
+
+    def start_value_check(self, x: torch.Tensor) -> Verdict | None:
+        """The value check on x started on x's device (a Verdict in flight), where this
+        backend's lane applies to x; None (nothing started) elsewhere."""
+
+    def in_unit_range(self, x: torch.Tensor) -> bool | None:
+        """The value check on x, waited for (True: every value in [0, 1]), where this
+        backend's lane applies to x; None elsewhere (the ops use torch ops)."""
+
     def forward_prepared(self, x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
-                         verdict=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         verdict: Verdict | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(elbo, recon, kl), each (B,), on the current stream."""
 
-    def forward_drawing(self, x: torch.Tensor, params: VAEParams, verdict=None):
+    def forward_drawing(self, x: torch.Tensor, params: VAEParams,
+                        verdict: Verdict | None = None):
         """forward_prepared with eps = torch.randn(B, latent_dim) from x's device's default
         generator, drawn by the backend (called only where DRAWS_NOISE)."""
 
@@ -70,6 +130,14 @@ class Backend(Protocol):
              ) -> torch.Tensor:
         """log p(x) estimates (B,), the importance-weighted bound over `samples` samples."""
 
+    def adam_step(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+                  exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+                  steps: list[torch.Tensor], *, lr: float, beta1: float, beta2: float,
+                  eps: float, weight_decay: float) -> bool:
+        """One Adam step (torch's fused-Adam arithmetic, `steps` already incremented) over
+        dense contiguous float32 tensors on one device, where this backend has a kernel for
+        them (True, launched on the current stream); False, with nothing done, elsewhere."""
+
 
 def module(name: str) -> ModuleType:
     mod = _LOADED.get(name)  # per call from fastelbo.ops: a dict lookup, not an import
@@ -78,6 +146,21 @@ def module(name: str) -> ModuleType:
             raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {name!r}")
         mod = _LOADED[name] = importlib.import_module(_MODULES[name], __name__)
     return mod
+
+
+# Each device type's native backend: its lanes check the ops' calls on such a device (the checks
+# run before a backend is chosen, and serve whichever runs the call), and training's Adam asks
+# it for its kernel.
+_NATIVE = {"cuda": "cuda"}
+
+
+def native(device: torch.device) -> Backend | None:
+    """The backend whose lanes (Backend.start_checks, start_value_check, in_unit_range,
+    adam_step) serve tensors on `device`, or None where there is none. Imports it (no build)
+    on the first call for that device type; its lanes say None / False where they don't
+    apply (e.g. a GPU it does not run on)."""
+    name = _NATIVE.get(device.type)
+    return None if name is None else module(name)
 
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:

@@ -18,10 +18,16 @@ import torch.nn.functional as F
 from ..contract import unit_mask
 from ..data import derive_seed
 from ..params import VAEParams
+from . import Verdict
+from .lanes_none import adam_step, in_unit_range, start_checks, start_value_check  # noqa: F401
 
 # Any floating dtype: the ops send every dtype the GPU backends do not take here.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DRAWS_NOISE = False
+# Plain torch operations: autograd and tracers see through them (no custom op needed).
+TRACEABLE = True
+# iwae_log_likelihood draws chunks from a torch.Generator (generator / chunk).
+IWAE_GENERATOR = True
 
 # Rows per chunk: 4096 x 784 x 4 B = 12.8 MB per (rows, D) intermediate, a handful of which are
 # alive at once; small enough to stay out of the way, large enough that launch costs vanish.
@@ -96,7 +102,8 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, valid: boo
     return tuple(torch.where(bad, nan, o) for o in outs)
 
 
-def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, verdict=None):
+def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
+                     verdict: Verdict | None = None):
     """forward for the ops' prepared inputs: waits for the value check, then skips the NaN-row
     masking when that check read every value of x."""
     if verdict is not None:
@@ -104,7 +111,7 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, v
     return forward(x, params, eps, valid=verdict is not None and verdict.checked)
 
 
-def forward_drawing(x: torch.Tensor, params: VAEParams, verdict=None):
+def forward_drawing(x: torch.Tensor, params: VAEParams, verdict: Verdict | None = None):
     raise NotImplementedError("the torch backend does not draw the noise itself (DRAWS_NOISE)")
 
 

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from .. import backends
-from ..backends import torch_ref
+from ..backends import Verdict
 from ..params import PLAIN_TYPES, VAEParams
 from .checks import start_checks
 
@@ -143,7 +143,7 @@ def _randn(x: torch.Tensor, latent: int) -> torch.Tensor:
 _draw_noise = torch._disable_dynamo(_randn)
 
 
-def resolve_backend(backend: str, x: torch.Tensor, verdict=None) -> str:
+def resolve_backend(backend: str, x: torch.Tensor, verdict: Verdict | None = None) -> str:
     """The backend this call runs on. `verdict`: start_checks' for x; one still in flight was
     started outside any graph capture (none is started while the stream captures), so `auto`
     need not ask CUDA again."""
@@ -202,12 +202,11 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
     if eps is None and mod.DRAWS_NOISE and not _needs_op(x, None, params, plain):
         return mod.forward_drawing(x, params, verdict)  # it waits before drawing or launching
     verdict.wait()
+    verdict = verdict.settled()
     if eps is None:
         eps = (_draw_noise if torch.compiler.is_compiling() else _randn)(x, params[2].shape[0])
     else:
         eps = eps.contiguous()
-    if name == "torch":
-        return torch_ref.forward(x, params, eps, valid=verdict.checked)
-    if _needs_op(x, eps, params, plain):  # a plain verdict covered eps too
-        return _elbo_forward(name, x, eps, list(params))
-    return mod.forward_prepared(x, params, eps)
+    if mod.TRACEABLE or not _needs_op(x, eps, params, plain):  # a plain verdict covered eps
+        return mod.forward_prepared(x, params, eps, verdict=verdict)
+    return _elbo_forward(name, x, eps, list(params))

@@ -23,8 +23,6 @@ from ..contract import check_iwae_call
 from ..params import VAEParams
 from .checks import value_check
 
-BACKENDS = ("torch", "triton", "cuda")
-
 
 def _fused_reason(name: str, device: torch.device, dims) -> str | None:
     why = backends.unavailable_reason(name, device)
@@ -33,35 +31,46 @@ def _fused_reason(name: str, device: torch.device, dims) -> str | None:
     return why
 
 
+def _lacks(mod, dtype, torch_only: dict) -> list[str]:
+    """What of the call backend `mod` does not take: generator / chunk (it draws in-kernel from
+    a seed), autograd (opaque to it), the dtype."""
+    takes = {"generator": mod.IWAE_GENERATOR, "chunk": mod.IWAE_GENERATOR,
+             "autograd": mod.TRACEABLE, f"dtype {dtype}": dtype in mod.DTYPES}
+    return [k for k, wanted in torch_only.items() if wanted and not takes[k]]
+
+
 def resolve_backend(backend: str, device, dtype=torch.float32, *, generator=None, chunk=None,
                     needs_grad: bool = False, dims=None) -> str:
-    """The backend an IWAE call runs on. "auto", on a CUDA device, for a call that needs
-    nothing only the torch path has (float32, no `generator`, no `chunk`, no autograd): "cuda"
-    where its kernel runs there and takes `dims` (input, hidden, latent), else "triton" where
-    it runs, else "torch"; "torch" off CUDA. An explicit fused backend that cannot serve the
-    call raises, naming why."""
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"iwae backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
+    """The backend an IWAE call runs on. "auto", on a CUDA device: the first of
+    backends.IWAE_ORDER (the fused kernels, fastest first) that runs there, takes `dims`
+    (input, hidden, latent) and takes the whole call (float32, no `generator`, no `chunk`, no
+    autograd: else the torch spec); "torch" off CUDA. An explicit backend that cannot serve
+    the call raises, naming why."""
+    if backend != "auto" and backend not in backends.NAMES:
+        raise ValueError(f"iwae backend must be one of {('auto',) + backends.NAMES}, got "
+                         f"{backend!r}")
     device = torch.device(device)
     torch_only = {"generator": generator is not None, "chunk": chunk is not None,
                   "autograd": needs_grad, f"dtype {dtype}": dtype != torch.float32}
     if backend == "auto":
-        if device.type != "cuda" or any(torch_only.values()):
-            return "torch"
-        for name in ("cuda", "triton"):
-            if _fused_reason(name, device, dims) is None:
+        # auto means a fused kernel on a GPU, or the spec (even where the Triton interpreter
+        # could run on a CPU).
+        fused = device.type == "cuda"
+        for name in backends.IWAE_ORDER:
+            mod = backends.module(name)
+            if (mod.TRACEABLE or fused) and not _lacks(mod, dtype, torch_only) \
+                    and _fused_reason(name, device, dims) is None:
                 return name
-        return "torch"
-    if backend != "torch":
-        reason = _fused_reason(backend, device, dims)
-        if reason is not None:
-            raise RuntimeError(f"iwae backend={backend!r} cannot run on {device}: {reason}. "
-                               f"backend='torch' runs everywhere.")
-        wanted = [k for k, v in torch_only.items() if v]
-        if wanted:
-            raise ValueError(f"iwae backend={backend!r} does not take {', '.join(wanted)} (it "
-                             f"draws its noise in-kernel from `seed`, its memory is flat in K, "
-                             f"float32, no autograd); use backend='torch'")
+        raise AssertionError("the torch spec takes every IWAE call")  # IWAE_ORDER ends in it
+    reason = _fused_reason(backend, device, dims)
+    if reason is not None:
+        raise RuntimeError(f"iwae backend={backend!r} cannot run on {device}: {reason}. "
+                           f"backend='torch' runs everywhere.")
+    wanted = _lacks(backends.module(backend), dtype, torch_only)
+    if wanted:
+        raise ValueError(f"iwae backend={backend!r} does not take {', '.join(wanted)} (it "
+                         f"draws its noise in-kernel from `seed`, its memory is flat in K, "
+                         f"float32, no autograd); use backend='torch'")
     return backend
 
 
@@ -80,7 +89,7 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *,
       generator / neither      torch: (chunk, B, L) draws from `generator` (default generator if
                                None); triton / cuda (neither only): a seed drawn from torch's
                                default CPU generator, so torch.manual_seed keeps runs repeatable
-    backend: "auto" (see `resolve_backend`), "torch", "triton" or "cuda"; `chunk` is torch's.
+    backend: "auto" (see `resolve_backend`) or a name of backends.NAMES; `chunk` is torch's.
     """
     params = check_iwae_call(x, params, samples, eps=eps, seed=seed, indices=indices,
                              generator=generator, chunk=chunk)
@@ -89,10 +98,11 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *,
     name = resolve_backend(backend, x.device, x.dtype, generator=generator, chunk=chunk,
                            needs_grad=needs_grad, dims=params.dims)
     mod = backends.module(name)
-    if name == "torch":
+    if mod.IWAE_GENERATOR:  # torch's chunked draws
         return mod.iwae_log_likelihood(x, params, samples, seed=seed, eps=eps, indices=indices,
-                        generator=generator, chunk=chunk)
+                                       generator=generator, chunk=chunk)
     if eps is None and seed is None:
         seed = int(torch.randint(0, 2**62, ()))
-    return mod.iwae_log_likelihood(x.contiguous(), params, samples, seed=0 if seed is None else seed,
-                    eps=None if eps is None else eps.contiguous(), indices=indices)
+    return mod.iwae_log_likelihood(x.contiguous(), params, samples,
+                                   seed=0 if seed is None else seed,
+                                   eps=None if eps is None else eps.contiguous(), indices=indices)

@@ -5,35 +5,32 @@ VAE's 427K parameters that is ~16 blocks, 33 us of a ~260 us CUDA-graph training
 H200. `Adam` here keeps torch.optim.Adam's hyperparameters, param_groups and state layout
 (step, exp_avg, exp_avg_sq; step a float32 scalar on the parameter's device, as torch's
 capturable Adam keeps it), so checkpoints move between the two, and sends float32 CUDA
-parameters to the cuda backend's adam_step (adam.cu: torch's fused-Adam arithmetic, a block
-per 1024 elements). Whatever the kernel does not cover (CPU, other dtypes, amsgrad, maximize,
-differentiable, sparse or non-contiguous tensors, no extension) runs torch's own step.
+parameters to their device's native backend (backends.native: cuda's adam_step, adam.cu:
+torch's fused-Adam arithmetic, a block per 1024 elements). Whatever no kernel covers (CPU,
+other dtypes, amsgrad, maximize, differentiable, sparse or non-contiguous tensors, no
+extension) runs torch's own step.
 CUDA-graph capturable: the step count stays on the device and is incremented there.
 """
 from __future__ import annotations
 
 import torch
 
+from .. import backends
+
 
 def _kernel_covers(group, params) -> bool:
+    """Whether the group's options and tensors are the kernels' terms (Backend.adam_step:
+    dense contiguous float32 tensors on one device, plain float hyperparameters)."""
     if group["amsgrad"] or group["maximize"] or group.get("differentiable", False):
         return False
     numbers = (group["lr"], group["eps"], group["weight_decay"], *group["betas"])
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
         return False  # tensor lr / betas: torch's step handles them
     dev = params[0].device
-    return all(p.device == dev and p.device.type == "cuda" and p.dtype == torch.float32
+    return all(p.device == dev and p.dtype == torch.float32
                and p.is_contiguous() and p.grad is not None and not p.grad.is_sparse
                and p.grad.dtype == torch.float32 and p.grad.is_contiguous()
                and p.grad.device == dev for p in params)
-
-
-def _extension(device: torch.device):
-    from ..backends import cuda as cuda_backend
-
-    if cuda_backend.unavailable_reason(device) is not None:
-        return None
-    return cuda_backend.extension()
 
 
 class Adam(torch.optim.Adam):
@@ -58,11 +55,12 @@ class Adam(torch.optim.Adam):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            ext = _extension(params[0].device) if _kernel_covers(group, params) else None
-            if ext is None:
+            dev = params[0].device
+            native = backends.native(dev)
+            if (native is None or not _kernel_covers(group, params)
+                    or native.unavailable_reason(dev) is not None):
                 fallback.append(group)
                 continue
-            from ..backends.cuda import launch  # imported by _extension already
             steps, exp_avgs, exp_avg_sqs = [], [], []
             for p in params:
                 st = self.state[p]
@@ -77,10 +75,11 @@ class Adam(torch.optim.Adam):
                 exp_avg_sqs.append(st["exp_avg_sq"])
             torch._foreach_add_(steps, 1.0)
             beta1, beta2 = group["betas"]
-            launch.adam_step(ext, params=params, grads=[p.grad for p in params],
-                             exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps,
-                             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                             weight_decay=group["weight_decay"])
+            if not native.adam_step(params, [p.grad for p in params], exp_avgs, exp_avg_sqs,
+                                    steps, lr=group["lr"], beta1=beta1, beta2=beta2,
+                                    eps=group["eps"], weight_decay=group["weight_decay"]):
+                raise RuntimeError(f"the native backend of {dev}, available there, ran no Adam "
+                                   f"step")
         if fallback:
             kept = self.param_groups
             try:

@@ -5,10 +5,11 @@ the tuning tools use. The package, in the order a call flows:
 
     build.py     the extension: sources, flags, build and cache; unavailable_reason
     checks.py    the Python mirror of the binding's checks (from fastelbo.contract), and the
-                 ops' fast lanes: checked_start, the value check on x in one launch
+                 protocol's check lanes: start_checks, the value check on x in one launch
     elbo.py      forward (tuning entry), forward_prepared (the ops'), backward, plan
     noise.py     forward_drawing: the forward's torch.randn drawn inside the cluster kernels
     iwae_kernel.py  the IWAE kernel (iwae.cu): iwae_log_likelihood, iwae_unavailable_reason
+    optim.py     adam_step: training's Adam in one launch (adam.cu)
     launch.py    one keyword-only wrapper per binding entry (the only caller of the extension)
 
 and in C++: the kernels (*.cu, no torch types; elbo.h their params structs, elbo_math.cuh the
@@ -23,12 +24,12 @@ import torch
 from .build import extension, source_files, unavailable_reason
 from .checks import (
     CudaInputError,
+    RangeCheck,
     check_inputs,
     check_options,
-    checked_start,
-    finish_range_check,
-    start_range_check,
-    x_in_unit_range,
+    in_unit_range,
+    start_checks,
+    start_value_check,
 )
 from .elbo import (
     backward,
@@ -42,16 +43,21 @@ from .elbo import (
 from .iwae_kernel import iwae_log_likelihood, iwae_unavailable_reason
 from .launch import PATHS
 from .noise import forward_drawing, randn_matches
+from .optim import adam_step
 
 # The dtypes this backend computes in: fastelbo.ops refuses others before drawing any noise.
 DTYPES = (torch.float32,)
 # forward_drawing draws the op's torch.randn inside the launch (noise.py).
 DRAWS_NOISE = True
+# Its kernels are opaque to autograd and tracers: the ops call them behind their custom op.
+TRACEABLE = False
+# Its IWAE kernel draws in-kernel Philox noise from `seed`.
+IWAE_GENERATOR = False
 
 __all__ = [
-    "DRAWS_NOISE", "DTYPES", "PATHS", "CudaInputError", "backward", "check_fast_path",
-    "check_inputs", "check_options", "check_tc_path", "checked_start", "extension",
-    "finish_range_check", "forward", "forward_drawing", "forward_prepared", "iwae_log_likelihood",
-    "iwae_unavailable_reason", "plan", "randn_matches", "source_files", "start_range_check",
-    "tc_applies", "unavailable_reason", "x_in_unit_range",
+    "DRAWS_NOISE", "DTYPES", "IWAE_GENERATOR", "PATHS", "TRACEABLE", "CudaInputError", "RangeCheck", "adam_step",
+    "backward", "check_fast_path", "check_inputs", "check_options", "check_tc_path",
+    "extension", "forward", "forward_drawing", "forward_prepared", "in_unit_range",
+    "iwae_log_likelihood", "iwae_unavailable_reason", "plan", "randn_matches", "source_files",
+    "start_checks", "start_value_check", "tc_applies", "unavailable_reason",
 ]

@@ -8,9 +8,10 @@ binding would refuse. It is fastelbo.contract's, not written again: the op's met
 on one CUDA device, sizes in int32), positive dims, and the launch options. Metadata only (no
 data, no CUDA call), so it runs anywhere, meta and fake tensors included.
 
-The lanes, which never build the extension and apply only on a device build.RUNS_ON holds:
-`checked_start` (the ops' metadata checks and the value check's launch in one binding call) and
-the value check on x alone (`x_in_unit_range`; `start_range_check` / `finish_range_check`).
+The lanes (the Backend protocol's start_checks, start_value_check, in_unit_range), which never
+build the extension and apply only on a device build.RUNS_ON holds: `start_checks` (the ops'
+metadata checks and the value check's launch in one binding call) and the value check on x
+alone (`in_unit_range`; `start_value_check`, a RangeCheck whose wait() collects the verdict).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 from ... import contract
 from ...params import PLAIN_TYPES, VAEParams
+from .. import GIVEN_PLAIN, Verdict
 from . import build, launch
 
 # A tensor the binding would reject for its device, layout or contiguity: a ValueError for
@@ -83,7 +85,7 @@ def _range_check_applies(x: torch.Tensor) -> bool:
             and x.numel() > 0 and x.layout == torch.strided)
 
 
-def x_in_unit_range(x: torch.Tensor) -> bool | None:
+def in_unit_range(x: torch.Tensor) -> bool | None:
     """The value check (contract.unit_mask over all of x) in one launch and one wait, for a
     non-empty contiguous float32 x on a device this backend already runs on; None where it
     does not apply (the caller falls back to torch ops)."""
@@ -92,30 +94,48 @@ def x_in_unit_range(x: torch.Tensor) -> bool | None:
     return launch.x_in_unit_range(build.extension(), x=x)
 
 
-def start_range_check(x: torch.Tensor) -> bool:
-    """x_in_unit_range's launch alone, where it applies (else False, nothing launched): the
-    verdict comes from finish_range_check(x.device), which waits for it. One check in flight
-    per thread and device: a second start first waits out the first."""
-    if _range_check_applies(x):
-        launch.range_check_start(build.extension(), x=x)
-        return True
-    return False
+class RangeCheck(Verdict):
+    """The value check on x, in flight on x's device for this thread: wait() for it here, or
+    the binding waits for it just before its launch (forward_prepared, options.awaits) and
+    fail() raises if it did not pass. One check in flight per thread and device: starting a
+    second first waits out the first."""
+    __slots__ = ("x",)
+    in_flight = True
+
+    def __init__(self, x: torch.Tensor, plain: bool = False):
+        super().__init__(plain=plain, checked=True)
+        self.x = x
+
+    def wait(self) -> None:
+        if not launch.range_check_finish(build.extension(), device=self.x.device.index):
+            self.fail()
+
+    def fail(self):
+        """The contract's ValueError for x, naming its first value outside [0, 1]."""
+        raise contract.outside_range_error(self.x)
+
+    def settled(self) -> Verdict:
+        return _SETTLED[self.plain]
 
 
-def finish_range_check(device: torch.device) -> bool:
-    """Whether the check start_range_check began on `device` (this thread) found every value
-    in [0, 1]."""
-    return launch.range_check_finish(build.extension(), device=device.index)
+_SETTLED = {False: Verdict(checked=True), True: Verdict(plain=True, checked=True)}
 
 
-def checked_start(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None,
-                  validate: bool) -> int | None:
+def start_value_check(x: torch.Tensor) -> RangeCheck | None:
+    """in_unit_range's launch alone, where it applies (else None, nothing launched)."""
+    if not _range_check_applies(x):
+        return None
+    launch.range_check_start(build.extension(), x=x)
+    return RangeCheck(x)
+
+
+def start_checks(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None,
+                 validate: bool) -> Verdict | None:
     """The ops' input checks in one binding call for the common case (contiguous float32
     tensors, plain torch.Tensor / Parameter, on a device this backend already runs on) and,
-    with validate, the value check started. 1: passed, the value check in flight
-    (finish_range_check); 0: passed, no value check (validate off or a graph being captured);
-    None: not the plain case or a check failed: the caller's own checks decide (and raise the
-    precise error)."""
+    with validate, the value check started: a plain RangeCheck in flight, or GIVEN_PLAIN where
+    none started (validate off or a graph being captured). None: not the plain case or a check
+    failed: the caller's own checks decide (and raise the precise error)."""
     if (type(x) not in PLAIN_TYPES or x.device not in build.RUNS_ON or len(params) != 10
             or (eps is not None and type(eps) not in PLAIN_TYPES)):
         return None
@@ -124,4 +144,6 @@ def checked_start(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None,
             return None
     status = launch.checked_start(build.extension(), x=x, eps=eps, params=params,
                                   validate=validate)
-    return None if status < 0 else status
+    if status < 0:
+        return None
+    return RangeCheck(x, plain=True) if status else GIVEN_PLAIN

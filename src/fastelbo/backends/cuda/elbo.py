@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...params import VAEParams
+from .. import Verdict
 from . import build, checks, launch
 
 
@@ -110,7 +111,7 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
 
 
 def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
-                     draw: bool = False, verdict=None):
+                     draw: bool = False, verdict: Verdict | None = None):
     """forward with the default launch options, for fastelbo.ops only (the Backend protocol).
 
     ops has already checked the call against fastelbo.contract (types, shapes, one dtype, one
@@ -120,14 +121,14 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
     raises the same exception as `forward` would. draw: as forward's (noise.forward_drawing).
     verdict: the ops' value check on x, waited for just before anything is drawn or launched
     (its error raised then), so that this preparation overlaps the value check: inside the
-    binding where the check is this backend's own, still in flight (verdict.in_flight), else
-    by verdict.wait() before the call.
+    binding where the check is this backend's own, still in flight (a checks.RangeCheck),
+    else by verdict.wait() before the call.
     """
-    # A plain verdict: checked_start has checked all of this (and more) in the binding.
+    # A plain verdict: start_checks' one binding call checked all of this (and more).
     if not (verdict is not None and verdict.plain or checks.kernel_terms_hold(x, params, eps)):
         checks.check_inputs(x, params, eps)
         raise AssertionError("forward_prepared was handed inputs fastelbo.ops did not prepare")
-    awaits = verdict is not None and verdict.in_flight
+    awaits = isinstance(verdict, checks.RangeCheck)  # this backend's own check, in flight
     if verdict is not None and not awaits:
         verdict.wait()
     ext = build.extension()

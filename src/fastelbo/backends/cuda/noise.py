@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from ...params import VAEParams
+from .. import Verdict
 from . import build, launch
 from .elbo import forward_prepared
 
@@ -72,7 +73,7 @@ def randn_matches(index: int) -> bool:
     return ok
 
 
-def forward_drawing(x: torch.Tensor, params: VAEParams, verdict=None):
+def forward_drawing(x: torch.Tensor, params: VAEParams, verdict: Verdict | None = None):
     """forward_prepared with eps = torch.randn(B, latent_dim) from the default generator of x's
     device, drawn inside the launch where randn_matches says it can be; the same inputs
     contract as forward_prepared (fastelbo.ops prepared them). verdict: as forward_prepared's,

@@ -17,12 +17,17 @@ import os
 import torch
 
 from ...params import VAEParams
-from .. import torch_ref
+from .. import Verdict, torch_ref
+from ..lanes_none import adam_step, in_unit_range, start_checks, start_value_check  # noqa: F401
 from . import elbo_forward as _fwd
 
 # The dtypes this backend computes in: fastelbo.ops refuses others before drawing any noise.
 DTYPES = (torch.float32,)
 DRAWS_NOISE = False
+# Triton kernels, opaque to autograd and tracers: the ops call them behind their custom op.
+TRACEABLE = False
+# Its IWAE kernel draws in-kernel Philox noise from `seed`.
+IWAE_GENERATOR = False
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -48,13 +53,14 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor):
     return _fwd.launch(x, params, eps)
 
 
-def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, verdict=None):
+def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
+                     verdict: Verdict | None = None):
     if verdict is not None:
         verdict.wait()
     return _fwd.launch(x, params, eps)
 
 
-def forward_drawing(x: torch.Tensor, params: VAEParams, verdict=None):
+def forward_drawing(x: torch.Tensor, params: VAEParams, verdict: Verdict | None = None):
     raise NotImplementedError("the triton backend does not draw the noise itself (DRAWS_NOISE)")
 
 
