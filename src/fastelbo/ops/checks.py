@@ -23,19 +23,18 @@ def start_checks(x, params: VAEParams, eps) -> Verdict:
     every other check has raised or passed on return, and the returned verdict's wait() raises
     what check_values would for x's values (call it before anything reads x)."""
     compiling = torch.compiler.is_compiling()
-    lane = None if compiling or type(x) is not torch.Tensor else backends.native(x.device)
-    if lane is not None:  # every check below in one call, and the value check started
+    lane = None if compiling or not isinstance(x, torch.Tensor) else backends.native(x.device)
+    if lane is not None and type(x) is torch.Tensor:
+        # Every check below in one call, and the value check started.
         verdict = lane.start_checks(x, params, eps, contract.validation_enabled())
         if verdict is not None:
             return verdict
     contract.check_elbo_call(x, params, eps)
     if not _value_check_applies(x):
         return GIVEN
-    if not compiling:
-        lane = lane or backends.native(x.device)
-        verdict = None if lane is None else lane.start_value_check(x)
-        if verdict is not None:
-            return verdict
+    verdict = None if lane is None else lane.start_value_check(x)
+    if verdict is not None:
+        return verdict
     _check_values_eagerly(x)
     return CHECKED
 
