@@ -47,9 +47,15 @@ from .report import (
     kernelbench_note,
 )
 from .scan import scan_file
+from .task_specs import (
+    build_candidate,
+    check_candidate,
+    envelope_pass,
+    judge_pass,
+    reference_pass,
+)
 from .worker import Worker, WorkerPool, fork_enabled, fork_safe
 
-TASKS = "fastelbo.harness.tasks:"
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -236,7 +242,7 @@ class _Check:
         o = self.o
         self.ref_w = worker or self._worker("reference")
         return self.ref_w.run(
-            TASKS + "reference_pass",
+            reference_pass,
             {"problem": str(self.prob), "device": o.device, "seed": o.seed,
              "eval_mode": o.eval_mode, "atol": o.atol, "rtol": o.rtol, "trials": o.trials,
              "root": str(self.root), "batch_sizes": o.batch_sizes, "scales": o.scales,
@@ -275,7 +281,7 @@ class _Check:
                 only = self._lookup()
                 ref_w = None if only == [] else self._worker("reference")
             self.fork = False  # a later worker (an envelope's, a rerun's) comes after the probe
-            build = threads.submit(cand_w.run, TASKS + "build_candidate",
+            build = threads.submit(cand_w.run, build_candidate,
                                    {"candidate": str(self.cand), "problem": str(self.prob),
                                     "device": o.device, "seed": o.seed},
                                    timeout=o.build_timeout, build_timeout=o.build_timeout)
@@ -354,12 +360,12 @@ class _Check:
             g = entries.get(partial.get("name"), (None,))[0]
             if g is not None and g.name in self.resident and partial.get("trials"):
                 verdicts[g.name] = judging.submit(
-                    self.ref_w.run, TASKS + "judge_pass",
+                    self.ref_w.run, judge_pass,
                     {"name": g.name, "trials": partial["trials"],
                      "envelope": g.perturbed_reference, "atol": o.atol, "rtol": o.rtol},
                     timeout=o.timeout)
         try:
-            out = cand_w.run(TASKS + "check_candidate",
+            out = cand_w.run(check_candidate,
                              {"candidate": str(self.cand), "device": o.device, "seed": o.seed,
                               "eval_mode": o.eval_mode,
                               "init_file": self._hand(cand_w, self._init_file(), "init.pt"),
@@ -475,7 +481,7 @@ class _Check:
             o = self.o
             alive = self.ref_w is not None and self.ref_w.proc.poll() is None
             out = (self.ref_w if alive else self._worker("envelope")).run(
-                TASKS + "envelope_pass",
+                envelope_pass,
                 {"problem": str(self.prob), "device": o.device, "seed": o.seed,
                  "eval_mode": o.eval_mode, "init_file": self._init_file(),
                  "requests": list(missing.values())}, timeout=o.timeout)
