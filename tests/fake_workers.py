@@ -4,6 +4,7 @@ this process (monkeypatch check.Worker) or in a new one (a `python -c` that sets
 import sys
 from typing import ClassVar
 
+from fastelbo.harness.task_specs import spec_of
 from fastelbo.harness.worker import WorkerOutcome
 
 
@@ -15,8 +16,10 @@ class FailingWorker:
         self.killed = []
         FailingWorker.created.append((fork, "torch" in sys.modules))
 
-    def run(self, func, kwargs, **limits):
-        FailingWorker.asked.append((func.rpartition(":")[2], kwargs.get("device")))
+    def run(self, task, kwargs, **limits):
+        spec = spec_of(task)
+        spec.bind(kwargs)  # as a real worker's run: the check's arguments must fit the task
+        FailingWorker.asked.append((spec.name, kwargs.get("device")))
         return WorkerOutcome(None, category="build", reason="not built: a test")
 
     def kill(self, wait=True):

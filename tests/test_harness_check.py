@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import worker_tasks
 from fastelbo.cli import main
 from fastelbo.harness.check import run_check
 from fastelbo.harness.compare import PERTURB_RUNS, compare_outputs, degenerate, diff_tensors
@@ -184,10 +185,10 @@ def test_interrupt_kills_the_worker_group(monkeypatch):
         return real(fds, wait)
 
     monkeypatch.setattr(worker, "_select", interrupted)
-    w = worker.Worker()
+    w = worker.Worker(worker_tasks.ENV)
     started["w"] = w
     with pytest.raises(KeyboardInterrupt):
-        w.run("subprocess:run", {"args": ["sleep", "30"]}, timeout=60)
+        w.run(worker_tasks.sleep_in_a_child, {"seconds": 30}, timeout=60)
     assert w.proc.returncode == -signal.SIGKILL
     with pytest.raises(ProcessLookupError):
         os.killpg(w.proc.pid, 0)  # nothing of its session is left (the sleep child included)
@@ -347,33 +348,12 @@ def test_unsupported_outputs_become_output_type_findings():
     assert not identical(got, to_host((torch.ones(2), np.zeros(2), 3)))
 
 
-WORKER_TASKS = """
-import numpy as np
-
-
-def numpy_result():
-    return {"value": np.zeros(3)}
-
-
-def lambda_result():
-    return {"value": lambda: 0}
-
-
-def fine():
-    return {"value": 1}
-"""
-
-
 @pytest.mark.parametrize("func, text", [("numpy_result", "could not be read back safely (it "),
                                         ("lambda_result", "could not be saved")])
-def test_worker_results_it_cannot_carry_are_errors_not_crashes(tmp_path, monkeypatch, func,
-                                                               text):
+def test_worker_results_it_cannot_carry_are_errors_not_crashes(func, text):
     from fastelbo.harness.worker import run_task
-    (tmp_path / "worker_tasks_mod.py").write_text(WORKER_TASKS)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    assert run_task("worker_tasks_mod:fine", 60).result == {"value": 1}
-    outcome = run_task(f"worker_tasks_mod:{func}", 60)
+    assert run_task(worker_tasks.fine, 60, env=worker_tasks.ENV).result == {"value": 1}
+    outcome = run_task(getattr(worker_tasks, func), 60, env=worker_tasks.ENV)
     assert not outcome.ok and outcome.category == "exception"
     assert text in outcome.reason, outcome.reason
     if func == "numpy_result":  # names what it refused, without torch's advice to allow it

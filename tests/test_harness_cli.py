@@ -33,6 +33,8 @@ MISTAKES = [
     (["check", TINY, GOOD, "--batch-sizes", "0,4"], "--batch-sizes values must be > 0"),
     (["check", TINY, GOOD, "--scales", "4,-1"], "--scales values must be > 0"),
     (["check", TINY, GOOD, "--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+    (["check", TINY, GOOD, "--atol", "-1"], "--atol must be >= 0, got -1"),
+    (["check", TINY, GOOD, "--seed", "-1"], "--seed must be >= 0, got -1"),
     (["compile", "nonesuch.py"], "candidate 'nonesuch.py' is not a file"),
     (["compile", GOOD, "--timeout", "-5"], "--timeout must be > 0, got -5"),
     (["bench", TINY, "nonesuch.py"], "candidate 'nonesuch.py' is not a file"),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import worker_tasks
 from fastelbo.harness import check, worker
 from fastelbo.harness.check import run_check
 
@@ -164,10 +165,11 @@ def test_build_machinery_is_recognised_from_the_stack():
 
 
 def test_a_worker_that_dies_mid_task_is_a_crash_with_its_step():
-    w = worker.Worker()
+    w = worker.Worker(worker_tasks.ENV)
     try:
-        out = w.run("os:_exit", {"status": 3}, timeout=120)
+        out = w.run(worker_tasks.exit_now, {"status": 3}, timeout=120)
     finally:
         w.close()
     assert not out.ok and out.category == "crash"
-    assert out.reason == "crashed: exit code 3 (during starting os:_exit)", out.reason
+    assert out.reason == "crashed: exit code 3 (during starting worker_tasks.exit_now)", \
+        out.reason

@@ -18,6 +18,7 @@ import torch
 from fastelbo.harness import check, regimes, shared
 from fastelbo.harness.check import run_check
 from fastelbo.harness.compare import PERTURB_RUNS
+from fastelbo.harness.task_specs import judge_pass
 from fastelbo.harness.tasks import RESIDENT_ENV
 from fastelbo.harness.worker import WorkerOutcome
 
@@ -96,9 +97,9 @@ def test_resident_envelope_is_computed_by_the_judge(tmp_path, monkeypatch):
     calls = []
 
     class Recorded(check.Worker):
-        def run(self, func, kwargs, **limits):
-            calls.append((func.rpartition(":")[2], kwargs.get("name"), kwargs.get("envelope")))
-            return super().run(func, kwargs, **limits)
+        def run(self, task, kwargs, **limits):
+            calls.append((task.name, kwargs.get("name"), kwargs.get("envelope")))
+            return super().run(task, kwargs, **limits)
     monkeypatch.setattr(check, "Worker", Recorded)
     cand = tmp_path / "rounds_down.py"
     cand.write_text("import torch\nfrom fastelbo.problems import load_module\n"
@@ -165,10 +166,10 @@ def test_a_regime_the_judge_could_not_judge_is_an_error_and_hides_no_failure(tmp
     monkeypatch.setenv(RESIDENT_ENV, "0")
 
     class JudgeFailsAtBatch1(check.Worker):
-        def run(self, func, kwargs, **limits):
-            if func.endswith(":judge_pass") and kwargs["name"] == "batch=1":
+        def run(self, task, kwargs, **limits):
+            if task is judge_pass and kwargs["name"] == "batch=1":
                 return WorkerOutcome(None, category="timeout", reason="stopped by the test")
-            return super().run(func, kwargs, **limits)
+            return super().run(task, kwargs, **limits)
     monkeypatch.setattr(check, "Worker", JudgeFailsAtBatch1)
     opts = {"trials": 2, "batch_sizes": [1, 33]}
     wrong = run_check(RELU, CANDIDATES / "stale_workspace.py", cache=tmp_path / "w", **opts)

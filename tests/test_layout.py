@@ -122,11 +122,11 @@ def test_backends_never_import_the_ops_or_the_front():
 HARNESS_MAY_IMPORT = ("fastelbo.problems", "fastelbo.errors", "fastelbo.plugin")
 
 
-def _string_imports(mod: str) -> set[str]:
+def _string_imports(mod: str, source: str | None = None) -> set[str]:
     """fastelbo modules named by a string constant "fastelbo.x.y" or "fastelbo.x.y:func" in
-    `mod` (importlib.import_module, a worker's task name)."""
+    `mod` (importlib.import_module, a declared task's module), or in `source` given as its."""
     out = set()
-    for node in ast.walk(ast.parse(MODULES[mod].read_text())):
+    for node in ast.walk(ast.parse(MODULES[mod].read_text() if source is None else source)):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
                 r"fastelbo(\.\w+)+(:\w*)?", node.value):
             name = node.value.partition(":")[0]
@@ -154,7 +154,51 @@ def test_the_harness_rule_sees_lazy_and_string_imports():
     graph = dict(GRAPH)
     graph["fastelbo.harness.check"] = graph["fastelbo.harness.check"] | {"fastelbo.export"}
     assert _harness_violations(graph) == ["fastelbo.harness.check imports fastelbo.export"]
-    assert "fastelbo.harness.tasks" in _string_imports("fastelbo.harness.compile")
+    source = ('import importlib\nimportlib.import_module("fastelbo.export")\n'
+              'TASK = "fastelbo.model:ModelNew"\nLABEL = "fastelbo.harness.check"\n')
+    assert _string_imports("fastelbo.harness.check", source) == {"fastelbo.export",
+                                                                 "fastelbo.model"}
+    # The real strings it must see: the modules of the tasks a worker may run.
+    assert {"fastelbo.harness.tasks", "fastelbo.harness.bench"} <= _string_imports(
+        "fastelbo.harness.task_specs")
+
+
+# A string naming a function by "module:name" (or a "module:" prefix to complete): a task
+# named so binds to nothing until a worker imports it (task_specs.py names tasks instead).
+_TASK_STRING = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)?")
+
+
+def _task_strings(source: str) -> list[str]:
+    """"module:function" constants in `source`: a dotted module with a colon (with or without a
+    name after it), or an importable module's name and an identifier ("subprocess:run";
+    "cuda:" or "variant:" are labels, not modules)."""
+    import importlib.util
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+            continue
+        m = _TASK_STRING.fullmatch(node.value)
+        if m is None:
+            continue
+        module, name = m.groups()
+        if "." in module:
+            found.append(node.value)
+        elif name:
+            try:
+                if importlib.util.find_spec(module) is not None:
+                    found.append(node.value)
+            except (ImportError, ValueError):
+                pass
+    return found
+
+
+def test_no_worker_task_is_named_by_a_string():
+    found = {path.name: hits for path in sorted((PKG / "harness").glob("*.py"))
+             if (hits := _task_strings(path.read_text()))}
+    assert found == {}, found
+    assert _task_strings('TASKS = "fastelbo.harness.tasks:"\nrun("subprocess:run")\n'
+                         'run(TASKS + "import_only")\nx = ("cuda:", "REG:", "cuda:0")\n') == [
+        "fastelbo.harness.tasks:", "subprocess:run"]
 
 
 def test_the_plugin_names_the_contracts_switch():

@@ -28,9 +28,11 @@ import torch
 
 from .. import plugin
 from . import loader, sandbox
+from . import task_specs as specs
 from .compare import compare_outputs
 from .floor import count_flops, floors
 from .results import append_jsonl, environment, utc_now
+from .task_specs import implements
 from .timing import Budget, Pool, measure, pool_size
 from .worker import TaskError, progress, run_task, traceback_tail
 
@@ -51,13 +53,14 @@ def default_candidates(device: str) -> list[str]:
 
     Runs in a worker (`available_candidates`): asking the cuda backend builds its extension.
     """
-    outcome = run_task("fastelbo.harness.bench:available_candidates", 600.0, device=device)
+    outcome = run_task(available_candidates, 600.0, device=device)
     if outcome.ok:
         return outcome.result["candidates"]
     # Let each built-in's own entry say what is wrong with it.
     return plugin.candidate_names()
 
 
+@implements(specs.available_candidates)
 def available_candidates(device: str) -> dict:
     """Worker side of default_candidates."""
     dev = torch.device(device)
@@ -71,6 +74,7 @@ def _unavailable(candidate: str, dev: torch.device) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
+@implements(specs.bench_entry)
 @torch.no_grad()
 def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                 batch_sizes: list[int] | None, seed: int, quick: bool, graph_reps: int,
@@ -157,8 +161,7 @@ def _entry_rows(sizes: list[int] | None, timeout: float, env: dict[str, str] | N
     fresh worker, so one bad size costs only its own row. An exception outside the per-size loop
     (import, build, construction) concerns every size alike: one ERROR row each, no rerun.
     """
-    outcome = run_task("fastelbo.harness.bench:bench_entry", timeout, env=env, confine=confine,
-                       batch_sizes=sizes, **task)
+    outcome = run_task(bench_entry, timeout, env=env, confine=confine, batch_sizes=sizes, **task)
     if outcome.ok:
         rows = list(outcome.result["rows"])
         for n in outcome.result["unfinished"]:

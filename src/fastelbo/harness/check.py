@@ -23,20 +23,20 @@ reference workers from itself, before anything touches CUDA.
 """
 from __future__ import annotations
 
-import re
 import secrets
 import shutil
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 from ..problems import problem_path
 from . import refcache, sandbox
 from .files import candidate_path, syntax_error
 from .judge import ENVELOPE_CATEGORIES, judge_trial, trial_from_dict
+from .options import CheckOptions
 from .regimes import plan
 from .report import (
     CheckReport,
@@ -47,10 +47,14 @@ from .report import (
     kernelbench_note,
 )
 from .scan import scan_file
+from .task_specs import (
+    build_candidate,
+    check_candidate,
+    envelope_pass,
+    judge_pass,
+    reference_pass,
+)
 from .worker import Worker, WorkerPool, fork_enabled, fork_safe
-
-TASKS = "fastelbo.harness.tasks:"
-DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 class DeviceUnavailable(ValueError):
@@ -59,39 +63,30 @@ class DeviceUnavailable(ValueError):
     they are killed first, before any verdict."""
 
 
-def run_check(problem: str | Path, candidate: str | Path, *, device: str | None = "cpu",
-              trials: int = 3, atol: float = 1e-4, rtol: float = 1e-4,
-              batch_sizes: list[int] | None = None, scales: tuple[float, ...] = (4.0, 16.0),
-              timeout: float = 300.0, seed: int | None = None, build_timeout: float = 600.0,
-              forward_timeout: float = 60.0, eval_mode: bool = False,
-              cache: bool | str | Path = True, pool: WorkerPool | None = None) -> CheckReport:
+def run_check(problem: str | Path, candidate: str | Path, options: CheckOptions | None = None, *,
+              pool: WorkerPool | None = None, **keywords) -> CheckReport:
     """Judge `candidate` against `problem` (see README, "How check decides").
 
-    `timeout` bounds the reference pass and the candidate's checking pass, each; the build
-    (import, extension builds, the first ModelNew) has `build_timeout`; each forward has
-    `forward_timeout`, or up to `build_timeout` while it compiles (a lazy build on first call).
-    `seed`: weights, inputs and forwards; None (the default) draws a secret one per check, so
-    no answer can be prepared in advance; the report records it, and `seed=` reproduces the
-    run. `cache`: True for the user's reference cache, False for none, or a directory; it
-    serves only a given seed (a secret seed's reference data lives in the check's private
-    directory, removed with it). `pool`: where to take started workers from (a long-lived
-    caller keeps one; default: start them here); the check refills it when it ends.
-    `device` None: cuda where torch sees a GPU, else cpu (bench's default), chosen once the
-    workers are started; the report names the one chosen ("" if the check stopped before).
-    DeviceUnavailable (a ValueError) for cuda without CUDA."""
-    validate(device=device, trials=trials, atol=atol, rtol=rtol, batch_sizes=batch_sizes,
-             scales=scales, timeout=timeout, build_timeout=build_timeout,
-             forward_timeout=forward_timeout)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"seed must be None (a secret one) or an int >= 0, got {seed!r}")
+    `options`: the check's settings (CheckOptions); or its fields as `keywords` (device,
+    trials, atol, ...), which, given with `options`, replace those fields. A bad one is a
+    ValueError (TypeError for a keyword that is none of them) before any work. A secret seed's
+    reference data lives in the check's private directory, removed with it. `pool`: where to
+    take started workers from (a long-lived caller keeps one; default: start them here); the
+    check refills it when it ends. With device None the report names the device chosen ("" if
+    the check stopped before). DeviceUnavailable (a ValueError) for cuda without CUDA."""
+    if options is None:
+        options = CheckOptions(**keywords)
+    elif keywords:
+        options = replace(options, **keywords)
     start = time.monotonic()
-    secret = seed is None
+    secret = options.seed is None
     if secret:
-        seed, cache = secrets.randbelow(1 << 31), False
-    report = CheckReport(problem=str(problem), candidate=str(candidate), device=device or "",
-                         atol=atol, rtol=rtol, trials=trials, seed=seed,
+        options = replace(options, seed=secrets.randbelow(1 << 31), cache=False)
+    o = options
+    report = CheckReport(problem=str(problem), candidate=str(candidate), device=o.device or "",
+                         atol=o.atol, rtol=o.rtol, trials=o.trials, seed=o.seed,
                          seed_source="secret" if secret else "given",
-                         mode="eval" if eval_mode else "train")
+                         mode="eval" if o.eval_mode else "train")
     try:
         prob, cand = problem_path(problem), candidate_path(candidate)
     except FileNotFoundError as exc:
@@ -101,10 +96,7 @@ def run_check(problem: str | Path, candidate: str | Path, *, device: str | None 
         report.timings["total_s"] = time.monotonic() - start
         return report.error("import", bad)
     report.scan = scan_file(cand)
-    job = _Check(report, prob, cand, device=device, seed=seed, trials=trials, atol=atol,
-                 rtol=rtol, batch_sizes=batch_sizes, scales=tuple(scales), timeout=timeout,
-                 build_timeout=build_timeout, forward_timeout=forward_timeout,
-                 eval_mode=eval_mode, cache=cache, pool=pool, fork=pool is None and _prefork())
+    job = _Check(report, prob, cand, options, pool=pool, fork=pool is None and _prefork())
     try:
         return job.run()
     finally:
@@ -124,33 +116,14 @@ def _prefork() -> bool:
     return fork_safe()
 
 
-def validate(*, device: str | None, trials: int, atol: float, rtol: float, batch_sizes, scales,
-             timeout: float, build_timeout: float, forward_timeout: float) -> None:
-    """ValueError naming the first bad argument (the CLI turns it into a usage error)."""
-    if device is not None and (not isinstance(device, str) or not DEVICE.fullmatch(device)):
-        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
-    if not isinstance(trials, int) or trials < 1:
-        raise ValueError(f"trials must be an int >= 1, got {trials!r}")
-    for name, value in (("atol", atol), ("rtol", rtol)):
-        if not value >= 0:
-            raise ValueError(f"{name} must be >= 0, got {value!r}")
-    for name, value in (("timeout", timeout), ("build_timeout", build_timeout),
-                        ("forward_timeout", forward_timeout)):
-        if not value > 0:
-            raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
-    if batch_sizes is not None and any(not isinstance(n, int) or n < 1 for n in batch_sizes):
-        raise ValueError(f"batch_sizes must be ints >= 1, got {batch_sizes!r}")
-    if any(not s > 0 for s in scales):
-        raise ValueError(f"scales must be > 0, got {tuple(scales)!r}")
-
-
 class _Check:
     """One check's state: its workers, the reference's entries, and the verdict being built."""
 
-    def __init__(self, report: CheckReport, prob: Path, cand: Path, *, cache, pool,
-                 fork: bool = False, **opts):
+    def __init__(self, report: CheckReport, prob: Path, cand: Path, options: CheckOptions, *,
+                 pool, fork: bool = False):
         self.report, self.prob, self.cand = report, prob, cand
-        self.o = SimpleNamespace(**opts)
+        self.o = options  # its seed drawn; its device chosen in run() where it is None
+        cache = options.cache
         self.tmp_root = None if cache is not False else tempfile.mkdtemp(
             prefix="reference-", dir=sandbox.private_root())
         self.root = Path(self.tmp_root or (refcache.default_root() if cache is True else cache))
@@ -236,7 +209,7 @@ class _Check:
         o = self.o
         self.ref_w = worker or self._worker("reference")
         return self.ref_w.run(
-            TASKS + "reference_pass",
+            reference_pass,
             {"problem": str(self.prob), "device": o.device, "seed": o.seed,
              "eval_mode": o.eval_mode, "atol": o.atol, "rtol": o.rtol, "trials": o.trials,
              "root": str(self.root), "batch_sizes": o.batch_sizes, "scales": o.scales,
@@ -266,7 +239,8 @@ class _Check:
                 # Which device needs a CUDA probe, which must follow the forks: the reference's
                 # worker is started first, and let go if the cache turns out to hold every regime.
                 ref_w = self._worker("reference")
-                o.device = report.device = available_device()
+                self.o = o = replace(o, device=available_device())
+                report.device = o.device
                 only = self._lookup()
                 if only == []:
                     self._drop(ref_w)
@@ -275,7 +249,7 @@ class _Check:
                 only = self._lookup()
                 ref_w = None if only == [] else self._worker("reference")
             self.fork = False  # a later worker (an envelope's, a rerun's) comes after the probe
-            build = threads.submit(cand_w.run, TASKS + "build_candidate",
+            build = threads.submit(cand_w.run, build_candidate,
                                    {"candidate": str(self.cand), "problem": str(self.prob),
                                     "device": o.device, "seed": o.seed},
                                    timeout=o.build_timeout, build_timeout=o.build_timeout)
@@ -354,12 +328,12 @@ class _Check:
             g = entries.get(partial.get("name"), (None,))[0]
             if g is not None and g.name in self.resident and partial.get("trials"):
                 verdicts[g.name] = judging.submit(
-                    self.ref_w.run, TASKS + "judge_pass",
+                    self.ref_w.run, judge_pass,
                     {"name": g.name, "trials": partial["trials"],
                      "envelope": g.perturbed_reference, "atol": o.atol, "rtol": o.rtol},
                     timeout=o.timeout)
         try:
-            out = cand_w.run(TASKS + "check_candidate",
+            out = cand_w.run(check_candidate,
                              {"candidate": str(self.cand), "device": o.device, "seed": o.seed,
                               "eval_mode": o.eval_mode,
                               "init_file": self._hand(cand_w, self._init_file(), "init.pt"),
@@ -475,7 +449,7 @@ class _Check:
             o = self.o
             alive = self.ref_w is not None and self.ref_w.proc.poll() is None
             out = (self.ref_w if alive else self._worker("envelope")).run(
-                TASKS + "envelope_pass",
+                envelope_pass,
                 {"problem": str(self.prob), "device": o.device, "seed": o.seed,
                  "eval_mode": o.eval_mode, "init_file": self._init_file(),
                  "requests": list(missing.values())}, timeout=o.timeout)

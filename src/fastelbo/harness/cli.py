@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import re
 import sys
 import traceback
 
@@ -16,7 +15,6 @@ from ..errors import UsageError
 
 RAW = argparse.RawDescriptionHelpFormatter  # descriptions keep their paragraphs
 EXIT_ERROR = 2  # "could not judge", as in report.EXIT_ERROR
-DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 COMPILE_DESCRIPTION = """\
 Import a candidate in a confined worker, as check does, building the extensions its import
@@ -202,11 +200,12 @@ def _positive(args, *options: str) -> None:
             raise UsageError(f"{opt} must be > 0, got {value:g}")
 
 
-def _device(text: str | None, option: str = "--device", probe: bool = True) -> None:
-    """The device's spelling; with `probe`, that CUDA is there (which imports torch)."""
+def _device(text: str | None, option: str = "--device") -> None:
+    """bench's device: its spelling, and that CUDA is there (which imports torch)."""
+    from .options import DEVICE
     if text is not None and not DEVICE.fullmatch(text):
         raise UsageError(f"{option} must be cpu, cuda or cuda:N, got {text!r}")
-    if probe and text is not None and text.startswith("cuda"):
+    if text is not None and text.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
             raise UsageError(f"{option} {text}, but CUDA is not available here")
@@ -270,31 +269,30 @@ def _compile(args) -> int:
     return report.exit_code
 
 
+def _check_options(**fields):
+    """CheckOptions(**fields); a bad one is a UsageError naming its flag."""
+    from .options import CheckOptions, OptionError
+    try:
+        return CheckOptions(**fields)
+    except OptionError as exc:
+        raise UsageError(exc.for_flag("--" + exc.option.replace("_", "-"))) from None
+
+
 @_never_raise("check")
 def _check(args) -> int:
-    if args.trials < 1:
-        raise UsageError(f"--trials must be >= 1, got {args.trials}")
-    if args.seed is not None and args.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {args.seed}")
-    _positive(args, "--timeout", "--build-timeout", "--forward-timeout")
-    for opt in ("atol", "rtol"):
-        if not getattr(args, opt) >= 0:
-            raise UsageError(f"--{opt} must be >= 0, got {getattr(args, opt):g}")
-    batch_sizes = _numbers(args.batch_sizes, int, "--batch-sizes")
-    scales = _numbers(args.scales, float, "--scales")
-    _problem(args.problem)
-    _candidate(args.candidate)
     # No torch here: run_check imports it once and probes CUDA only after its workers are
     # forked from this process (issue #21's new-process time; a fork must precede any CUDA).
-    _device(args.device, probe=False)
+    options = _check_options(
+        device=args.device, trials=args.trials, atol=args.atol, rtol=args.rtol,
+        batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes", positive=False),
+        scales=_numbers(args.scales, float, "--scales", positive=False), timeout=args.timeout,
+        seed=args.seed, build_timeout=args.build_timeout, forward_timeout=args.forward_timeout,
+        eval_mode=args.eval_mode, cache=not args.no_cache)
+    _problem(args.problem)
+    _candidate(args.candidate)
     from .check import DeviceUnavailable, run_check
     try:
-        report = run_check(args.problem, args.candidate, device=args.device,
-                           trials=args.trials, atol=args.atol, rtol=args.rtol,
-                           batch_sizes=batch_sizes, scales=tuple(scales), timeout=args.timeout,
-                           seed=args.seed, build_timeout=args.build_timeout,
-                           forward_timeout=args.forward_timeout, eval_mode=args.eval_mode,
-                           cache=not args.no_cache)
+        report = run_check(args.problem, args.candidate, options=options)
     except DeviceUnavailable:
         raise UsageError(f"--device {args.device}, but CUDA is not available here") from None
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
@@ -359,14 +357,13 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args) -> int:
-    if args.trials < 1:
-        raise UsageError(f"--trials must be >= 1, got {args.trials}")
-    _positive(args, "--timeout", "--build-timeout")
-    batch_sizes = _numbers(args.batch_sizes, int, "--batch-sizes")
-    scales = tuple(_numbers(args.scales, float, "--scales"))
     # No torch here (its import is seconds: the server answers `initialize` first); the
     # driver's device count, asked by a child, says whether --device cuda can work.
-    _device(args.device, probe=False)
+    options = _check_options(
+        device=args.device, trials=args.trials, timeout=args.timeout,
+        batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes", positive=False),
+        scales=_numbers(args.scales, float, "--scales", positive=False),
+        build_timeout=args.build_timeout)
     cuda = args.device is not None and args.device.startswith("cuda")
     counter = cuda_device_counter() if cuda else None  # runs while the SDK imports
     try:
@@ -385,6 +382,4 @@ def _serve(args) -> int:
         if index >= count:
             raise UsageError(f"--device {args.device}, but the CUDA driver sees "
                              f"{count} device(s) here")
-    return serve(problem, args.device, trials=args.trials, batch_sizes=batch_sizes,
-                 scales=scales, timeout=args.timeout, build_timeout=args.build_timeout,
-                 submit_dir=args.submit_dir)
+    return serve(problem, options, submit_dir=args.submit_dir)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import sandbox
 from .files import candidate_path, syntax_error
+from .task_specs import import_only
 from .worker import Worker, WorkerPool
 
 # nvcc: "/x/cuda.cu(12): error: ..."; gcc/clang: "/x/main.cpp:12:5: error: ..."
@@ -190,8 +191,7 @@ def run_compile(candidate: str | Path, timeout: float = 600.0,
         sandbox.for_candidates(reads=[path])
     worker = pool.take(confine) if pool is not None else Worker(confine=confine)
     try:
-        outcome = worker.run("fastelbo.harness.tasks:import_only", {"candidate": str(path)},
-                             timeout=timeout)
+        outcome = worker.run(import_only, {"candidate": str(path)}, timeout=timeout)
     finally:
         worker.close()
         if pool is not None:

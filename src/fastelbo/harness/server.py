@@ -43,6 +43,7 @@ except ModuleNotFoundError:  # mcp 1.x
 
 from ..problems import problem_path
 from . import summary, worker  # neither imports torch
+from .options import CheckOptions
 from .tool_results import BenchResult, CheckResult, CompileResult, SubmitResult
 
 TOOLS = ("compile_kernel", "run_correctness", "benchmark", "submit_kernel")
@@ -90,10 +91,11 @@ class LazySession:
     the server imports neither torch nor the harness's heavy modules. `problem` is resolved
     now: a wrong name is the user's mistake at start-up, not the first call's."""
 
-    def __init__(self, problem: str | os.PathLike, device: str, **options):
+    def __init__(self, problem: str | os.PathLike, options: CheckOptions, **session):
         self.problem = problem_path(problem)  # FileNotFoundError naming it
-        self.device = device
-        self._options = {"spares": SPARES, **options}
+        self.options = options
+        self.device = options.device
+        self._session_args = {"spares": SPARES, **session}
         self._session = None
         self._lock = threading.Lock()
         self._reports = itertools.count(1)
@@ -103,7 +105,8 @@ class LazySession:
         with self._lock:
             if self._session is None:
                 from .session import Session
-                self._session = Session(self.problem, self.device, **self._options)
+                self._session = Session(self.problem, options=self.options,
+                                        **self._session_args)
             return self._session
 
     async def run(self, tool: str, call, compact, result: type[BaseModel],
@@ -205,14 +208,14 @@ def _stop_workers_on_exit(lazy: LazySession) -> None:
         signal.signal(sig, on_signal)
 
 
-def serve(problem: str | os.PathLike, device: str, transport: str = "stdio",
-          **options) -> int:
-    """Serve a Session of `problem` on `device` (`options`: Session's keywords), built by the
-    first tool call."""
-    lazy = LazySession(problem, device, **options)
+def serve(problem: str | os.PathLike, options: CheckOptions, transport: str = "stdio",
+          **session) -> int:
+    """Serve a Session of `problem` with the check settings `options` (`session`: Session's
+    other keywords, submit_dir and spares), built by the first tool call."""
+    lazy = LazySession(problem, options, **session)
     server = build_server(lazy)
     _stop_workers_on_exit(lazy)
-    print(f"fastelbo serve: {lazy.problem} on {device}, tools {', '.join(TOOLS)}, MCP over "
+    print(f"fastelbo serve: {lazy.problem} on {lazy.device}, tools {', '.join(TOOLS)}, MCP over "
           f"{transport}; the harness starts at the first tool call", file=sys.stderr)
     server.run(transport)
     return 0

@@ -30,7 +30,6 @@ import ast
 import contextlib
 import fcntl
 import hashlib
-import inspect
 import os
 import re
 import shutil
@@ -39,7 +38,7 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..problems import problem_path
@@ -48,9 +47,9 @@ from .bench import run_bench
 from .check import run_check
 from .compile import CompileReport, run_compile
 from .files import BUILTIN_PREFIX
+from .options import CheckOptions
 from .worker import STARTUP_TIMEOUT, WorkerPool
 
-DEVICES = ("cpu", "cuda")
 # A Python-level failure (SyntaxError, an import that raises) is reported by the loader as
 # "FILE.py:LINE: message" on the reason's first line.
 _PY_LOCATION = re.compile(r"^(?P<file>\S+\.py):(?P<line>\d+): (?P<message>.*)$")
@@ -59,20 +58,17 @@ _device_locks: dict[str, threading.Lock] = {}
 _device_locks_guard = threading.Lock()
 
 
-def _device_key(device: str) -> str:
-    """'cpu', or 'cuda:N' (a bare 'cuda' is the current device, index 0 for a new process)."""
+def _device_key(device: str | None) -> str:
+    """'cpu', or 'cuda:N' (a bare 'cuda' is the current device, index 0 for a new process).
+    `device` is a CheckOptions' (spelt right); a session runs on one named device."""
+    if device is None:
+        raise ValueError("device must be one of cpu, cuda or cuda:N for a session, got None")
+    if device == "cpu":
+        return "cpu"
     import torch
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be one of {', '.join(DEVICES)} (or cuda:N), "
-                         f"got {device!r}") from None
-    if dev.type not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)} (or cuda:N), "
-                         f"got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: CUDA is not available here")
-    return "cpu" if dev.type == "cpu" else f"cuda:{dev.index or 0}"
+    return f"cuda:{int(device.partition(':')[2] or 0)}"
 
 
 @contextlib.contextmanager
@@ -94,41 +90,39 @@ def _gpu_exclusive(key: str):
 class Session:
     """One problem, one device, one set of check settings, for many candidates.
 
-    `trials` and `check_options` (any keyword of `run_check`: atol, rtol, batch_sizes, scales,
-    timeout, build_timeout, seed, ...) apply to every check of the session; `submit_dir`, when
-    given, receives the solution file of each accepted submission. `spares`: worker processes
-    kept started for the next job (0: each job starts its own, as `fastelbo check` does).
+    The settings are one CheckOptions: `options`, or the one built from `device`, `trials` and
+    `check_options` (its other fields: atol, rtol, batch_sizes, scales, timeout,
+    build_timeout, seed, ...); they apply to every check of the session. A session's device
+    is cpu, cuda or cuda:N (not None). `submit_dir`, when given,
+    receives the solution file of each accepted submission. `spares`: worker processes kept
+    started for the next job (0: each job starts its own, as `fastelbo check` does).
     """
 
     def __init__(self, problem: str | os.PathLike = "vae_elbo", device: str = "cpu", *,
                  trials: int = 3, submit_dir: str | os.PathLike | None = None,
-                 spares: int = 1, **check_options):
+                 spares: int = 1, options: CheckOptions | None = None, **check_options):
         self.problem = problem_path(problem)  # FileNotFoundError naming it
-        self.device = device
-        self._key = _device_key(device)
-        if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-            raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
-        self.trials = trials
-        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
-            raise ValueError(f"spares must be an integer >= 0, got {spares!r}")
         if "pool" in check_options:
             raise TypeError("check_options: the session's pool is its own (use spares)")
-        try:
-            inspect.signature(run_check).bind(problem, "", device=device, trials=trials,
-                                              **check_options)
-        except TypeError as exc:
-            raise TypeError(f"check_options: {exc}") from None
-        for name, value in check_options.items():
-            if name.endswith("timeout") and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
-        self.check_options = dict(check_options)
+        if options is None:
+            try:
+                options = CheckOptions(device=device, trials=trials, **check_options)
+            except TypeError as exc:
+                raise TypeError(f"check_options: {exc}") from None
+        elif check_options or (device, trials) != ("cpu", 3):
+            raise TypeError("options holds the device, trials and every check option: give "
+                            "them there, not beside it")
+        self.options = options
+        self.device = options.device
+        self._key = _device_key(options.device)
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise ValueError(f"spares must be an integer >= 0, got {spares!r}")
         self.submit_dir = Path(submit_dir) if submit_dir is not None else None
         self._dir = Path(tempfile.mkdtemp(prefix="fastelbo-session-"))
         self._lock = threading.Lock()
         # Started last, once every argument is known good: nothing to clean up before this.
-        cache = check_options.get("cache", True)
-        root = (None if cache is True or check_options.get("seed") is None or cache is False
-                else Path(cache))
+        cache = options.cache
+        root = None if cache is True or options.seed is None or cache is False else Path(cache)
         self._pool = (WorkerPool(spares, device=self._key, confine=sandbox.for_candidates(root))
                       if spares else None)
         self._cleanup = weakref.finalize(self, _cleanup, self._dir, self._pool)
@@ -144,10 +138,9 @@ class Session:
         library with its kernels' registers, shared, local (spill) and stack bytes), `seconds`
         and the worker's `output_tail`."""
         cand = self._candidate(source)
-        timeout = self.check_options.get("build_timeout", 600.0)
         with self._exclusive():
             start = time.perf_counter()
-            report = run_compile(cand, timeout=timeout, pool=self._pool)
+            report = run_compile(cand, timeout=self.options.build_timeout, pool=self._pool)
             return compile_report_dict(report, time.perf_counter() - start)
 
     def run_correctness(self, source: str | os.PathLike, trials: int | None = None) -> dict:
@@ -161,14 +154,14 @@ class Session:
         nothing written to disk): {problem, candidate, device, exit_code, rows}. exit_code is
         bench's: 0 all rows correct, 1 a row INCORRECT or flagged, 2 an entry could not run."""
         cand = self._candidate(source)
-        opts = {k: self.check_options[k] for k in ("seed", "atol", "rtol")
-                if k in self.check_options}
+        o = self.options
         with self._exclusive():
             if self._pool is not None:  # a spare still importing torch would skew the timing
                 self._pool.wait_ready(STARTUP_TIMEOUT)
             rows, code = run_bench(self.problem, [cand], device=self.device,
                                    batch_sizes=batch_sizes, out=None,
-                                   compile_baseline=compile_baseline, quick=quick, **opts)
+                                   compile_baseline=compile_baseline, quick=quick,
+                                   seed=o.seed, atol=o.atol, rtol=o.rtol)
         return {"problem": str(self.problem), "candidate": cand, "device": self.device,
                 "exit_code": code, "rows": rows}
 
@@ -200,13 +193,9 @@ class Session:
     # -- plumbing ------------------------------------------------------------------------------
 
     def _check(self, cand: str, trials: int | None) -> dict:
-        if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int)
-                                   or trials < 1):
-            raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
+        options = self.options if trials is None else replace(self.options, trials=trials)
         with self._exclusive():
-            report = run_check(self.problem, cand, device=self.device,
-                               trials=trials or self.trials, pool=self._pool,
-                               **self.check_options)
+            report = run_check(self.problem, cand, options=options, pool=self._pool)
         return report.to_dict()
 
     def _candidate(self, source: str | os.PathLike) -> str:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from . import loader, refcache, shared
+from . import task_specs as specs
 from .compare import (
     PERTURB_RUNS,
     as_tuple,
@@ -42,6 +43,7 @@ from .compare import (
 )
 from .judge import judge_trial, needs_envelope, trial_to_dict
 from .regimes import Regime, plan
+from .task_specs import implements
 from .worker import BUILD, FORWARD, TaskError, emit, progress, scratch_dir, traceback_tail
 
 
@@ -96,9 +98,10 @@ def resident_threshold(dev: torch.device) -> float:
     return RESIDENT_BYTES if dev.type == "cuda" else float("inf")
 
 
+@implements(specs.reference_pass)
 @torch.no_grad()
 def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: float,
-                   rtol: float, trials: int, root: str, batch_sizes: list[int] | None,
+                   rtol: float, trials: int, root: str, batch_sizes: tuple[int, ...] | None,
                    scales: tuple[float, ...], only: list[str] | None = None) -> dict:
     """Write the problem's entry and each planned regime's (all, or those named in `only`).
     A device-resident regime is kept in this worker instead; its entry (without outputs) and
@@ -277,6 +280,7 @@ def _reference_trial(model, inputs, seed, dev, atol, rtol,
 _built: dict = {}  # candidate path -> its module, imported by build_candidate
 
 
+@implements(specs.build_candidate)
 def build_candidate(candidate: str, problem: str, device: str, seed: int) -> dict:
     """Import the candidate (building what it compiles at import) and construct ModelNew once
     on the device (building what its constructor compiles), before any reference work ends."""
@@ -301,6 +305,7 @@ def build_candidate(candidate: str, problem: str, device: str, seed: int) -> dic
             "device_name": device_name(dev)}
 
 
+@implements(specs.check_candidate)
 @torch.no_grad()
 def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, init_file: str,
                     regimes: list[dict]) -> dict:
@@ -394,6 +399,7 @@ def _candidate_trial(model, inputs: list, seed: int, dev, resident: bool = False
 
 # ---- The judge of a device-resident regime: the reference's worker, holding its outputs. ----
 
+@implements(specs.judge_pass)
 @torch.no_grad()
 def judge_pass(name: str, trials: list[dict], envelope: bool, atol: float,
                rtol: float) -> dict:
@@ -424,6 +430,7 @@ def judge_pass(name: str, trials: list[dict], envelope: bool, atol: float,
 
 # ---- Envelopes: only for the trials where a candidate missed the plain tolerance. ----
 
+@implements(specs.envelope_pass)
 @torch.no_grad()
 def envelope_pass(problem: str, device: str, seed: int, eval_mode: bool, init_file: str,
                   requests: list[dict]) -> dict:
@@ -515,6 +522,7 @@ def _fold(op):
     return fold
 
 
+@implements(specs.import_only)
 def import_only(candidate: str) -> dict:
     """Import the candidate (building any inline extension) and list the extensions it loaded:
     {"extensions": the candidate's own, "installed": those of Python and its packages}.

@@ -1,16 +1,17 @@
 """Run harness tasks in fresh worker processes, so that candidate code cannot hurt the harness.
 
 A `Worker` is one `python -m fastelbo.harness.worker` in its own session. The parent sends it
-tasks one at a time (a pickled dict naming a function `module:name` and its keyword arguments)
-over a pipe; the worker runs each and answers over a second pipe with short lines: a new step
-began (with the limit that applies to it), a heartbeat while its main thread is inside build
-machinery (cpp_extension, Triton, Inductor, or any child process such as nvcc or ptxas), a
-partial result, done. The parent enforces every limit, so a worker that hangs holding the GIL
-is still stopped: the task's total; each step's (a forward gets the forward limit, an import or
-a constructor the build limit), where a forward that is building gets the build limit. A hang
-is killed with the worker's whole process group (nvcc and ninja included); a crash shows as a
-signal or exit code; an exception comes back as its traceback. Results are read back with
-`weights_only=True`, so a result cannot execute code in the harness.
+tasks one at a time over a pipe: a pickled dict of a declared task's module and name and its
+keyword arguments, bound to the task's signature before they are sent (task_specs.py). The
+worker runs each, refusing any task not declared, and answers over a second pipe with short
+lines: a new step began (with the limit that applies to it), a heartbeat while its main thread
+is inside build machinery (cpp_extension, Triton, Inductor, or any child process such as nvcc
+or ptxas), a partial result, done. The parent enforces every limit, so a worker that hangs
+holding the GIL is still stopped: the task's total; each step's (a forward gets the forward
+limit, an import or a constructor the build limit), where a forward that is building gets the
+build limit. A hang is killed with the worker's whole process group (nvcc and ninja included);
+a crash shows as a signal or exit code; an exception comes back as its traceback. Results are
+read back with `weights_only=True`, so a result cannot execute code in the harness.
 
 A worker is a new interpreter (`python -m ...`), or a fork of the caller when `fork_safe()`:
 a process that has imported torch but never touched CUDA and runs no other Python thread (a
@@ -34,10 +35,12 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import sandbox
+from . import sandbox, task_specs
+from .task_specs import Task
 
 TAIL_CHARS = 4000
 HEARTBEAT_S = 0.5
@@ -125,24 +128,29 @@ class Worker:
             self.ready = True
         return self.ready
 
-    def run(self, func: str, kwargs: dict, *, timeout: float, forward_timeout: float | None = None,
-            build_timeout: float | None = None, on_partial=None) -> WorkerOutcome:
-        """Run `func(**kwargs)` in the worker. `timeout` bounds the whole task from its first
-        message (a worker still starting has STARTUP_TIMEOUT); a step the task marks as a
-        forward gets `forward_timeout` (while it builds, up to `build_timeout`), a step marked
-        as a build gets `build_timeout`. On a timeout or crash the worker is gone.
-        `on_partial(result)` is called with each partial result as it arrives (it must return
-        promptly: the limits are enforced between calls)."""
+    def run(self, task: Task | Callable, kwargs: dict, *, timeout: float,
+            forward_timeout: float | None = None, build_timeout: float | None = None,
+            on_partial=None) -> WorkerOutcome:
+        """Run `task(**kwargs)` in the worker (`task`: a task_specs.Task or a declared task's
+        function; `kwargs` that do not bind to it are a TypeError here, nothing sent).
+        `timeout` bounds the whole task from its first message (a worker still starting has
+        STARTUP_TIMEOUT); a step the task marks as a forward gets `forward_timeout` (while it
+        builds, up to `build_timeout`), a step marked as a build gets `build_timeout`. On a
+        timeout or crash the worker is gone. `on_partial(result)` is called with each partial
+        result as it arrives (it must return promptly: the limits are enforced between
+        calls)."""
+        spec = task_specs.spec_of(task)
+        spec.bind(kwargs)
         self._on_partial = on_partial
         self._tasks += 1
-        task = self.tmp / f"task{self._tasks}.pkl"
-        task.write_bytes(pickle.dumps({"func": func, "kwargs": kwargs}))
+        path = self.tmp / f"task{self._tasks}.pkl"
+        path.write_bytes(pickle.dumps({"task": (spec.module, spec.name), "kwargs": kwargs}))
         start = time.monotonic()
         outcome = WorkerOutcome(None)
         try:
             if self.warm is None:  # its first task
                 self.warm = self.poll_ready()
-            os.write(self._cmd, f"{task}\n".encode())
+            os.write(self._cmd, f"{path}\n".encode())
             self._wait(outcome, start, timeout, forward_timeout, build_timeout)
         except BrokenPipeError:
             self._died(outcome)
@@ -470,14 +478,16 @@ def kill_all() -> None:
         worker.kill()
 
 
-def run_task(func: str, timeout: float, *, env: dict[str, str] | None = None,
+def run_task(task: Task | Callable, timeout: float, *, env: dict[str, str] | None = None,
              confine: dict | None = None, **kwargs) -> WorkerOutcome:
-    """Run `func(**kwargs)` (func = "module:name") in a fresh worker with a timeout; `env`
-    adds to (or overrides) the worker's environment, which is otherwise the harness's own;
-    `confine`: the worker's confinement (sandbox.plan())."""
+    """Run `task(**kwargs)` (as Worker.run: `kwargs` are bound first, before any worker
+    starts) in a fresh worker with a timeout; `env` adds to (or overrides) the worker's
+    environment, which is otherwise the harness's own; `confine`: the worker's confinement
+    (sandbox.plan())."""
+    task_specs.spec_of(task).bind(kwargs)
     worker = Worker(env, confine=confine)
     try:
-        return worker.run(func, kwargs, timeout=timeout)
+        return worker.run(task, kwargs, timeout=timeout)
     finally:
         worker.close()
 
@@ -504,7 +514,6 @@ def traceback_tail(exc: BaseException, lines: int = 12) -> str:
 # ---- The worker side: everything below runs in the worker process. ----
 
 WARM_DEVICE_ENV = "FASTELBO_WORKER_DEVICE"
-PRELOAD = "fastelbo.harness.tasks"
 
 
 class TaskError(Exception):
@@ -603,11 +612,14 @@ def _save(out, path: Path) -> Path:
 
 def _run_one(task_path: Path) -> Path:
     task = pickle.loads(task_path.read_bytes())  # written by the harness itself
-    module, name = task["func"].split(":")
-    progress(f"starting {task['func']}")  # the task's own limits start here
+    module, name = task["task"]
+    progress(f"starting {module}.{name}")  # the task's own limits start here
     _busy.set()
     try:
-        out = getattr(importlib.import_module(module), name)(**task["kwargs"])
+        # Only a declared task; a message naming anything else imports nothing, runs nothing.
+        out = task_specs.resolve(module, name)(**task["kwargs"])
+    except task_specs.Refused as exc:
+        out = {"worker_error": str(exc), "category": "exception"}
     except TaskError as exc:
         out = {"worker_error": str(exc), "category": exc.category}
     except BaseException as exc:  # noqa: BLE001 - the report must carry whatever went wrong
@@ -627,9 +639,12 @@ def main(argv: list[str]) -> int:
     sandbox.enter(json.loads(os.environ.pop(CONFINE_ENV, "null")), _tmp)
     import torch  # the start-up cost a spare worker pays before it is taken
 
-    # The check's tasks, imported before the first one arrives. By name, as every task is
-    # (tasks imports this module's child-side helpers: no import cycle through here).
-    importlib.import_module(PRELOAD)
+    # The check's tasks, imported before the first one arrives; by their declared module's
+    # name (tasks imports this module's child-side helpers: no import cycle through here).
+    # Then any module of tasks of its own that the parent named (tests), declaring them here.
+    importlib.import_module(task_specs.TASKS)
+    for module in filter(None, os.environ.pop(task_specs.TASK_MODULES_ENV, "").split(",")):
+        importlib.import_module(module)
     device = os.environ.get(WARM_DEVICE_ENV)
     if device and device.startswith("cuda") and torch.cuda.is_available():
         torch.empty(0, device=device)  # create the CUDA context now
