@@ -43,7 +43,8 @@ import torch
 spec = importlib.util.spec_from_file_location("solution", sys.argv[1])
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
-builds, calls = [], []
+builds, calls, lane = [], [], []
+status = [0]  # what the stand-in checked_start answers
 
 
 class Options:
@@ -58,6 +59,10 @@ class Extension:
         b = args[0].shape[0]
         return [torch.full((b,), 1.0), torch.full((b,), 2.0), torch.full((b,), 3.0)]
 
+    def checked_start(self, *args):
+        lane.append(args)
+        return status[0]
+
 
 ext = Extension()
 
@@ -68,11 +73,14 @@ def load_inline(**kwargs):
 
 
 mod.load_inline = load_inline
-kernel_check = mod.check_kernel_tensors
+kernel_check, contract_runs = mod.check_kernel_tensors, []
 
 
 def on(device_type):
-    mod.check_kernel_tensors = lambda *a, **k: kernel_check(*a, **{**k, "device_type": device_type})
+    def check(*a, **k):
+        contract_runs.append(1)
+        return kernel_check(*a, **{**k, "device_type": device_type})
+    mod.check_kernel_tensors = check
 
 
 def model(dtype=torch.float32, swap=None):
@@ -81,6 +89,13 @@ def model(dtype=torch.float32, swap=None):
     if swap:
         setattr(m.fc_logvar, "weight", torch.nn.Parameter(torch.zeros(swap)))
     return m
+
+
+def error(m, x):
+    try:
+        m(x)
+    except Exception as exc:
+        return [type(exc).__name__, isinstance(exc, ValueError), str(exc)]
 
 
 cases = {
@@ -96,25 +111,27 @@ cases = {
 refused = {}
 for name, (device_type, m, x) in cases.items():
     on(device_type)
-    try:
-        m(x)
-        refused[name] = None
-    except Exception as exc:
-        refused[name] = [type(exc).__name__, isinstance(exc, ValueError), str(exc)]
-    refused[name] = {"device_type": device_type, "x": x,
-                     "params": [p.detach() for p in m.state_dict().values()],
-                     "error": refused[name]}
-built_before_a_good_call = len(builds)
+    refused[name] = {"device_type": device_type, "x": x, "error": error(m, x),
+                     "params": [p.detach() for p in m.state_dict().values()]}
+before_the_build = {"builds": len(builds), "lane": len(lane), "launches": len(calls)}
 on("cpu")
+contract_runs.clear()
 m = model()
 x = torch.rand(5, 784)
 torch.manual_seed(11)
-out = m(x)
-m(torch.rand(3, 784))
+out = m(x)  # the first call: the contract's checks, then the build
+first = {"contract": len(contract_runs), "lane": len(lane)}
+x2 = torch.rand(3, 784)
+m(x2)  # built: the lane (status 0) and no contract check
+lane_call = {"contract": len(contract_runs), "args": list(lane[-1])}
+status[0] = -1
+after = {"x shape": error(m, torch.rand(2, 100)), "list": error(m, [[0.5] * 784]),
+         "lane": len(lane), "launches": len(calls)}
 opt = calls[0][-1]
-torch.save({"refused": refused, "built_before": built_before_a_good_call, "x": x, "out": out,
-            "state": m.state_dict(), "args": list(calls[0][:-1]), "options": vars(opt),
-            "same_options": calls[1][-1] is opt,
+torch.save({"refused": refused, "before_the_build": before_the_build, "x": x, "x2": x2,
+            "out": out, "state": m.state_dict(), "args": list(calls[0][:-1]),
+            "options": vars(opt), "same_options": calls[1][-1] is opt, "first": first,
+            "lane_call": lane_call, "after": after,
             "builds": [{k: v for k, v in b.items() if not k.endswith("sources")} for b in builds],
             "sources": [(b["cuda_sources"] == mod.CUDA_SOURCE, b["cpp_sources"] == mod.CPP_SOURCE)
                         for b in builds],
@@ -144,9 +161,17 @@ def _python_part(text: str) -> str:
     return text[text.index("\n", text.rindex("'''")):]  # after CPP_SOURCE's closing quotes
 
 
+def _binding_args(entry: str) -> list[str]:
+    """The argument names binding_module.cpp gives entry point `entry`."""
+    cpp = (build.HERE / build.BINDING_MODULE).read_text()
+    args = re.search(rf'm\.def\("{entry}",(.*?)\);$', cpp, re.DOTALL | re.MULTILINE).group(1)
+    return re.findall(r'py::arg\("(\w+)"\)', args)
+
+
 def test_the_file_runs_without_fastelbo_and_builds_on_first_use(run):
     assert run["fastelbo_loaded"] == []
-    assert run["built_before"] == 0  # refused input never builds (nor launches)
+    # refused input never builds nor launches
+    assert run["before_the_build"] == {"builds": 0, "lane": 0, "launches": 0}
     (kwargs,) = run["builds"]
     assert kwargs["name"].startswith("fastelbo_kb_")
     assert (kwargs["extra_cflags"], kwargs["extra_cuda_cflags"]) == (
@@ -157,9 +182,7 @@ def test_the_file_runs_without_fastelbo_and_builds_on_first_use(run):
 def test_forward_reaches_the_binding_as_launch_py_calls_it(run):
     """Every argument where binding_module.cpp's forward names it: x, the reference's noise
     draw, the ten parameters in VAEParams order, then the product's default options."""
-    cpp = (build.HERE / build.BINDING_MODULE).read_text()
-    entry = re.search(r'm\.def\("forward",(.*?)\);$', cpp, re.DOTALL | re.MULTILINE).group(1)
-    names = re.findall(r'py::arg\("(\w+)"\)', entry)
+    names = _binding_args("forward")
     assert names[-1] == "options"
     got = dict(zip(names[:-1], run["args"], strict=True))
     assert torch.equal(got["x"], run["x"])
@@ -172,6 +195,24 @@ def test_forward_reaches_the_binding_as_launch_py_calls_it(run):
                               "path": launch.PATHS["auto"], "draw": False, "awaits": False}
     assert run["same_options"]  # built once per extension, as in the package
     assert [o.tolist() for o in run["out"]] == [[1.0] * 5, [2.0] * 5, [3.0] * 5]
+
+
+def test_once_built_plain_tensors_take_the_bindings_lane(run):
+    """As fastelbo.ops: checked_start (metadata only, validate=False: nothing launched) with
+    each argument where the binding names it, and no Python check; where it answers -1, or x
+    is no tensor (the binding never sees it), the contract's checks decide."""
+    assert run["first"] == {"contract": 1, "lane": 0}  # before the build: the contract's
+    assert run["lane_call"]["contract"] == 1
+    got = dict(zip(_binding_args("checked_start"), run["lane_call"]["args"], strict=True))
+    assert torch.equal(got.pop("x"), run["x2"])
+    assert (got.pop("eps"), got.pop("validate")) == (None, False)
+    for name, key in zip(VAEParams._fields, STATE_DICT_KEYS, strict=True):
+        assert torch.equal(got.pop(name), run["state"][key]), name
+    assert got == {}
+    after = run["after"]
+    assert after["x shape"] == ["ValueError", True, "x must have shape (batch, 784), got (2, 100)"]
+    assert after["list"] == ["TypeError", False, "x must be a torch.Tensor, got list"]
+    assert (after["lane"], after["launches"]) == (2, 2)  # the list never reached the binding
 
 
 def _package_error(case, monkeypatch):
@@ -257,7 +298,7 @@ def _load(tmp_path, text: str):
 
 
 def _generate_with(monkeypatch, launch_module) -> str:
-    monkeypatch.setattr(export, "SOURCES", (launch_module, contract))
+    monkeypatch.setattr(export, "SOURCES", (launch_module, *export.SOURCES[1:]))
     return export.kernelbench_source()
 
 
