@@ -5,6 +5,9 @@ tensors included, and raises a TypeError or ValueError naming the argument befor
 launched. The ops (fastelbo.ops) run it; a kernel backend that takes narrower inputs (float32,
 one CUDA device, contiguous, sizes in int32) states that with `check_kernel_tensors`, and its
 Python mirror of a C++ binding's checks is built from these functions, never written again.
+The file fastelbo.export writes carries check_kernel_tensors, check_param_tensors and check_x
+as text (with what they use: torch, this module's constants, params.param_shapes), and runs
+them on a plain list of the ten tensors.
 
 The value check (x in [0, 1], no NaN: Bernoulli targets) needs the data: its predicate and its
 error message are here (`unit_mask`, `outside_range_error`), its switch too; running it, on the
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -26,6 +29,8 @@ from .params import VAEParams, param_shapes
 
 ENV_VAR = "FASTELBO_VALIDATE"
 INT32_MAX = 2**31 - 1
+# The parameters' names in the messages, in VAEParams order.
+PARAM_NAMES = VAEParams._fields
 
 
 # ---- the value check's switch -------------------------------------------------------------
@@ -71,10 +76,17 @@ def as_params(params) -> VAEParams:
 
 
 def check_params(params) -> VAEParams:
-    """The ten parameters: tensors, floating point, one dtype, one device, shapes consistent
-    with the dims read off enc_w (hidden, input) and mu_w (latent, hidden)."""
+    """The ten parameters as a VAEParams, checked (check_param_tensors)."""
     params = as_params(params)
-    for name, p in zip(VAEParams._fields, params):
+    check_param_tensors(params)
+    return params
+
+
+def check_param_tensors(params: Sequence[torch.Tensor]) -> None:
+    """The ten parameters, a VAEParams or any sequence in its order: tensors, floating point,
+    one dtype, one device, shapes consistent with the dims read off enc_w (hidden, input) and
+    mu_w (latent, hidden). Reads them by position only (the exported file passes a list)."""
+    for name, p in zip(PARAM_NAMES, params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"parameter {name} must be a torch.Tensor, got {type(p).__name__}")
     ref, mu_w = params[0], params[2]
@@ -86,7 +98,7 @@ def check_params(params) -> VAEParams:
         raise TypeError(f"parameters must be floating point, got {ref.dtype}")
     dtype, device = ref.dtype, ref.device
     h, d = ref.shape
-    for name, want, p in zip(VAEParams._fields, param_shapes(d, h, mu_w.shape[0]), params):
+    for name, want, p in zip(PARAM_NAMES, param_shapes(d, h, mu_w.shape[0]), params):
         if p.shape != want:  # torch.Size compares equal to a tuple
             raise ValueError(f"parameter {name} must have shape {want}, got {tuple(p.shape)}")
         if p.dtype != dtype:
@@ -95,13 +107,13 @@ def check_params(params) -> VAEParams:
         if p.device != device:
             raise ValueError(f"parameter {name} is on {p.device}, but enc_w is on {device}: "
                              f"all parameters must be on one device")
-    return params
 
 
-def check_x(x, params: VAEParams) -> None:
-    """x (batch >= 1, input_dim), of the parameters' dtype, on their device."""
-    d = params.dims[0]
-    w = params.enc_w
+def check_x(x, params: Sequence[torch.Tensor]) -> None:
+    """x (batch >= 1, input_dim), of the parameters' dtype, on their device; params checked
+    (check_param_tensors), read by position."""
+    w = params[0]  # enc_w (hidden, input)
+    d = w.shape[1]
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.device != w.device:

@@ -1,21 +1,36 @@
-"""Export the CUDA backend as one self-contained KernelBench solution file.
+"""Export the CUDA backend as one self-contained KernelBench solution file, generated from the
+package's own sources.
 
-`write_kernelbench(path)` writes a Python file that imports torch only: the kernels and the
-binding are inlined as text and built with torch.utils.cpp_extension.load_inline on first use
-(cuda_sources: the headers, the .cu files and the binding's .cpp files, compiled by nvcc as one
-unit; cpp_sources: binding.h and binding_module.cpp, the pybind11 module), and the backend's
-launch.py is inlined verbatim, so the file calls the extension through the package's own
-wrappers. Its ModelNew has the reference Model's constructor, submodules and parameter names,
-draws torch.randn(B, latent_dim) exactly where the reference calls randn_like, then runs the
-backend's forward (one fused launch at small batch, the cuBLAS-based rows path at large batch).
+`write_kernelbench(path)` writes a Python file that imports torch only:
+- the kernels and the binding as text, built with torch.utils.cpp_extension.load_inline on first
+  use (cuda_sources: the headers, the .cu files and the binding's .cpp files, compiled by nvcc as
+  one unit; cpp_sources: binding.h and binding_module.cpp, the pybind11 module);
+- the Python around them, carried out of the package by fastelbo.codegen rather than retyped:
+  what the code below calls of backends/cuda/launch.py (the binding's keyword-only wrappers),
+  contract.py (the input checks: a TypeError or ValueError naming the argument, before any
+  build or launch) and params.py, with what those use and nothing else; the reference Model's
+  __init__ (problems/vae_elbo.py) as ModelNew's, so parameter names and submodules are the
+  spec's; and the spec's get_inputs, get_init_inputs and sizes.
+Once built, plain tensors are checked as fastelbo.ops checks them, in one binding call that
+reads metadata only (checked_start, launching nothing); the contract's checks run for anything
+else and raise the precise error.
+ModelNew reads its ten parameters in VAEParams order (params.STATE_DICT_KEYS, written out as
+attribute reads), draws torch.randn(B, latent_dim) exactly where the reference calls randn_like,
+then runs the backend's forward (one fused launch at small batch, the cuBLAS-based rows path at
+large batch).
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import re
+import textwrap
 from pathlib import Path
 
+from . import codegen, contract
+from . import params as params_module
 from .backends.cuda import build, launch
+from .problems import vae_elbo
 
 # The package's own headers: inlined once, their #include lines dropped.
 _INCLUDE_HEADER = re.compile(
@@ -29,7 +44,7 @@ LOAD_INLINE_CUDA_PRELUDE = ("#include <torch/types.h>\n#include <cuda.h>\n"
                             "#include <cuda_runtime.h>\n")
 LOAD_INLINE_CPP_PRELUDE = "#include <torch/extension.h>\n"
 
-_TEMPLATE = '''\
+_HEAD = '''\
 """Fused VAE ELBO forward in CUDA C++ (sm_90+): one cluster-kernel launch at small batch,
 cuBLAS GEMMs around two fused kernels at large batch.
 
@@ -43,11 +58,11 @@ from torch.utils.cpp_extension import load_inline
 CUDA_SOURCE = {cuda_source}
 
 CPP_SOURCE = {cpp_source}
+'''
 
-# ---- fastelbo/backends/cuda/launch.py, verbatim: the binding's keyword-only wrappers ----
-{launch_source}
-# ---- end of launch.py ----
-
+# The file's own code: its free names (_check's checks, the wrappers forward calls) are what is
+# carried from SOURCES; {init} is the spec's Model.__init__, {params} the parameters' reads.
+_BODY = '''\
 _EXTENSION = None
 
 
@@ -65,72 +80,53 @@ def _extension():
 
 
 def _check(x, params):
-    """The binding's checks, in Python and before it: on some torch builds a C++ exception
-    thrown by an extension kills the process instead of raising. Metadata only (no sync): a row
-    of x with a value outside [0, 1] or NaN comes out NaN in elbo, recon and kl."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {{type(x).__name__}}")
-    dev = params[0].device
-    if dev.type != "cuda":
-        raise ValueError(f"the model must be on a CUDA device, its parameters are on {{dev}}")
-    for name, t in [("x", x)] + [(f"parameter {{i}}", p) for i, p in enumerate(params)]:
-        if t.dtype != torch.float32:
-            raise TypeError(f"{{name}} must be float32, got {{t.dtype}}")
-        if t.device != dev:
-            raise ValueError(f"{{name}} is on {{t.device}}, the model on {{dev}}")
-    d = params[0].shape[1]
-    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] != d:
-        raise ValueError(f"x must have shape (batch >= 1, {{d}}), got {{tuple(x.shape)}}")
-    if x.shape[0] > 2**31 - 1:
-        raise ValueError(f"batch must fit in int32, got {{x.shape[0]}}")
+    """fastelbo.contract's checks (carried above), in Python and before the binding's: on some
+    torch builds a C++ exception thrown by an extension kills the process instead of raising.
+    Metadata only (no sync): a row of x with a value outside [0, 1] or NaN comes out NaN in
+    elbo, recon and kl. params: the ten tensors, in PARAM_NAMES' order."""
+    check_kernel_tensors("cuda", [("x", x), *zip(PARAM_NAMES, params)], contiguous=False)
+    check_param_tensors(params)
+    check_x(x, params)
+
+
+def _plain(x, params):
+    """Whether checked_start may take these: plain tensors, as fastelbo.ops' lane asks."""
+    return type(x) in PLAIN_TYPES and all([type(p) in PLAIN_TYPES for p in params])
 
 
 class ModelNew(nn.Module):
     """Evidence Lower Bound (ELBO) of a VAE; the reference Model's layout, one fused kernel."""
 
-    def __init__(self, input_dim, hidden_dim, latent_dim):
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(input_dim, hidden_dim), nn.ReLU())
-        self.fc_mu = nn.Linear(hidden_dim, latent_dim)
-        self.fc_logvar = nn.Linear(hidden_dim, latent_dim)
-        self.decoder = nn.Sequential(
-            nn.Linear(latent_dim, hidden_dim),
-            nn.ReLU(),
-            nn.Linear(hidden_dim, input_dim),
-            nn.Sigmoid(),
-        )
-
+{init}
     def forward(self, x: torch.Tensor):
         """x: (B, input_dim) float32 CUDA in [0, 1]. Returns (elbo, recon, kl), each (B,)."""
-        enc, dec1, dec2 = self.encoder[0], self.decoder[0], self.decoder[2]
-        params = [enc.weight, enc.bias, self.fc_mu.weight, self.fc_mu.bias,
-                  self.fc_logvar.weight, self.fc_logvar.bias,
-                  dec1.weight, dec1.bias, dec2.weight, dec2.bias]
-        _check(x, params)
+{params}
+        # As fastelbo.ops does: plain tensors are checked in one binding call that reads
+        # metadata only and launches nothing (checked_start; 0: every check passed); anything
+        # else, and every call before the build, meets the contract's checks (_check).
+        if (_EXTENSION is None or not _plain(x, params)
+                or checked_start(_EXTENSION, x=x, eps=None, params=params, validate=False) != 0):
+            _check(x, params)
         x = x.contiguous()
         # The reference draws randn_like(std), std being (B, latent_dim) like x's dtype/device:
-        # the same generator call, so equal seeds give equal noise.
-        eps = torch.randn(x.shape[0], self.fc_mu.out_features, device=x.device, dtype=x.dtype)
+        # the same generator call, so equal seeds give equal noise (params[2]: mu_w, (L, H)).
+        eps = torch.randn(x.shape[0], params[2].shape[0], device=x.device, dtype=x.dtype)
         ext = _extension()
         elbo, recon, kl = forward(ext, x=x, eps=eps,
                                   params=[p.detach().contiguous() for p in params],
                                   options=default_forward_options(ext))
         return elbo, recon, kl
-
-
-batch_size = 128
-input_dim = 784
-hidden_dim = 256
-latent_dim = 32
-
-
-def get_inputs():
-    return [torch.rand(batch_size, input_dim)]
-
-
-def get_init_inputs():
-    return [input_dim, hidden_dim, latent_dim]
 '''
+
+# Where _BODY's free names are looked up (exactly one must define each), what their sections
+# say, and what the file takes of the spec.
+SOURCES = (launch, contract, params_module)
+NOTES = {"fastelbo/backends/cuda/launch.py": "the binding's keyword-only wrappers",
+         "fastelbo/contract.py": "the input checks",
+         "fastelbo/params.py": "shapes and plain tensor types",
+         "fastelbo/problems/vae_elbo.py": "the spec's sizes and inputs"}
+SPEC = vae_elbo
+SPEC_NAMES = ("get_inputs", "get_init_inputs")
 
 
 def _raw_literal(text: str) -> str:
@@ -158,23 +154,46 @@ def cpp_source() -> str:
     return _inlined(("binding.h", build.BINDING_MODULE))
 
 
-def launch_source() -> str:
-    """backends/cuda/launch.py as it stands: the wrappers the exported file calls."""
-    return Path(launch.__file__).read_text()
+def _attribute_reads(keys) -> str:
+    """`params = [self.encoder[0].weight, ...]`: each state-dict key as the attribute reads
+    that reach it (a digit indexes an nn.Sequential)."""
+    reads = ["self" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in k.split("."))
+             for k in keys]
+    return ("        # The ten parameters in VAEParams order (fastelbo.params.STATE_DICT_KEYS).\n"
+            "        params = [" + codegen.wrap_items(reads, " " * 18, 99).lstrip() + "]")
+
+
+def _python(cuda: str, cpp: str, name: str) -> str:
+    """The file: _HEAD; what _BODY uses, carried from SOURCES; _BODY with the spec's __init__;
+    the spec's get_inputs / get_init_inputs and the sizes they read."""
+    head = _HEAD.format(cuda_source=_raw_literal(cuda), cpp_source=_raw_literal(cpp))
+    provided = {n: target for n, (target, _) in codegen.imports_of(ast.parse(head), None).items()}
+    carrier = codegen.Carrier(__package__, provided)
+    init, init_needs = carrier.method(SPEC, "Model", "__init__")
+    body = _BODY.format(name=name, cxx_flags=list(build.CXX_FLAGS),
+                        nvcc_flags=list(build.NVCC_FLAGS), init=init,
+                        params=_attribute_reads(params_module.STATE_DICT_KEYS))
+    carrier.reserve(codegen.bound_names(head + body))
+    # The spec's __init__ takes what it needs from the spec (init_needs); the rest of _BODY
+    # from SOURCES.
+    wanted = codegen.free_names(head + body) - codegen.free_names(textwrap.dedent(init))
+    needs = [carrier.find(n, SOURCES, "the exported file's code") for n in sorted(wanted)]
+    before = codegen.render(carrier.carry([*init_needs, *needs]), NOTES)
+    spec = codegen.render(carrier.carry([carrier.find(n, (SPEC,), "the exported file")
+                                         for n in SPEC_NAMES]), NOTES)
+    text = "\n\n\n".join(part.rstrip("\n") for part in (head, before, body, spec) if part) + "\n"
+    unbound = codegen.free_names(text)
+    if unbound:
+        raise codegen.CarryError(f"the generated file leaves {sorted(unbound)} undefined")
+    return text
 
 
 def kernelbench_source() -> str:
+    """The single solution file's text."""
     cuda, cpp = cuda_source(), cpp_source()
     digest = hashlib.sha256(repr((cuda, cpp, build.CXX_FLAGS, build.NVCC_FLAGS)).encode()
                             ).hexdigest()[:12]
-    return _TEMPLATE.format(
-        cuda_source=_raw_literal(cuda),
-        cpp_source=_raw_literal(cpp),
-        launch_source=launch_source(),
-        name=f"fastelbo_kb_{digest}",
-        cxx_flags=list(build.CXX_FLAGS),
-        nvcc_flags=list(build.NVCC_FLAGS),
-    )
+    return _python(cuda, cpp, f"fastelbo_kb_{digest}")
 
 
 def write_kernelbench(path) -> Path:

@@ -1,12 +1,13 @@
 """One keyword-only wrapper per entry point of the cuda backend's extension (binding_module.cpp).
 
 Every call into the extension goes through these: the backend's modules, training/adam.py and
-the single file fastelbo.export writes, which inlines this file verbatim (so it imports nothing
-and has no `from __future__` line). Each takes the extension module first, as the package and
+the single file fastelbo.export writes, which carries the wrappers its ModelNew calls (with what
+they use) out of this file as text. Each takes the extension module first, as the package and
 the exported file build their own. The wrappers call the binding positionally (pybind11 then
 parses no keywords) and check nothing: the callers have run the checks (checks.py).
 params: the ten parameter tensors in VAEParams order (enc_w, enc_b, mu_w, ..., dec_b2).
 """
+from __future__ import annotations
 
 # The forward's paths, as binding.h's Path enum numbers them.
 PATHS = {"auto": 0, "cluster": 1, "rows": 2, "fast": 3, "tc": 4}
