@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,9 @@ def test_cpu_quick_bench_appends_rows_with_provenance_and_metrics(tmp_path):
         assert r["device"] == "cpu" and r["wall_ms"] > 0
         assert r["validate"] is True  # the value check ran (the default)
         assert "events_ms" not in r and "graph_ms" not in r  # CPU: wall clock only
+        host = r["host"]  # where the worker ran its timing loops
+        assert host["allowed"] >= 1 and host["gpu_numa"] is None and host["pinned"] is False
+        assert host["cpu"] is None or 0 <= host["cpu"] < os.cpu_count()
     torch_row = rows[2]
     assert torch_row["status"] == "ok" and torch_row["correct"] is True
     assert torch_row["speedup_eager_wall"] > 0 and torch_row["speedup_compile_wall"] is None
@@ -147,6 +151,7 @@ def test_cuda_bench_measures_events_graph_and_memory(tmp_path):
     assert not row["graph_error"], row["graph_error"]  # a failed capture fails, never passes
     assert row["graph_ms"] > 0
     assert not row["stream_escape"]
+    assert row["host"]["cpu"] is not None and row["host"]["allowed"] >= 1
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ from . import loader, sandbox
 from . import task_specs as specs
 from .compare import compare_outputs
 from .floor import count_flops, floors
+from .placement import pin_to_gpu, placement
 from .results import append_jsonl, environment, utc_now
 from .task_specs import implements
 from .timing import Budget, Pool, measure, pool_size
@@ -87,6 +88,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     the sizes not yet run are returned as "unfinished" for the parent to retry elsewhere.
     """
     dev = torch.device(device)
+    pin_to_gpu(dev)  # an experiment's switch (placement.PIN_ENV), before anything is timed
     mod = loader.problem_module(problem)
     init = loader.init_inputs(mod, seed)
     default = getattr(mod, "batch_size", None)
@@ -132,6 +134,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                        checks=[(j, loader.to_host(o)) for j, o in checks],
                        graph_check=check and (check[0], loader.to_host(check[1])))
             row["tampered"] = snapshot.changed() if snapshot is not None else []
+            row["host"] = placement(dev)  # where this worker ran its timing loops
         except Exception as exc:  # noqa: BLE001 - one batch size failing is that row's result
             row = {**row, "error": traceback_tail(exc), "category": "exception"}
             pool = None  # drop this size's device tensors before release()
