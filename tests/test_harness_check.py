@@ -209,6 +209,26 @@ def test_builtin_torch_backend_passes_the_real_problem():
     assert "non-finite" in regime.note and "positions judged" in regime.note
 
 
+def test_a_reference_that_kills_its_device_costs_only_its_own_regime(tmp_path):
+    """A sticky device error in the reference's forward (problems/sticky_device.py: at 16x)
+    makes that regime N/A, says why, and a fresh reference worker computes the regimes after
+    it; the candidate is judged on all of those."""
+    cand = tmp_path / "linear.py"
+    cand.write_text("from torch import nn\n\n\nclass ModelNew(nn.Module):\n"
+                    "    def __init__(self, dim):\n        super().__init__()\n"
+                    "        self.lin = nn.Linear(dim, dim)\n\n"
+                    "    def forward(self, x):\n        return self.lin(x)\n")
+    report = run_check(HERE / "problems" / "sticky_device.py", cand, trials=1, batch_sizes=[],
+                       scales=(4.0, 16.0))
+    assert report.exit_code == 0, report.format()
+    assert {r.name: r.status for r in report.regimes} == {
+        "default": "PASS", "scale=4": "PASS", "scale=16": "N/A", "variant:ones": "PASS"}
+    assert "left the device unusable" in report.regime("scale=16").note
+    assert any("a fresh reference worker ran variant:ones" in n for n in report.notes), \
+        report.notes
+    assert [w["role"] for w in report.workers].count("reference") == 2
+
+
 def test_nondeterministic_reference_is_reported_not_blamed_on_candidate(tmp_path):
     cand = tmp_path / "same.py"
     cand.write_text(f"from fastelbo.problems import load_module\n"

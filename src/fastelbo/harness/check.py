@@ -223,7 +223,17 @@ class _Check:
             return False
         self.pkey, self.meta = outcome.result["pkey"], outcome.result["meta"]
         self.resident = outcome.result.get("resident", {})
-        return True
+        left = outcome.result.get("remaining")
+        if left is None:
+            return True
+        # The reference raised in regime `lost` and left its worker's device unusable: that
+        # regime is N/A (cached so), and a fresh worker computes the rest.
+        self.report.notes.append(
+            f"the reference's forward in regime {outcome.result['lost']} left its worker's "
+            f"device unusable (a sticky CUDA error); a fresh reference worker ran "
+            f"{', '.join(left) if left else 'nothing more'}")
+        self.ref_w.kill()
+        return not left or self._adopt(self._reference(left))
 
     # ---- the check ----
 

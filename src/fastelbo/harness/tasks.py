@@ -135,6 +135,12 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
     def run(regime: Regime) -> list:
         entry, inputs, kept = _reference_regime(mod, regime, dev, trials, seed, atol, rtol,
                                                 drawn)
+        if not entry["applicable"] and not loader.usable(dev):
+            # The reference raised here and left the device unusable (a sticky CUDA error:
+            # e.g. binary_cross_entropy's device assert on a NaN its own saturated forward
+            # made): its N/A stands, and the regimes after it go to a fresh worker.
+            entry["reason"] += "; it left the device unusable (a sticky CUDA error)"
+            lost.append(regime.name)
         if kept is not None:
             _resident[regime.name] = kept
             resident[regime.name] = {"entry": entry, "inputs": kept["shared"]}
@@ -145,9 +151,11 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
             refcache.save(entry, ref_file)
             refcache.finish_entry(root, rkey, trials)
         done.append(regime.name)
-        loader.release(dev)
+        if not lost:
+            loader.release(dev)
         return inputs
 
+    lost: list[str] = []
     if only is None or "default" in only:
         first = run(Regime("default"))
         if first and meta["default_batch"]:
@@ -155,9 +163,14 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
     regimes, _ = plan(meta["default_batch"], meta["variants"], batch_sizes, scales,
                       meta["row_bytes"], meta["float_params"])
     refcache.save(meta, refcache.path(root, pkey, "meta.json"))
+    todo = [g.name for g in regimes[1:] if only is None or g.name in only]
     for regime in regimes[1:]:
-        if only is None or regime.name in only:
+        if regime.name in todo and not lost:
             run(regime)
+    if lost:  # what this worker can no longer do: the rest, and its device-resident regimes
+        remaining = [n for n in todo if n not in done] + list(resident)
+        return {"pkey": pkey, "meta": meta, "computed": [n for n in done if n not in resident],
+                "resident": {}, "lost": lost[0], "remaining": remaining}
     return {"pkey": pkey, "meta": meta, "computed": done, "resident": resident}
 
 
