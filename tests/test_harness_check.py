@@ -229,6 +229,28 @@ def test_a_reference_that_kills_its_device_costs_only_its_own_regime(tmp_path):
     assert [w["role"] for w in report.workers].count("reference") == 2
 
 
+def test_a_perturbed_run_that_kills_its_device_is_left_out_of_the_envelope(tmp_path,
+                                                                         monkeypatch):
+    """A perturbed reference run that leaves its worker's device unusable: the envelope leaves
+    that run out, a fresh worker computes it, the note says so, and the verdict is reached
+    (here FAIL: the candidate is off by 3e-4 relative, beyond any rounding-level envelope)."""
+    monkeypatch.setenv("STICKY_ENVELOPE_FLAG", str(tmp_path / "killed"))
+    cand = tmp_path / "off.py"
+    cand.write_text("from torch import nn\n\n\nclass ModelNew(nn.Module):\n"
+                    "    def __init__(self, dim):\n        super().__init__()\n"
+                    "        self.lin = nn.Linear(dim, dim)\n\n"
+                    "    def forward(self, x):\n        return self.lin(x) * (1 + 3e-4)\n")
+    report = run_check(HERE / "problems" / "sticky_envelope.py", cand, trials=1,
+                       batch_sizes=[], scales=(4.0,))
+    assert (tmp_path / "killed").exists()  # the stand-in did kill a device
+    assert report.exit_code == 1 and report.regime("scale=4").status == "FAIL", report.format()
+    assert "reference" not in report.categories, report.format()  # the envelope was computed
+    assert report.regime("scale=4").trials[0].envelope
+    assert any("perturbed reference run 0 of regime scale=4, trial 0 left its worker's device "
+               "unusable" in n for n in report.notes), report.notes
+    assert [w["role"] for w in report.workers].count("envelope") == 1
+
+
 def test_nondeterministic_reference_is_reported_not_blamed_on_candidate(tmp_path):
     cand = tmp_path / "same.py"
     cand.write_text(f"from fastelbo.problems import load_module\n"

@@ -109,6 +109,66 @@ def test_reference_envelope_is_deterministic_and_restores_parameters():
     assert torch.equal(lo2[0], lo[0]) and torch.equal(hi2[0], hi[0])
 
 
+class _Refuses(torch.nn.Linear):
+    """A Linear whose forward raises on the calls numbered in `refuse` (0-based), as the spec's
+    BCE refuses a NaN its own perturbed forward made; `kill` also marks the device dead."""
+
+    def __init__(self, refuse, kill=False):
+        super().__init__(4, 3)
+        self.calls, self.refuse, self.kill = 0, set(refuse), kill
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls - 1 in self.refuse:
+            if self.kill:
+                tasks.loader.usable = lambda device: False
+            raise RuntimeError("all elements of input should be between 0 and 1 (stand-in)")
+        return super().forward(x)
+
+
+def _bounds(model, x, ref, **kw):
+    (lo, hi), _ = tasks._envelope(model, x, 7, torch.device("cpu"), 4, "", (ref,), **kw)
+    return lo[0], hi[0]
+
+
+def test_a_perturbed_run_that_raises_is_left_out(monkeypatch):
+    """The reference refusing its own perturbed forward: that run is left out (the envelope of
+    the others, as if it had been skipped), never a wider one; with every run refused, the
+    envelope is the plain outputs."""
+    monkeypatch.setattr(tasks.loader, "usable", lambda device: True)
+    torch.manual_seed(0)
+    x = [torch.randn(5, 4)]
+    model = _Refuses(refuse={1})
+    ref = torch.nn.functional.linear(x[0], model.weight, model.bias).detach()
+    got = _bounds(model, x, ref)
+    want = _bounds(_copy(model, _Refuses(refuse=())), x, ref, skip={1})
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    full = _bounds(_copy(model, _Refuses(refuse=())), x, ref)
+    assert bool((full[0] <= got[0]).all() and (got[1] <= full[1]).all())  # never wider
+    lo, hi = _bounds(_copy(model, _Refuses(refuse=range(4))), x, ref)
+    assert torch.equal(lo, ref) and torch.equal(hi, ref)
+
+
+def test_a_perturbed_run_that_kills_the_device_says_which(monkeypatch):
+    """A refusal that leaves the device unusable ends the envelope with DeviceLost naming the
+    run (the check then reruns the trial in a fresh worker, skipping it), and nothing more is
+    asked of the dead device (no parameter restore)."""
+    monkeypatch.setattr(tasks.loader, "usable", lambda device: True)
+    x = [torch.randn(5, 4)]
+    model = _Refuses(refuse={2}, kill=True)
+    ref = model(*x).detach()  # call 0: the plain run
+    with pytest.raises(tasks.DeviceLost) as lost:
+        tasks._envelope(model, x, 7, torch.device("cpu"), 4, "", (ref,),
+                        lost_at={"regime": "scale=16", "trial": 1})
+    assert lost.value.args[0] == {"regime": "scale=16", "trial": 1, "run": 1}
+    assert model.calls == 3
+
+
+def _copy(src, dst):
+    dst.load_state_dict(src.state_dict())
+    return dst
+
+
 def test_envelope_marks_elements_whose_finiteness_is_fragile():
     """exp(w * x) with w * x at the float32 overflow edge: perturbed runs disagree on inf."""
     class Edge(torch.nn.Module):

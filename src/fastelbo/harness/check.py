@@ -455,18 +455,35 @@ class _Check:
                 req = missing.setdefault(name, {"regime": g.to_dict(), "inputs": str(inputs),
                                                 "ref": str(ref), "trials": {}})
                 req["trials"][str(t)] = str(f)
-        if missing:
+        skip: dict[str, list[int]] = {}
+        while missing:
             o = self.o
             alive = self.ref_w is not None and self.ref_w.proc.poll() is None
-            out = (self.ref_w if alive else self._worker("envelope")).run(
+            worker = self.ref_w if alive else self._worker("envelope")
+            out = worker.run(
                 envelope_pass,
                 {"problem": str(self.prob), "device": o.device, "seed": o.seed,
                  "eval_mode": o.eval_mode, "init_file": self._init_file(),
-                 "requests": list(missing.values())}, timeout=o.timeout)
+                 "requests": list(missing.values()), "skip": skip}, timeout=o.timeout)
             if not out.ok:
                 self.report.error("reference", "the perturbed-reference envelope could not be "
                                   f"computed: {out.reason}", out.output_tail)
                 return
+            lost = out.result.get("lost")
+            if lost is None:
+                break
+            # A perturbed run raised and left the worker's device unusable (a CUDA device
+            # assert): that run is left out, and a fresh worker computes what is missing.
+            skip.setdefault(f"{lost['regime']}/{lost['trial']}", []).append(lost["run"])
+            self.report.notes.append(
+                f"perturbed reference run {lost['run']} of regime {lost['regime']}, trial "
+                f"{lost['trial']} left its worker's device unusable; its envelope leaves it out")
+            worker.kill()
+            self.ref_w = None
+            missing = {name: {**req, "trials": {t: f for t, f in req["trials"].items()
+                                                if not Path(f).is_file()}}
+                       for name, req in missing.items()}
+            missing = {name: req for name, req in missing.items() if req["trials"]}
         fragile_seen: dict[str, int] = {}
         for regime, trial in need:
             env = refcache.load(files[(regime.name, trial.index)])

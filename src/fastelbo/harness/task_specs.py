@@ -149,7 +149,7 @@ def judge_pass(name: str, trials: list[dict], envelope: bool, atol: float,
 
 @declare(TASKS)
 def envelope_pass(problem: str, device: str, seed: int, eval_mode: bool, init_file: str,
-                  requests: list[dict]) -> dict:
+                  requests: list[dict], skip: dict[str, list[int]] | None = None) -> dict:
     """Write the perturbed-reference envelope of each requested trial."""
 
 

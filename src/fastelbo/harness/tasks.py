@@ -446,35 +446,50 @@ def judge_pass(name: str, trials: list[dict], envelope: bool, atol: float,
 @implements(specs.envelope_pass)
 @torch.no_grad()
 def envelope_pass(problem: str, device: str, seed: int, eval_mode: bool, init_file: str,
-                  requests: list[dict]) -> dict:
+                  requests: list[dict], skip: dict[str, list[int]] | None = None) -> dict:
     """Per request ({regime, inputs, ref, trials: {t: output file}}): write the envelope of
-    each requested trial (_regime_envelopes)."""
+    each requested trial (_regime_envelopes). `skip`: {"regime/trial": [runs]}, perturbed runs
+    left out (each left a device unusable before). A run that leaves this worker's device
+    unusable ends the pass: {"lost": {"regime", "trial", "run"}}, the envelopes written so far
+    kept (the caller reruns the rest in a fresh worker, skipping that run)."""
     dev = torch.device(device)
     _problem.update(mod=loader.problem_module(problem), seed=seed, eval_mode=eval_mode, dev=dev,
                     init_inputs=refcache.load(Path(init_file))["init_inputs"])
     for req in requests:
         wanted = {int(t): Path(f) for t, f in req["trials"].items()}
-        envs = _regime_envelopes(Regime(**req["regime"]), refcache.load(Path(req["inputs"])),
-                                 refcache.load(Path(req["ref"]))["trials"], set(wanted))
-        for t, env in envs.items():
-            refcache.save(env, wanted[t])
+        try:
+            _regime_envelopes(Regime(**req["regime"]), refcache.load(Path(req["inputs"])),
+                              refcache.load(Path(req["ref"]))["trials"], set(wanted),
+                              skip or {}, lambda t, env, w=wanted: refcache.save(env, w[t]))
+        except DeviceLost as lost:
+            return {"lost": lost.args[0]}
     return {}
 
 
+class DeviceLost(Exception):
+    """A perturbed run raised and left the device unusable: args[0] = {regime, trial, run}."""
+
+
 def _regime_envelopes(regime: Regime, inputs: list, ref_trials: list[dict],
-                      wanted: set[int]) -> dict[int, dict]:
-    """{t: {lo, hi, fragile}} for the `wanted` trials: the regime's reference module, restored
-    to its constructed state (_regime_model), replays its trials in order (so module state
-    evolves as in the reference pass)."""
+                      wanted: set[int], skip: dict[str, list[int]] | None = None,
+                      save=None) -> dict[int, dict]:
+    """{t: {lo, hi, fragile}} for the `wanted` trials, each also handed to `save(t, env)` as
+    soon as it is known: the regime's reference module, restored to its constructed state
+    (_regime_model), replays its trials in order (so module state evolves as in the reference
+    pass). `skip`: as envelope_pass's."""
     p, dev = _problem, _problem["dev"]
     model = _regime_model(regime)
     last, out = max(wanted), {}
     for t in range(last + 1):
         if t in wanted:
+            where = {"regime": regime.name, "trial": t}
             (lo, hi), fragile = _envelope(model, inputs[t], p["seed"] + t, dev, PERTURB_RUNS,
                                           f"regime {regime.name}, trial {t}",
-                                          ref_trials[t]["outputs"])
+                                          ref_trials[t]["outputs"],
+                                          set((skip or {}).get(f"{regime.name}/{t}", ())), where)
             out[t] = {"lo": lo, "hi": hi, "fragile": fragile}
+            if save is not None:
+                save(t, out[t])
         if t < last:  # the trial's plain forward: module state moves on as it did
             torch.manual_seed(p["seed"] + t)
             model(*loader.to_device(_copies(inputs[t]), dev))
@@ -484,7 +499,8 @@ def _regime_envelopes(regime: Regime, inputs: list, ref_trials: list[dict],
 
 @torch.no_grad()
 def _envelope(model, inputs, seed, dev, runs: int, where: str = "",
-              ref_outputs: tuple = ()) -> tuple[list[tuple], list]:
+              ref_outputs: tuple = (), skip: set[int] = frozenset(),
+              lost_at: dict | None = None) -> tuple[list[tuple], list]:
     """([lo, hi], fragile): elementwise min and max of the outputs of `runs` forwards with
     perturbed parameters, each under the trial's seed (same noise as the plain run) and from
     the same module state, and per output of `ref_outputs` a bool mask of the elements whose
@@ -493,6 +509,12 @@ def _envelope(model, inputs, seed, dev, runs: int, where: str = "",
     Only the bounds go back, not every run: envelope_accepts([ref, lo, hi]) equals it over all
     runs (torch.minimum/maximum propagate NaN and keep +-inf, so an element non-finite in any run
     stays excluded), and the transfer stays at 2x the outputs whatever `runs` is.
+
+    A run that raises (the reference rejecting what its own perturbed forward made, as the
+    spec's BCE does a NaN) is left out: fewer runs, a narrower envelope, never a wider one; with
+    none left the envelope is the plain run's outputs (it excuses nothing). Runs in `skip` are
+    left out without running (their perturbation still drawn, so the others stay the same). A
+    raise that leaves the device unusable raises DeviceLost({**lost_at, "run": r}).
     """
     fragile = [torch.zeros(o.shape, dtype=torch.bool) if _is_float(o) else None
                for o in ref_outputs]
@@ -501,23 +523,36 @@ def _envelope(model, inputs, seed, dev, runs: int, where: str = "",
     state = _buffers(model)
     gen = torch.Generator().manual_seed(seed)  # deterministic, and the global RNGs stay untouched
     lo = hi = None
+    lost = False
     try:
         for r in range(runs):
             progress(f"reference, {where}, perturbed run {r}")
-            for p, q in zip(params, perturbed(saved, gen)):
-                p.copy_(q)
-            _restore(model, state)
-            torch.manual_seed(seed)
-            out = loader.to_host(model(*loader.to_device(_copies(inputs), dev)))
+            moved = perturbed(saved, gen)
+            if r in skip:
+                continue
+            try:
+                for p, q in zip(params, moved):
+                    p.copy_(q)
+                _restore(model, state)
+                torch.manual_seed(seed)
+                out = loader.to_host(model(*loader.to_device(_copies(inputs), dev)))
+            except Exception:  # noqa: BLE001 - the reference's own refusal: leave the run out
+                if not loader.usable(dev):
+                    lost = True
+                    raise DeviceLost({**(lost_at or {}), "run": r}) from None
+                continue
             for i, (m, a, b) in enumerate(zip(fragile, ref_outputs, out)):
                 if m is not None and _is_float(b) and b.shape == a.shape:
                     fragile[i] = m | finiteness_differs(a, b)
             lo = out if lo is None else tuple(map(_fold(torch.minimum), lo, out))
             hi = out if hi is None else tuple(map(_fold(torch.maximum), hi, out))
     finally:
-        for p, q in zip(params, saved):
-            p.copy_(q)
-        _restore(model, state)
+        if not lost:  # a dead device takes no copy: the worker is dropped anyway
+            for p, q in zip(params, saved):
+                p.copy_(q)
+            _restore(model, state)
+    if lo is None:  # every run left out: the plain outputs, an envelope that excuses nothing
+        lo = hi = tuple(ref_outputs)
     return [lo, hi], fragile
 
 
