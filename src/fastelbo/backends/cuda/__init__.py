@@ -56,8 +56,8 @@ IWAE_GENERATOR = False
 
 __all__ = [
     "DRAWS_NOISE", "DTYPES", "IWAE_GENERATOR", "PATHS", "TRACEABLE", "CudaInputError",
-    "RangeCheck", "adam_step", "backward", "check_fast_path", "check_inputs", "check_options", "check_tc_path",
-    "extension", "forward", "forward_drawing", "forward_prepared", "in_unit_range",
+    "RangeCheck", "adam_step", "backward", "check_fast_path", "check_inputs", "check_options",
+    "check_tc_path", "extension", "forward", "forward_drawing", "forward_prepared", "in_unit_range",
     "iwae_log_likelihood", "iwae_unavailable_reason", "plan", "randn_matches", "source_files",
     "start_checks", "start_value_check", "tc_applies", "unavailable_reason",
 ]
