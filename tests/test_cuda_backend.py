@@ -472,13 +472,16 @@ class TestBadInputs:
             cuda.forward(x, params, eps, path="turbo")
 
     def test_binding_errors_in_a_subprocess(self, cuda):
-        """The C++ checks behind the Python ones raise RuntimeError (a crash fails the test
-        instead of killing the session)."""
+        """The binding's input check refuses without an exception: [] back, nothing launched,
+        last_status naming the rule and the tensor. Its option checks (a second line behind
+        elbo.check_options) raise RuntimeError (a crash fails the test instead of killing the
+        session)."""
         code = textwrap.dedent("""
             import faulthandler
             faulthandler.enable()  # a crash names the case in stderr
             import torch
             from fastelbo.backends import cuda
+            from fastelbo.backends.cuda import status
             from fastelbo.problems.vae_elbo import Model
             ext = cuda.extension()
             ps = [t.detach().cuda() for t in Model(33, 7, 5).state_dict().values()]
@@ -491,14 +494,26 @@ class TestBadInputs:
                     setattr(o, k, v)
                 return o
 
+            refused = [
+                ("eps: shape", (x, eps[:, :3].contiguous(), ps)),
+                ("enc_w: shape", (x[:, :20].contiguous(), eps, ps)),
+                ("dec_b2: shape", (x, eps, ps[:-1] + [ps[-1][:-1].contiguous()])),
+                ("x: rank", (x[0].contiguous(), eps, ps)),
+                ("eps: missing", (x, None, ps)),
+                ("enc_w: params count", (x, eps, ps[:-1])),
+                ("mu_w: device type", (x, eps, ps[:2] + [ps[2].cpu()] + ps[3:])),
+                ("x: contiguous", (x.t().contiguous().t(), eps, ps)),
+            ]
+            for want, args in refused:
+                print("case:", want, flush=True)
+                assert ext.forward(*args, opts()) == [], want
+                assert status.describe(ext.last_status()) == want, (
+                    want, status.describe(ext.last_status()))
+            assert len(ext.forward(x, eps, ps, opts())) == 3 and ext.last_status() == 0
             cases = [
-                ("eps must have shape", (x, eps[:, :3].contiguous(), *ps), opts()),
-                ("enc_w must have shape", (x[:, :20].contiguous(), eps, *ps), opts()),
-                ("dec_b2 must have shape", (x, eps, *ps[:-1], ps[-1][:-1].contiguous()), opts()),
-                ("x must be 2-D", (x[0].contiguous(), eps, *ps), opts()),
-                ("path must be", (x, eps, *ps), opts(path=7)),
-                ("conflict with path=rows", (x, eps, *ps), opts(rows=5, path=2)),
-                ("cluster must be", (x, eps, *ps), opts(cluster=17, path=1)),
+                ("path must be", (x, eps, ps), opts(path=7)),
+                ("conflict with path=rows", (x, eps, ps), opts(rows=5, path=2)),
+                ("cluster must be", (x, eps, ps), opts(cluster=17, path=1)),
             ]
             for want, args, options in cases:
                 print("case:", want, flush=True)
@@ -512,7 +527,7 @@ class TestBadInputs:
             xb, eb = torch.rand(2, 4, device="cuda"), torch.randn(2, 2, device="cuda")
             print("case: hidden_dim=65536 on the forced cluster path", flush=True)
             try:
-                ext.forward(xb, eb, *big, opts(path=1))
+                ext.forward(xb, eb, big, opts(path=1))
             except RuntimeError as e:
                 assert "backend='torch' or backend='triton'" in str(e), str(e)[:300]
             else:

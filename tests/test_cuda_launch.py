@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fastelbo.backends.cuda import build, launch
+from fastelbo.backends.cuda import build, launch, status
 from fastelbo.params import VAEParams
 
 MODULE_CPP = (build.HERE / build.BINDING_MODULE).read_text()
@@ -30,15 +30,32 @@ def _bound_entries() -> dict[str, list[str]]:
 
 ENTRIES = _bound_entries()
 # A wrapper argument the binding does not name: the binding's arguments it stands for, in order.
-EXPANDS = {"params": VAEParams._fields, "grads": ("g_elbo", "g_recon", "g_kl"),
-           "decoder": ("dec_w1", "dec_b1", "dec_w2", "dec_b2"), "dims": ("D", "H", "L"),
-           "batch": ("B",)}
+EXPANDS = {"dims": ("D", "H", "L"), "batch": ("B",)}
+# The entries that take the VAE's tensors: each takes the ten parameters as one list.
+TAKES_PARAMS = ("forward", "backward", "checked_start", "iwae_partials")
 
 
 def test_the_binding_is_parsed():
-    assert len(ENTRIES) == 13, sorted(ENTRIES)
-    assert ENTRIES["forward"][-1] == "options" and len(ENTRIES["forward"]) == 13
-    assert ENTRIES["pdl_launches"] == []
+    assert len(ENTRIES) == 14, sorted(ENTRIES)
+    assert ENTRIES["forward"] == ["x", "eps", "params", "options"]
+    assert ENTRIES["pdl_launches"] == [] and ENTRIES["last_status"] == []
+
+
+def test_one_signature_takes_the_parameters_as_one_list():
+    """No entry names a parameter tensor (the positional twelve-tensor signature is gone), in
+    the bound module or in binding.h's declarations; every entry that takes the VAE's tensors
+    takes `params` (a std::vector<at::Tensor>, VaeTensors reads it by name)."""
+    for name in TAKES_PARAMS:
+        assert "params" in ENTRIES[name], name
+    for name, args in ENTRIES.items():
+        assert not set(args) & set(VAEParams._fields), (name, args)
+    for field in VAEParams._fields:
+        assert not re.search(rf"const at::Tensor& {field}\b", BINDING_H), field
+    # Nor does any helper of the binding files take the biases one by one (VaeTensors instead).
+    for name in (*build.BINDING_SOURCES, *build.BINDING_HEADERS):
+        text = (build.HERE / name).read_text()
+        assert not re.search(r"const at::Tensor& (enc_b|mu_b|lv_b|dec_b1|dec_b2)\b", text), name
+    assert BINDING_H.count("const std::vector<at::Tensor>& params") == len(TAKES_PARAMS) + 1
 
 
 class _Recorder:
@@ -145,3 +162,47 @@ def test_only_launch_calls_the_extension():
             if pattern.search(line):
                 offenders.append(f"{path.relative_to(src)}:{i}: {line.strip()}")
     assert not offenders, offenders
+
+
+def test_status_names_the_checks_codes_and_fields_in_their_order():
+    """status.py's CODES and FIELDS are binding_check.h's enums, value for value."""
+    header = (build.HERE / "binding_check.h").read_text()
+
+    def enum(name):
+        body = re.search(rf"enum {name} : int64_t \{{(.*?)\}};", header, re.DOTALL).group(1)
+        return {k: int(v) for k, v in re.findall(r"^\s+(k\w+) = (\d+),", body, re.MULTILINE)}
+
+    codes = enum("CheckCode")
+    assert sorted(codes.values()) == list(range(len(status.CODES)))
+    for name, value in codes.items():  # kCheckDeviceType -> "device type"
+        words = re.sub(r"(?<!^)(?=[A-Z])", " ", name.removeprefix("kCheck")).lower()
+        assert status.CODES[value] in (words, f"params {words}"), (name, status.CODES[value])
+    fields = enum("CheckField")
+    assert fields["kFieldParams"] == status.FIELDS.index("enc_w")
+    for name, value in fields.items():
+        if name not in ("kFieldParams", "kFieldGrads"):
+            assert status.FIELDS[value] == name.removeprefix("kField").lower(), name
+    assert status.FIELDS[fields["kFieldGrads"]] == "g_elbo"
+    assert re.search(rf"kFieldCount = {len(status.FIELDS)};", header)
+    assert status.FIELDS[2:12] == VAEParams._fields
+
+
+def test_every_entry_taking_the_vaes_tensors_checks_them_with_check_inputs():
+    """Each definition that takes `params` (Adam's aside: optimizer state, not the VAE's
+    inputs) goes through passes(call) (check_inputs) before anything else reads them, and no
+    binding file checks a VAE tensor's shape, dtype or device on its own."""
+    defined = 0
+    for name in build.BINDING_SOURCES:
+        text = (build.HERE / name).read_text()
+        for m in re.finditer(r"^[\w:<>, ]+ (\w+)\(([^)]*const std::vector<at::Tensor>& params"
+                             r"[^)]*)\) \{\n(.*?)^\}", text, re.DOTALL | re.MULTILINE):
+            fn, body = m.group(1), m.group(3)
+            if fn == "adam_step":
+                continue
+            defined += 1
+            first = body.index("passes(call)")
+            assert "params[" not in body[:first] and "VaeTensors" not in body[:first], fn
+        assert "check_shape(" not in text, name
+        uses = re.findall(r"FE_CHECK_TENSOR\(\*?(\w+)", text)
+        assert set(uses) <= {"t", "x"}, (name, uses)  # Adam's tensors; the value check's x
+    assert defined == len(TAKES_PARAMS)

@@ -8,7 +8,6 @@ spec shows in the file; what the file cannot carry stops the export with a Carry
 from __future__ import annotations
 
 import ast
-import functools
 import importlib.util
 import inspect
 import os
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from fastelbo import codegen, contract, export
-from fastelbo.backends.cuda import build, checks, launch
+from fastelbo.backends.cuda import build, launch
 from fastelbo.params import STATE_DICT_KEYS, VAEParams
 from fastelbo.problems import vae_elbo
 
@@ -124,7 +123,7 @@ first = {"contract": len(contract_runs), "lane": len(lane)}
 x2 = torch.rand(3, 784)
 m(x2)  # built: the lane (status 0) and no contract check
 lane_call = {"contract": len(contract_runs), "args": list(lane[-1])}
-status[0] = -1
+status[0] = -(11 * 18 + 0)  # binding_check.h: a shape broken on x
 after = {"x shape": error(m, torch.rand(2, 100)), "list": error(m, [[0.5] * 784]),
          "lane": len(lane), "launches": len(calls)}
 opt = calls[0][-1]
@@ -189,8 +188,9 @@ def test_forward_reaches_the_binding_as_launch_py_calls_it(run):
     torch.manual_seed(11)
     want_eps = torch.randn(5, 32)  # what the reference's randn_like(std) draws
     assert torch.equal(got["eps"], want_eps)
-    for name, key in zip(VAEParams._fields, STATE_DICT_KEYS, strict=True):
-        assert torch.equal(got[name], run["state"][key]), name
+    assert len(got["params"]) == len(STATE_DICT_KEYS)  # one list, in VAEParams order
+    for name, key, p in zip(VAEParams._fields, STATE_DICT_KEYS, got["params"], strict=True):
+        assert torch.equal(p, run["state"][key]), name
     assert run["options"] == {"rows": 0, "cluster": 0, "staged": -1, "poison": False,
                               "path": launch.PATHS["auto"], "draw": False, "awaits": False}
     assert run["same_options"]  # built once per extension, as in the package
@@ -199,15 +199,17 @@ def test_forward_reaches_the_binding_as_launch_py_calls_it(run):
 
 def test_once_built_plain_tensors_take_the_bindings_lane(run):
     """As fastelbo.ops: checked_start (metadata only, validate=False: nothing launched) with
-    each argument where the binding names it, and no Python check; where it answers -1, or x
+    each argument where the binding names it, and no Python check; where it answers < 0, or x
     is no tensor (the binding never sees it), the contract's checks decide."""
     assert run["first"] == {"contract": 1, "lane": 0}  # before the build: the contract's
     assert run["lane_call"]["contract"] == 1
     got = dict(zip(_binding_args("checked_start"), run["lane_call"]["args"], strict=True))
     assert torch.equal(got.pop("x"), run["x2"])
     assert (got.pop("eps"), got.pop("validate")) == (None, False)
-    for name, key in zip(VAEParams._fields, STATE_DICT_KEYS, strict=True):
-        assert torch.equal(got.pop(name), run["state"][key]), name
+    params = got.pop("params")  # one list, in VAEParams order
+    assert len(params) == len(STATE_DICT_KEYS)
+    for name, key, p in zip(VAEParams._fields, STATE_DICT_KEYS, params, strict=True):
+        assert torch.equal(p, run["state"][key]), name
     assert got == {}
     after = run["after"]
     assert after["x shape"] == ["ValueError", True, "x must have shape (batch, 784), got (2, 100)"]
@@ -215,27 +217,30 @@ def test_once_built_plain_tensors_take_the_bindings_lane(run):
     assert (after["lane"], after["launches"]) == (2, 2)  # the list never reached the binding
 
 
-def _package_error(case, monkeypatch):
-    """What the cuda backend's checks (contract's) say of the same input, with the kernel's
-    device type as the child had it."""
+def _package_error(case):
+    """What the contract says of the same input to a kernel backend (its kernel terms, with the
+    kernel's device type as the child had it, the call's checks, positive dims), as the cuda
+    backend raises it for a call its binding refuses."""
     x, params = case["x"], case["params"]
     eps = torch.zeros(x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else 1, 32)
-    with monkeypatch.context() as m:
-        m.setattr(contract, "check_kernel_tensors", functools.partial(
-            contract.check_kernel_tensors, device_type=case["device_type"]))
-        try:
-            checks.check_inputs(x, params, eps)
-        except (TypeError, ValueError) as exc:
-            return [type(exc).__name__, isinstance(exc, ValueError), str(exc)]
+    try:
+        params = contract.as_params(params)
+        contract.check_kernel_tensors(
+            "cuda", (("x", x), ("eps", eps), *zip(contract.PARAM_NAMES, params)),
+            device_type=case["device_type"])
+        contract.check_elbo_call(x, params, eps)
+        contract.check_positive_dims(params)
+    except (TypeError, ValueError) as exc:
+        return [type(exc).__name__, isinstance(exc, ValueError), str(exc)]
     return None
 
 
-def test_bad_input_is_refused_with_the_contracts_messages(run, monkeypatch):
+def test_bad_input_is_refused_with_the_contracts_messages(run):
     refused = run["refused"]
     assert len(refused) == 8
     for name, case in refused.items():
         assert case["error"] is not None, name
-        assert case["error"] == _package_error(case, monkeypatch), name
+        assert case["error"] == _package_error(case), name
     assert refused["cpu x"]["error"][1:] == [True, ("x must be a CUDA tensor, got one on cpu. "
                                                     "Use backend='torch' on other devices.")]
     assert refused["list"]["error"][0] == "TypeError"
@@ -309,8 +314,8 @@ def test_imports_in_launch_py_do_not_reach_the_file(tmp_path, monkeypatch):
     text = _generate_with(monkeypatch, copy)
     assert "import os" not in text and "def cwd" not in text and "_json" not in text
     uses_os = _launch_copy(tmp_path, "uses_os", lambda t: t.replace(future, future + add).replace(
-        "    return ext.forward(x, eps, *params, options)",
-        "    os.getcwd()\n    return ext.forward(x, eps, *params, options)"))
+        "    return ext.forward(x, eps, params, options)",
+        "    os.getcwd()\n    return ext.forward(x, eps, params, options)"))
     with pytest.raises(codegen.CarryError, match=r"uses_os.forward uses os \(os, imported"):
         _generate_with(monkeypatch, uses_os)
 

@@ -5,8 +5,8 @@ tensors included, and raises a TypeError or ValueError naming the argument befor
 launched. The ops (fastelbo.ops) run it; a kernel backend that takes narrower inputs (float32,
 one CUDA device, contiguous, sizes in int32) states that with `check_kernel_tensors`, and its
 Python mirror of a C++ binding's checks is built from these functions, never written again.
-The file fastelbo.export writes carries check_kernel_tensors, check_param_tensors and check_x
-as text (with what they use: torch, this module's constants, params.param_shapes), and runs
+The file fastelbo.export writes carries check_kernel_tensors, check_param_tensors, check_x and
+check_positive_dims as text (with what they use: torch, this module's constants, params.param_shapes), and runs
 them on a plain list of the ten tensors.
 
 The value check (x in [0, 1], no NaN: Bernoulli targets) needs the data: its predicate and its
@@ -216,6 +216,15 @@ def check_kernel_tensors(backend: str, tensors: Iterable[tuple[str, torch.Tensor
                                    f"{t.stride()}); call .contiguous() first")
         if any(s > INT32_MAX for s in t.shape):
             raise ValueError(f"sizes must fit in int32, got {name} of shape {tuple(t.shape)}")
+
+
+def check_positive_dims(params: Sequence[torch.Tensor]) -> None:
+    """Every dim at least 1: a kernel backend's term (the parameters checked, read by
+    position as check_param_tensors reads them)."""
+    (h, d), lat = params[0].shape, params[2].shape[0]
+    if d < 1 or h < 1 or lat < 1:
+        raise ValueError(f"dims must be positive, got input_dim={d} hidden_dim={h} "
+                         f"latent_dim={lat}")
 
 
 # ---- the value check: predicate and message -------------------------------------------------

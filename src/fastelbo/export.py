@@ -12,8 +12,8 @@ package's own sources.
   __init__ (problems/vae_elbo.py) as ModelNew's, so parameter names and submodules are the
   spec's; and the spec's get_inputs, get_init_inputs and sizes.
 Once built, plain tensors are checked as fastelbo.ops checks them, in one binding call that
-reads metadata only (checked_start, launching nothing); the contract's checks run for anything
-else and raise the precise error.
+reads metadata only (checked_start: the binding's one input check, launching nothing); the
+contract's checks run for anything else and raise the precise error.
 ModelNew reads its ten parameters in VAEParams order (params.STATE_DICT_KEYS, written out as
 attribute reads), draws torch.randn(B, latent_dim) exactly where the reference calls randn_like,
 then runs the backend's forward (one fused launch at small batch, the cuBLAS-based rows path at
@@ -87,6 +87,7 @@ def _check(x, params):
     check_kernel_tensors("cuda", [("x", x), *zip(PARAM_NAMES, params)], contiguous=False)
     check_param_tensors(params)
     check_x(x, params)
+    check_positive_dims(params)
 
 
 def _plain(x, params):
@@ -112,9 +113,12 @@ class ModelNew(nn.Module):
         # the same generator call, so equal seeds give equal noise (params[2]: mu_w, (L, H)).
         eps = torch.randn(x.shape[0], params[2].shape[0], device=x.device, dtype=x.dtype)
         ext = _extension()
-        elbo, recon, kl = forward(ext, x=x, eps=eps,
-                                  params=[p.detach().contiguous() for p in params],
-                                  options=default_forward_options(ext))
+        out = forward(ext, x=x, eps=eps, params=[p.detach().contiguous() for p in params],
+                      options=default_forward_options(ext))
+        if not out:  # the binding's own input check refused what _check passed: a bug
+            raise RuntimeError(f"the kernel's input check refused the call (status "
+                               f"{{last_status(ext)}}); please report it")
+        elbo, recon, kl = out
         return elbo, recon, kl
 '''
 

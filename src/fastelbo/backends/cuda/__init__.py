@@ -4,8 +4,8 @@ It provides the whole Backend protocol (fastelbo.backends) plus the names the op
 the tuning tools use. The package, in the order a call flows:
 
     build.py     the extension: sources, flags, build and cache; unavailable_reason
-    checks.py    the Python mirror of the binding's checks (from fastelbo.contract), and the
-                 protocol's check lanes: start_checks, the value check on x in one launch
+    lanes.py     the protocol's check lanes: start_checks, the value check on x in one launch
+    status.py    the binding's input check answer (a code and a field) as the contract's error
     elbo.py      forward (tuning entry), forward_prepared (the ops'), backward, plan
     noise.py     forward_drawing: the forward's torch.randn drawn inside the cluster kernels
     iwae_kernel.py  the IWAE kernel (iwae.cu): iwae_log_likelihood, iwae_unavailable_reason
@@ -14,7 +14,8 @@ the tuning tools use. The package, in the order a call flows:
 
 and in C++: the kernels (*.cu, no torch types; elbo.h their params structs, elbo_math.cuh the
 shared per-element math), binding.h (the torch-facing API: option structs and entry points),
-binding_forward/backward/iwae/tc.cpp (checks, plans, launches), binding_module.cpp (pybind11).
+binding_check.h/.cpp (the one input check every entry makes), binding_forward/backward/iwae/
+tc.cpp (plans, launches), binding_module.cpp (pybind11).
 No submodule imports this file: it only gathers their names.
 """
 from __future__ import annotations
@@ -22,18 +23,10 @@ from __future__ import annotations
 import torch
 
 from .build import extension, source_files, unavailable_reason
-from .checks import (
-    CudaInputError,
-    RangeCheck,
-    check_inputs,
-    check_options,
-    in_unit_range,
-    start_checks,
-    start_value_check,
-)
 from .elbo import (
     backward,
     check_fast_path,
+    check_options,
     check_tc_path,
     forward,
     forward_prepared,
@@ -41,6 +34,7 @@ from .elbo import (
     tc_applies,
 )
 from .iwae_kernel import iwae_log_likelihood, iwae_unavailable_reason
+from .lanes import RangeCheck, in_unit_range, start_checks, start_value_check
 from .launch import PATHS
 from .noise import forward_drawing, randn_matches
 from .optim import adam_step
@@ -55,8 +49,8 @@ TRACEABLE = False
 IWAE_GENERATOR = False
 
 __all__ = [
-    "DRAWS_NOISE", "DTYPES", "IWAE_GENERATOR", "PATHS", "TRACEABLE", "CudaInputError",
-    "RangeCheck", "adam_step", "backward", "check_fast_path", "check_inputs", "check_options",
+    "DRAWS_NOISE", "DTYPES", "IWAE_GENERATOR", "PATHS", "TRACEABLE",
+    "RangeCheck", "adam_step", "backward", "check_fast_path", "check_options",
     "check_tc_path", "extension", "forward", "forward_drawing", "forward_prepared", "in_unit_range",
     "iwae_log_likelihood", "iwae_unavailable_reason", "plan", "randn_matches", "source_files",
     "start_checks", "start_value_check", "tc_applies", "unavailable_reason",

@@ -1,11 +1,15 @@
 // The cuda backend's torch-facing API: every entry point the Python module binds
 // (binding_module.cpp) and the option structs they take, defined in binding_forward.cpp,
 // binding_backward.cpp and binding_iwae.cpp. Python calls these through backends/cuda/launch.py
-// only (one keyword-only wrapper per entry), which fastelbo/export.py inlines too.
+// only (one keyword-only wrapper per entry), which fastelbo/export.py carries too.
 //
-// Every entry checks its inputs (FE_CHECK, binding_common.h) before it launches, and the Python
-// side checks the same first (backends/cuda/checks.py): on the H200 image a C++ exception whose
-// message streamed a number killed the process, so these checks are a second line only.
+// One signature: every entry takes the VAE's ten parameters as one list in VAEParams order
+// (`params`), read by name through VaeTensors once its check has passed. Every entry that takes
+// them checks its inputs with check_inputs (binding_check.h), which never throws: where a rule
+// is broken the entry launches nothing and returns an empty list (iwae_partials: None), and
+// last_status() says which rule and tensor, for Python to raise fastelbo.contract's message
+// (backends/cuda/status.py). No input check throws: on the H200 image a C++ exception whose
+// message streamed a number killed the process.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -29,6 +33,16 @@ struct ForwardOptions {
   int64_t path = kPathAuto;
   bool draw = false;     // overwrite eps with one torch.randn(B, L) draw and compute with it
   bool awaits = false;   // this thread's value check on x is in flight: wait for it first
+                         // (if it failed: nothing launched, [] back, last_status kCheckValue)
+};
+
+// The ten parameters by name, as views of the list every entry takes (VAEParams order). Only
+// built from a list check_inputs has passed (ten tensors).
+struct VaeTensors {
+  explicit VaeTensors(const std::vector<at::Tensor>& p)
+      : enc_w(p[0]), enc_b(p[1]), mu_w(p[2]), mu_b(p[3]), lv_w(p[4]), lv_b(p[5]), dec_w1(p[6]),
+        dec_b1(p[7]), dec_w2(p[8]), dec_b2(p[9]) {}
+  const at::Tensor &enc_w, &enc_b, &mu_w, &mu_b, &lv_w, &lv_b, &dec_w1, &dec_b1, &dec_w2, &dec_b2;
 };
 
 // The backward's large GEMMs: cuBLAS in float32, or tensor cores in tf32x3 (tc_gemm.cu).
@@ -45,22 +59,19 @@ struct BackwardOptions {
 };
 
 // ---- forward, the value check, the noise (binding_forward.cpp) ----
-std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
-                                     const at::Tensor& enc_w, const at::Tensor& enc_b,
-                                     const at::Tensor& mu_w, const at::Tensor& mu_b,
-                                     const at::Tensor& lv_w, const at::Tensor& lv_b,
-                                     const at::Tensor& dec_w1, const at::Tensor& dec_b1,
-                                     const at::Tensor& dec_w2, const at::Tensor& dec_b2,
+// {elbo, recon, kl}, or [] where a check failed (last_status).
+std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at::Tensor>& eps,
+                                     const std::vector<at::Tensor>& params,
                                      const ForwardOptions& opt);
 std::vector<int64_t> elbo_plan_info(int64_t device, int64_t B, int64_t D, int64_t H, int64_t L,
                                     int64_t rows, int64_t cluster, int64_t staged);
 std::vector<int64_t> elbo_fast_plan_info(int64_t device, int64_t B, int64_t D, int64_t H,
                                          int64_t L, bool one_wave);
 int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
-                      const at::Tensor& enc_w, const at::Tensor& enc_b, const at::Tensor& mu_w,
-                      const at::Tensor& mu_b, const at::Tensor& lv_w, const at::Tensor& lv_b,
-                      const at::Tensor& dec_w1, const at::Tensor& dec_b1,
-                      const at::Tensor& dec_w2, const at::Tensor& dec_b2, bool validate);
+                      const std::vector<at::Tensor>& params, bool validate);
+// The packed status (CheckStatus::packed) of this thread's last check by an entry: 0 if it
+// passed.
+int64_t last_status();
 void range_check_start(const at::Tensor& x);
 bool range_check_finish(int64_t device);
 bool x_in_unit_range(const at::Tensor& x);
@@ -68,26 +79,23 @@ at::Tensor draw_randn(int64_t n, int64_t device);
 long long pdl_launches();
 
 // ---- backward and the optimizer (binding_backward.cpp) ----
-std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps,
-                                      const at::Tensor& enc_w, const at::Tensor& enc_b,
-                                      const at::Tensor& mu_w, const at::Tensor& mu_b,
-                                      const at::Tensor& lv_w, const at::Tensor& lv_b,
-                                      const at::Tensor& dec_w1, const at::Tensor& dec_b1,
-                                      const at::Tensor& dec_w2, const at::Tensor& dec_b2,
-                                      const at::Tensor& g_elbo, const at::Tensor& g_recon,
-                                      const at::Tensor& g_kl, const BackwardOptions& opt);
+// {g_x, g_eps, 10 parameter grads} of <grads, (elbo, recon, kl)>, or [] where a check failed.
+std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const std::optional<at::Tensor>& eps,
+                                      const std::vector<at::Tensor>& params,
+                                      const std::vector<at::Tensor>& grads,
+                                      const BackwardOptions& opt);
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                const std::vector<at::Tensor>& steps, double lr, double beta1, double beta2,
                double eps, double weight_decay);
 
 // ---- the importance-weighted bound (binding_iwae.cpp) ----
+// (B, splits) partial logsumexps, or an undefined tensor (None) where a check failed.
 at::Tensor iwae_partials(const at::Tensor& x, const at::Tensor& mu, const at::Tensor& lv,
                          const std::optional<at::Tensor>& eps,
-                         const std::optional<at::Tensor>& image, const at::Tensor& dec_w1,
-                         const at::Tensor& dec_b1, const at::Tensor& dec_w2,
-                         const at::Tensor& dec_b2, int64_t samples, int64_t k_per_split,
-                         int64_t splits, int64_t seed);
+                         const std::optional<at::Tensor>& image,
+                         const std::vector<at::Tensor>& params, int64_t samples,
+                         int64_t k_per_split, int64_t splits, int64_t seed);
 std::vector<int64_t> iwae_plan_info(int64_t device, int64_t D, int64_t H, int64_t L);
 
 }  // namespace fastelbo::binding

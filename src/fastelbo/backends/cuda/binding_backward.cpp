@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "binding.h"
@@ -69,24 +70,35 @@ void tc_weight_grad(const at::Tensor& g, const at::Tensor& a, const at::Tensor& 
 
 // Gradients of <g, (elbo, recon, kl)> with respect to x, eps and the ten parameters, as
 // torch_ref.backward (the spec: autograd's formulas written out) gives them. opt.use_*: whether
-// a gradient reaches that output (an unused output's g is ignored, as autograd's None);
-// opt.need_x / opt.need_eps: whether those gradients are wanted (else an empty tensor comes
-// back in their place). Inputs as for elbo_forward (backends/cuda/checks.py checks them first);
-// g_* are (B,) float32 contiguous. Returns {g_x, g_eps, g_enc_w, g_enc_b, ..., g_dec_b2}.
-std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const at::Tensor& eps,
-                                      const at::Tensor& enc_w, const at::Tensor& enc_b,
-                                      const at::Tensor& mu_w, const at::Tensor& mu_b,
-                                      const at::Tensor& lv_w, const at::Tensor& lv_b,
-                                      const at::Tensor& dec_w1, const at::Tensor& dec_b1,
-                                      const at::Tensor& dec_w2, const at::Tensor& dec_b2,
-                                      const at::Tensor& g_elbo, const at::Tensor& g_recon,
-                                      const at::Tensor& g_kl, const BackwardOptions& opt) {
+// a gradient reaches that output (an unused output's g is ignored, as autograd's None; the
+// caller passes a (B,) placeholder); opt.need_x / opt.need_eps: whether those gradients are
+// wanted (else an empty tensor comes back in their place). Inputs as for elbo_forward, grads =
+// {g_elbo, g_recon, g_kl}, each (B,) float32 contiguous: check_inputs checks them all, and
+// where a rule is broken nothing is launched and [] comes back (last_status says which).
+// Returns {g_x, g_eps, g_enc_w, g_enc_b, ..., g_dec_b2}.
+std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const std::optional<at::Tensor>& eps_in,
+                                      const std::vector<at::Tensor>& params,
+                                      const std::vector<at::Tensor>& grads,
+                                      const BackwardOptions& opt) {
+  CheckCall call;
+  call.x = &x;
+  call.params = &params;
+  call.eps = eps_in.has_value() ? &*eps_in : nullptr;
+  if (grads.size() != 3) {
+    last_check() = {kCheckCount, kFieldGrads};
+    return {};
+  }
+  for (int i = 0; i < 3; ++i) call.grads[i] = &grads[i];
+  if (!passes(call)) return {};
+  const at::Tensor& eps = *eps_in;
+  const VaeTensors p(params);
+  const at::Tensor &enc_w = p.enc_w, &enc_b = p.enc_b, &mu_w = p.mu_w, &mu_b = p.mu_b;
+  const at::Tensor &lv_w = p.lv_w, &lv_b = p.lv_b, &dec_w1 = p.dec_w1, &dec_b1 = p.dec_b1;
+  const at::Tensor &dec_w2 = p.dec_w2, &dec_b2 = p.dec_b2;
+  const at::Tensor &g_elbo = grads[0], &g_recon = grads[1], &g_kl = grads[2];
   const bool use_elbo = opt.use_elbo, use_recon = opt.use_recon, use_kl = opt.use_kl;
   const bool need_x = opt.need_x, need_eps = opt.need_eps;
   const auto dev = x.device();
-  const at::Tensor* all[] = {&x, &eps, &enc_w, &enc_b, &mu_w, &mu_b, &lv_w, &lv_b, &dec_w1,
-                             &dec_b1, &dec_w2, &dec_b2, &g_elbo, &g_recon, &g_kl};
-  for (const at::Tensor* t : all) FE_CHECK_TENSOR(*t, "every backward input", dev);
   const int64_t B = x.size(0), D = x.size(1), L = mu_w.size(0), H = enc_w.size(0);
   const bool tc = backward_on_tc(opt, x, enc_w, dec_w2);
   const c10::cuda::CUDAGuard guard(dev);

@@ -1,5 +1,7 @@
-// What the binding files (binding_*.cpp) share: the check macros and their messages, and the
-// few helpers more than one entry point uses. Host code; sees torch (the kernels never do).
+// What the binding files (binding_*.cpp) share: the input check's entry (passes), the macros
+// for what is left to check after it (options, launches, internal invariants) and their
+// messages, and the few helpers more than one entry point uses. Host code; sees torch (the
+// kernels never do).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,6 +13,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "binding.h"
+#include "binding_check.h"
 #include "elbo.h"
 
 // Check messages are built without iostreams: on the H200 image (torch 2.11, gcc 13.3) an
@@ -51,14 +55,17 @@ std::string join(const A&... a) {
 
 namespace fastelbo::binding {
 
-inline bool aligned16(const void* ptr) {
-  return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
+// This thread's last check by an entry, for last_status().
+inline CheckStatus& last_check() {
+  thread_local CheckStatus status;
+  return status;
 }
 
-// Shape check without temporaries in the message (the wanted shape lives in a named vector).
-inline void check_shape(const at::Tensor& t, const char* name, std::vector<int64_t> want) {
-  const at::IntArrayRef w(want);
-  FE_CHECK(t.sizes().equals(w), name, " must have shape ", w, ", got ", t.sizes());
+// check_inputs, its answer kept for last_status(): whether the entry may go on.
+inline bool passes(const CheckCall& call) { return (last_check() = check_inputs(call)).ok(); }
+
+inline bool aligned16(const void* ptr) {
+  return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
 }
 
 inline void check_launch(cudaError_t err, const char* what) {
@@ -136,10 +143,7 @@ struct TcStore {
 };
 void tc_store(const TcStore& s, const at::TensorOptions& opts, cudaStream_t stream,
               const char* what);
-void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& enc_w,
-                     const at::Tensor& enc_b, const at::Tensor& mu_w, const at::Tensor& mu_b,
-                     const at::Tensor& lv_w, const at::Tensor& lv_b, const at::Tensor& dec_w1,
-                     const at::Tensor& dec_b1, const at::Tensor& dec_w2, const at::Tensor& dec_b2,
+void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& p,
                      std::vector<at::Tensor>& out, cudaStream_t stream);
 
 }  // namespace fastelbo::binding

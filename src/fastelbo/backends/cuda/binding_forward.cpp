@@ -63,48 +63,43 @@ constexpr int64_t kRowsChunk = 65536;
 
 // The tensors and dims of one forward into either cluster kernel's params (checked by the caller).
 void fill_forward(fastelbo::ForwardArgs& a, const at::Tensor& x, const at::Tensor& eps,
-                  const at::Tensor& enc_w, const at::Tensor& enc_b, const at::Tensor& mu_w,
-                  const at::Tensor& mu_b, const at::Tensor& lv_w, const at::Tensor& lv_b,
-                  const at::Tensor& dec_w1, const at::Tensor& dec_b1, const at::Tensor& dec_w2,
-                  const at::Tensor& dec_b2, std::vector<at::Tensor>& out) {
+                  const VaeTensors& p, std::vector<at::Tensor>& out) {
   a.x = x.data_ptr<float>();
   a.eps = eps.data_ptr<float>();
-  a.w1 = enc_w.data_ptr<float>();
-  a.b1 = enc_b.data_ptr<float>();
-  a.wmu = mu_w.data_ptr<float>();
-  a.bmu = mu_b.data_ptr<float>();
-  a.wlv = lv_w.data_ptr<float>();
-  a.blv = lv_b.data_ptr<float>();
-  a.wd1 = dec_w1.data_ptr<float>();
-  a.bd1 = dec_b1.data_ptr<float>();
-  a.wd2 = dec_w2.data_ptr<float>();
-  a.bd2 = dec_b2.data_ptr<float>();
+  a.w1 = p.enc_w.data_ptr<float>();
+  a.b1 = p.enc_b.data_ptr<float>();
+  a.wmu = p.mu_w.data_ptr<float>();
+  a.bmu = p.mu_b.data_ptr<float>();
+  a.wlv = p.lv_w.data_ptr<float>();
+  a.blv = p.lv_b.data_ptr<float>();
+  a.wd1 = p.dec_w1.data_ptr<float>();
+  a.bd1 = p.dec_b1.data_ptr<float>();
+  a.wd2 = p.dec_w2.data_ptr<float>();
+  a.bd2 = p.dec_b2.data_ptr<float>();
   a.elbo = out[0].data_ptr<float>();
   a.recon = out[1].data_ptr<float>();
   a.kl = out[2].data_ptr<float>();
   a.B = static_cast<int>(x.size(0));
   a.D = static_cast<int>(x.size(1));
-  a.H = static_cast<int>(enc_w.size(0));
-  a.L = static_cast<int>(mu_w.size(0));
+  a.H = static_cast<int>(p.enc_w.size(0));
+  a.L = static_cast<int>(p.mu_w.size(0));
 }
 
 // The rows path (see the file comment); outputs already allocated.
-void rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& enc_w,
-                  const at::Tensor& enc_b, const at::Tensor& mu_w, const at::Tensor& mu_b,
-                  const at::Tensor& lv_w, const at::Tensor& lv_b, const at::Tensor& dec_w1,
-                  const at::Tensor& dec_b1, const at::Tensor& dec_w2, const at::Tensor& dec_b2,
+void rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& p,
                   std::vector<at::Tensor>& out, cudaStream_t stream) {
-  const int64_t B = x.size(0), D = x.size(1), L = mu_w.size(0);
+  const int64_t B = x.size(0), D = x.size(1), L = p.mu_w.size(0);
   const int64_t chunk = std::min(B, kRowsChunk);
   at::Tensor z = at::empty({chunk, L}, x.options());
   for (int64_t s = 0; s < B; s += chunk) {
     const int64_t n = std::min(chunk, B - s);
     const at::Tensor xs = x.narrow(0, s, n);
-    const at::Tensor h = relu_linear(xs, enc_w, enc_b);
-    const at::Tensor mu = at::linear(h, mu_w, mu_b), lv = at::linear(h, lv_w, lv_b);
+    const at::Tensor h = relu_linear(xs, p.enc_w, p.enc_b);
+    const at::Tensor mu = at::linear(h, p.mu_w, p.mu_b), lv = at::linear(h, p.lv_w, p.lv_b);
     at::Tensor zs = z.narrow(0, 0, n);
     reparam(mu, lv, eps.data_ptr<float>() + s * L, zs, out[2].data_ptr<float>() + s, stream);
-    const at::Tensor logits = at::linear(relu_linear(zs, dec_w1, dec_b1), dec_w2, dec_b2);
+    const at::Tensor logits =
+        at::linear(relu_linear(zs, p.dec_w1, p.dec_b1), p.dec_w2, p.dec_b2);
     FE_CHECK(logits.is_contiguous(), "unexpected decoder output");
     fastelbo::BceParams bp{};
     bp.logits = logits.data_ptr<float>();
@@ -320,53 +315,40 @@ bool range_check_finish(int64_t device) {
   return range_slot_wait(s);
 }
 
-// The ops' input checks (fastelbo.contract) for the common case, in one call that never throws:
-// 1 = every check passed and the value check on x is in flight (range_check_start); 0 = every
-// check passed and no value check runs (validate false, or the current stream is capturing a
-// graph); -1 = not the plain case (a check fails, or a dtype, layout, device or contiguity this
-// backend does not take): the caller runs its own checks, which raise the precise error or
-// take another path. The checks are the contract's (one device, one dtype, the parameters'
-// shapes from enc_w and mu_w, x (B >= 1, input_dim), eps (B, latent_dim)), narrowed to
-// contiguous float32 CUDA tensors on x's device with sizes within int32.
+// The ops' input checks for the common case, in one call that never throws: check_inputs on
+// x, eps (None: drawn by the op) and the parameters; 1 = it passed and the value check on x is
+// in flight (range_check_start); 0 = it passed and no value check runs (validate false, or the
+// current stream is capturing a graph); < 0 = a rule is broken (the packed status: a dtype,
+// layout, device or shape this backend does not take), or kCheckStream: the caller runs the
+// contract's checks, which raise its error or send the call elsewhere.
 int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
-                      const at::Tensor& enc_w, const at::Tensor& enc_b, const at::Tensor& mu_w,
-                      const at::Tensor& mu_b, const at::Tensor& lv_w, const at::Tensor& lv_b,
-                      const at::Tensor& dec_w1, const at::Tensor& dec_b1,
-                      const at::Tensor& dec_w2, const at::Tensor& dec_b2, bool validate) {
-  if (!x.defined() || !x.is_cuda() || x.dim() != 2 || enc_w.dim() != 2 || mu_w.dim() != 2)
-    return -1;
-  const auto dev = x.device();
-  const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
-  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
-  if (B < 1 || D < 1 || H < 1 || L < 1 || B > kIntMax || D > kIntMax || H > kIntMax ||
-      L > kIntMax)
-    return -1;
-  const auto plain = [&](const at::Tensor& t, std::initializer_list<int64_t> shape) {
-    return t.defined() && t.layout() == at::kStrided && t.device() == dev &&
-           t.scalar_type() == at::kFloat && t.is_contiguous() &&
-           t.sizes().equals(at::IntArrayRef(shape));
-  };
-  if (!(plain(x, {B, D}) && plain(enc_w, {H, D}) && plain(enc_b, {H}) && plain(mu_w, {L, H}) &&
-        plain(mu_b, {L}) && plain(lv_w, {L, H}) && plain(lv_b, {L}) && plain(dec_w1, {H, L}) &&
-        plain(dec_b1, {H}) && plain(dec_w2, {D, H}) && plain(dec_b2, {D}) &&
-        (!eps.has_value() || plain(*eps, {B, L}))))
-    return -1;
+                      const std::vector<at::Tensor>& params, bool validate) {
+  CheckCall call;
+  call.x = &x;
+  call.params = &params;
+  call.eps = eps.has_value() ? &*eps : nullptr;
+  call.eps_required = false;
+  if (!passes(call)) return last_check().packed();
   if (!validate) return 0;
+  const auto dev = x.device();
   const c10::cuda::CUDAGuard guard(dev);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
   if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
     (void)cudaGetLastError();
-    return -1;  // the caller's path asks torch instead
+    return CheckStatus{kCheckStream, kFieldX}.packed();  // the caller's own checks decide
   }
   if (capture != cudaStreamCaptureStatusNone) return 0;  // as start_checks: no sync in a capture
   range_check_start(x);
   return 1;
 }
 
-// Returns {elbo, recon, kl}, each (B,) float32. opt.path: auto, cluster, rows or fast
-// (elbo_fast.cu; see the crossovers above for what auto takes). opt.rows / opt.cluster > 0 and
-// opt.staged >= 0 force the cluster plan (tuning; -1 / 0 = automatic) and imply the cluster
+int64_t last_status() { return last_check().packed(); }
+
+// Returns {elbo, recon, kl}, each (B,) float32, or [] with nothing launched where
+// check_inputs finds a rule broken (last_status says which). opt.path: auto, cluster, rows or
+// fast (elbo_fast.cu; see the crossovers above for what auto takes). opt.rows / opt.cluster > 0
+// and opt.staged >= 0 force the cluster plan (tuning; -1 / 0 = automatic) and imply the cluster
 // path; opt.poison fills the outputs with NaN before the launch (tests: every element is
 // written). opt.draw: eps's contents are not read but overwritten with one torch.randn(B, L)
 // draw from the default CUDA generator (the same numbers and the same generator advance as that
@@ -374,53 +356,30 @@ int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
 // at::normal_ first (the rows path).
 // opt.awaits: this thread's value check on x (range_check_start) is still in flight; it is
 // waited for once the launch is prepared, just before anything is drawn or launched, and if it
-// failed nothing is, and an empty list comes back (the caller raises the value error).
-std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
-                                     const at::Tensor& enc_w, const at::Tensor& enc_b,
-                                     const at::Tensor& mu_w, const at::Tensor& mu_b,
-                                     const at::Tensor& lv_w, const at::Tensor& lv_b,
-                                     const at::Tensor& dec_w1, const at::Tensor& dec_b1,
-                                     const at::Tensor& dec_w2, const at::Tensor& dec_b2,
+// failed nothing is, and [] comes back with last_status kCheckValue (the caller raises the
+// value error).
+std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at::Tensor>& eps_in,
+                                     const std::vector<at::Tensor>& params,
                                      const ForwardOptions& opt) {
+  CheckCall call;
+  call.x = &x;
+  call.params = &params;
+  call.eps = eps_in.has_value() ? &*eps_in : nullptr;
+  if (!passes(call)) return {};
+  const at::Tensor& eps = *eps_in;
+  const VaeTensors p(params);
   const int64_t rows = opt.rows, cluster = opt.cluster, staged = opt.staged;
   const bool poison = opt.poison, draw = opt.draw, await_check = opt.awaits;
   int64_t path = opt.path;
-  FE_CHECK(x.defined(), "x is undefined");
   const auto dev = x.device();
-  FE_CHECK_TENSOR(x, "x", dev);
-  FE_CHECK_TENSOR(eps, "eps", dev);
-  FE_CHECK_TENSOR(enc_w, "enc_w", dev);
-  FE_CHECK_TENSOR(enc_b, "enc_b", dev);
-  FE_CHECK_TENSOR(mu_w, "mu_w", dev);
-  FE_CHECK_TENSOR(mu_b, "mu_b", dev);
-  FE_CHECK_TENSOR(lv_w, "lv_w", dev);
-  FE_CHECK_TENSOR(lv_b, "lv_b", dev);
-  FE_CHECK_TENSOR(dec_w1, "dec_w1", dev);
-  FE_CHECK_TENSOR(dec_b1, "dec_b1", dev);
-  FE_CHECK_TENSOR(dec_w2, "dec_w2", dev);
-  FE_CHECK_TENSOR(dec_b2, "dec_b2", dev);
-  FE_CHECK(x.dim() == 2, "x must be 2-D (batch, input_dim), got shape ", x.sizes());
-  FE_CHECK(enc_w.dim() == 2, "enc_w must be 2-D (hidden_dim, input_dim), got ", enc_w.sizes());
-  FE_CHECK(mu_w.dim() == 2, "mu_w must be 2-D (latent_dim, hidden_dim), got ", mu_w.sizes());
-  const int64_t B = x.sizes()[0], D = x.sizes()[1];      // dims checked just above
-  const int64_t H = enc_w.sizes()[0], L = mu_w.sizes()[0];
-  FE_CHECK(B >= 1, "x must hold at least one row");
-  FE_CHECK(D >= 1 && H >= 1 && L >= 1, "dims must be positive, got input_dim=", D,
-           " hidden_dim=", H, " latent_dim=", L);
-  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
-  FE_CHECK(B <= kIntMax && D <= kIntMax && H <= kIntMax && L <= kIntMax,
-           "sizes must fit in int32, got B=", B, " D=", D, " H=", H, " L=", L);
-  check_shape(enc_w, "enc_w", {H, D});
-  check_shape(enc_b, "enc_b", {H});
-  check_shape(mu_w, "mu_w", {L, H});
-  check_shape(mu_b, "mu_b", {L});
-  check_shape(lv_w, "lv_w", {L, H});
-  check_shape(lv_b, "lv_b", {L});
-  check_shape(dec_w1, "dec_w1", {H, L});
-  check_shape(dec_b1, "dec_b1", {H});
-  check_shape(dec_w2, "dec_w2", {D, H});
-  check_shape(dec_b2, "dec_b2", {D});
-  check_shape(eps, "eps", {B, L});
+  const int64_t B = x.size(0), D = x.size(1), H = p.enc_w.size(0), L = p.mu_w.size(0);
+  // A value check in flight that failed: nothing drawn or launched, [] back.
+  const auto value_check_failed = [&] {
+    if (!await_check || range_check_finish(dev.index())) return false;
+    last_check() = {kCheckValue, kFieldX};
+    return true;
+  };
+  // The options (elbo.py checks them first: these are a second line).
   FE_CHECK(rows >= 0 && rows <= 64, "rows must be 0 (auto) or 1..64, got ", rows);
   FE_CHECK(cluster >= 0 && cluster <= 16, "cluster must be 0 (auto) or 1..16, got ", cluster);
   FE_CHECK(staged >= -1 && staged <= 1, "staged must be -1 (auto), 0 or 1, got ", staged);
@@ -429,7 +388,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   const bool forced_plan = rows > 0 || cluster > 0 || staged >= 0;
   FE_CHECK(!(forced_plan && (path == kPathRows || path == kPathFast || path == kPathTc)),
            "rows / cluster / staged force the cluster path; they conflict with path=rows/fast/tc");
-  FE_CHECK(path != kPathTc || tc_applies(x, enc_w, dec_w2),
+  FE_CHECK(path != kPathTc || tc_applies(x, p.enc_w, p.dec_w2),
            "path=tc does not apply here; fastelbo.backends.cuda checks this before the call");
   if (forced_plan) path = kPathCluster;
 
@@ -442,14 +401,13 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   const bool auto_fast = path == kPathAuto && B > kClusterMaxBatch && B <= kFastMaxBatch;
   if (auto_fast || path == kPathFast) {
     fastelbo::FastParams f{};
-    fill_forward(f, x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
-                 out);
+    fill_forward(f, x, eps, p, out);
     cudaError_t ferr = cudaSuccess;
     const auto fst = fastelbo::elbo_fast_plan(f, dev.index(), 0, false, &ferr);
     FE_CHECK(fst != fastelbo::kElboCudaError, "planning the fast launch failed: ",
              cudaGetErrorString(ferr));
     if (fst == fastelbo::kElboOk) {
-      if (await_check && !range_check_finish(dev.index())) return {};
+      if (value_check_failed()) return {};
       if (draw) set_draw(f, eps, B * L, dev.index());
       f.pdl = pdl_launch_allowed(stream, f) ? 1 : 0;
       check_launch(fastelbo::elbo_fast_launch(f, stream), "fast cluster kernel");
@@ -461,29 +419,26 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
   // The rows path: the draw (at::normal_) first, then cuBLAS and rows.cu's kernels, or its
   // tensor-core variant (path tc, or auto where it applies).
   const auto run_rows = [&]() -> std::vector<at::Tensor> {
-    if (await_check && !range_check_finish(dev.index())) return {};
+    if (value_check_failed()) return {};
     if (draw) eps.normal_(0.0, 1.0);  // the default generator of eps's device, as torch.randn
-    const bool tc = path == kPathTc ||
-                    (path == kPathAuto && tc_applies(x, enc_w, dec_w2));
-    (tc ? tc_rows_forward : rows_forward)(x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1,
-                                          dec_b1, dec_w2, dec_b2, out, stream);
+    const bool tc = path == kPathTc || (path == kPathAuto && tc_applies(x, p.enc_w, p.dec_w2));
+    (tc ? tc_rows_forward : rows_forward)(x, eps, p, out, stream);
     return out;
   };
   const int64_t cluster_max = auto_fast ? kClusterFallbackMax : kClusterMaxBatch;
   if (path == kPathRows || path == kPathTc || (path == kPathAuto && B > cluster_max))
     return run_rows();
 
-  fastelbo::ElboParams p{};
-  fill_forward(p, x, eps, enc_w, enc_b, mu_w, mu_b, lv_w, lv_b, dec_w1, dec_b1, dec_w2, dec_b2,
-               out);
-  p.vec = ((D % 4 == 0 && aligned16(p.x) && aligned16(p.w1)) ? 1u : 0u) |
-          ((H % 4 == 0 && aligned16(p.wmu) && aligned16(p.wlv)) ? 2u : 0u) |
-          ((L % 4 == 0 && aligned16(p.wd1)) ? 4u : 0u) |
-          ((H % 4 == 0 && aligned16(p.wd2)) ? 8u : 0u);
+  fastelbo::ElboParams k{};
+  fill_forward(k, x, eps, p, out);
+  k.vec = ((D % 4 == 0 && aligned16(k.x) && aligned16(k.w1)) ? 1u : 0u) |
+          ((H % 4 == 0 && aligned16(k.wmu) && aligned16(k.wlv)) ? 2u : 0u) |
+          ((L % 4 == 0 && aligned16(k.wd1)) ? 4u : 0u) |
+          ((H % 4 == 0 && aligned16(k.wd2)) ? 8u : 0u);
 
   cudaError_t err = cudaSuccess;
   const fastelbo::ElboStatus st =
-      fastelbo::elbo_plan(p, dev.index(), static_cast<int>(rows), static_cast<int>(cluster),
+      fastelbo::elbo_plan(k, dev.index(), static_cast<int>(rows), static_cast<int>(cluster),
                           static_cast<int>(staged), &err);
   if (path == kPathAuto && (st == fastelbo::kElboTooLarge || st == fastelbo::kElboNoCluster))
     return run_rows();  // the general path: dims whose activations do not fit a block
@@ -491,7 +446,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
            "needs compute capability 9.0+ (thread-block clusters); use backend='torch' or "
            "backend='triton'");
   FE_CHECK(st != fastelbo::kElboTooLarge, "input_dim=", D, " hidden_dim=", H, " latent_dim=", L,
-           " need ", fastelbo::elbo_smem_bytes(p.D, p.H, p.L, 1, 16, false),
+           " need ", fastelbo::elbo_smem_bytes(k.D, k.H, k.L, 1, 16, false),
            " bytes of shared memory per block even at one row per cluster, more than this GPU "
            "allows; use path='rows' (automatic), backend='torch' or backend='triton'");
   FE_CHECK(st != fastelbo::kElboNoCluster,
@@ -499,12 +454,12 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const at::Tensor& eps,
            ", cluster=", cluster, "); use backend='torch' or backend='triton'");
   FE_CHECK(st == fastelbo::kElboOk, "planning the launch failed: ", cudaGetErrorString(err));
 
-  if (await_check && !range_check_finish(dev.index())) return {};
-  if (draw) set_draw(p, eps, B * L, dev.index());
-  p.pdl = pdl_launch_allowed(stream, p) ? 1 : 0;
-  err = fastelbo::elbo_launch(p, stream);
-  FE_CHECK(err == cudaSuccess, "kernel launch failed (R=", p.R, ", C=", p.C, ", smem=",
-           p.smem_bytes, " B, staged=", p.staged, "): ", cudaGetErrorString(err));
+  if (value_check_failed()) return {};
+  if (draw) set_draw(k, eps, B * L, dev.index());
+  k.pdl = pdl_launch_allowed(stream, k) ? 1 : 0;
+  err = fastelbo::elbo_launch(k, stream);
+  FE_CHECK(err == cudaSuccess, "kernel launch failed (R=", k.R, ", C=", k.C, ", smem=",
+           k.smem_bytes, " B, staged=", k.staged, "): ", cudaGetErrorString(err));
   return out;
 }
 

@@ -1,6 +1,6 @@
 // The importance-weighted bound's torch-facing half (declared in binding.h): iwae.cu's launch
 // plan and its partial logsumexps, on PyTorch's current stream. The encoder (float64) and the
-// final logsumexp run in Python (backends/cuda/iwae.py).
+// final logsumexp run in Python (backends/cuda/iwae_kernel.py).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -16,44 +16,32 @@
 
 namespace fastelbo::binding {
 
-// IWAE partial logsumexps (B, splits) for backends/cuda/iwae.py, which has already run every
-// check below in Python (these are a second line: see binding.h).
-// eps (K, B, L) and image (B,) int64 are optional; mu / lv come from the float64 encoder.
+// IWAE partial logsumexps (B, splits) for backends/cuda/iwae_kernel.py, or an undefined tensor
+// (None) with nothing launched where check_inputs finds a rule broken (last_status says which).
+// eps (K, B, L) and image (B,) int64 are optional; mu / lv come from the float64 encoder; of
+// the parameters only the decoder's are read.
 at::Tensor iwae_partials(const at::Tensor& x, const at::Tensor& mu, const at::Tensor& lv,
                          const std::optional<at::Tensor>& eps,
-                         const std::optional<at::Tensor>& image, const at::Tensor& dec_w1,
-                         const at::Tensor& dec_b1, const at::Tensor& dec_w2,
-                         const at::Tensor& dec_b2, int64_t samples, int64_t k_per_split,
-                         int64_t splits, int64_t seed) {
-  FE_CHECK(x.defined(), "x is undefined");
+                         const std::optional<at::Tensor>& image,
+                         const std::vector<at::Tensor>& params, int64_t samples,
+                         int64_t k_per_split, int64_t splits, int64_t seed) {
+  CheckCall call;
+  call.x = &x;
+  call.params = &params;
+  call.eps = eps.has_value() ? &*eps : nullptr;
+  call.eps_required = false;
+  call.samples = samples;
+  call.mu = &mu;
+  call.logvar = &lv;
+  call.image = image.has_value() ? &*image : nullptr;
+  if (!passes(call)) return {};
+  const VaeTensors w(params);
+  const at::Tensor &dec_w1 = w.dec_w1, &dec_b1 = w.dec_b1, &dec_w2 = w.dec_w2, &dec_b2 = w.dec_b2;
   const auto dev = x.device();
-  FE_CHECK_TENSOR(x, "x", dev);
-  FE_CHECK_TENSOR(mu, "mu", dev);
-  FE_CHECK_TENSOR(lv, "logvar", dev);
-  FE_CHECK_TENSOR(dec_w1, "dec_w1", dev);
-  FE_CHECK_TENSOR(dec_b1, "dec_b1", dev);
-  FE_CHECK_TENSOR(dec_w2, "dec_w2", dev);
-  FE_CHECK_TENSOR(dec_b2, "dec_b2", dev);
-  FE_CHECK(x.dim() == 2 && dec_w1.dim() == 2, "x and dec_w1 must be 2-D");
   const int64_t B = x.size(0), D = x.size(1), H = dec_w1.size(0), L = dec_w1.size(1);
-  FE_CHECK(B >= 1 && D >= 1 && H >= 1 && L >= 1, "empty x or weights");
-  check_shape(mu, "mu", {B, L});
-  check_shape(lv, "logvar", {B, L});
-  check_shape(dec_b1, "dec_b1", {H});
-  check_shape(dec_w2, "dec_w2", {D, H});
-  check_shape(dec_b2, "dec_b2", {D});
+  // The options (iwae_kernel.py computes them: a second line).
   FE_CHECK(samples >= 1 && k_per_split >= 1 && splits >= 1 && seed >= 0, "bad iwae options");
   FE_CHECK(B * splits <= std::numeric_limits<int32_t>::max(), "too many blocks");
-  if (eps.has_value()) {
-    FE_CHECK_TENSOR(*eps, "eps", dev);
-    check_shape(*eps, "eps", {samples, B, L});
-  }
-  if (image.has_value()) {
-    FE_CHECK(image->is_cuda() && image->device() == dev && image->is_contiguous() &&
-                 image->scalar_type() == at::kLong,
-             "image indices must be a contiguous int64 tensor on x's device");
-    check_shape(*image, "image indices", {B});
-  }
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
   at::Tensor part = at::empty({B, splits}, x.options());
@@ -89,7 +77,7 @@ at::Tensor iwae_partials(const at::Tensor& x, const at::Tensor& mu, const at::Te
 }
 
 // The IWAE kernel's tile for these dims on this device: {samples per tile, smem bytes, 0} or
-// {0, 0, status} when it does not apply (backends/cuda/iwae.py reads it).
+// {0, 0, status} when it does not apply (backends/cuda/iwae_kernel.py reads it).
 std::vector<int64_t> iwae_plan_info(int64_t device, int64_t D, int64_t H, int64_t L) {
   fastelbo::IwaeParams p{};
   p.D = static_cast<int>(D);

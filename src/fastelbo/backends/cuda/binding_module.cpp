@@ -32,16 +32,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("need_eps", &fb::BackwardOptions::need_eps)
       .def_readwrite("gemm", &fb::BackwardOptions::gemm);
 
+  // Every entry that takes the VAE's tensors takes its ten parameters as one list (params, in
+  // VAEParams order) and returns [] (iwae_partials: None) where its input check fails;
+  // last_status says why.
   m.def("forward", &fb::elbo_forward, "(elbo, recon, kl) of the VAE, or [] (binding.h)",
-        py::arg("x"), py::arg("eps"), py::arg("enc_w"), py::arg("enc_b"), py::arg("mu_w"),
-        py::arg("mu_b"), py::arg("lv_w"), py::arg("lv_b"), py::arg("dec_w1"), py::arg("dec_b1"),
-        py::arg("dec_w2"), py::arg("dec_b2"), py::arg("options"));
+        py::arg("x"), py::arg("eps"), py::arg("params"), py::arg("options"));
   m.def("backward", &fb::elbo_backward,
-        "gradients {x, eps, 10 params} of <g, (elbo, recon, kl)> (binding.h)", py::arg("x"),
-        py::arg("eps"), py::arg("enc_w"), py::arg("enc_b"), py::arg("mu_w"), py::arg("mu_b"),
-        py::arg("lv_w"), py::arg("lv_b"), py::arg("dec_w1"), py::arg("dec_b1"),
-        py::arg("dec_w2"), py::arg("dec_b2"), py::arg("g_elbo"), py::arg("g_recon"),
-        py::arg("g_kl"), py::arg("options"));
+        "gradients {x, eps, 10 params} of <g, (elbo, recon, kl)>, or [] (binding.h)",
+        py::arg("x"), py::arg("eps"), py::arg("params"), py::arg("grads"), py::arg("options"));
   m.def("adam_step", &fb::adam_step, "one Adam update of float32 CUDA tensors, in place",
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
         py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
@@ -53,10 +51,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fast_plan", &fb::elbo_fast_plan_info,
         "fast-path plan {R, C, smem_bytes, 0} or {0, 0, 0, status}", py::arg("device"),
         py::arg("B"), py::arg("D"), py::arg("H"), py::arg("L"), py::arg("one_wave"));
-  m.def("iwae_partials", &fb::iwae_partials, "IWAE partial logsumexps (B, splits)",
+  m.def("iwae_partials", &fb::iwae_partials, "IWAE partial logsumexps (B, splits), or None",
         py::arg("x"), py::arg("mu"), py::arg("logvar"), py::arg("eps"), py::arg("image"),
-        py::arg("dec_w1"), py::arg("dec_b1"), py::arg("dec_w2"), py::arg("dec_b2"),
-        py::arg("samples"), py::arg("k_per_split"), py::arg("splits"), py::arg("seed"));
+        py::arg("params"), py::arg("samples"), py::arg("k_per_split"), py::arg("splits"),
+        py::arg("seed"));
   m.def("iwae_plan", &fb::iwae_plan_info,
         "IWAE tile {samples per tile, smem_bytes, 0} or {0, 0, status}", py::arg("device"),
         py::arg("D"), py::arg("H"), py::arg("L"));
@@ -69,11 +67,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the verdict of this thread's check in flight on the device (waits)",
         py::arg("device"));
   m.def("checked_start", &fb::checked_start,
-        "the input checks for contiguous float32 tensors on x's GPU, and the value check "
-        "started: 1 started, 0 passed without it, -1 not the plain case (never raises)",
-        py::arg("x"), py::arg("eps"), py::arg("enc_w"), py::arg("enc_b"), py::arg("mu_w"),
-        py::arg("mu_b"), py::arg("lv_w"), py::arg("lv_b"), py::arg("dec_w1"), py::arg("dec_b1"),
-        py::arg("dec_w2"), py::arg("dec_b2"), py::arg("validate"));
+        "the input checks, and the value check on x started: 1 started, 0 passed without it, "
+        "< 0 the packed status of the rule broken (never raises)",
+        py::arg("x"), py::arg("eps"), py::arg("params"), py::arg("validate"));
+  m.def("last_status", &fb::last_status,
+        "the packed status of this thread's last input check by an entry (0: passed)");
   m.def("draw_randn", &fb::draw_randn,
         "torch.randn(n) on the device's default generator, reproduced in a kernel",
         py::arg("n"), py::arg("device"));

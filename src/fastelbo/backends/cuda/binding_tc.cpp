@@ -124,11 +124,11 @@ bool tc_applies(const at::Tensor& x, const at::Tensor& enc_w, const at::Tensor& 
          aligned16(x.data_ptr()) && aligned16(enc_w.data_ptr()) && aligned16(dec_w2.data_ptr());
 }
 
-void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& enc_w,
-                     const at::Tensor& enc_b, const at::Tensor& mu_w, const at::Tensor& mu_b,
-                     const at::Tensor& lv_w, const at::Tensor& lv_b, const at::Tensor& dec_w1,
-                     const at::Tensor& dec_b1, const at::Tensor& dec_w2, const at::Tensor& dec_b2,
+void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& p,
                      std::vector<at::Tensor>& out, cudaStream_t stream) {
+  const at::Tensor &enc_w = p.enc_w, &enc_b = p.enc_b, &mu_w = p.mu_w, &mu_b = p.mu_b;
+  const at::Tensor &lv_w = p.lv_w, &lv_b = p.lv_b, &dec_w1 = p.dec_w1, &dec_b1 = p.dec_b1;
+  const at::Tensor &dec_w2 = p.dec_w2, &dec_b2 = p.dec_b2;
   const int64_t B = x.size(0), D = x.size(1), H = enc_w.size(0), L = mu_w.size(0);
   // One launch makes the weight operands: the two large layers' halves, and mu's and logvar's
   // weights stacked as one (2L, H) matrix (ld = H: tc_applies has H % 4 == 0), so that mu and

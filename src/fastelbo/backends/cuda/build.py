@@ -19,14 +19,15 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 # The kernels (no torch types), their headers, and the torch-facing binding: binding.h declares
-# what binding_module.cpp binds, binding_common.h holds the check macros the others share.
+# what binding_module.cpp binds, binding_check.h the one input check every entry makes
+# (binding_check.cpp), binding_common.h what the other binding files share.
 KERNEL_SOURCES = ("elbo_fast.cu", "elbo.cu", "rows.cu", "backward.cu", "adam.cu", "iwae.cu",
                   "tc_gemm.cu")
 HEADERS = ("elbo.h", "elbo_math.cuh", "cluster.cuh", "philox.cuh")
-BINDING_SOURCES = ("binding_forward.cpp", "binding_backward.cpp", "binding_iwae.cpp",
-                   "binding_tc.cpp")
+BINDING_SOURCES = ("binding_check.cpp", "binding_forward.cpp", "binding_backward.cpp",
+                   "binding_iwae.cpp", "binding_tc.cpp")
 BINDING_MODULE = "binding_module.cpp"
-BINDING_HEADERS = ("binding.h", "binding_common.h")
+BINDING_HEADERS = ("binding.h", "binding_check.h", "binding_common.h")
 
 # IEEE float32 throughout (no --use_fast_math): sm_90a machine code (Hopper's wgmma, which
 # tc_gemm.cu needs; it runs on compute capability 9.0 alone), plus PTX for newer GPUs (where
@@ -153,7 +154,7 @@ def extension() -> ModuleType:
 
 # CUDA devices (with an index) this backend was found to run on, its extension built: the ops
 # ask once per call, and a device that can run it keeps being able to (a no is asked again every
-# time). checks.py's fast lanes apply only on these (so they never build).
+# time). lanes.py's fast lanes apply only on these (so they never build).
 RUNS_ON: set[torch.device] = set()
 
 

@@ -17,7 +17,29 @@ import torch
 
 from ...params import VAEParams
 from .. import Verdict
-from . import build, checks, launch
+from . import build, launch, status
+from .lanes import RangeCheck
+
+
+def _int_option(name: str, value, lo: int, hi: int, meaning: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int ({meaning}), got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be {meaning}, got {value}")
+    return value
+
+
+def check_options(rows: int = 0, cluster: int = 0, staged: int = -1,
+                  path: str = "auto") -> None:
+    """The launch options (binding.h ForwardOptions, which the binding checks again)."""
+    _int_option("rows", rows, 0, 64, "0 (auto) or 1..64")
+    _int_option("cluster", cluster, 0, 16, "0 (auto) or 1..16")
+    _int_option("staged", staged, -1, 1, "-1 (auto), 0 or 1")
+    if not isinstance(path, str) or path not in launch.PATHS:
+        raise ValueError(f"path must be one of {tuple(launch.PATHS)}, got {path!r}")
+    if (rows > 0 or cluster > 0 or staged >= 0) and path in ("rows", "fast", "tc"):
+        raise ValueError(f"rows / cluster / staged force the cluster path; they conflict with "
+                         f"path={path!r} (got rows={rows}, cluster={cluster}, staged={staged})")
 
 
 def plan(x: torch.Tensor, params: VAEParams, *, rows: int = 0, cluster: int = 0,
@@ -26,7 +48,7 @@ def plan(x: torch.Tensor, params: VAEParams, *, rows: int = 0, cluster: int = 0,
 
     R <= 0 means no plan: -R is the kernel's status (1 too large, 3 arch, 4 no cluster fits).
     """
-    checks.check_options(rows, cluster, staged)
+    check_options(rows, cluster, staged)
     r, c, smem, variant, st = launch.plan(build.extension(), device=x.device.index or 0,
                                           batch=x.shape[0], dims=VAEParams(*params).dims,
                                           rows=rows, cluster=cluster, staged=staged)
@@ -97,16 +119,18 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     that is exact); _poison fills the outputs with NaN first, so tests can prove every element
     is written.
     """
-    params = checks.check_inputs(x, params, eps, rows=rows, cluster=cluster, staged=staged,
-                                 path=path)
+    check_options(rows, cluster, staged, path)
+    ext = build.extension()
+    params = status.check_call(ext, x, params, eps)
     if path == "fast":
         check_fast_path(x, params)
     elif path == "tc":
         check_tc_path(x, params)
-    ext = build.extension()
     options = launch.forward_options(ext, rows=rows, cluster=cluster, staged=staged,
                                      poison=bool(_poison), path=path, draw=bool(draw))
     out = launch.forward(ext, x=x, eps=eps, params=params, options=options)
+    if not out:
+        raise status.error(launch.last_status(ext), {"x": x, "eps": eps, "params": params})
     return out[0], out[1], out[2]
 
 
@@ -114,28 +138,25 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
                      draw: bool = False, verdict: Verdict | None = None):
     """forward with the default launch options, for fastelbo.ops only (the Backend protocol).
 
-    ops has already checked the call against fastelbo.contract (types, shapes, one dtype, one
-    device), resolved this backend for x (so a CUDA device this backend runs on, and float32)
-    and made every tensor contiguous: of check_inputs' checks, only the kernel's terms left are
-    repeated here (checks.kernel_terms_hold). Any failure is re-checked by check_inputs, which
-    raises the same exception as `forward` would. draw: as forward's (noise.forward_drawing).
-    verdict: the ops' value check on x, waited for just before anything is drawn or launched
-    (its error raised then), so that this preparation overlaps the value check: inside the
-    binding where the check is this backend's own, still in flight (a checks.RangeCheck),
-    else by verdict.wait() before the call.
+    ops has already checked the call against fastelbo.contract, resolved this backend for x and
+    made every tensor contiguous; the binding checks its inputs again (binding_check.h, no
+    exception: a refused call launches nothing and raises here what `forward` would). draw: as
+    forward's (noise.forward_drawing). verdict: the ops' value check on x, waited for just
+    before anything is drawn or launched (its error raised then), so that this preparation
+    overlaps the value check: inside the binding where the check is this backend's own, still
+    in flight (a lanes.RangeCheck), else by verdict.wait() before the call.
     """
-    # A plain verdict: start_checks' one binding call checked all of this (and more).
-    if not (verdict is not None and verdict.plain or checks.kernel_terms_hold(x, params, eps)):
-        checks.check_inputs(x, params, eps)
-        raise AssertionError("forward_prepared was handed inputs fastelbo.ops did not prepare")
-    awaits = isinstance(verdict, checks.RangeCheck)  # this backend's own check, in flight
+    awaits = isinstance(verdict, RangeCheck)  # this backend's own check, in flight
     if verdict is not None and not awaits:
         verdict.wait()
     ext = build.extension()
     out = launch.forward(ext, x=x, eps=eps, params=params,
                          options=launch.default_forward_options(ext, draw=draw, awaits=awaits))
-    if not out:  # the check in flight failed: nothing was drawn or launched
-        verdict.fail()
+    if not out:  # a check failed: nothing was drawn or launched
+        code = launch.last_status(ext)
+        if awaits and status.decode(code)[0] == status.VALUE:
+            verdict.fail()
+        raise status.error(code, {"x": x, "eps": eps, "params": params})
     return out[0], out[1], out[2]
 
 
@@ -151,26 +172,24 @@ def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads, *,
     """
     if gemm not in launch.GEMMS:
         raise ValueError(f"gemm must be one of {sorted(launch.GEMMS)}, got {gemm!r}")
-    params = checks.check_inputs(x, params, eps)
+    ext = build.extension()
+    params = status.check_call(ext, x, params, eps)
     if gemm == "tc":
         check_tc_path(x, params, "gemm='tc'")
     if len(grads) != 3:
         raise ValueError(f"grads must be (g_elbo, g_recon, g_kl), got {len(grads)} entries")
-    batch = x.shape[0]
-    used, given = [], []
+    used = [g is not None for g in grads]
+    given = []
     for name, g in zip(("g_elbo", "g_recon", "g_kl"), grads):
-        used.append(g is not None)
         if g is None:
-            given.append(x.new_empty(batch))  # unread: the binding takes a defined tensor
-            continue
-        if not isinstance(g, torch.Tensor) or g.dtype != torch.float32:
-            raise TypeError(f"{name} must be a float32 tensor, got {getattr(g, 'dtype', g)!r}")
-        if g.device != x.device or tuple(g.shape) != (batch,):
-            raise checks.CudaInputError(f"{name} must have shape ({batch},) on {x.device}, got "
-                                        f"{tuple(g.shape)} on {g.device}")
+            g = x.new_empty(x.shape[0])  # unread: the binding takes a defined tensor
+        elif not isinstance(g, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 tensor or None, got {type(g).__name__}")
         given.append(g.contiguous())  # e.g. mean()'s gradient is an expanded scalar
-    ext = build.extension()
     options = launch.backward_options(ext, use_elbo=used[0], use_recon=used[1], use_kl=used[2],
                                       need_x=bool(need_x), need_eps=bool(need_eps), gemm=gemm)
     out = launch.backward(ext, x=x, eps=eps, params=params, grads=given, options=options)
+    if not out:
+        raise status.error(launch.last_status(ext),
+                           {"x": x, "eps": eps, "params": params, "grads": given})
     return (out[0] if need_x else None), (out[1] if need_eps else None), list(out[2:])

@@ -30,7 +30,7 @@ import torch
 
 from ...params import VAEParams
 from ..fused_iwae import check_fused_call, fused_finish, fused_inputs, fused_splits
-from . import build, launch
+from . import build, launch, status
 
 # Why the kernel cannot take some dims (elbo.h ElboStatus, as iwae_plan returns it).
 _STATUS = {1: "its shared memory cannot hold the hidden layer of a 64-sample tile",
@@ -92,9 +92,13 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *,
                          f"evaluate fewer images per call")
     params = params.contiguous()
     mu, logvar, idx = fused_inputs(x, params, indices)
-    part = launch.iwae_partials(
-        build.extension(), x=x, mu=mu, logvar=logvar,
-        eps=None if eps is None else eps.contiguous(), image=idx,
-        decoder=(params.dec_w1, params.dec_b1, params.dec_w2, params.dec_b2), samples=samples,
-        k_per_split=k_per, splits=n_splits, seed=0 if seed is None else seed)
+    eps = None if eps is None else eps.contiguous()
+    ext = build.extension()
+    part = launch.iwae_partials(ext, x=x, mu=mu, logvar=logvar, eps=eps, image=idx,
+                                params=params, samples=samples, k_per_split=k_per,
+                                splits=n_splits, seed=0 if seed is None else seed)
+    if part is None:  # the binding's input check refused the call: nothing was launched
+        raise status.error(launch.last_status(ext),
+                           {"x": x, "eps": eps, "params": params, "mu": mu, "logvar": logvar,
+                            "image": idx}, samples=samples)
     return fused_finish(part, samples)

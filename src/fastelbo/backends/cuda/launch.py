@@ -4,8 +4,11 @@ Every call into the extension goes through these: the backend's modules, trainin
 the single file fastelbo.export writes, which carries the wrappers its ModelNew calls (with what
 they use) out of this file as text. Each takes the extension module first, as the package and
 the exported file build their own. The wrappers call the binding positionally (pybind11 then
-parses no keywords) and check nothing: the callers have run the checks (checks.py).
-params: the ten parameter tensors in VAEParams order (enc_w, enc_b, mu_w, ..., dec_b2).
+parses no keywords) and check nothing: the binding checks its inputs (binding_check.h), and an
+entry whose check fails launches nothing and returns [] (iwae_partials: None), `last_status`
+saying why (status.py turns that into the contract's exception).
+params: the ten parameter tensors in VAEParams order (enc_w, enc_b, mu_w, ..., dec_b2), as one
+sequence: every entry takes them so.
 """
 from __future__ import annotations
 
@@ -39,9 +42,10 @@ def default_forward_options(ext, *, draw=False, awaits=False):
 
 
 def forward(ext, *, x, eps, params, options):
-    """[elbo, recon, kl], each (B,) float32, on the current stream; [] where options.awaits
-    and the value check in flight failed (then nothing was drawn or launched)."""
-    return ext.forward(x, eps, *params, options)
+    """[elbo, recon, kl], each (B,) float32, on the current stream; [] where a check failed
+    (the inputs', or with options.awaits the value check in flight): nothing was drawn or
+    launched."""
+    return ext.forward(x, eps, params, options)
 
 
 # The backward's engines for its large GEMMs, as binding.h's Gemm enum numbers them.
@@ -59,8 +63,9 @@ def backward_options(ext, *, use_elbo, use_recon, use_kl, need_x, need_eps, gemm
 
 def backward(ext, *, x, eps, params, grads, options):
     """[g_x, g_eps, 10 parameter grads] of <grads, (elbo, recon, kl)>; grads: three (B,)
-    float32 tensors (an unused one is not read); g_x / g_eps are empty where not needed."""
-    return ext.backward(x, eps, *params, *grads, options)
+    float32 tensors (an unused one is not read); g_x / g_eps are empty where not needed; []
+    where a check failed."""
+    return ext.backward(x, eps, params, grads, options)
 
 
 def plan(ext, *, device, batch, dims, rows=0, cluster=0, staged=-1):
@@ -78,8 +83,13 @@ def fast_plan(ext, *, device, batch, dims, one_wave=False):
 
 def checked_start(ext, *, x, eps, params, validate):
     """1: the input checks passed and the value check on x is in flight; 0: passed, no value
-    check started; -1: not the plain case (never raises). eps may be None."""
-    return ext.checked_start(x, eps, *params, validate)
+    check started; < 0: the status of the rule broken (never raises). eps may be None."""
+    return ext.checked_start(x, eps, params, validate)
+
+
+def last_status(ext):
+    """The status of this thread's last input check by an entry (0: passed; status.py)."""
+    return ext.last_status()
 
 
 def range_check_start(ext, *, x):
@@ -114,13 +124,12 @@ def iwae_plan(ext, *, device, dims):
     return ext.iwae_plan(device, d, h, lat)
 
 
-def iwae_partials(ext, *, x, mu, logvar, eps, image, decoder, samples, k_per_split, splits,
+def iwae_partials(ext, *, x, mu, logvar, eps, image, params, samples, k_per_split, splits,
                   seed):
-    """The (B, splits) partial logsumexps; decoder = (dec_w1, dec_b1, dec_w2, dec_b2); eps
-    (samples, B, L) and image (B,) int64 may be None."""
-    w1, b1, w2, b2 = decoder
-    return ext.iwae_partials(x, mu, logvar, eps, image, w1, b1, w2, b2, samples, k_per_split,
-                             splits, seed)
+    """The (B, splits) partial logsumexps (the decoder's parameters are read), or None where a
+    check failed; eps (samples, B, L) and image (B,) int64 may be None."""
+    return ext.iwae_partials(x, mu, logvar, eps, image, params, samples, k_per_split, splits,
+                             seed)
 
 
 def adam_step(ext, *, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps,
