@@ -24,7 +24,6 @@ from fastelbo.params import VAEParams
 B, D, H, L = 4, 33, 7, 5
 SHAPES = {"enc_w": (H, D), "enc_b": (H,), "mu_w": (L, H), "mu_b": (L,), "lv_w": (L, H),
           "lv_b": (L,), "dec_w1": (H, L), "dec_b1": (H,), "dec_w2": (D, H), "dec_b2": (D,)}
-ALL = ("x", "eps", *VAEParams._fields)
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +42,6 @@ def make(fake, device="cuda:0", batch=B, dims=(D, H, L)):
         eps = torch.empty(batch, lat, device=device)
         params = VAEParams(*(torch.empty(shapes[n], device=device) for n in VAEParams._fields))
     return x, params, eps
-
-
-def replaced(args, name, fn):
-    """args with tensor `name` (x, eps or a parameter) replaced by fn(tensor)."""
-    x, params, eps = args
-    if name == "x":
-        return fn(x), params, eps
-    if name == "eps":
-        return x, params, fn(eps)
-    return x, params._replace(**{name: fn(getattr(params, name))}), eps
 
 
 def test_import_needs_no_gpu_and_builds_nothing():
