@@ -40,7 +40,9 @@ MISTAKES = [
     (["bench", TINY, "nonesuch.py"], "candidate 'nonesuch.py' is not a file"),
     (["bench", TINY, "--device", "gpu"], "--device must be cpu, cuda or cuda:N, got 'gpu'"),
     (["bench", TINY, "--batch-sizes", "a"], "--batch-sizes takes comma-separated ints"),
-    (["bench", TINY, "--graph-reps", "0"], "--graph-reps must be > 0, got 0"),
+    (["bench", TINY, "--graph-reps", "0"], "--graph-reps must be >= 1, got 0"),
+    (["bench", TINY, "--batch-sizes", "2,0"], "--batch-sizes values must be > 0, got 2,0"),
+    (["bench", TINY, "--timeout", "-1"], "--timeout must be > 0, got -1"),
     (["export", "--kernelbench", str(HERE)], "is a directory; give a file path"),
 ]
 if not torch.cuda.is_available():

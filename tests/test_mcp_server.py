@@ -105,6 +105,10 @@ async def _scenario(cwd: Path) -> dict:
         with anyio.fail_after(CALL_TIMEOUT):
             bad = await client.call_tool("run_correctness", {"source": "x.py", "trials": 0})
         out["bad_trials"] = (_field(bad, "is_error"), bad.content[0].text)
+        with anyio.fail_after(CALL_TIMEOUT):
+            bad = await client.call_tool("benchmark", {"source": str(CORRECT),
+                                                       "batch_sizes": [0, 4]})
+        out["bad_bench"] = (_field(bad, "is_error"), bad.content[0].text)
         out["after_bad"] = _torch_loaded(tag)
         out["compile"] = await call("compile_kernel",
                                     source=str(CANDIDATES / "import_error.py"))
@@ -165,10 +169,15 @@ def test_initialize_and_list_tools_come_before_torch(served):
 
 
 def test_invalid_arguments_are_a_tool_error_before_any_work(served):
-    """trials=0 is refused by the tool's input schema (ge=1): the SDK's validation error, and
-    the Session (torch, workers) never started for it."""
+    """trials=0 is refused by the tool's input schema (ge=1): the SDK's validation error;
+    benchmark's batch_sizes [0, 4] by BenchOptions: its OptionError. The Session (torch,
+    workers) never started for either."""
     is_error, text = served["bad_trials"]
     assert is_error is True and "greater_than_equal" in text and "trials" in text
+    # batch sizes are checked by BenchOptions, as run_bench and `fastelbo bench` check them
+    is_error, text = served["bad_bench"]
+    assert is_error is True and text == ("Error executing tool benchmark: OptionError: "
+                                         "batch_sizes values must be ints > 0, got [0, 4]")
     assert served["after_bad"] == served["started"]
 
 

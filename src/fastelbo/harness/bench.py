@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 import secrets
+from dataclasses import replace
 
 import torch
 
@@ -31,6 +32,7 @@ from . import loader, sandbox
 from . import task_specs as specs
 from .compare import compare_outputs
 from .floor import count_flops, floors
+from .options import BenchOptions
 from .placement import pin_to_gpu, placement
 from .results import append_jsonl, environment, utc_now
 from .task_specs import implements
@@ -177,38 +179,45 @@ def _entry_rows(sizes: list[int] | None, timeout: float, env: dict[str, str] | N
             for n in (sizes or [None])], sizes
 
 
-def run_bench(problem: str, candidates: list[str] | None = None, *, device: str | None = None,
-              batch_sizes: list[int] | None = None, out: str | None = None,
-              compile_baseline: bool = True, graph_reps: int = 100, quick: bool = False,
-              timeout: float = 600.0, seed: int | None = None, atol: float = 1e-4,
-              rtol: float = 1e-4, validate: bool = True,
-              eval_mode: bool = False) -> tuple[list[dict], int]:
+def run_bench(problem: str, candidates: list[str] | None = None,
+              options: BenchOptions | None = None, **keywords) -> tuple[list[dict], int]:
     """Rows (one per entry and batch size) and an exit code: 0 all correct, 1 some row
-    INCORRECT, TAMPERED, IMPLAUSIBLE or flagged, 2 some entry could not run. `seed`: of the
-    weights and of every input set; None draws a secret one (the rows record it)."""
+    INCORRECT, TAMPERED, IMPLAUSIBLE or flagged, 2 some entry could not run.
+
+    `options`: the bench's settings (BenchOptions: device, batch_sizes, out, timing, seed,
+    tolerance, ...); or its fields as `keywords`, which, given with `options`, replace those
+    fields. A bad one is a ValueError naming it (TypeError for a keyword that is none of them)
+    before any worker starts. A seed of None draws a secret one (the rows record it)."""
+    if options is None:
+        options = BenchOptions(**keywords)
+    elif keywords:
+        options = replace(options, **keywords)
+    o = options
     from ..problems import problem_path
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
     prob = str(problem_path(problem))
-    seed = secrets.randbelow(1 << 31) if seed is None else seed
+    seed = secrets.randbelow(1 << 31) if o.seed is None else o.seed
+    batch_sizes = list(o.batch_sizes) if o.batch_sizes is not None else None
     # (row label, worker kind, candidate file): baselines first, they are what rows divide by.
-    entries = [(EAGER, EAGER, None)] + ([(COMPILED, COMPILED, None)] if compile_baseline else [])
+    entries = [(EAGER, EAGER, None)] + ([(COMPILED, COMPILED, None)] if o.compile_baseline
+                                        else [])
     entries += [(c, "candidate", str(loader.candidate_path(c)))
                 for c in (candidates or default_candidates(device))]
-    env = None if validate else {plugin.VALIDATION_ENV: "0"}
+    env = None if o.validate else {plugin.VALIDATION_ENV: "0"}
     base = {**environment(device), "date": utc_now(), "problem": str(problem), "seed": seed,
-            "quick": quick, "graph_reps": graph_reps if device.startswith("cuda") else None,
+            "quick": o.quick, "graph_reps": o.graph_reps if device.startswith("cuda") else None,
             # what the workers ran with: off by request or already off in this environment
-            "validate": validate and plugin.validation_enabled(),
-            "mode": "eval" if eval_mode else "train",
+            "validate": o.validate and plugin.validation_enabled(),
+            "mode": "eval" if o.eval_mode else "train",
             "l2": "flushed before each events_ms call" if device.startswith("cuda") else None}
     confine = sandbox.for_candidates()
     results: dict[str, dict[int, dict]] = {}
     rows, code = [], 0
     for name, kind, path in entries:
-        got, sizes = _entry_rows(batch_sizes, timeout, env,
+        got, sizes = _entry_rows(batch_sizes, o.timeout, env,
                                  confine if kind == "candidate" else None, problem=prob,
                                  kind=kind, candidate=path, device=device, seed=seed,
-                                 quick=quick, graph_reps=graph_reps, eval_mode=eval_mode)
+                                 quick=o.quick, graph_reps=o.graph_reps, eval_mode=o.eval_mode)
         batch_sizes = batch_sizes or sizes
         results[name] = {r["batch_size"]: r for r in got if "error" not in r}
         for r in got:
@@ -221,13 +230,13 @@ def run_bench(problem: str, candidates: list[str] | None = None, *, device: str 
                 continue
             row = _finish_row({**base, "candidate": name, "confinement": (
                 confine if kind == "candidate" else {}).get("kind", "none"), **r},
-                results, atol, rtol)
+                results, o.atol, o.rtol)
             code = max(code, 1 if row["status"] != "ok" or row["flags"] else 0)
             rows.append(row)
         if kind == EAGER and not results[EAGER]:
             break  # no baseline at any size: nothing to compare with or divide by
-    if out:
-        append_jsonl(out, rows)
+    if o.out is not None:
+        append_jsonl(o.out, rows)
     return rows, code
 
 

@@ -179,8 +179,9 @@ def _never_raise(command: str):
     return wrap
 
 
-def _numbers(text: str | None, kind, option: str, positive: bool = True):
-    """'1,7,128' -> [1, 7, 128]; '' -> []; None stays None. UsageError on anything else."""
+def _numbers(text: str | None, kind, option: str):
+    """'1,7,128' -> [1, 7, 128]; '' -> []; None stays None. UsageError for what is not
+    numbers (their values are the options object's to judge)."""
     if text is None:
         return None
     try:
@@ -188,8 +189,6 @@ def _numbers(text: str | None, kind, option: str, positive: bool = True):
     except ValueError:
         raise UsageError(f"{option} takes comma-separated {kind.__name__}s, e.g. "
                          f"{'1,7,128' if kind is int else '4,16'}; got {text!r}") from None
-    if positive and any(not v > 0 for v in values):
-        raise UsageError(f"{option} values must be > 0, got {text!r}")
     return values
 
 
@@ -200,15 +199,12 @@ def _positive(args, *options: str) -> None:
             raise UsageError(f"{opt} must be > 0, got {value:g}")
 
 
-def _device(text: str | None, option: str = "--device") -> None:
-    """bench's device: its spelling, and that CUDA is there (which imports torch)."""
-    from .options import DEVICE
-    if text is not None and not DEVICE.fullmatch(text):
-        raise UsageError(f"{option} must be cpu, cuda or cuda:N, got {text!r}")
-    if text is not None and text.startswith("cuda"):
+def _cuda_available(device: str | None, option: str = "--device") -> None:
+    """bench's device (spelt right: a BenchOptions'), where CUDA is (which imports torch)."""
+    if device is not None and device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
-            raise UsageError(f"{option} {text}, but CUDA is not available here")
+            raise UsageError(f"{option} {device}, but CUDA is not available here")
 
 
 # The CUDA driver's device count (0 without a driver), for a process that must not import torch
@@ -269,11 +265,12 @@ def _compile(args) -> int:
     return report.exit_code
 
 
-def _check_options(**fields):
-    """CheckOptions(**fields); a bad one is a UsageError naming its flag."""
-    from .options import CheckOptions, OptionError
+def _options(kind, **fields):
+    """kind(**fields), a CheckOptions or BenchOptions; a bad one is a UsageError naming its
+    flag."""
+    from .options import OptionError
     try:
-        return CheckOptions(**fields)
+        return kind(**fields)
     except OptionError as exc:
         raise UsageError(exc.for_flag("--" + exc.option.replace("_", "-"))) from None
 
@@ -282,10 +279,11 @@ def _check_options(**fields):
 def _check(args) -> int:
     # No torch here: run_check imports it once and probes CUDA only after its workers are
     # forked from this process (issue #21's new-process time; a fork must precede any CUDA).
-    options = _check_options(
-        device=args.device, trials=args.trials, atol=args.atol, rtol=args.rtol,
-        batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes", positive=False),
-        scales=_numbers(args.scales, float, "--scales", positive=False), timeout=args.timeout,
+    from .options import CheckOptions
+    options = _options(
+        CheckOptions, device=args.device, trials=args.trials, atol=args.atol, rtol=args.rtol,
+        batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes"),
+        scales=_numbers(args.scales, float, "--scales"), timeout=args.timeout,
         seed=args.seed, build_timeout=args.build_timeout, forward_timeout=args.forward_timeout,
         eval_mode=args.eval_mode, cache=not args.no_cache)
     _problem(args.problem)
@@ -301,18 +299,20 @@ def _check(args) -> int:
 
 @_never_raise("bench")
 def _bench(args) -> int:
-    _positive(args, "--timeout", "--graph-reps")
-    batch_sizes = _numbers(args.batch_sizes, int, "--batch-sizes")
+    from .options import BenchOptions
+    options = _options(
+        BenchOptions, device=args.device,
+        # '' as None: the default sizes (check's '' is "no extra regimes")
+        batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes") or None,
+        out=args.out or None, compile_baseline=not args.no_compile, graph_reps=args.graph_reps,
+        quick=args.quick, timeout=args.timeout, validate=not args.no_validate,
+        eval_mode=args.eval_mode)
     _problem(args.problem)
     for c in args.candidates:
         _candidate(c)
-    _device(args.device)
+    _cuda_available(options.device)
     from .bench import run_bench
-    rows, code = run_bench(args.problem, args.candidates or None, device=args.device,
-                           batch_sizes=batch_sizes or None, out=args.out or None,
-                           compile_baseline=not args.no_compile, graph_reps=args.graph_reps,
-                           quick=args.quick, timeout=args.timeout,
-                           validate=not args.no_validate, eval_mode=args.eval_mode)
+    rows, code = run_bench(args.problem, args.candidates or None, options)
     from .table import print_rows
     print_rows(rows)
     if args.out:
@@ -359,10 +359,11 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
 def _serve(args) -> int:
     # No torch here (its import is seconds: the server answers `initialize` first); the
     # driver's device count, asked by a child, says whether --device cuda can work.
-    options = _check_options(
-        device=args.device, trials=args.trials, timeout=args.timeout,
-        batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes", positive=False),
-        scales=_numbers(args.scales, float, "--scales", positive=False),
+    from .options import CheckOptions
+    options = _options(
+        CheckOptions, device=args.device, trials=args.trials, timeout=args.timeout,
+        batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes"),
+        scales=_numbers(args.scales, float, "--scales"),
         build_timeout=args.build_timeout)
     cuda = args.device is not None and args.device.startswith("cuda")
     counter = cuda_device_counter() if cuda else None  # runs while the SDK imports

@@ -1,15 +1,20 @@
-"""A check's settings as one object, `CheckOptions`, checked once, as it is made.
+"""A job's settings as one object, checked once, as it is made: `CheckOptions` for a check,
+`BenchOptions` for a bench.
 
-run_check, the command line, Session and the MCP server each build one and pass it on; none
-checks its fields again. A bad value is an OptionError (a ValueError) naming the option: its
-str() is the Python API's message, `for_flag` the command line's one-line usage error. Imports
-nothing heavy: `fastelbo check` builds its options before torch is imported.
+run_check / run_bench, the command line, Session and the MCP server each build one and pass it
+on; none checks its fields again. A bad value is an OptionError (a ValueError) naming the
+option: its str() is the Python API's message, `for_flag` the command line's one-line usage
+error. A field that both objects have (device, atol, rtol, timeout, seed, eval_mode, batch
+sizes) is checked by the same rule, with the same message. Imports nothing heavy: `fastelbo
+check` and `bench` build their options before torch is imported.
 """
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -46,8 +51,95 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# -- the rules: rule(options, name) raises the OptionError for a bad value of field `name` ------
+
+def _device(options, name: str) -> None:
+    value = getattr(options, name)
+    if value is not None and (not isinstance(value, str) or not DEVICE.fullmatch(value)):
+        raise OptionError(name, "cpu, cuda or cuda:N", value, "one of")
+
+
+def _count(options, name: str) -> None:
+    value = getattr(options, name)
+    if not _is_int(value) or value < 1:
+        raise OptionError(name, ">= 1", value, "an integer")
+
+
+def _tolerance(options, name: str) -> None:
+    value = getattr(options, name)
+    if not _is_number(value) or not value >= 0:  # NaN fails too
+        raise OptionError(name, ">= 0", value, "a number")
+
+
+def _seconds(options, name: str) -> None:
+    value = getattr(options, name)
+    if not _is_number(value) or not value > 0:
+        raise OptionError(name, "> 0", value, "a number of seconds")
+
+
+def _sizes(options, name: str) -> None:
+    """None, or a list or tuple of ints > 0 (kept as a tuple)."""
+    value = getattr(options, name)
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)) or any(not _is_int(n) or n < 1 for n in value):
+        raise OptionError(name, "> 0", value, "ints", each=True)
+    object.__setattr__(options, name, tuple(value))
+
+
+def _some_sizes(options, name: str) -> None:
+    """As _sizes, and not empty: None is what asks for the default sizes."""
+    value = getattr(options, name)
+    if isinstance(value, (list, tuple)) and not value:
+        raise OptionError(name, "at least one int > 0", value, "None (the default sizes) or")
+    _sizes(options, name)
+
+
+def _scales(options, name: str) -> None:
+    value = getattr(options, name)
+    if not isinstance(value, (list, tuple)) or any(
+            not _is_number(s) or not s > 0 for s in value):
+        raise OptionError(name, "> 0", value, "numbers", each=True)
+    object.__setattr__(options, name, tuple(value))
+
+
+def _seed(options, name: str) -> None:
+    value = getattr(options, name)
+    if value is not None and (not _is_int(value) or value < 0):
+        raise OptionError(name, ">= 0", value, "None (a secret one) or an int")
+
+
+def _flag(options, name: str) -> None:
+    if not isinstance(getattr(options, name), bool):
+        raise OptionError(name, "True or False", getattr(options, name))
+
+
+def _cache(options, name: str) -> None:
+    if not isinstance(getattr(options, name), (bool, str, os.PathLike)):
+        raise OptionError(name, "True, False or a directory", getattr(options, name))
+
+
+def _out(options, name: str) -> None:
+    value = getattr(options, name)
+    if value is not None and (not isinstance(value, (str, os.PathLike)) or os.fspath(value) == ""):
+        raise OptionError(name, "a file path", value, "None (no file) or")
+
+
+Rule = Callable[[object, str], None]
+
+
+class _Checked:
+    """Checks each field by its rule as the dataclass is made (and as `replace` makes a
+    changed copy): `_rules`, (field, rule) in the order checked; the first bad one raises."""
+    _rules: ClassVar[tuple[tuple[str, Rule], ...]] = ()
+
+    def __post_init__(self) -> None:
+        for name, rule in self._rules:
+            rule(self, name)
+
+
 @dataclass(frozen=True)
-class CheckOptions:
+class CheckOptions(_Checked):
     """Every setting of a check, with its default (README, "How check decides").
 
     `device`: cpu, cuda or cuda:N; None: cuda where torch sees a GPU, else cpu (bench's
@@ -75,33 +167,50 @@ class CheckOptions:
     eval_mode: bool = False
     cache: bool | str | os.PathLike = True
 
-    def __post_init__(self) -> None:
-        """OptionError for the first bad field; sequences are kept as tuples."""
-        if self.device is not None and (not isinstance(self.device, str)
-                                        or not DEVICE.fullmatch(self.device)):
-            raise OptionError("device", "cpu, cuda or cuda:N", self.device, "one of")
-        if not _is_int(self.trials) or self.trials < 1:
-            raise OptionError("trials", ">= 1", self.trials, "an integer")
-        for name in ("atol", "rtol"):
-            value = getattr(self, name)
-            if not _is_number(value) or not value >= 0:
-                raise OptionError(name, ">= 0", value, "a number")
-        for name in ("timeout", "build_timeout", "forward_timeout"):
-            value = getattr(self, name)
-            if not _is_number(value) or not value > 0:
-                raise OptionError(name, "> 0", value, "a number of seconds")
-        if self.batch_sizes is not None:
-            if not isinstance(self.batch_sizes, (list, tuple)) or any(
-                    not _is_int(n) or n < 1 for n in self.batch_sizes):
-                raise OptionError("batch_sizes", "> 0", self.batch_sizes, "ints", each=True)
-            object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
-        if not isinstance(self.scales, (list, tuple)) or any(
-                not _is_number(s) or not s > 0 for s in self.scales):
-            raise OptionError("scales", "> 0", self.scales, "numbers", each=True)
-        object.__setattr__(self, "scales", tuple(self.scales))
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise OptionError("seed", ">= 0", self.seed, "None (a secret one) or an int")
-        if not isinstance(self.eval_mode, bool):
-            raise OptionError("eval_mode", "True or False", self.eval_mode)
-        if not isinstance(self.cache, (bool, str, os.PathLike)):
-            raise OptionError("cache", "True, False or a directory", self.cache)
+    _rules = (("device", _device), ("trials", _count), ("atol", _tolerance),
+              ("rtol", _tolerance), ("timeout", _seconds), ("build_timeout", _seconds),
+              ("forward_timeout", _seconds), ("batch_sizes", _sizes), ("scales", _scales),
+              ("seed", _seed), ("eval_mode", _flag), ("cache", _cache))
+
+
+@dataclass(frozen=True)
+class BenchOptions(_Checked):
+    """Every setting of a bench (run_bench, `fastelbo bench`, Session.benchmark), with its
+    default.
+
+    `device`: cpu, cuda or cuda:N; None: cuda where torch sees a GPU, else cpu. `batch_sizes`:
+    the sizes timed (None: 1 and the problem's batch_size). `out`: a jsonl file the rows are
+    appended to (None: none). `compile_baseline`: also time torch.compile of the reference.
+    `graph_reps`: forwards captured in one CUDA graph (at most 10 when `quick`); `quick`: few
+    repetitions, for tests and smoke runs. `timeout`: seconds per entry's worker. `seed`: of
+    the weights and every input set; None draws a secret one (the rows record it). `atol`,
+    `rtol`: the tolerance each output is judged with against eager's. `validate`: False runs
+    the workers with FASTELBO_VALIDATE=0 (fastelbo's per-call value check off). `eval_mode`:
+    the models in .eval() (else the training mode they are constructed in, as KernelBench).
+    """
+    device: str | None = None
+    batch_sizes: tuple[int, ...] | None = None
+    out: str | os.PathLike | None = None
+    compile_baseline: bool = True
+    graph_reps: int = 100
+    quick: bool = False
+    timeout: float = 600.0
+    seed: int | None = None
+    atol: float = 1e-4
+    rtol: float = 1e-4
+    validate: bool = True
+    eval_mode: bool = False
+
+    _rules = (("device", _device), ("batch_sizes", _some_sizes), ("out", _out),
+              ("compile_baseline", _flag), ("graph_reps", _count), ("quick", _flag),
+              ("timeout", _seconds), ("seed", _seed), ("atol", _tolerance),
+              ("rtol", _tolerance), ("validate", _flag), ("eval_mode", _flag))
+
+    @classmethod
+    def from_check(cls, options: CheckOptions, **fields) -> BenchOptions:
+        """The bench settings of a Session (or server) whose check settings are `options`: its
+        device, tolerances and seed; `fields` set the others (batch_sizes, quick, ...). The
+        check's timeouts, trials and regimes are a check's own; its eval_mode is not carried
+        (a session's benchmark has always timed the models in their constructed mode)."""
+        return cls(**{"device": options.device, "atol": options.atol, "rtol": options.rtol,
+                      "seed": options.seed, **fields})

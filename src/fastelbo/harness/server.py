@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 from typing import Annotated, Any
 
 import anyio
@@ -43,7 +44,7 @@ except ModuleNotFoundError:  # mcp 1.x
 
 from ..problems import problem_path
 from . import summary, worker  # neither imports torch
-from .options import CheckOptions
+from .options import BenchOptions, CheckOptions, OptionError
 from .tool_results import BenchResult, CheckResult, CompileResult, SubmitResult
 
 TOOLS = ("compile_kernel", "run_correctness", "benchmark", "submit_kernel")
@@ -86,6 +87,12 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def tool_error(exc: Exception) -> ToolError:
+    """What the client sees of an exception: its type and message, e.g. "OptionError:
+    batch_sizes values must be ints > 0, got [0]"."""
+    return ToolError(f"{type(exc).__name__}: {exc}")
+
+
 class LazySession:
     """The server's Session, built by the first tool call (on its thread), so that starting
     the server imports neither torch nor the harness's heavy modules. `problem` is resolved
@@ -95,6 +102,7 @@ class LazySession:
         self.problem = problem_path(problem)  # FileNotFoundError naming it
         self.options = options
         self.device = options.device
+        self.bench_options = BenchOptions.from_check(options)  # the Session's, made here too
         self._session_args = {"spares": SPARES, **session}
         self._session = None
         self._lock = threading.Lock()
@@ -129,7 +137,7 @@ class LazySession:
         try:
             return await anyio.to_thread.run_sync(work)
         except Exception as exc:  # the client must see what went wrong, whatever it was
-            raise ToolError(f"{type(exc).__name__}: {exc}") from exc
+            raise tool_error(exc) from exc
 
     def close(self) -> None:
         session = self._session  # no lock: called from a signal handler
@@ -177,10 +185,13 @@ def build_server(lazy: LazySession) -> MCPServer:
         """Time the candidate against eager PyTorch (and torch.compile): one row per entry
         and batch size, with its status, times in ms and speedups by metric, and flags;
         detail=true adds `fastelbo bench`'s full rows."""
-        return await lazy.run(
-            "benchmark", lambda s: s.benchmark(source, batch_sizes=batch_sizes, quick=quick,
-                                               compile_baseline=compile_baseline),
-            summary.bench, BenchResult, detail)
+        try:  # checked here, before the session (torch, workers) starts for it
+            options = replace(lazy.bench_options, batch_sizes=batch_sizes, quick=quick,
+                              compile_baseline=compile_baseline)
+        except OptionError as exc:
+            raise tool_error(exc) from exc
+        return await lazy.run("benchmark", lambda s: s.benchmark(source, options),
+                              summary.bench, BenchResult, detail)
 
     @server.tool()
     async def submit_kernel(source: Source, detail: Detail = False) -> SubmitResult:

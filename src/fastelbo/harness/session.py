@@ -47,7 +47,7 @@ from .bench import run_bench
 from .check import run_check
 from .compile import CompileReport, run_compile
 from .files import BUILTIN_PREFIX
-from .options import CheckOptions
+from .options import BenchOptions, CheckOptions
 from .worker import STARTUP_TIMEOUT, WorkerPool
 
 # A Python-level failure (SyntaxError, an import that raises) is reported by the loader as
@@ -93,7 +93,8 @@ class Session:
     The settings are one CheckOptions: `options`, or the one built from `device`, `trials` and
     `check_options` (its other fields: atol, rtol, batch_sizes, scales, timeout,
     build_timeout, seed, ...); they apply to every check of the session. A session's device
-    is cpu, cuda or cuda:N (not None). `submit_dir`, when given,
+    is cpu, cuda or cuda:N (not None). Its benchmarks start from `bench_options`, a
+    BenchOptions with the check settings' device, tolerances and seed. `submit_dir`, when given,
     receives the solution file of each accepted submission. `spares`: worker processes kept
     started for the next job (0: each job starts its own, as `fastelbo check` does).
     """
@@ -114,6 +115,7 @@ class Session:
                             "them there, not beside it")
         self.options = options
         self.device = options.device
+        self.bench_options = BenchOptions.from_check(options)  # benchmark's defaults
         self._key = _device_key(options.device)
         if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
             raise ValueError(f"spares must be an integer >= 0, got {spares!r}")
@@ -148,20 +150,28 @@ class Session:
         per regime and trial the findings and per-output max abs / rel differences."""
         return self._check(self._candidate(source), trials)
 
-    def benchmark(self, source: str | os.PathLike, *, batch_sizes: list[int] | None = None,
-                  quick: bool = False, compile_baseline: bool = True) -> dict:
+    def benchmark(self, source: str | os.PathLike, options: BenchOptions | None = None,
+                  **changes) -> dict:
         """`fastelbo bench` for this candidate (rows for eager, torch.compile and the candidate;
-        nothing written to disk): {problem, candidate, device, exit_code, rows}. exit_code is
-        bench's: 0 all rows correct, 1 a row INCORRECT or flagged, 2 an entry could not run."""
+        nothing written to disk unless `options.out` says): {problem, candidate, device,
+        exit_code, rows}. exit_code is bench's: 0 all rows correct, 1 a row INCORRECT or
+        flagged, 2 an entry could not run.
+
+        `options`: the bench's settings (default: `bench_options`, the session's device,
+        tolerances and seed); `changes`: fields of it to replace (batch_sizes, quick,
+        compile_baseline, ...), checked as the changed copy is made, before any worker. Its
+        device must be the session's (the one it holds exclusively)."""
+        options = self.bench_options if options is None else options
+        if changes:
+            options = replace(options, **changes)
+        if options.device != self.device:
+            raise ValueError(f"device must be the session's {self.device!r} for its benchmark, "
+                             f"got {options.device!r}")
         cand = self._candidate(source)
-        o = self.options
         with self._exclusive():
             if self._pool is not None:  # a spare still importing torch would skew the timing
                 self._pool.wait_ready(STARTUP_TIMEOUT)
-            rows, code = run_bench(self.problem, [cand], device=self.device,
-                                   batch_sizes=batch_sizes, out=None,
-                                   compile_baseline=compile_baseline, quick=quick,
-                                   seed=o.seed, atol=o.atol, rtol=o.rtol)
+            rows, code = run_bench(self.problem, [cand], options)
         return {"problem": str(self.problem), "candidate": cand, "device": self.device,
                 "exit_code": code, "rows": rows}
 
