@@ -184,7 +184,7 @@ def test_bench_defaults_are_run_benchs_and_a_session_carries_its_check_settings(
     check_options = CheckOptions(device="cpu", atol=0.01, rtol=0.02, seed=7, timeout=5.0,
                                  eval_mode=True)
     assert BenchOptions.from_check(check_options, quick=True) == BenchOptions(
-        device="cpu", atol=0.01, rtol=0.02, seed=7, quick=True)
+        device="cpu", atol=0.01, rtol=0.02, seed=7, quick=True, eval_mode=True)
 
 
 @pytest.fixture

@@ -209,8 +209,8 @@ class BenchOptions(_Checked):
     @classmethod
     def from_check(cls, options: CheckOptions, **fields) -> BenchOptions:
         """The bench settings of a Session (or server) whose check settings are `options`: its
-        device, tolerances and seed; `fields` set the others (batch_sizes, quick, ...). The
-        check's timeouts, trials and regimes are a check's own; its eval_mode is not carried
-        (a session's benchmark has always timed the models in their constructed mode)."""
+        device, tolerances, seed and eval_mode (a session that checks models in eval mode
+        times them so too); `fields` set the others (batch_sizes, quick, ...). The check's
+        timeouts, trials and regimes are a check's own."""
         return cls(**{"device": options.device, "atol": options.atol, "rtol": options.rtol,
-                      "seed": options.seed, **fields})
+                      "seed": options.seed, "eval_mode": options.eval_mode, **fields})
