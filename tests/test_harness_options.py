@@ -295,3 +295,8 @@ def test_the_library_session_cli_and_server_say_the_same_of_a_bad_bench_value(no
     with pytest.raises(server.ToolError) as tool:
         anyio.run(call)
     assert str(tool.value) == f"Error executing tool benchmark: OptionError: {message}"
+
+
+def test_run_bench_refuses_one_candidate_given_as_a_bare_string(no_worker):
+    with pytest.raises(TypeError, match=r"^candidates must be a list .* pass \['good.py'\]"):
+        bench.run_bench(TINY, "good.py", device="cpu")

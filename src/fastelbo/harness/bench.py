@@ -192,6 +192,9 @@ def run_bench(problem: str, candidates: list[str] | None = None,
         options = BenchOptions(**keywords)
     elif keywords:
         options = replace(options, **keywords)
+    if isinstance(candidates, (str, bytes)):  # would be read one character at a time
+        raise TypeError(f"candidates must be a list of candidate paths or names, got a str "
+                        f"({candidates!r}): pass [{candidates!r}]")
     o = options
     from ..problems import problem_path
     device = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
