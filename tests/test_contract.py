@@ -114,10 +114,11 @@ def test_the_cuda_value_check_stays_out_of_cpu_tensors():
 
 
 def test_start_checks_takes_the_native_backends_lanes(model, monkeypatch):
-    """start_checks asks backends.native(x.device) through the protocol: its one-call lane's
-    verdict is taken as it is; where that lane declines, the contract's checks run and the
-    lane's started value check is the verdict; where that declines too, in_unit_range (then
-    torch ops) decides at once. Bad metadata is still the contract's error."""
+    """start_checks asks backends.native(x.device) through the protocol, for a device type
+    listed in backends.NATIVE (here the CPU, posing as one): its one-call lane's verdict is
+    taken as it is; where that lane declines, the contract's checks run and the lane's started
+    value check is the verdict; where that declines too, in_unit_range (then torch ops)
+    decides at once. Bad metadata is still the contract's error."""
     from fastelbo import backends
     from fastelbo.ops.checks import check_values, start_checks
 
@@ -131,6 +132,7 @@ def test_start_checks_takes_the_native_backends_lanes(model, monkeypatch):
 
     native = type("Native", (), {n: staticmethod(member(n)) for n in answers})()
     monkeypatch.setattr(backends, "native", lambda device: native)
+    monkeypatch.setitem(backends.NATIVE, "cpu", "stand-in")
     params, x = model.vae_params(), torch.rand(5, 16)
     assert start_checks(x, params, None) is lane_verdict and calls == ["start_checks"]
     answers["start_checks"] = None

@@ -227,14 +227,20 @@ def _probes(tree: ast.AST) -> list[int]:
 
 
 def _is_backend_call(node: ast.AST, getters: set[str] = frozenset()) -> bool:
-    """backends.module(...) or backends.native(...), or a call of one of `getters` (local
-    functions returning one): an expression giving a backend module."""
+    """backends.module(...), backends.native(...) or backends.resolve(...) (a name and a
+    module), or a call of one of `getters` (local functions returning one): an expression
+    giving a backend module."""
     if not isinstance(node, ast.Call):
         return False
     f = node.func
     return (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
-            and f.value.id == "backends" and f.attr in ("module", "native")
+            and f.value.id == "backends" and f.attr in ("module", "native", "resolve")
             or isinstance(f, ast.Name) and f.id in getters)
+
+
+def _assigned_names(target: ast.AST) -> list[str]:
+    """The names an assignment binds: `mod = ...` and each of `name, mod = ...`."""
+    return [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
 
 
 def _backend_members_used(tree: ast.AST) -> list[tuple[int, str]]:
@@ -246,11 +252,11 @@ def _backend_members_used(tree: ast.AST) -> list[tuple[int, str]]:
         getters |= {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
                     for r in ast.walk(f) if isinstance(r, ast.Return) and r.value is not None
                     and any(_is_backend_call(c, getters) for c in ast.walk(r.value))}
-    handles = {t.id for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))
+    handles = {name for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))
                and n.value is not None
                and any(_is_backend_call(c, getters) for c in ast.walk(n.value))
                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
-               if isinstance(t, ast.Name)}
+               for name in _assigned_names(t)}
     return [(n.lineno, n.attr) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
             and (_is_backend_call(n.value, getters)
                  or isinstance(n.value, ast.Name) and n.value.id in handles)]
@@ -302,6 +308,9 @@ def test_the_protocol_rule_sees_what_it_should():
         "backends.module(name).checked_start(x)": "member",
         "lane = None if c else backends.native(d)\nlane.finish_range_check(d)": "member",
         "def _cuda():\n    return backends.module('cuda')\n_cuda().start_range_check(x)": "member",
+        "name, mod = backends.resolve(b, d, n, t)\nmod.checked_start(x)": "member",
+        "def _pick(b, x):\n    return backends.resolve(b, x.device, 1, x.dtype)\n"
+        "name, mod = _pick(b, x)\nmod.finish_range_check(x)": "member",
     }
     planted["if name == 'torch':\n    pass"] = "branch"
     for src, kind in planted.items():

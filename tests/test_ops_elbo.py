@@ -281,7 +281,8 @@ def test_compile_under_no_grad_still_traces_the_op(op_calls):
 
 
 class _Verdict(backends.Verdict):
-    """A value check, as ops.checks.start_checks returns: logs its wait, may fail."""
+    """A value check in flight, as ops.checks.start_checks returns: logs its wait, may fail."""
+    in_flight = True
 
     def __init__(self, log, bad):
         super().__init__()

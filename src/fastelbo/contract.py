@@ -39,28 +39,30 @@ def enabled_by_env(environ=os.environ) -> bool:
     return environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no")
 
 
-_enabled = enabled_by_env()
+# The switch. fastelbo.ops reads it per call as `contract.validating`, an attribute (no call);
+# set_validation and validation() rebind it, so it is read through this module, never imported.
+validating = enabled_by_env()
 
 
 def set_validation(enabled: bool) -> None:
     """Turn the per-call value check on x on or off (process-wide)."""
-    global _enabled
-    _enabled = bool(enabled)
+    global validating
+    validating = bool(enabled)
 
 
 def validation_enabled() -> bool:
-    return _enabled
+    return validating
 
 
 @contextlib.contextmanager
 def validation(enabled: bool):
     """`with fastelbo.validation(False): ...` runs its block with the value check off."""
-    global _enabled
-    old, _enabled = _enabled, bool(enabled)
+    global validating
+    old, validating = validating, bool(enabled)
     try:
         yield
     finally:
-        _enabled = old
+        validating = old
 
 
 # ---- metadata checks ------------------------------------------------------------------------
@@ -145,8 +147,8 @@ def check_elbo_call(x, params, eps=None) -> VAEParams:
     """elbo(x, params, eps): every metadata check; eps None means drawn by the op."""
     params = check_params(params)
     check_x(x, params)
-    if eps is not None:
-        check_eps(eps, (x.shape[0], params.dims[2]), params)
+    if eps is not None:  # latent_dim read off mu_w (latent, hidden), as check_param_tensors does
+        check_eps(eps, (x.shape[0], params.mu_w.shape[0]), params)
     return params
 
 

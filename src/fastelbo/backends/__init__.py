@@ -1,4 +1,5 @@
-"""Backend registry and protocol: names, lazy imports, availability and the `auto` choice.
+"""Backend registry and protocol: names, lazy imports, availability and the `auto` choice
+(`resolve`: the ops' one call for the backend that runs a call).
 
 Every backend is a module that provides the whole `Backend` protocol below (fastelbo.ops calls
 these names, never probes for them; tests/test_layout.py holds each module to it). Roles:
@@ -41,6 +42,8 @@ class Verdict:
     tensor type, on a device it runs on, so the ops skip .contiguous() and backends re-checks.
     checked: once wait() has returned, every value of x is known to be in [0, 1] (a value check
     ran), so no row needs the NaN-row masking of calls made with validation off.
+    Callers wait() and settle only a verdict in flight (a given one has nothing to wait for):
+    a subclass whose wait() does anything sets in_flight.
     """
     __slots__ = ("checked", "plain")
     in_flight = False
@@ -150,8 +153,9 @@ def module(name: str) -> ModuleType:
 
 # Each device type's native backend: its lanes check the ops' calls on such a device (the checks
 # run before a backend is chosen, and serve whichever runs the call), and training's Adam asks
-# it for its kernel.
-_NATIVE = {"cuda": "cuda"}
+# it for its kernel. fastelbo.ops asks `native` only for a device type listed here (a CPU
+# tensor's call never looks one up).
+NATIVE = {"cuda": "cuda"}
 
 
 def native(device: torch.device) -> Backend | None:
@@ -159,7 +163,7 @@ def native(device: torch.device) -> Backend | None:
     adam_step) serve tensors on `device`, or None where there is none. Imports it (no build)
     on the first call for that device type; its lanes say None / False where they don't
     apply (e.g. a GPU it does not run on)."""
-    name = _NATIVE.get(device.type)
+    name = NATIVE.get(device.type)
     return None if name is None else module(name)
 
 
@@ -207,3 +211,23 @@ def choose(device: torch.device, batch: int, dtype: torch.dtype = torch.float32,
         if unavailable_reason(name, device) is None:
             return name
     return "torch"
+
+
+def resolve(backend: str, device: torch.device, batch: int, dtype: torch.dtype,
+            capturing: bool | None = None) -> tuple[str, ModuleType]:
+    """The backend that runs one call of fastelbo.ops on x (its device, batch and dtype), by
+    name and module: `auto`'s choice (`choose`, `capturing` as there), or the backend named
+    where it runs on `device` and computes in `dtype`, else the RuntimeError or TypeError that
+    says which one does. `backend` is "auto" or one of NAMES (the ops have checked)."""
+    if backend == "auto":
+        backend = choose(device, batch, dtype, capturing)
+        return backend, module(backend)
+    reason = unavailable_reason(backend, device)
+    if reason is not None:
+        raise RuntimeError(f"backend={backend!r} cannot run on {device}: {reason}. "
+                           f"backend='torch' runs everywhere.")
+    mod = module(backend)
+    if dtype not in mod.DTYPES:
+        raise TypeError(f"backend={backend!r} computes in {', '.join(map(str, mod.DTYPES))}, "
+                        f"x is {dtype}: use backend='torch' (or 'auto', which does)")
+    return backend, mod

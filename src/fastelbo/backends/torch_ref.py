@@ -104,9 +104,9 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, valid: boo
 
 def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
                      verdict: Verdict | None = None):
-    """forward for the ops' prepared inputs: waits for the value check, then skips the NaN-row
-    masking when that check read every value of x."""
-    if verdict is not None:
+    """forward for the ops' prepared inputs: waits for the value check (one in flight), then
+    skips the NaN-row masking when that check read every value of x."""
+    if verdict is not None and verdict.in_flight:
         verdict.wait()
     return forward(x, params, eps, valid=verdict is not None and verdict.checked)
 

@@ -22,32 +22,40 @@ def start_checks(x, params: VAEParams, eps) -> Verdict:
     """contract.check_elbo_call and the value check, the latter left running where it can:
     every other check has raised or passed on return, and the returned verdict's wait() raises
     what check_values would for x's values (call it before anything reads x)."""
-    compiling = torch.compiler.is_compiling()
-    lane = None if compiling or not isinstance(x, torch.Tensor) else backends.native(x.device)
+    validate = contract.validating
+    lane = None if torch.compiler.is_compiling() else _native(x)
     if lane is not None and type(x) is torch.Tensor:
         # Every check below in one call, and the value check started.
-        verdict = lane.start_checks(x, params, eps, contract.validation_enabled())
+        verdict = lane.start_checks(x, params, eps, validate)
         if verdict is not None:
             return verdict
     contract.check_elbo_call(x, params, eps)
-    if not _value_check_applies(x):
+    if not validate or _capturing(x):
         return GIVEN
     verdict = None if lane is None else lane.start_value_check(x)
     if verdict is not None:
         return verdict
-    _check_values_eagerly(x)
+    _check_values_eagerly(x, lane)
     return CHECKED
+
+
+def _native(x):
+    """backends.native(x.device) for a tensor x, asked only where its device type has a native
+    backend (backends.NATIVE): a CPU x has none, and its call never asks."""
+    if isinstance(x, torch.Tensor) and x.device.type in backends.NATIVE:
+        return backends.native(x.device)
+    return None
 
 
 def value_check(x: torch.Tensor) -> None:
     """The value check on x alone, waited for, where it applies (the switch on, no graph
     being captured): for an op that has run the contract's metadata checks itself."""
-    if _value_check_applies(x):
-        _check_values_eagerly(x)
-
-
-def _value_check_applies(x: torch.Tensor) -> bool:
-    return contract.validation_enabled() and not _capturing(x)
+    if not contract.validating or _capturing(x):
+        return
+    if torch.compiler.is_compiling():
+        _check_values_out_of_graph(x)
+    else:
+        check_values(x)
 
 
 def check_inputs(x, params: VAEParams, eps=None) -> None:
@@ -59,11 +67,10 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _in_unit_range(x: torch.Tensor) -> bool:
-    # Where x's device has a native backend: its one-launch check (about half the time of
-    # the torch ops below at B = 128 on an H200). Elsewhere one reduction, a stack and one
-    # device-to-host copy (min/max propagate NaN).
-    lane = backends.native(x.device)
+def _in_unit_range(x: torch.Tensor, lane) -> bool:
+    # Where x's device has a native backend (`lane`, _native(x)): its one-launch check (about
+    # half the time of the torch ops below at B = 128 on an H200). Elsewhere one reduction, a
+    # stack and one device-to-host copy (min/max propagate NaN).
     ok = None if lane is None else lane.in_unit_range(x)
     if ok is not None:
         return ok
@@ -73,16 +80,18 @@ def _in_unit_range(x: torch.Tensor) -> bool:
 
 def check_values(x: torch.Tensor) -> None:
     """ValueError naming the first x value outside [0, 1] (or NaN)."""
-    if not _in_unit_range(x):
+    if not _in_unit_range(x, _native(x)):
         raise contract.outside_range_error(x)
 
 
-def _check_values_eagerly(x: torch.Tensor) -> None:
-    """check_values, run eagerly even under torch.compile (a graph break), so it still raises."""
+def _check_values_eagerly(x: torch.Tensor, lane) -> None:
+    """check_values, run eagerly even under torch.compile (a graph break), so it still raises.
+    lane: _native(x), asked by start_checks outside tracing (out of the graph, check_values
+    asks itself)."""
     if torch.compiler.is_compiling():
         _check_values_out_of_graph(x)
-    else:  # no tracer: the wrapper would only set and restore dynamo's frame hook
-        check_values(x)
+    elif not _in_unit_range(x, lane):  # no tracer: the wrapper would only set dynamo's hook
+        raise contract.outside_range_error(x)
 
 
 # torch._disable_dynamo is torch.compiler.disable with torch._dynamo imported on the first call,

@@ -144,21 +144,16 @@ _draw_noise = torch._disable_dynamo(_randn)
 
 
 def resolve_backend(backend: str, x: torch.Tensor, verdict: Verdict | None = None) -> str:
-    """The backend this call runs on. `verdict`: start_checks' for x; one still in flight was
-    started outside any graph capture (none is started while the stream captures), so `auto`
-    need not ask CUDA again."""
-    if backend == "auto":
-        capturing = False if verdict is not None and verdict.in_flight else None
-        return backends.choose(x.device, x.shape[0], x.dtype, capturing)
-    reason = backends.unavailable_reason(backend, x.device)
-    if reason is not None:
-        raise RuntimeError(f"backend={backend!r} cannot run on {x.device}: {reason}. "
-                           f"backend='torch' runs everywhere.")
-    dtypes = backends.module(backend).DTYPES
-    if x.dtype not in dtypes:
-        raise TypeError(f"backend={backend!r} computes in {', '.join(map(str, dtypes))}, x is "
-                        f"{x.dtype}: use backend='torch' (or 'auto', which does)")
-    return backend
+    """The name of the backend this call runs on (see _resolve)."""
+    return _resolve(backend, x, verdict)[0]
+
+
+def _resolve(backend: str, x: torch.Tensor, verdict: Verdict | None):
+    """(name, module) of the backend this call runs on, from one backends call. `verdict`:
+    start_checks' for x; one still in flight was started outside any graph capture (none is
+    started while the stream captures), so `auto` need not ask CUDA again."""
+    capturing = False if verdict is not None and verdict.in_flight else None
+    return backends.resolve(backend, x.device, x.shape[0], x.dtype, capturing)
 
 
 def _needs_op(x: torch.Tensor, eps: torch.Tensor | None, params: VAEParams,
@@ -192,17 +187,17 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
     # The value check on x runs on the GPU while this prepares the call; the verdict is
     # waited for before anything else is drawn or launched.
     verdict = start_checks(x, params, eps)
-    name = resolve_backend(backend, x, verdict)
+    name, mod = _resolve(backend, x, verdict)
     plain = verdict.plain  # every tensor already contiguous, of a plain tensor type
     if not plain:  # .contiguous() returns the tensor itself when it already is
         # A list, not VAEParams._make(map(...)): torch 2.11's dynamo traces that as an empty
         # VAEParams (IndexError at the op's call under torch.compile with autograd).
         x, params = x.contiguous(), VAEParams(*[p.contiguous() for p in params])
-    mod = backends.module(name)
     if eps is None and mod.DRAWS_NOISE and not _needs_op(x, None, params, plain):
         return mod.forward_drawing(x, params, verdict)  # it waits before drawing or launching
-    verdict.wait()
-    verdict = verdict.settled()
+    if verdict.in_flight:  # a given verdict has nothing to wait for
+        verdict.wait()
+        verdict = verdict.settled()
     if eps is None:
         eps = (_draw_noise if torch.compiler.is_compiling() else _randn)(x, params[2].shape[0])
     else:
