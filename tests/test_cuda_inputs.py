@@ -177,8 +177,9 @@ def test_forward_options_by_name(fake, monkeypatch):
                                     "draw": True}
 
 
-class _Given(Verdict):
-    """A verdict already given, logging its wait()."""
+class _Other(Verdict):
+    """Another lane's check in flight (not this backend's own), logging its wait()."""
+    in_flight = True
 
     def __init__(self, log):
         super().__init__()
@@ -186,6 +187,12 @@ class _Given(Verdict):
 
     def wait(self):
         self.log.append("wait")
+
+
+class _Given(_Other):
+    """A verdict already given (in_flight False): nothing to wait for, so wait() is not
+    called (it would log)."""
+    in_flight = False
 
 
 class _InFlight(cuda.RangeCheck):
@@ -204,20 +211,22 @@ class _InFlight(cuda.RangeCheck):
 
 
 def _Verdict(in_flight, log):
-    return _InFlight(log) if in_flight else _Given(log)
+    return _InFlight(log) if in_flight else _Other(log)
 
 
 def test_forward_prepared_hands_a_check_in_flight_to_the_binding(fake, monkeypatch):
     """A verdict still in flight on the GPU (the cuda value check) is waited for inside the
     binding (options.awaits); an empty answer whose status is the value check's means it
-    failed, and the verdict's error is raised. Any other verdict is waited for before the
-    call."""
+    failed, and the verdict's error is raised. Another lane's verdict in flight is waited for
+    before the call; a given one is not waited for at all."""
     calls = _extension(monkeypatch).calls
     x, params, eps = make(fake)
     log = []
     cuda.forward_prepared(x, params, eps, draw=True, verdict=_Verdict(True, log))
     assert log == [] and calls[-1][-1].draw and calls[-1][-1].awaits
     cuda.forward_prepared(x, params, eps, verdict=_Verdict(False, log))
+    assert log == ["wait"] and not calls[-1][-1].awaits
+    cuda.forward_prepared(x, params, eps, verdict=_Given(log))
     assert log == ["wait"] and not calls[-1][-1].awaits
     calls = _extension(monkeypatch, refuse=_packed(status.VALUE, "x")).calls
     with pytest.raises(ValueError, match="stand-in"):

@@ -147,7 +147,7 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
     in flight (a lanes.RangeCheck), else by verdict.wait() before the call.
     """
     awaits = isinstance(verdict, RangeCheck)  # this backend's own check, in flight
-    if verdict is not None and not awaits:
+    if verdict is not None and verdict.in_flight and not awaits:
         verdict.wait()
     ext = build.extension()
     out = launch.forward(ext, x=x, eps=eps, params=params,

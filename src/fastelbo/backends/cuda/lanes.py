@@ -39,8 +39,7 @@ class RangeCheck(Verdict):
     in_flight = True
 
     def __init__(self, x: torch.Tensor, plain: bool = False):
-        super().__init__(plain=plain, checked=True)
-        self.x = x
+        self.plain, self.checked, self.x = plain, True, x  # Verdict's fields, set here
 
     def wait(self) -> None:
         if not launch.range_check_finish(build.extension(), device=self.x.device.index):

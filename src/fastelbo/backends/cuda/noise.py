@@ -83,7 +83,7 @@ def forward_drawing(x: torch.Tensor, params: VAEParams, verdict: Verdict | None 
         randn_matches(index)
     lat = params[2].shape[0]
     if not _MATCHES.get(index, False):
-        if verdict is not None:
+        if verdict is not None and verdict.in_flight:
             verdict.wait()
         eps = torch.randn(x.shape[0], lat, device=x.device, dtype=x.dtype)
         return forward_prepared(x, params, eps)

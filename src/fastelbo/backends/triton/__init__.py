@@ -55,7 +55,7 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor):
 
 def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
                      verdict: Verdict | None = None):
-    if verdict is not None:
+    if verdict is not None and verdict.in_flight:  # a given verdict has nothing to wait for
         verdict.wait()
     return _fwd.launch(x, params, eps)
 
