@@ -43,6 +43,8 @@ MISTAKES = [
     (["bench", TINY, "--graph-reps", "0"], "--graph-reps must be >= 1, got 0"),
     (["bench", TINY, "--batch-sizes", "2,0"], "--batch-sizes values must be > 0, got 2,0"),
     (["bench", TINY, "--timeout", "-1"], "--timeout must be > 0, got -1"),
+    (["bench", TINY, "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["bench", TINY, "--atol", "-1"], "--atol must be >= 0, got -1"),
     (["export", "--kernelbench", str(HERE)], "is a directory; give a file path"),
 ]
 if not torch.cuda.is_available():

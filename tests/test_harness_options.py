@@ -227,12 +227,14 @@ def test_each_layer_passes_its_bench_options_down(monkeypatch):
     for argv in (["bench", str(TINY)],
                  ["bench", str(TINY), str(GOOD), "--device", "cpu", "--batch-sizes", "1,5",
                   "--out", "rows.jsonl", "--no-compile", "--graph-reps", "7", "--quick",
-                  "--eval-mode", "--timeout", "9", "--no-validate"]):
+                  "--eval-mode", "--timeout", "9", "--no-validate", "--seed", "11", "--atol",
+                  "0.25", "--rtol", "0.5"]):
         args = build_parser().parse_args(argv)
         assert args.func(args) == 0
     assert seen == [(BenchOptions(), {}), (BenchOptions(
         device="cpu", batch_sizes=(1, 5), out="rows.jsonl", compile_baseline=False,
-        graph_reps=7, quick=True, eval_mode=True, timeout=9.0, validate=False), {})]
+        graph_reps=7, quick=True, eval_mode=True, timeout=9.0, validate=False, seed=11,
+        atol=0.25, rtol=0.5), {})]
 
     from fastelbo.harness import session as session_mod
     monkeypatch.setattr(session_mod, "run_bench", run_bench)

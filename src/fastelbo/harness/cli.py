@@ -61,6 +61,13 @@ file), each against --problem on --device. Needs the MCP SDK (pip install 'faste
 """
 
 
+def _tolerances(p: argparse.ArgumentParser, what: str = "") -> None:
+    p.add_argument("--atol", type=float, default=1e-4,
+                   help=f"absolute tolerance{what} (default: %(default)s)")
+    p.add_argument("--rtol", type=float, default=1e-4,
+                   help=f"relative tolerance{what} (default: %(default)s)")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compile", help="import a candidate, show build errors or resource usage",
                        description=COMPILE_DESCRIPTION, formatter_class=RAW)
@@ -77,10 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cpu, cuda or cuda:N (default: %(default)s, meaning cuda if available, "
                         "else cpu, as bench)")
     p.add_argument("--trials", type=int, default=3, help="trials per regime (default: %(default)s)")
-    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance "
-                   "(default: %(default)s)")
-    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance "
-                   "(default: %(default)s)")
+    _tolerances(p)
     _regime_options(p)
     p.add_argument("--eval-mode", action="store_true",
                    help="put both models in .eval(); KernelBench keeps the training mode they "
@@ -137,6 +141,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run the workers with FASTELBO_VALIDATE=0: fastelbo candidates skip "
                         "their per-call value check (one device sync per forward); each row "
                         "records validate=false (default: %(default)s)")
+    _tolerances(p, " for the timed calls' outputs")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of weights and input sets (default: %(default)s, meaning a secret "
+                        "one drawn for this run; the rows record it, and --seed N reproduces "
+                        "the inputs)")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("export", help="write fastelbo's kernels as one KernelBench solution file",
@@ -306,7 +315,7 @@ def _bench(args) -> int:
         batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes") or None,
         out=args.out or None, compile_baseline=not args.no_compile, graph_reps=args.graph_reps,
         quick=args.quick, timeout=args.timeout, validate=not args.no_validate,
-        eval_mode=args.eval_mode)
+        eval_mode=args.eval_mode, seed=args.seed, atol=args.atol, rtol=args.rtol)
     _problem(args.problem)
     for c in args.candidates:
         _candidate(c)
