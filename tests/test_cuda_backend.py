@@ -500,7 +500,7 @@ class TestBadInputs:
                 ("dec_b2: shape", (x, eps, ps[:-1] + [ps[-1][:-1].contiguous()])),
                 ("x: rank", (x[0].contiguous(), eps, ps)),
                 ("eps: missing", (x, None, ps)),
-                ("enc_w: params count", (x, eps, ps[:-1])),
+                ("enc_w: count", (x, eps, ps[:-1])),
                 ("mu_w: device type", (x, eps, ps[:2] + [ps[2].cpu()] + ps[3:])),
                 ("x: contiguous", (x.t().contiguous().t(), eps, ps)),
             ]

@@ -133,6 +133,34 @@ def test_gemm_engine_is_checked(cuda):
         cuda.backward(x, params, eps, grads, gemm="tc")
 
 
+def test_bad_inputs_are_refused_by_the_bindings_check(cuda):
+    """The backward's binding checks every input, its three output gradients included (before
+    its one check, binding_backward.cpp checked no shape): a refused call launches nothing and
+    raises the contract's exception, or for a gradient what the binding wants of it."""
+    from fastelbo.backends.cuda import build, launch, status
+
+    x, params, eps, grads = make_case(8, (33, 7, 5), 4)
+    with pytest.raises(ValueError, match=r"eps must have shape \(8, 5\)"):
+        cuda.backward(x, params, eps[:, :4].contiguous(), grads)
+    with pytest.raises(ValueError, match="enc_b must be a CUDA tensor"):
+        cuda.backward(x, params._replace(enc_b=params.enc_b.cpu()), eps, grads)
+    for i, bad in enumerate((torch.randn(9, device="cuda"), grads[1].double(),
+                             grads[2].cpu())):
+        broken = grads[:i] + [bad] + grads[i + 1:]
+        name = ("g_elbo", "g_recon", "g_kl")[i]
+        with pytest.raises((TypeError, ValueError),
+                           match=f"^{name} must be a contiguous torch.float32 tensor of shape"):
+            cuda.backward(x, params, eps, broken)
+    ext = build.extension()
+    options = launch.backward_options(ext, use_elbo=True, use_recon=True, use_kl=True,
+                                      need_x=True, need_eps=True)
+    got = launch.backward(ext, x=x, eps=eps, params=params, grads=grads[:2], options=options)
+    assert got == [] and status.describe(launch.last_status(ext)) == "g_elbo: count"
+    assert len(launch.backward(ext, x=x, eps=eps, params=params, grads=grads,
+                               options=options)) == 12
+    assert launch.last_status(ext) == 0
+
+
 def test_backward_skips_unwanted_gradients(cuda):
     x, params, eps, grads = make_case(64, (33, 7, 5), 5)
     g_x, g_eps, g_params = cuda.backward(x, params, eps, grads, need_x=False, need_eps=False)

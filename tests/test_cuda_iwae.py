@@ -217,6 +217,30 @@ def test_validation_before_launch(ci):
         ci.iwae_log_likelihood(torch.rand(1, 784, device="cuda"), big, 4)
 
 
+def test_the_bindings_check_refuses_what_the_python_side_would_not(ci):
+    """iwae_partials checks every tensor itself (binding_check.h): the encoder's mu and logvar
+    and the image indices, which the Python side makes, included. A refused call launches
+    nothing and answers None, last_status naming the tensor and the rule."""
+    from fastelbo.backends.cuda import build, launch, status
+
+    dims = (33, 20, 5)
+    p = iwae_params(dims, device="cuda")
+    x = torch.rand(3, dims[0], device="cuda")
+    mu, lv = torch.zeros(3, 5, device="cuda"), torch.zeros(3, 5, device="cuda")
+    ext = build.extension()
+    call = {"x": x, "mu": mu, "logvar": lv, "eps": None, "image": None, "params": p,
+            "samples": 4, "k_per_split": 4, "splits": 1, "seed": 0}
+    assert launch.iwae_partials(ext, **call).shape == (3, 1) and launch.last_status(ext) == 0
+    for change, want in (({"mu": mu[:, :4].contiguous()}, "mu: shape"),
+                         ({"logvar": lv.double()}, "logvar: dtype"),
+                         ({"image": torch.arange(3, device="cuda").int()}, "image: dtype"),
+                         ({"image": torch.arange(4, device="cuda")}, "image: shape"),
+                         ({"eps": torch.randn(5, 3, 5, device="cuda")}, "eps: shape"),
+                         ({"params": list(p)[:-1]}, "enc_w: count")):
+        assert launch.iwae_partials(ext, **{**call, **change}) is None, want
+        assert status.describe(launch.last_status(ext)) == want
+
+
 def test_public_auto_runs_cuda_and_falls_back(ci):
     dev = torch.device("cuda")
     assert public.resolve_backend("auto", dev, dims=MNIST) == "cuda"

@@ -20,7 +20,7 @@ from ...params import VAEParams
 from . import launch
 
 # binding_check.h's CheckCode and CheckField, in their order.
-CODES = ("ok", "params count", "missing", "layout", "dtype", "device type", "device",
+CODES = ("ok", "count", "missing", "layout", "dtype", "device type", "device",
          "contiguous", "rank", "empty", "int32", "shape", "value", "stream")
 FIELDS = ("x", "eps", *contract.PARAM_NAMES, "g_elbo", "g_recon", "g_kl", "mu", "logvar",
           "image")
