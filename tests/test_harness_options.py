@@ -44,17 +44,6 @@ BAD = [  # option, value, the Python API's message, the command line's
 ]
 
 
-@pytest.mark.parametrize("option, value, message, flag_message", BAD,
-                         ids=[f"{o}={v!r}" for o, v, _, _ in BAD])
-def test_a_bad_option_is_one_error_naming_it(option, value, message, flag_message):
-    with pytest.raises(OptionError) as caught:
-        CheckOptions(**{option: value})
-    assert str(caught.value) == message and caught.value.option == option
-    assert isinstance(caught.value, ValueError)
-    if flag_message is not None:
-        assert caught.value.for_flag("--" + option.replace("_", "-")) == flag_message
-
-
 def test_defaults_and_sequences():
     o = CheckOptions(batch_sizes=[1, 7], scales=[4])
     assert (o.batch_sizes, o.scales) == ((1, 7), (4,))
@@ -139,11 +128,15 @@ BENCH_BAD = [  # option, value, the Python API's message, the command line's (No
 ]
 
 
-@pytest.mark.parametrize("option, value, message, flag_message", BENCH_BAD,
-                         ids=[f"{o}={v!r}" for o, v, _, _ in BENCH_BAD])
-def test_a_bad_bench_option_is_one_error_naming_it(option, value, message, flag_message):
+_EVERY_BAD = [(CheckOptions, *case) for case in BAD] + [(BenchOptions, *case)
+                                                        for case in BENCH_BAD]
+
+
+@pytest.mark.parametrize("cls, option, value, message, flag_message", _EVERY_BAD,
+                         ids=[f"{c.__name__}.{o}={v!r}" for c, o, v, _, _ in _EVERY_BAD])
+def test_a_bad_option_is_one_error_naming_it(cls, option, value, message, flag_message):
     with pytest.raises(OptionError) as caught:
-        BenchOptions(**{option: value})
+        cls(**{option: value})
     assert str(caught.value) == message and caught.value.option == option
     assert isinstance(caught.value, ValueError)
     if flag_message is not None:
