@@ -295,3 +295,15 @@ def test_the_library_session_cli_and_server_say_the_same_of_a_bad_bench_value(no
 def test_run_bench_refuses_one_candidate_given_as_a_bare_string(no_worker):
     with pytest.raises(TypeError, match=r"^candidates must be a list .* pass \['good.py'\]"):
         bench.run_bench(TINY, "good.py", device="cpu")
+
+
+def test_a_repeated_batch_size_or_scale_is_one_regime(tmp_path):
+    """Each once, in first-seen order: two regimes of one name overwrote each other's results,
+    so that the reference itself FAILed (shape and RNG findings) under `--batch-sizes 3,3`."""
+    o = CheckOptions(batch_sizes=[3, 1, 3], scales=[4, 4.0, 2])
+    assert (o.batch_sizes, o.scales) == ((3, 1), (4, 2))
+    assert BenchOptions(batch_sizes=(5, 5)).batch_sizes == (5,)
+    report = run_check(TINY, GOOD, trials=1, batch_sizes=[3, 3], scales=[4, 4], seed=0,
+                       cache=tmp_path)
+    assert report.exit_code == 0, report.format()
+    assert [r.name for r in report.regimes].count("batch=3") == 1

@@ -77,14 +77,20 @@ def _seconds(options, name: str) -> None:
         raise OptionError(name, "> 0", value, "a number of seconds")
 
 
+def _once_each(values) -> tuple:
+    """values as a tuple, each once, in first-seen order: a repeated batch size or scale would
+    be two regimes of one name, whose results overwrite each other."""
+    return tuple(dict.fromkeys(values))
+
+
 def _sizes(options, name: str) -> None:
-    """None, or a list or tuple of ints > 0 (kept as a tuple)."""
+    """None, or a list or tuple of ints > 0 (kept as a tuple, each once)."""
     value = getattr(options, name)
     if value is None:
         return
     if not isinstance(value, (list, tuple)) or any(not _is_int(n) or n < 1 for n in value):
         raise OptionError(name, "> 0", value, "ints", each=True)
-    object.__setattr__(options, name, tuple(value))
+    object.__setattr__(options, name, _once_each(value))
 
 
 def _some_sizes(options, name: str) -> None:
@@ -100,7 +106,7 @@ def _scales(options, name: str) -> None:
     if not isinstance(value, (list, tuple)) or any(
             not _is_number(s) or not s > 0 for s in value):
         raise OptionError(name, "> 0", value, "numbers", each=True)
-    object.__setattr__(options, name, tuple(value))
+    object.__setattr__(options, name, _once_each(value))
 
 
 def _seed(options, name: str) -> None:
