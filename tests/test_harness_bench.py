@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastelbo.cli import main
-from fastelbo.harness import bench, timing
+from fastelbo.harness import bench
 from fastelbo.harness.results import git_commit
 from fastelbo.harness.timing import quantiles
 
@@ -89,27 +89,12 @@ def test_a_row_faster_than_its_physical_floor_is_implausible():
 
 
 def test_every_kept_timed_call_is_judged_against_its_input_set():
-    good = [((0, None), (torch.arange(4.0),)), ((1, None), (torch.arange(4) + 1.0,))]
+    good = [(0, (torch.arange(4.0),)), (1, (torch.arange(4) + 1.0,))]
     row = bench._finish_row(_row(wall_ms=1.0, checks=good), _eager(), 1e-4, 1e-4)
     assert row["status"] == "ok" and row["timed_checked"] == 2
-    stale = [((0, None), (torch.arange(4.0),)), ((1, None), (torch.arange(4.0),))]  # set 0's
+    stale = [(0, (torch.arange(4.0),)), (1, (torch.arange(4.0),))]  # set 0's answer for set 1
     row = bench._finish_row(_row(wall_ms=1.0, checks=stale), _eager(), 1e-4, 1e-4)
     assert row["status"] == "INCORRECT" and "input set 1" in row["correct_detail"]
-
-
-def test_a_call_with_its_own_inputs_is_judged_against_the_references_recomputation():
-    """A timed call whose rows were reordered (a salt) is judged against the reference worker's
-    outputs for that key, not the set's; without them the row is UNCHECKED (exit 2), never
-    ok."""
-    own = [((1, 77), (torch.arange(4) + 5.0,))]
-    keyed = {4: {(1, 77): (torch.arange(4) + 5.0,)}}
-    row = bench._finish_row(_row(wall_ms=1.0, checks=own), _eager(), 1e-4, 1e-4, keyed)
-    assert row["status"] == "ok" and row["timed_checked"] == 1
-    wrong = {4: {(1, 77): (torch.arange(4) + 6.0,)}}
-    row = bench._finish_row(_row(wall_ms=1.0, checks=own), _eager(), 1e-4, 1e-4, wrong)
-    assert row["status"] == "INCORRECT" and "its own row order" in row["correct_detail"]
-    row = bench._finish_row(_row(wall_ms=1.0, checks=own), _eager(), 1e-4, 1e-4, {}, "died")
-    assert row["status"] == "UNCHECKED" and row["correct_detail"] == "died" and not row["correct"]
 
 
 # exploit (tests/candidates) -> the status bench must give it
@@ -266,35 +251,16 @@ def test_table_on_a_terminal_is_the_same_plain_text(capsys, monkeypatch):
     assert outs[0] == outs[1] and "1.0346 (1.0300-1.0400)" in outs[1]
 
 
-class _Recorder(torch.nn.Module):
-    """A model that records a hash of each call's inputs (what a memo would key on)."""
-
-    def __init__(self, seen):
-        super().__init__()
-        self.seen = seen
-
-    def forward(self, *xs):
-        self.seen.append(hash(b"".join(t.numpy().tobytes() for t in xs)))
-        return xs[0].sum(dim=-1)
-
-
-@pytest.mark.parametrize("batch", [1, 5, 64])
-def test_no_timed_call_repeats_inputs_a_memo_has_seen(batch):
-    """A memo keyed on the inputs' contents never hits in a timed call: from 16 rows up each
-    call's rows are in an order of their own (and its judged outputs are recomputed by the
-    reference for exactly those inputs); below, the pool holds a set per call. Before, the
-    pool's 2-16 sets repeated, and such a memo was ok at 6-7x eager on this CPU."""
-    mod = bench.loader.problem_module(str(TINY))
-    pool = bench._pool(mod, 3, batch, torch.device("cpu"), quick=False)
-    seen = []
-    model = _Recorder(seen)
-    for j in pool.order(10):  # as measure's warm-up and estimate calls
-        model(*pool.fresh(j))
-    before = set(seen)
-    seen.clear()
-    checks = timing.Checks()
-    timing.single_calls(model, pool, 100, checks)
-    assert len(set(seen)) == len(seen) == 100 and not set(seen) & before
-    for key, out in checks:  # the reference side rebuilds each judged call's inputs
-        (got,) = out  # kept as a tuple of outputs
-        assert torch.equal(model(*pool.keyed_inputs(key)), got)
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="open (#36): the pool repeats input sets across the "
+                   "timed calls, so a memo keyed on the inputs' contents answers right and fast; "
+                   "the fix makes every timed call's inputs unique")
+def test_a_memo_keyed_on_input_contents_shows_up_wrong_or_slow():
+    """Today bench calls the memo's row ok (6.3x eager where the reference is 1.0x, measured by
+    hand on this machine at B=256): when this starts to pass, drop the xfail."""
+    paths = [str(HERE / "candidates" / f"{n}.py") for n in ("exploit_content_memo",
+                                                             "reference_as_candidate")]
+    rows, code = bench.run_bench(TINY, paths, device="cpu", batch_sizes=[256],
+                                 compile_baseline=False, quick=True, out=None)
+    got = {Path(r["candidate"]).stem: r for r in rows}
+    assert got["exploit_content_memo"]["status"] != "ok" and code == 1, got

@@ -12,10 +12,8 @@ file with the device, versions, commit and seed (results.py).
 
 A speedup is only as good as the output behind it, and the candidate shares its process with
 the timer, so a row is "ok" only when (1) its seeded forward and every timed call kept for
-judging (timing.py: fresh inputs from a pool of distinct sets, each timed call's rows in an
-order of its own, a random one in eight and the last of each metric) match the reference's
-outputs for the same inputs (else INCORRECT): eager's for a set as it is, and for a timed
-call's own inputs a reference worker's, run after every entry (`bench_reference`); (2) no
+judging (timing.py: fresh inputs from a pool of distinct sets, a random one in eight and the
+last of each metric) match eager's outputs for the same input set (else INCORRECT); (2) no
 timer or output reader was replaced and no torch mode was left active (integrity.py; else
 TAMPERED); (3) no metric beats the physical floor (floor.py; else IMPLAUSIBLE). Any of these
 makes `bench` exit 1. The candidate's worker is confined as check's is (sandbox.py). Speedups
@@ -38,7 +36,7 @@ from .options import BenchOptions
 from .placement import pin_to_gpu, placement
 from .results import append_jsonl, environment, utc_now
 from .task_specs import implements
-from .timing import Budget, Pool, measure, pool_size, reorderable
+from .timing import Budget, Pool, measure, pool_size
 from .worker import TaskError, progress, run_task, traceback_tail
 
 EAGER, COMPILED = "eager", "torch.compile"
@@ -135,8 +133,8 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
             metrics, checks = measure(model, pool, dev, budget, reps)
             check = metrics.pop("graph_check", None)
             row.update(metrics, pool=len(pool.sets), checks_skipped=checks.skipped,
-                       checks=[(key, loader.to_host(o)) for key, o in checks],
-                       graph_check=check and ((check[0], None), loader.to_host(check[1])))
+                       checks=[(j, loader.to_host(o)) for j, o in checks],
+                       graph_check=check and (check[0], loader.to_host(check[1])))
             row["tampered"] = snapshot.changed() if snapshot is not None else []
             row["host"] = placement(dev)  # where this worker ran its timing loops
         except Exception as exc:  # noqa: BLE001 - one batch size failing is that row's result
@@ -151,34 +149,10 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     return {"batch_sizes": batch_sizes, "rows": rows, "unfinished": unfinished}
 
 
-@implements(specs.bench_reference)
-@torch.no_grad()
-def bench_reference(problem: str, device: str, seed: int, quick: bool, eval_mode: bool,
-                    keys: dict) -> dict:
-    """Worker side: the reference's outputs for the timed calls the parent judges, {batch
-    size: [(key, outputs)]}, each key (set, salt) rebuilt as the timed call had it
-    (Pool.keyed_inputs: the same pool, the same order of rows, the same seed)."""
-    dev = torch.device(device)
-    mod = loader.problem_module(problem)
-    model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, seed), seed)
-    model = model.to(dev)
-    if eval_mode:
-        model.eval()
-    out = {}
-    for n, wanted in keys.items():
-        progress(f"reference for {len(wanted)} timed call(s), batch {n}")
-        pool = _pool(mod, seed, n, dev, quick)
-        out[n] = [(tuple(key), loader.to_host(model(*pool.keyed_inputs(tuple(key))),
-                                             strict=True)) for key in wanted]
-        pool = None
-        loader.release(dev)
-    return out
-
-
 def _pool(mod, seed: int, n: int | None, dev: torch.device, quick: bool) -> Pool:
     """The batch size's distinct input sets (the same in every entry's worker: one seed)."""
     first = loader.draw_inputs(mod, seed + 1000, n)
-    count = pool_size(loader.nbytes(first), quick, reorderable(first))
+    count = pool_size(loader.nbytes(first), quick)
     sets = [first] + [loader.draw_inputs(mod, seed + 1000 * (j + 1), n) for j in range(1, count)]
     return Pool([loader.to_device(x, dev) for x in sets], [seed + j for j in range(count)],
                 random.Random(f"{seed}/{n}"))
@@ -241,7 +215,7 @@ def run_bench(problem: str, candidates: list[str] | None = None,
             "l2": "flushed before each events_ms call" if device.startswith("cuda") else None}
     confine = sandbox.for_candidates()
     results: dict[str, dict[int, dict]] = {}
-    rows, code, timed = [], 0, []
+    rows, code = [], 0
     for name, kind, path in entries:
         got, sizes = _entry_rows(batch_sizes, o.timeout, env,
                                  confine if kind == "candidate" else None, problem=prob,
@@ -257,47 +231,21 @@ def run_bench(problem: str, candidates: list[str] | None = None,
                              "status": "TAMPERED" if tampered else "ERROR",
                              "error": r["error"], "flags": [r["category"]]})
                 continue
-            rows.append(None)  # finished below, once the judged calls' references are known
-            timed.append((len(rows) - 1, {**base, "candidate": name, "confinement": (
-                confine if kind == "candidate" else {}).get("kind", "none"), **r}))
+            row = _finish_row({**base, "candidate": name, "confinement": (
+                confine if kind == "candidate" else {}).get("kind", "none"), **r},
+                results, o.atol, o.rtol)
+            code = max(code, 1 if row["status"] != "ok" or row["flags"] else 0)
+            rows.append(row)
         if kind == EAGER and not results[EAGER]:
             break  # no baseline at any size: nothing to compare with or divide by
-    keyed, why = _references([r for _, r in timed], prob, device, seed, o, env)
-    for i, r in timed:
-        rows[i] = _finish_row(r, results, o.atol, o.rtol, keyed, why)
-        unchecked = rows[i]["status"] == "UNCHECKED"  # the harness's failure, not the row's
-        code = max(code, 2 if unchecked else 1 if rows[i]["status"] != "ok" or rows[i]["flags"]
-                   else 0)
     if o.out is not None:
         append_jsonl(o.out, rows)
     return rows, code
 
 
-def _references(rows: list[dict], problem: str, device: str, seed: int, o: BenchOptions,
-                env: dict[str, str] | None) -> tuple[dict, str]:
-    """({batch size: {key: outputs}} for every judged timed call of `rows` whose inputs were
-    its own (a salt), from one reference worker; and why not, where it could not run."""
-    keys: dict = {}
-    for r in rows:
-        for (j, salt), _ in r.get("checks", ()):
-            if salt is not None:
-                keys.setdefault(r["batch_size"], set()).add((j, salt))
-    if not keys:
-        return {}, ""
-    outcome = run_task(bench_reference, o.timeout, env=env, problem=problem, device=device,
-                       seed=seed, quick=o.quick, eval_mode=o.eval_mode,
-                       keys={n: sorted(k) for n, k in keys.items()})
-    if not outcome.ok:
-        return {}, f"the reference for the timed calls could not run: {outcome.reason}"
-    return {n: dict(pairs) for n, pairs in outcome.result.items()}, ""
-
-
-def _finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict | None = None,
-                why: str = "") -> dict:
-    """Correctness against the reference (the seeded forward, then every timed call kept:
-    eager's outputs for a pool set as it is, `keyed` {batch size: {key: outputs}} for a timed
-    call's own inputs; `why` they are missing), the floor, speedups vs eager and
-    torch.compile, flags. The tensors leave the row here."""
+def _finish_row(row: dict, results: dict, atol: float, rtol: float) -> dict:
+    """Correctness against eager (the seeded forward, then every timed call kept), the floor,
+    speedups vs eager and torch.compile, flags. The tensors leave the row here."""
     n, outputs = row["batch_size"], row.pop("outputs")
     checks, graph = row.pop("checks", []), row.pop("graph_check", None)
     row.pop("pool_outputs", None)
@@ -308,11 +256,10 @@ def _finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict 
                    flags=["UNCHECKED"])
     else:
         row["status"], row["correct_detail"], row["timed_checked"] = _judge(
-            outputs, checks, graph, eager, atol, rtol, (keyed or {}).get(n, {}), why)
-        row["correct"] = row["status"] == "ok" or (None if row["status"] == "UNCHECKED"
-                                                     else False)
+            outputs, checks, graph, eager, atol, rtol)
+        row["correct"] = row["status"] == "ok"
         if row["status"] != "ok":
-            row["flags"].append(row["status"])  # INCORRECT, or UNCHECKED
+            row["flags"].append("INCORRECT")
         if eager.get("io_bytes") is not None:
             row.update(floors(eager.get("flops"), eager["io_bytes"], row["device"].split(":")[0],
                               row.get("device_name", "")))
@@ -345,31 +292,24 @@ def _finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict 
     return row
 
 
-def _judge(outputs, checks: list, graph, eager: dict, atol: float, rtol: float,
-           keyed: dict | None = None, why: str = "") -> tuple[str, str, int]:
+def _judge(outputs, checks: list, graph, eager: dict, atol: float,
+           rtol: float) -> tuple[str, str, int]:
     """(status, detail, timed calls judged): the seeded forward against eager's, each kept
-    timed call against the reference's outputs for its inputs (eager's for a set as it is,
-    `keyed`'s for a call's own; `why` these are missing: UNCHECKED), and the graph's first
-    forward where eager's own graph reproduces eager's outputs (random draws inside a graph
-    may not)."""
+    timed call against eager's outputs for its input set, and the graph's first forward where
+    eager's own graph reproduces eager's outputs (random draws inside a graph may not)."""
     cmp = compare_outputs(eager["outputs"], outputs, atol, rtol)
     if not cmp.ok:
         return "INCORRECT", _detail("the seeded forward", cmp), 0
-    refs, keyed = eager["pool_outputs"], keyed or {}
-    for k, ((j, salt), outs) in enumerate(checks):
-        ref = refs[j] if salt is None else keyed.get((j, salt))
-        if ref is None:
-            return "UNCHECKED", why or f"no reference for timed call (kept {k})", k
-        cmp = compare_outputs(ref, outs, atol, rtol)
+    refs = eager["pool_outputs"]
+    for k, (j, outs) in enumerate(checks):
+        cmp = compare_outputs(refs[j], outs, atol, rtol)
         if not cmp.ok:
-            return "INCORRECT", _detail(f"timed call (kept {k}, input set {j}"
-                                        f"{'' if salt is None else ', its own row order'})",
-                                        cmp), k
+            return "INCORRECT", _detail(f"timed call (kept {k}, input set {j})", cmp), k
     detail = ""
     own = eager.get("graph_check")
     if graph is not None and own is not None:
-        if compare_outputs(refs[own[0][0]], own[1], atol, rtol).ok:
-            cmp = compare_outputs(refs[graph[0][0]], graph[1], atol, rtol)
+        if compare_outputs(refs[own[0]], own[1], atol, rtol).ok:
+            cmp = compare_outputs(refs[graph[0]], graph[1], atol, rtol)
             if not cmp.ok:
                 return "INCORRECT", _detail("the CUDA graph's first forward", cmp), len(checks)
         else:

@@ -48,9 +48,6 @@ SAMPLE_EVERY = 8      # at least one timed call in this many is judged (and alwa
 JUDGE_ALL = 16        # up to this many timed calls, every one is judged
 POOL_BYTES = 1 << 29  # the pool's inputs at most (512 MiB), as 2 to POOL_MAX sets
 POOL_MAX = 16
-# Sets whose rows cannot be reordered (one row) get their uniqueness from the pool itself: up to
-# this many sets (within POOL_BYTES), each used once before any is used again.
-POOL_UNIQUE = 2048
 TOP_KERNELS = 8
 
 
@@ -72,77 +69,48 @@ class Budget:
         return min(self.reps, n), min(self.calls, n)
 
 
-def pool_size(set_bytes: int, quick: bool = False, reorderable: bool = True) -> int:
-    """How many distinct input sets the pool holds: as many as POOL_BYTES allows, 2 to 16; for
-    sets whose rows cannot be reordered up to POOL_UNIQUE (64 quick), so that no timed call's
-    inputs repeat an earlier one's where memory allows."""
-    top = (4 if quick else POOL_MAX) if reorderable else (64 if quick else POOL_UNIQUE)
-    return max(2, min(top, POOL_BYTES // max(set_bytes, 1)))
+def pool_size(set_bytes: int, quick: bool = False) -> int:
+    """How many distinct input sets the pool holds: as many as POOL_BYTES allows, 2 to 16."""
+    return max(2, min(4 if quick else POOL_MAX, POOL_BYTES // max(set_bytes, 1)))
 
 
 class Pool:
     """Distinct input sets on the device and the seed of each set's forward. `fresh(j)` seeds
     the generators for set j and returns new copies of its inputs (the clones are made on the
-    current stream, before any timed window opens).
-
-    A timed call's inputs are unique (`fresh(j, unique=True)`): set j with its rows (dim 0 of
-    every tensor as long as the first one's) in an order of their own, drawn from a salt no
-    other call of this pool gets, so that an answer memoised by the inputs' contents is never
-    asked for again. `key` names the last call's inputs, (j, salt); the parent has the
-    reference recompute the judged ones (`keyed_inputs`). salt None: set j as it is, where the
-    rows are too few to reorder (`reorderable`): there the pool holds more sets and `order`
-    uses each once before any again, so the calls repeat no inputs while the pool lasts."""
+    current stream, before any timed window opens)."""
 
     def __init__(self, sets: list[list], seeds: list[int], rng: random.Random):
         self.sets, self.seeds, self.rng = sets, seeds, rng
-        self._last, self._prev, self._deck = -1, None, []
-        self._salt = rng.getrandbits(62)  # then one more per unique call
-        self.key: tuple[int, int | None] = (0, None)
+        self._last, self._prev = -1, None
 
     def order(self, n: int) -> list[int]:
-        """n set indices, shuffled: each set once before any set again (a deck, reshuffled
-        when used up), no set twice in a row (nor as the previous order's end)."""
+        """n set indices, shuffled, no set twice in a row (nor as the previous order's end)."""
         out = []
         for _ in range(n):
-            if not self._deck:
-                self._deck = list(range(len(self.sets)))
-                self.rng.shuffle(self._deck)
-                if self._deck[-1] == self._last:  # drawn from the end: not the last one again
-                    self._deck[0], self._deck[-1] = self._deck[-1], self._deck[0]
-            j = self._deck.pop()
+            if self._last < 0:
+                j = self.rng.randrange(len(self.sets))
+            else:  # any set but the last one
+                j = self.rng.randrange(len(self.sets) - 1)
+                j = j + 1 if j >= self._last else j
             out.append(j)
             self._last = j
         return out
 
-    def fresh(self, j: int, recycle: bool = True, unique: bool = False) -> list:
+    def fresh(self, j: int, recycle: bool = True) -> list:
         """Set j's inputs for one call: new tensors every other call, and otherwise the
         previous call's tensors refilled with set j (same storage, other contents), so that
         a candidate keying answers on input identity returns a stale one. `recycle=False`
-        for inputs prepared ahead of a loop (they must not share storage). `unique`: a timed
-        call's, its rows reordered by a salt of its own (the class docstring); `key` says."""
-        salt = None
-        if unique and reorderable(self.sets[j]):
-            self._salt += 1
-            salt = self._salt
-        src = reordered(self.sets[j], salt)
+        for inputs prepared ahead of a loop (they must not share storage)."""
         prev, self._prev = self._prev, None
         if recycle and prev is not None and all(
                 not isinstance(t, torch.Tensor) or (isinstance(p, torch.Tensor)
                                                    and p.shape == t.shape and p.dtype == t.dtype)
-                for p, t in zip(prev, src)):
-            x = [p.copy_(t) if isinstance(t, torch.Tensor) else t for p, t in zip(prev, src)]
+                for p, t in zip(prev, self.sets[j])):
+            x = [p.copy_(t) if isinstance(t, torch.Tensor) else t
+                 for p, t in zip(prev, self.sets[j])]
         else:
-            x = [t.clone() if isinstance(t, torch.Tensor) and salt is None else t for t in src]
+            x = [t.clone() if isinstance(t, torch.Tensor) else t for t in self.sets[j]]
             self._prev = x
-        self.key = (j, salt)
-        torch.manual_seed(self.seeds[j])
-        return x
-
-    def keyed_inputs(self, key: tuple[int, int | None]) -> list:
-        """The inputs a call keyed `key` had, the generators seeded as for it (the reference's
-        side of a judged timed call)."""
-        j, salt = key
-        x = [t.clone() if isinstance(t, torch.Tensor) else t for t in reordered(self.sets[j], salt)]
         torch.manual_seed(self.seeds[j])
         return x
 
@@ -155,49 +123,11 @@ class Pool:
         return set(self.rng.sample(range(n), k)) | {n - 1}
 
 
-def _rows(inputs: list) -> int:
-    """The row count the reorder applies to: dim 0 of the first tensor input (0: none)."""
-    first = next((t for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
-    return 0 if first is None else first.shape[0]
-
-
-# Rows from which a reorder makes a call's inputs its own: 16! orders, so that no two of a
-# bench's few thousand calls draw the same one (nor the identity) but once in ~10^7 runs.
-REORDER_ROWS = 16
-
-
-def reorderable(inputs: list) -> bool:
-    """Whether reordering the rows gives every timed call inputs of its own (REORDER_ROWS);
-    fewer rows take their uniqueness from a larger pool (pool_size)."""
-    return _rows(inputs) >= REORDER_ROWS
-
-
-def reordered(inputs: list, salt: int | None) -> list:
-    """`inputs` with the rows of every tensor whose dim 0 is the first one's put in one order
-    drawn from `salt` (the same order for all of them: inputs that go together by row stay
-    together; new tensors); as they are for salt None. The same salt gives the same order in
-    any process."""
-    if salt is None:
-        return inputs
-    n = _rows(inputs)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(salt))
-    on = {}
-    out = []
-    for t in inputs:
-        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == n:
-            if t.device not in on:
-                on[t.device] = order.to(t.device)
-            t = t.index_select(0, on[t.device])
-        out.append(t)
-    return out
-
-
 KEEP_BYTES = 1 << 30  # outputs kept for judging, at most (each metric's last always is)
 
 
 class Checks(list):
-    """The timed calls' outputs kept for judging, [(key, outputs)] (Pool.key: the set and the
-    salt of its rows' order), as device copies (no sync
+    """The timed calls' outputs kept for judging, [(set, outputs)], as device copies (no sync
     inside a timing loop). Past KEEP_BYTES only each metric's last call is kept (a problem
     whose outputs take GBs); `skipped` counts the sampled calls left unjudged so."""
 
@@ -205,7 +135,7 @@ class Checks(list):
         super().__init__()
         self.bytes, self.skipped = 0, 0
 
-    def keep(self, key: tuple[int, int | None], out, last: bool) -> None:
+    def keep(self, j: int, out, last: bool) -> None:
         from .compare import as_tuple
         from .loader import nbytes, to_host
         size = nbytes(as_tuple(out))
@@ -213,7 +143,7 @@ class Checks(list):
             self.skipped += 1
             return
         self.bytes += size
-        self.append((key, to_host(out, keep_device=True, strict=True)))
+        self.append((j, to_host(out, keep_device=True, strict=True)))
 
 
 def quantiles(ms: list[float]) -> tuple[float, float, float]:
@@ -273,8 +203,7 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
     order, sample = pool.order(reps), pool.sample(reps)
     pairs = []
     for k, j in enumerate(order):
-        x = pool.fresh(j, unique=True)
-        key = pool.key
+        x = pool.fresh(j)
         if flush is not None:  # as KernelBench: idle device, then the flush, then the call
             if flush.reset is not None:
                 flush.reset()
@@ -290,7 +219,7 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
             synced.append((_perf() - t0) * 1e3)
         pairs.append((start, end))
         if k in sample:
-            checks.keep(key, out, k == reps - 1)
+            checks.keep(j, out, k == reps - 1)
         del out, x
     _sync_all()
     return quantiles([_elapsed(s, e) for s, e in pairs])
@@ -304,8 +233,7 @@ def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: C
     per = []
     for _ in range(rounds):
         order = pool.order(calls)
-        inputs = [pool.fresh(j, recycle=False, unique=True) for j in order]
-        key = pool.key  # the last call's, the one judged
+        inputs = [pool.fresh(j, recycle=False) for j in order]
         _sync(device)
         t0 = _perf()
         for k, x in enumerate(inputs):
@@ -314,7 +242,7 @@ def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: C
             out = model(*x)
         _sync(device)
         per.append((_perf() - t0) * 1e3 / calls)
-        checks.keep(key, out, len(per) == rounds)
+        checks.keep(order[-1], out, len(per) == rounds)
         del out, inputs
     return statistics.median(per)
 
@@ -323,20 +251,19 @@ def single_calls(model, pool: Pool, reps: int, checks: Checks) -> float:
     """CPU: host time of single calls on fresh inputs (ms, median); sampled outputs judged."""
     order, sample, ms = pool.order(reps), pool.sample(reps), []
     for k, j in enumerate(order):
-        x = pool.fresh(j, unique=True)
-        key = pool.key
+        x = pool.fresh(j)
         t0 = _perf()
         out = model(*x)
         ms.append((_perf() - t0) * 1e3)
         if k in sample:
-            checks.keep(key, out, k == reps - 1)
+            checks.keep(j, out, k == reps - 1)
     return statistics.median(ms)
 
 
 def escape_check(model, pool: Pool, calls: int) -> tuple[float, float, bool]:
     """(event ms per call, synced wall ms per call, escaped?) over the same N calls."""
     order = pool.order(calls)
-    inputs = [pool.fresh(j, recycle=False, unique=True) for j in order]
+    inputs = [pool.fresh(j, recycle=False) for j in order]
     start, end = _Event(enable_timing=True), _Event(enable_timing=True)
     _sync_all()
     t0 = _perf()
@@ -414,7 +341,7 @@ def kernel_times(model, pool: Pool, calls: int = 5) -> dict:
     """Device time per call of each kernel the forward ran (torch.profiler, CUPTI), whatever
     stream it ran on: {kernel_ms, kernels: [{name, us, count}] of the TOP_KERNELS longest}."""
     from torch.profiler import ProfilerActivity, profile
-    inputs = [pool.fresh(j, recycle=False, unique=True) for j in pool.order(calls)]
+    inputs = [pool.fresh(j, recycle=False) for j in pool.order(calls)]
     _sync_all()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for x in inputs:
