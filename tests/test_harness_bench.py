@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastelbo.cli import main
-from fastelbo.harness import bench
+from fastelbo.harness import bench, timing
 from fastelbo.harness.results import git_commit
 from fastelbo.harness.timing import quantiles
 
@@ -58,9 +58,12 @@ def test_a_candidate_that_cannot_run_gives_error_rows(tmp_path):
 
 def _eager(n: int = 4, **extra) -> dict:
     out = (torch.arange(float(n)),)
-    return {bench.EAGER: {n: {"outputs": out, "pool_outputs": [out, (torch.arange(n) + 1.0,)],
-                              "events_ms": 1.0, "wall_ms": 1.0, "flops": 10**6, "io_bytes": 1000,
-                              **extra}}}
+    return {bench.EAGER: {n: {"outputs": out, "events_ms": 1.0, "wall_ms": 1.0, "flops": 10**6,
+                              "io_bytes": 1000, **extra}}}
+
+
+# The reference worker's outputs for pool sets 0 and 1 at batch 4 (bench_reference).
+REFS = {4: {0: (torch.arange(4.0),), 1: (torch.arange(4) + 1.0,)}}
 
 
 def _row(n: int = 4, **extra) -> dict:
@@ -89,12 +92,16 @@ def test_a_row_faster_than_its_physical_floor_is_implausible():
 
 
 def test_every_kept_timed_call_is_judged_against_its_input_set():
+    """Against the reference worker's outputs for that set; without them the row is UNCHECKED
+    (bench exits 2), never ok."""
     good = [(0, (torch.arange(4.0),)), (1, (torch.arange(4) + 1.0,))]
-    row = bench._finish_row(_row(wall_ms=1.0, checks=good), _eager(), 1e-4, 1e-4)
+    row = bench._finish_row(_row(wall_ms=1.0, checks=good), _eager(), 1e-4, 1e-4, REFS)
     assert row["status"] == "ok" and row["timed_checked"] == 2
     stale = [(0, (torch.arange(4.0),)), (1, (torch.arange(4.0),))]  # set 0's answer for set 1
-    row = bench._finish_row(_row(wall_ms=1.0, checks=stale), _eager(), 1e-4, 1e-4)
+    row = bench._finish_row(_row(wall_ms=1.0, checks=stale), _eager(), 1e-4, 1e-4, REFS)
     assert row["status"] == "INCORRECT" and "input set 1" in row["correct_detail"]
+    row = bench._finish_row(_row(wall_ms=1.0, checks=good), _eager(), 1e-4, 1e-4, {}, "died")
+    assert row["status"] == "UNCHECKED" and row["correct_detail"] == "died" and not row["correct"]
 
 
 # exploit (tests/candidates) -> the status bench must give it
@@ -105,6 +112,9 @@ TIMING_EXPLOITS = {
     "exploit_memory_reuse": {"INCORRECT"},
     "exploit_lazy_output": {"INCORRECT"},
     "exploit_background_thread": {"INCORRECT"},
+    # right answers: what keeps it from being fast is that no timed call repeats its inputs
+    # (test_no_timed_call_repeats_inputs_a_memo_has_seen)
+    "exploit_content_memo": {"ok"},
     "exploit_lazy_mode": {"TAMPERED"},
     "exploit_patches_timers": {"TAMPERED"},
     "reference_as_candidate": {"ok"},
@@ -251,16 +261,37 @@ def test_table_on_a_terminal_is_the_same_plain_text(capsys, monkeypatch):
     assert outs[0] == outs[1] and "1.0346 (1.0300-1.0400)" in outs[1]
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="open (#36): the pool repeats input sets across the "
-                   "timed calls, so a memo keyed on the inputs' contents answers right and fast; "
-                   "the fix makes every timed call's inputs unique")
-def test_a_memo_keyed_on_input_contents_shows_up_wrong_or_slow():
-    """Today bench calls the memo's row ok (6.3x eager where the reference is 1.0x, measured by
-    hand on this machine at B=256): when this starts to pass, drop the xfail."""
-    paths = [str(HERE / "candidates" / f"{n}.py") for n in ("exploit_content_memo",
-                                                             "reference_as_candidate")]
-    rows, code = bench.run_bench(TINY, paths, device="cpu", batch_sizes=[256],
-                                 compile_baseline=False, quick=True, out=None)
-    got = {Path(r["candidate"]).stem: r for r in rows}
-    assert got["exploit_content_memo"]["status"] != "ok" and code == 1, got
+class _Recorder(torch.nn.Module):
+    """A model that records a hash of each call's inputs (what a memo would key on)."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, *xs):
+        self.seen.append(hash(b"".join(t.numpy().tobytes() for t in xs)))
+        return xs[0].sum(dim=-1)
+
+
+@pytest.mark.parametrize("batch", [1, 5, 64])
+def test_no_timed_call_repeats_inputs_a_memo_has_seen(batch):
+    """Where the pool holds a set per timed call (sets drawn by get_inputs itself, so their
+    structure is the problem's), a memo keyed on the inputs' contents never hits in a timed
+    call: the pool deals each set once before any again. Before, its 2-16 sets repeated, and
+    such a memo was ok at 6-7x eager on this CPU (tests/candidates/exploit_content_memo.py).
+    The reference side rebuilds the judged sets exactly (bench_reference's pool)."""
+    mod = bench.loader.problem_module(str(TINY))
+    pool = bench._pool(mod, 3, batch, torch.device("cpu"), quick=False)
+    assert len(pool.sets) > 150
+    seen = []
+    model = _Recorder(seen)
+    for j in pool.order(10):  # as measure's warm-up and estimate calls
+        model(*pool.fresh(j))
+    before = set(seen)
+    seen.clear()
+    checks = timing.Checks()
+    timing.single_calls(model, pool, 100, checks)
+    assert len(set(seen)) == len(seen) == 100 and not set(seen) & before
+    again = bench._pool(mod, 3, batch, torch.device("cpu"), quick=False)
+    for j, (got,) in checks:
+        assert torch.equal(model(*again.fresh(j)), got)

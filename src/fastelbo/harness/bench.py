@@ -12,8 +12,10 @@ file with the device, versions, commit and seed (results.py).
 
 A speedup is only as good as the output behind it, and the candidate shares its process with
 the timer, so a row is "ok" only when (1) its seeded forward and every timed call kept for
-judging (timing.py: fresh inputs from a pool of distinct sets, a random one in eight and the
-last of each metric) match eager's outputs for the same input set (else INCORRECT); (2) no
+judging (timing.py: fresh inputs from a pool of distinct sets, a set per timed call where
+memory allows, a random one in eight and the last of each metric) match the reference's
+outputs for the same input set (else INCORRECT), recomputed by a reference worker after every
+entry (`bench_reference`) for the judged sets only; (2) no
 timer or output reader was replaced and no torch mode was left active (integrity.py; else
 TAMPERED); (3) no metric beats the physical floor (floor.py; else IMPLAUSIBLE). Any of these
 makes `bench` exit 1. The candidate's worker is confined as check's is (sandbox.py). Speedups
@@ -83,8 +85,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                 batch_sizes: list[int] | None, seed: int, quick: bool, graph_reps: int,
                 eval_mode: bool = False) -> dict:
     """Worker side: per batch size, outputs of one seeded forward, the metrics (timing.py) and
-    the timed calls' outputs (`checks`); eager also returns its outputs for every pool set
-    (what the others' timed calls are judged against) and the problem's FLOPs and bytes.
+    the timed calls' outputs (`checks`); eager also returns the problem's FLOPs and bytes.
 
     A batch size that raises gives a row with "error"; if the device is unusable afterwards,
     the sizes not yet run are returned as "unfinished" for the parent to retry elsewhere.
@@ -125,9 +126,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
         try:
             pool = _pool(mod, seed, n, dev, quick)
             row["outputs"] = loader.to_host(model(*pool.fresh(0)), strict=True)
-            if kind == EAGER:  # the reference for every timed call of every entry
-                row["pool_outputs"] = [loader.to_host(model(*pool.fresh(j)))
-                                       for j in range(len(pool.sets))]
+            if kind == EAGER:
                 row["flops"] = count_flops(model, pool.fresh(0))
                 row["io_bytes"] = loader.nbytes(pool.sets[0]) + loader.nbytes(row["outputs"])
             metrics, checks = measure(model, pool, dev, budget, reps)
@@ -147,6 +146,29 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
         rows.append(row)
         loader.release(dev)
     return {"batch_sizes": batch_sizes, "rows": rows, "unfinished": unfinished}
+
+
+@implements(specs.bench_reference)
+@torch.no_grad()
+def bench_reference(problem: str, device: str, seed: int, quick: bool, eval_mode: bool,
+                    keys: dict) -> dict:
+    """Worker side: the reference's outputs for the pool sets the parent judges timed calls
+    on, {batch size: [(set, outputs)]}: the same pool as every entry's (one seed), each set's
+    forward under its seed."""
+    dev = torch.device(device)
+    mod = loader.problem_module(problem)
+    model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, seed), seed)
+    model = model.to(dev)
+    if eval_mode:
+        model.eval()
+    out = {}
+    for n, wanted in keys.items():
+        progress(f"reference for {len(wanted)} timed call(s), batch {n}")
+        pool = _pool(mod, seed, n, dev, quick)
+        out[n] = [(j, loader.to_host(model(*pool.fresh(j)), strict=True)) for j in wanted]
+        pool = None
+        loader.release(dev)
+    return out
 
 
 def _pool(mod, seed: int, n: int | None, dev: torch.device, quick: bool) -> Pool:
@@ -215,7 +237,7 @@ def run_bench(problem: str, candidates: list[str] | None = None,
             "l2": "flushed before each events_ms call" if device.startswith("cuda") else None}
     confine = sandbox.for_candidates()
     results: dict[str, dict[int, dict]] = {}
-    rows, code = [], 0
+    rows, code, timed = [], 0, []
     for name, kind, path in entries:
         got, sizes = _entry_rows(batch_sizes, o.timeout, env,
                                  confine if kind == "candidate" else None, problem=prob,
@@ -231,24 +253,49 @@ def run_bench(problem: str, candidates: list[str] | None = None,
                              "status": "TAMPERED" if tampered else "ERROR",
                              "error": r["error"], "flags": [r["category"]]})
                 continue
-            row = _finish_row({**base, "candidate": name, "confinement": (
-                confine if kind == "candidate" else {}).get("kind", "none"), **r},
-                results, o.atol, o.rtol)
-            code = max(code, 1 if row["status"] != "ok" or row["flags"] else 0)
-            rows.append(row)
+            rows.append(None)  # finished below, once the judged calls' references are known
+            timed.append((len(rows) - 1, {**base, "candidate": name, "confinement": (
+                confine if kind == "candidate" else {}).get("kind", "none"), **r}))
         if kind == EAGER and not results[EAGER]:
             break  # no baseline at any size: nothing to compare with or divide by
+    keyed, why = _references([r for _, r in timed], prob, device, seed, o, env)
+    for i, r in timed:
+        rows[i] = _finish_row(r, results, o.atol, o.rtol, keyed, why)
+        unchecked = rows[i]["status"] == "UNCHECKED"  # the harness's failure, not the row's
+        code = max(code, 2 if unchecked else 1 if rows[i]["status"] != "ok" or rows[i]["flags"]
+                   else 0)
     if o.out is not None:
         append_jsonl(o.out, rows)
     return rows, code
 
 
-def _finish_row(row: dict, results: dict, atol: float, rtol: float) -> dict:
-    """Correctness against eager (the seeded forward, then every timed call kept), the floor,
-    speedups vs eager and torch.compile, flags. The tensors leave the row here."""
+def _references(rows: list[dict], problem: str, device: str, seed: int, o: BenchOptions,
+                env: dict[str, str] | None) -> tuple[dict, str]:
+    """({batch size: {set: outputs}} for every pool set a judged timed call of `rows` (or a
+    graph check) ran on, from one reference worker; and why not, where it could not run."""
+    keys: dict = {}
+    for r in rows:
+        graph = [r["graph_check"]] if r.get("graph_check") else []
+        for j, _ in [*r.get("checks", ()), *graph]:
+            keys.setdefault(r["batch_size"], set()).add(j)
+    if not keys:
+        return {}, ""
+    outcome = run_task(bench_reference, o.timeout, env=env, problem=problem, device=device,
+                       seed=seed, quick=o.quick, eval_mode=o.eval_mode,
+                       keys={n: sorted(k) for n, k in keys.items()})
+    if not outcome.ok:
+        return {}, f"the reference for the timed calls could not run: {outcome.reason}"
+    return {n: dict(pairs) for n, pairs in outcome.result.items()}, ""
+
+
+def _finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict | None = None,
+                why: str = "") -> dict:
+    """Correctness against the reference (eager's seeded forward, then every timed call kept
+    against `keyed` {batch size: {set: outputs}}, the reference worker's; `why` they are
+    missing), the floor, speedups vs eager and torch.compile, flags. The tensors leave the row
+    here."""
     n, outputs = row["batch_size"], row.pop("outputs")
     checks, graph = row.pop("checks", []), row.pop("graph_check", None)
-    row.pop("pool_outputs", None)
     eager = results[EAGER].get(n)
     row["flags"] = []
     if eager is None:  # eager failed at this size: speed without a correctness check
@@ -256,10 +303,11 @@ def _finish_row(row: dict, results: dict, atol: float, rtol: float) -> dict:
                    flags=["UNCHECKED"])
     else:
         row["status"], row["correct_detail"], row["timed_checked"] = _judge(
-            outputs, checks, graph, eager, atol, rtol)
-        row["correct"] = row["status"] == "ok"
+            outputs, checks, graph, eager, atol, rtol, (keyed or {}).get(n, {}), why)
+        row["correct"] = row["status"] == "ok" or (None if row["status"] == "UNCHECKED"
+                                                     else False)
         if row["status"] != "ok":
-            row["flags"].append("INCORRECT")
+            row["flags"].append(row["status"])  # INCORRECT, or UNCHECKED
         if eager.get("io_bytes") is not None:
             row.update(floors(eager.get("flops"), eager["io_bytes"], row["device"].split(":")[0],
                               row.get("device_name", "")))
@@ -292,23 +340,29 @@ def _finish_row(row: dict, results: dict, atol: float, rtol: float) -> dict:
     return row
 
 
-def _judge(outputs, checks: list, graph, eager: dict, atol: float,
-           rtol: float) -> tuple[str, str, int]:
+def _judge(outputs, checks: list, graph, eager: dict, atol: float, rtol: float,
+           keyed: dict | None = None, why: str = "") -> tuple[str, str, int]:
     """(status, detail, timed calls judged): the seeded forward against eager's, each kept
-    timed call against eager's outputs for its input set, and the graph's first forward where
-    eager's own graph reproduces eager's outputs (random draws inside a graph may not)."""
+    timed call against the reference's outputs for its set (`keyed`; `why` they are missing:
+    UNCHECKED), and the graph's first forward where eager's own graph reproduces the
+    reference's outputs (random draws inside a graph may not)."""
     cmp = compare_outputs(eager["outputs"], outputs, atol, rtol)
     if not cmp.ok:
         return "INCORRECT", _detail("the seeded forward", cmp), 0
-    refs = eager["pool_outputs"]
+    refs = keyed or {}
     for k, (j, outs) in enumerate(checks):
+        if j not in refs:
+            return "UNCHECKED", why or f"no reference for timed call (kept {k})", k
         cmp = compare_outputs(refs[j], outs, atol, rtol)
         if not cmp.ok:
             return "INCORRECT", _detail(f"timed call (kept {k}, input set {j})", cmp), k
     detail = ""
     own = eager.get("graph_check")
     if graph is not None and own is not None:
-        if compare_outputs(refs[own[0]], own[1], atol, rtol).ok:
+        if own[0] in refs and compare_outputs(refs[own[0]], own[1], atol, rtol).ok:
+            if graph[0] not in refs:
+                return "UNCHECKED", why or "no reference for the CUDA graph's input set", \
+                    len(checks)
             cmp = compare_outputs(refs[graph[0]], graph[1], atol, rtol)
             if not cmp.ok:
                 return "INCORRECT", _detail("the CUDA graph's first forward", cmp), len(checks)

@@ -168,3 +168,9 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                 batch_sizes: list[int] | None, seed: int, quick: bool, graph_reps: int,
                 eval_mode: bool = False) -> dict:
     """One bench entry's rows: correctness outputs and timings per batch size."""
+
+
+@declare(BENCH)
+def bench_reference(problem: str, device: str, seed: int, quick: bool, eval_mode: bool,
+                    keys: dict) -> dict:
+    """The reference's outputs for the judged timed calls' own inputs, per batch size."""

@@ -46,8 +46,8 @@ _sync_all = torch.cuda.synchronize
 ESCAPE_FACTOR, ESCAPE_MIN_MS = 2.0, 0.05
 SAMPLE_EVERY = 8      # at least one timed call in this many is judged (and always the last)
 JUDGE_ALL = 16        # up to this many timed calls, every one is judged
-POOL_BYTES = 1 << 29  # the pool's inputs at most (512 MiB), as 2 to POOL_MAX sets
-POOL_MAX = 16
+POOL_BYTES = 1 << 29  # the pool's inputs at most (512 MiB)
+POOL_MAX = 2048       # sets: enough for one per timed call of a bench entry (4 to 64 quick)
 TOP_KERNELS = 8
 
 
@@ -70,28 +70,37 @@ class Budget:
 
 
 def pool_size(set_bytes: int, quick: bool = False) -> int:
-    """How many distinct input sets the pool holds: as many as POOL_BYTES allows, 2 to 16."""
-    return max(2, min(4 if quick else POOL_MAX, POOL_BYTES // max(set_bytes, 1)))
+    """How many distinct input sets the pool holds: one per timed call where POOL_BYTES allows
+    (POOL_MAX, 64 quick), else as many as it allows, at least 2."""
+    return max(2, min(64 if quick else POOL_MAX, POOL_BYTES // max(set_bytes, 1)))
 
 
 class Pool:
-    """Distinct input sets on the device and the seed of each set's forward. `fresh(j)` seeds
-    the generators for set j and returns new copies of its inputs (the clones are made on the
-    current stream, before any timed window opens)."""
+    """Distinct input sets on the device (each drawn by the problem's own get_inputs, so any
+    structure it builds is kept) and the seed of each set's forward. `fresh(j)` seeds the
+    generators for set j and returns new copies of its inputs (the clones are made on the
+    current stream, before any timed window opens). `order` deals every set once before any
+    set again: where the pool holds a set per timed call, no call's inputs repeat an earlier
+    one's, so an answer memoised by the inputs' contents is never asked for again (a pool of
+    large sets must repeat them). The judged calls are recomputed by the reference, set by set
+    (bench.bench_reference), not every set's outputs kept.
+    """
 
     def __init__(self, sets: list[list], seeds: list[int], rng: random.Random):
         self.sets, self.seeds, self.rng = sets, seeds, rng
-        self._last, self._prev = -1, None
+        self._last, self._prev, self._deck = -1, None, []
 
     def order(self, n: int) -> list[int]:
-        """n set indices, shuffled, no set twice in a row (nor as the previous order's end)."""
+        """n set indices, shuffled: each set once before any set again (a deck, reshuffled
+        when used up), no set twice in a row (nor as the previous order's end)."""
         out = []
         for _ in range(n):
-            if self._last < 0:
-                j = self.rng.randrange(len(self.sets))
-            else:  # any set but the last one
-                j = self.rng.randrange(len(self.sets) - 1)
-                j = j + 1 if j >= self._last else j
+            if not self._deck:
+                self._deck = list(range(len(self.sets)))
+                self.rng.shuffle(self._deck)
+                if self._deck[-1] == self._last:  # drawn from the end: not the last one again
+                    self._deck[0], self._deck[-1] = self._deck[-1], self._deck[0]
+            j = self._deck.pop()
             out.append(j)
             self._last = j
         return out
