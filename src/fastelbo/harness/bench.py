@@ -150,11 +150,11 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
 
 @implements(specs.bench_reference)
 @torch.no_grad()
-def bench_reference(problem: str, device: str, seed: int, quick: bool, eval_mode: bool,
+def bench_reference(problem: str, device: str, seed: int, eval_mode: bool,
                     keys: dict) -> dict:
     """Worker side: the reference's outputs for the pool sets the parent judges timed calls
-    on, {batch size: [(set, outputs)]}: the same pool as every entry's (one seed), each set's
-    forward under its seed."""
+    on, {batch size: [(set, outputs)]}: each set drawn as every entry's pool draws it (one
+    seed; only the wanted ones), its forward under the set's seed as Pool.fresh seeds it."""
     dev = torch.device(device)
     mod = loader.problem_module(problem)
     model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, seed), seed)
@@ -164,19 +164,32 @@ def bench_reference(problem: str, device: str, seed: int, quick: bool, eval_mode
     out = {}
     for n, wanted in keys.items():
         progress(f"reference for {len(wanted)} timed call(s), batch {n}")
-        pool = _pool(mod, seed, n, dev, quick)
-        out[n] = [(j, loader.to_host(model(*pool.fresh(j)), strict=True)) for j in wanted]
-        pool = None
+        out[n] = []
+        for j in wanted:
+            x = loader.to_device(_set_inputs(mod, seed, n, j), dev)
+            torch.manual_seed(_set_seed(seed, j))
+            out[n].append((j, loader.to_host(model(*x), strict=True)))
         loader.release(dev)
     return out
 
 
+def _set_inputs(mod, seed: int, n: int | None, j: int) -> list:
+    """Pool set j's inputs at batch size n, on the CPU (the same in every worker: one seed)."""
+    return loader.draw_inputs(mod, seed + 1000 * (j + 1), n)
+
+
+def _set_seed(seed: int, j: int) -> int:
+    """The seed of pool set j's forward."""
+    return seed + j
+
+
 def _pool(mod, seed: int, n: int | None, dev: torch.device, quick: bool) -> Pool:
     """The batch size's distinct input sets (the same in every entry's worker: one seed)."""
-    first = loader.draw_inputs(mod, seed + 1000, n)
+    first = _set_inputs(mod, seed, n, 0)
     count = pool_size(loader.nbytes(first), quick)
-    sets = [first] + [loader.draw_inputs(mod, seed + 1000 * (j + 1), n) for j in range(1, count)]
-    return Pool([loader.to_device(x, dev) for x in sets], [seed + j for j in range(count)],
+    sets = [first] + [_set_inputs(mod, seed, n, j) for j in range(1, count)]
+    return Pool([loader.to_device(x, dev) for x in sets], [_set_seed(seed, j)
+                                                           for j in range(count)],
                 random.Random(f"{seed}/{n}"))
 
 
@@ -281,7 +294,7 @@ def _references(rows: list[dict], problem: str, device: str, seed: int, o: Bench
     if not keys:
         return {}, ""
     outcome = run_task(bench_reference, o.timeout, env=env, problem=problem, device=device,
-                       seed=seed, quick=o.quick, eval_mode=o.eval_mode,
+                       seed=seed, eval_mode=o.eval_mode,
                        keys={n: sorted(k) for n, k in keys.items()})
     if not outcome.ok:
         return {}, f"the reference for the timed calls could not run: {outcome.reason}"

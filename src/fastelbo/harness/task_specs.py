@@ -171,6 +171,6 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
 
 
 @declare(BENCH)
-def bench_reference(problem: str, device: str, seed: int, quick: bool, eval_mode: bool,
+def bench_reference(problem: str, device: str, seed: int, eval_mode: bool,
                     keys: dict) -> dict:
     """The reference's outputs for the judged timed calls' own inputs, per batch size."""
