@@ -122,6 +122,7 @@ class _Ext:
 
     def __init__(self, refuse=None):
         self.refuse, self.calls, self.last = refuse, [], 0
+        self.entries = []  # every entry called, by name
 
     def forward(self, *args):
         self.calls.append(args)
@@ -132,8 +133,20 @@ class _Ext:
         return [args[0].new_empty(args[0].shape[0]) for _ in range(3)]
 
     def checked_start(self, x, eps, params, validate):
+        self.entries.append("checked_start")
         self.last = self.refuse or 0
         return self.last
+
+    class BackwardOptions:
+        pass
+
+    def backward(self, x, eps, params, grads, options):
+        self.entries.append("backward")
+        self.grads = grads
+        self.last = self.refuse or 0
+        if self.refuse is not None:
+            return []
+        return [x.new_empty(0), eps.new_empty(0), *(p.new_empty(p.shape) for p in params)]
 
     def last_status(self):
         return self.last
@@ -253,6 +266,27 @@ def test_a_refusal_raises_the_contracts_exception(fake, monkeypatch, entry):
         with pytest.raises(exc, match=match):
             getattr(cuda, entry)(*args)
         assert len(ext.calls) == (entry == "forward_prepared")
+
+
+def test_backward_makes_one_binding_call_and_raises_its_refusal(fake, monkeypatch):
+    """The training step's backward: its own binding call checks the inputs (no separate
+    checked_start), and a refusal raises the contract's exception for it; gemm='tc' asks
+    first, as its test reads the tensors."""
+    x, params, eps = make(fake)
+    ext = _extension(monkeypatch)
+    g_x, _, grads = cuda.backward(x, params, eps, (None, None, None), need_x=False)
+    assert ext.entries == ["backward"] and g_x is None and len(grads) == 10
+    # an unused gradient: a (B,) placeholder, never read
+    assert [tuple(g.shape) for g in ext.grads] == [(B,)] * 3
+    ext = _extension(monkeypatch, refuse=_packed(status.DEVICE_TYPE, "eps"))
+    with pytest.raises(ValueError, match="eps must be a CUDA tensor, got one on cpu"):
+        cuda.backward(x, params, torch.empty(B, L), (None, None, None))
+    assert ext.entries == ["backward"]
+    with pytest.raises(ValueError, match="eps must be a CUDA tensor, got one on cpu"):
+        cuda.backward(x, params, torch.empty(B, L), (None, None, None), gemm="tc")
+    assert ext.entries == ["backward", "checked_start"]
+    with pytest.raises(TypeError, match="dec_w1 must be a torch.Tensor, got list"):
+        cuda.backward(x, params._replace(dec_w1=[1.0]), eps, (None, None, None))
 
 
 def test_forward_refuses_what_is_not_a_tensor_before_the_binding(fake, monkeypatch):

@@ -80,10 +80,7 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const std::optional<a
                                       const std::vector<at::Tensor>& params,
                                       const std::vector<at::Tensor>& grads,
                                       const BackwardOptions& opt) {
-  CheckCall call;
-  call.x = &x;
-  call.params = &params;
-  call.eps = eps_in.has_value() ? &*eps_in : nullptr;
+  CheckCall call = vae_call(x, eps_in, params);
   if (grads.size() != 3) {
     last_check() = {kCheckCount, kFieldGrads};
     return {};

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -59,6 +60,17 @@ namespace fastelbo::binding {
 inline CheckStatus& last_check() {
   thread_local CheckStatus status;
   return status;
+}
+
+// The CheckCall of the VAE's own inputs: x, eps (absent: nullptr) and the ten parameters; an
+// entry adds what else it takes.
+inline CheckCall vae_call(const at::Tensor& x, const std::optional<at::Tensor>& eps,
+                          const std::vector<at::Tensor>& params) {
+  CheckCall call;
+  call.x = &x;
+  call.params = &params;
+  call.eps = eps.has_value() ? &*eps : nullptr;
+  return call;
 }
 
 // check_inputs, its answer kept for last_status(): whether the entry may go on.

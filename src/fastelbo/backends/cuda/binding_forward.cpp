@@ -323,10 +323,7 @@ bool range_check_finish(int64_t device) {
 // contract's checks, which raise its error or send the call elsewhere.
 int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
                       const std::vector<at::Tensor>& params, bool validate) {
-  CheckCall call;
-  call.x = &x;
-  call.params = &params;
-  call.eps = eps.has_value() ? &*eps : nullptr;
+  CheckCall call = vae_call(x, eps, params);
   call.eps_required = false;
   if (!passes(call)) return last_check().packed();
   if (!validate) return 0;
@@ -361,10 +358,7 @@ int64_t last_status() { return last_check().packed(); }
 std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at::Tensor>& eps_in,
                                      const std::vector<at::Tensor>& params,
                                      const ForwardOptions& opt) {
-  CheckCall call;
-  call.x = &x;
-  call.params = &params;
-  call.eps = eps_in.has_value() ? &*eps_in : nullptr;
+  const CheckCall call = vae_call(x, eps_in, params);
   if (!passes(call)) return {};
   const at::Tensor& eps = *eps_in;
   const VaeTensors p(params);

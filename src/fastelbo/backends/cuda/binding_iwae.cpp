@@ -25,10 +25,7 @@ at::Tensor iwae_partials(const at::Tensor& x, const at::Tensor& mu, const at::Te
                          const std::optional<at::Tensor>& image,
                          const std::vector<at::Tensor>& params, int64_t samples,
                          int64_t k_per_split, int64_t splits, int64_t seed) {
-  CheckCall call;
-  call.x = &x;
-  call.params = &params;
-  call.eps = eps.has_value() ? &*eps : nullptr;
+  CheckCall call = vae_call(x, eps, params);
   call.eps_required = false;
   call.samples = samples;
   call.mu = &mu;

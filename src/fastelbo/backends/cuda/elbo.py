@@ -173,16 +173,18 @@ def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads, *,
     if gemm not in launch.GEMMS:
         raise ValueError(f"gemm must be one of {sorted(launch.GEMMS)}, got {gemm!r}")
     ext = build.extension()
-    params = status.check_call(ext, x, params, eps)
-    if gemm == "tc":
+    if gemm == "tc":  # its test reads the tensors: they must have passed the check first
+        params = status.check_call(ext, x, params, eps)
         check_tc_path(x, params, "gemm='tc'")
+    else:  # the backward's own call checks them (the training step's path: one check)
+        params = status.tensors_only(x, params, eps)
     if len(grads) != 3:
         raise ValueError(f"grads must be (g_elbo, g_recon, g_kl), got {len(grads)} entries")
     used = [g is not None for g in grads]
     given = []
     for name, g in zip(("g_elbo", "g_recon", "g_kl"), grads):
         if g is None:
-            g = x.new_empty(x.shape[0])  # unread: the binding takes a defined tensor
+            g = x.new_empty(x.shape[:1])  # unread: the binding takes a defined tensor
         elif not isinstance(g, torch.Tensor):
             raise TypeError(f"{name} must be a float32 tensor or None, got {type(g).__name__}")
         given.append(g.contiguous())  # e.g. mean()'s gradient is an expanded scalar

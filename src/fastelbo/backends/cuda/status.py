@@ -110,15 +110,22 @@ def _named(tensors: Mapping[str, object]) -> dict[str, object]:
     return named
 
 
-def check_call(ext, x, params, eps) -> VAEParams:
-    """The binding's input check of a forward or backward call, launching nothing (the binding
-    call checked_start makes with validate off): the parameters as a VAEParams, or the
-    contract's exception. Anything that is not a tensor meets the contract's type check first
-    (pybind11 would refuse it with a message naming no argument)."""
+def tensors_only(x, params, eps) -> VAEParams:
+    """The parameters as a VAEParams, or the contract's TypeError for anything that is not a
+    tensor among x, eps and them (pybind11 would refuse it with a message naming no argument):
+    what must hold before a binding entry is called."""
     params = contract.as_params(params)
     named = (("x", x), ("eps", eps), *zip(contract.PARAM_NAMES, params))
     if not all(isinstance(t, torch.Tensor) for _, t in named):
         contract.check_kernel_tensors("cuda", named)
+    return params
+
+
+def check_call(ext, x, params, eps) -> VAEParams:
+    """The binding's input check of a forward or backward call, launching nothing (the binding
+    call checked_start makes with validate off): the parameters as a VAEParams, or the
+    contract's exception (tensors_only first)."""
+    params = tensors_only(x, params, eps)
     code = launch.checked_start(ext, x=x, eps=eps, params=params, validate=False)
     if code < 0:
         raise error(code, {"x": x, "eps": eps, "params": params})
