@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastelbo.cli import main
-from fastelbo.harness import bench, timing
+from fastelbo.harness import bench
 from fastelbo.harness.results import git_commit
 from fastelbo.harness.timing import quantiles
 
@@ -63,7 +63,7 @@ def _eager(n: int = 4, **extra) -> dict:
 
 
 # The reference worker's outputs for pool sets 0 and 1 at batch 4 (bench_reference).
-REFS = {4: {0: (torch.arange(4.0),), 1: (torch.arange(4) + 1.0,)}}
+REFS = {4: {(7,): (torch.arange(4.0),), (8,): (torch.arange(4) + 1.0,)}}
 
 
 def _row(n: int = 4, **extra) -> dict:
@@ -94,14 +94,27 @@ def test_a_row_faster_than_its_physical_floor_is_implausible():
 def test_every_kept_timed_call_is_judged_against_its_input_set():
     """Against the reference worker's outputs for that set; without them the row is UNCHECKED
     (bench exits 2), never ok."""
-    good = [(0, (torch.arange(4.0),)), (1, (torch.arange(4) + 1.0,))]
+    good = [((7,), (torch.arange(4.0),)), ((8,), (torch.arange(4) + 1.0,))]
     row = bench._finish_row(_row(wall_ms=1.0, checks=good), _eager(), 1e-4, 1e-4, REFS)
     assert row["status"] == "ok" and row["timed_checked"] == 2
-    stale = [(0, (torch.arange(4.0),)), (1, (torch.arange(4.0),))]  # set 0's answer for set 1
+    stale = [((7,), (torch.arange(4.0),)), ((8,), (torch.arange(4.0),))]  # set 7's for set 8
     row = bench._finish_row(_row(wall_ms=1.0, checks=stale), _eager(), 1e-4, 1e-4, REFS)
-    assert row["status"] == "INCORRECT" and "input set 1" in row["correct_detail"]
+    assert row["status"] == "INCORRECT" and "input set key 8" in row["correct_detail"]
     row = bench._finish_row(_row(wall_ms=1.0, checks=good), _eager(), 1e-4, 1e-4, {}, "died")
     assert row["status"] == "UNCHECKED" and row["correct_detail"] == "died" and not row["correct"]
+
+
+def test_every_judged_forward_of_the_graph_is_judged():
+    """The graph's judged forwards (any of them, not only its first: run (7, 7) is the second
+    forward on set 7), where eager's own graph reproduces the reference."""
+    refs = {4: {**REFS[4], (7, 7): (torch.arange(4.0) * 2,)}}
+    eager = _eager(graph_check=[((7,), (torch.arange(4.0),))])
+    right = [((7,), (torch.arange(4.0),)), ((7, 7), (torch.arange(4.0) * 2,))]
+    row = bench._finish_row(_row(wall_ms=1.0, graph_check=right), eager, 1e-4, 1e-4, refs)
+    assert row["status"] == "ok", row["correct_detail"]
+    wrong = [right[0], ((7, 7), (torch.arange(4.0),))]
+    row = bench._finish_row(_row(wall_ms=1.0, graph_check=wrong), eager, 1e-4, 1e-4, refs)
+    assert row["status"] == "INCORRECT" and "graph's forward 2" in row["correct_detail"]
 
 
 # exploit (tests/candidates) -> the status bench must give it
@@ -112,9 +125,11 @@ TIMING_EXPLOITS = {
     "exploit_memory_reuse": {"INCORRECT"},
     "exploit_lazy_output": {"INCORRECT"},
     "exploit_background_thread": {"INCORRECT"},
-    # right answers: what keeps it from being fast is that no timed call repeats its inputs
-    # (test_no_timed_call_repeats_inputs_a_memo_has_seen)
+    "exploit_reads_the_sample": {"INCORRECT"},
+    # right answers: what keeps them from being fast is that no timed call repeats its inputs
+    # and no set exists before its call (test_harness_pool.py)
     "exploit_content_memo": {"ok"},
+    "exploit_pool_peek": {"ok"},
     "exploit_lazy_mode": {"TAMPERED"},
     "exploit_patches_timers": {"TAMPERED"},
     "reference_as_candidate": {"ok"},
@@ -259,38 +274,3 @@ def test_table_on_a_terminal_is_the_same_plain_text(capsys, monkeypatch):
         table.print_rows(rows)
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and "1.0346 (1.0300-1.0400)" in outs[1]
-
-
-class _Recorder(torch.nn.Module):
-    """A model that records a hash of each call's inputs (what a memo would key on)."""
-
-    def __init__(self, seen):
-        super().__init__()
-        self.seen = seen
-
-    def forward(self, *xs):
-        self.seen.append(hash(b"".join(t.numpy().tobytes() for t in xs)))
-        return xs[0].sum(dim=-1)
-
-
-@pytest.mark.parametrize("batch", [1, 5, 64])
-def test_no_timed_call_repeats_inputs_a_memo_has_seen(batch):
-    """Where the pool holds a set per timed call (sets drawn by get_inputs itself, so their
-    structure is the problem's), a memo keyed on the inputs' contents never hits in a timed
-    call: the pool deals each set once before any again. Before, its 2-16 sets repeated, and
-    such a memo was ok at 6-7x eager on this CPU (tests/candidates/exploit_content_memo.py).
-    The reference side rebuilds the judged sets exactly (bench_reference's pool)."""
-    mod = bench.loader.problem_module(str(TINY))
-    pool = bench._pool(mod, 3, batch, torch.device("cpu"), quick=False)
-    assert len(pool.sets) > 150
-    seen = []
-    model = _Recorder(seen)
-    for j in pool.order(10):  # as measure's warm-up and estimate calls
-        model(*pool.fresh(j))
-    before = set(seen)
-    seen.clear()
-    checks = timing.Checks()
-    timing.single_calls(model, pool, 100, checks)
-    assert len(set(seen)) == len(seen) == 100 and not set(seen) & before
-    for j, (got,) in checks:  # as bench_reference draws it, alone
-        assert torch.equal(model(*bench._set_inputs(mod, 3, batch, j)), got)

@@ -12,10 +12,10 @@ file with the device, versions, commit and seed (results.py).
 
 A speedup is only as good as the output behind it, and the candidate shares its process with
 the timer, so a row is "ok" only when (1) its seeded forward and every timed call kept for
-judging (timing.py: fresh inputs from a pool of distinct sets, a set per timed call where
-memory allows, a random one in eight and the last of each metric) match the reference's
-outputs for the same input set (else INCORRECT), recomputed by a reference worker after every
-entry (`bench_reference`) for the judged sets only; (2) no
+judging (timing.py and pool.py: each set drawn when first needed under a key the candidate
+cannot predict, a set per timed call where memory allows; which calls are judged decided after
+they return) match the reference's outputs for the same run (else INCORRECT), recomputed by a
+reference worker after every entry (`bench_reference`) for the judged runs only; (2) no
 timer or output reader was replaced and no torch mode was left active (integrity.py; else
 TAMPERED); (3) no metric beats the physical floor (floor.py; else IMPLAUSIBLE). Any of these
 makes `bench` exit 1. The candidate's worker is confined as check's is (sandbox.py). Speedups
@@ -23,7 +23,6 @@ over 100x eager get a note.
 """
 from __future__ import annotations
 
-import random
 import secrets
 from dataclasses import replace
 
@@ -36,9 +35,10 @@ from .compare import compare_outputs
 from .floor import count_flops, floors
 from .options import BenchOptions
 from .placement import pin_to_gpu, placement
+from .pool import Pool, forward_seed
 from .results import append_jsonl, environment, utc_now
 from .task_specs import implements
-from .timing import Budget, Pool, measure, pool_size
+from .timing import Budget, measure
 from .worker import TaskError, progress, run_task, traceback_tail
 
 EAGER, COMPILED = "eager", "torch.compile"
@@ -101,7 +101,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     snapshot = None
     if kind == "candidate":
         from .integrity import Snapshot
-        snapshot = Snapshot()  # before the candidate's import: what it may not replace
+        snapshot = Snapshot((mod,))  # before the candidate's import: what it may not replace
         progress("importing the candidate")
         cls = loader.import_candidate(candidate).ModelNew
         model, weights = loader.build_model(cls, init, seed, reference.state_dict())
@@ -128,12 +128,13 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
             row["outputs"] = loader.to_host(model(*pool.fresh(0)), strict=True)
             if kind == EAGER:
                 row["flops"] = count_flops(model, pool.fresh(0))
-                row["io_bytes"] = loader.nbytes(pool.sets[0]) + loader.nbytes(row["outputs"])
+                row["io_bytes"] = loader.nbytes(pool.get(0)) + loader.nbytes(row["outputs"])
             metrics, checks = measure(model, pool, dev, budget, reps)
             check = metrics.pop("graph_check", None)
-            row.update(metrics, pool=len(pool.sets), checks_skipped=checks.skipped,
-                       checks=[(j, loader.to_host(o)) for j, o in checks],
-                       graph_check=check and (check[0], loader.to_host(check[1])))
+            row.update(metrics, pool=pool.count, pool_drawn=len(pool.sets),
+                       checks_skipped=checks.skipped,
+                       checks=[(run, loader.to_host(o)) for run, o in checks],
+                       graph_check=check and [(run, loader.to_host(o)) for run, o in check])
             row["tampered"] = snapshot.changed() if snapshot is not None else []
             row["host"] = placement(dev)  # where this worker ran its timing loops
         except Exception as exc:  # noqa: BLE001 - one batch size failing is that row's result
@@ -152,9 +153,11 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
 @torch.no_grad()
 def bench_reference(problem: str, device: str, seed: int, eval_mode: bool,
                     keys: dict) -> dict:
-    """Worker side: the reference's outputs for the pool sets the parent judges timed calls
-    on, {batch size: [(set, outputs)]}: each set drawn as every entry's pool draws it (one
-    seed; only the wanted ones), its forward under the set's seed as Pool.fresh seeds it."""
+    """Worker side: the reference's outputs for the runs the parent judges timed calls on,
+    {batch size: [(run, outputs)]}. A run (pool.py) is replayed: the generators seeded for its
+    first set, then one forward per set key in order, each set drawn as the entry's pool drew
+    it; the last forward's outputs are the run's. Runs that begin another (the judged calls
+    of one loop) are read on the way: a loop is replayed once."""
     dev = torch.device(device)
     mod = loader.problem_module(problem)
     model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, seed), seed)
@@ -162,35 +165,40 @@ def bench_reference(problem: str, device: str, seed: int, eval_mode: bool,
     if eval_mode:
         model.eval()
     out = {}
-    for n, wanted in keys.items():
-        progress(f"reference for {len(wanted)} timed call(s), batch {n}")
-        out[n] = []
-        for j in wanted:
-            x = loader.to_device(_set_inputs(mod, seed, n, j), dev)
-            torch.manual_seed(_set_seed(seed, j))
-            out[n].append((j, loader.to_host(model(*x), strict=True)))
+    for n, runs in keys.items():
+        progress(f"reference for {len(runs)} timed call(s), batch {n}")
+        out[n], wanted = [], {tuple(r) for r in runs}
+        for run in sorted(wanted, key=len, reverse=True):
+            if run in wanted:  # not yet computed on the way to a longer run
+                sets = {key: loader.to_device(_set_inputs(mod, key, n), dev) for key in set(run)}
+                torch.manual_seed(forward_seed(run[0]))  # after the draws: they seed their own
+                for i, key in enumerate(run):
+                    outputs = model(*sets[key])
+                    if run[:i + 1] in wanted:  # a judged call of the same loop on the way
+                        wanted.discard(run[:i + 1])
+                        out[n].append((run[:i + 1], loader.to_host(outputs, strict=True)))
+                del sets
         loader.release(dev)
     return out
 
 
-def _set_inputs(mod, seed: int, n: int | None, j: int) -> list:
-    """Pool set j's inputs at batch size n, on the CPU (the same in every worker: one seed)."""
-    return loader.draw_inputs(mod, seed + 1000 * (j + 1), n)
+def _set_inputs(mod, key: int, n: int | None) -> list:
+    """The inputs of the set drawn under `key` at batch size n, on the CPU (the same in every
+    worker)."""
+    return loader.draw_inputs(mod, key, n)
 
 
-def _set_seed(seed: int, j: int) -> int:
-    """The seed of pool set j's forward."""
-    return seed + j
+def _first_key(seed: int) -> int:
+    """The key of the seeded forward's set (set 0), the same in every entry: from the bench's
+    seed, unlike the timed calls' sets (pool.secret_key)."""
+    return seed + 1000
 
 
 def _pool(mod, seed: int, n: int | None, dev: torch.device, quick: bool) -> Pool:
-    """The batch size's distinct input sets (the same in every entry's worker: one seed)."""
-    first = _set_inputs(mod, seed, n, 0)
-    count = pool_size(loader.nbytes(first), quick)
-    sets = [first] + [_set_inputs(mod, seed, n, j) for j in range(1, count)]
-    return Pool([loader.to_device(x, dev) for x in sets], [_set_seed(seed, j)
-                                                           for j in range(count)],
-                random.Random(f"{seed}/{n}"))
+    """The batch size's pool: set 0 from the bench's seed, the others drawn as timed calls
+    need them (pool.py)."""
+    return Pool(lambda key: loader.to_device(_set_inputs(mod, key, n), dev), _first_key(seed),
+                quick)
 
 
 def _entry_rows(sizes: list[int] | None, timeout: float, env: dict[str, str] | None,
@@ -284,13 +292,12 @@ def run_bench(problem: str, candidates: list[str] | None = None,
 
 def _references(rows: list[dict], problem: str, device: str, seed: int, o: BenchOptions,
                 env: dict[str, str] | None) -> tuple[dict, str]:
-    """({batch size: {set: outputs}} for every pool set a judged timed call of `rows` (or a
-    graph check) ran on, from one reference worker; and why not, where it could not run."""
+    """({batch size: {run: outputs}} for every run a judged timed call of `rows` (or a graph
+    check) ended, from one reference worker; and why not, where it could not run."""
     keys: dict = {}
     for r in rows:
-        graph = [r["graph_check"]] if r.get("graph_check") else []
-        for j, _ in [*r.get("checks", ()), *graph]:
-            keys.setdefault(r["batch_size"], set()).add(j)
+        for run, _ in [*r.get("checks", ()), *(r.get("graph_check") or ())]:
+            keys.setdefault(r["batch_size"], set()).add(tuple(run))
     if not keys:
         return {}, ""
     outcome = run_task(bench_reference, o.timeout, env=env, problem=problem, device=device,
@@ -298,7 +305,7 @@ def _references(rows: list[dict], problem: str, device: str, seed: int, o: Bench
                        keys={n: sorted(k) for n, k in keys.items()})
     if not outcome.ok:
         return {}, f"the reference for the timed calls could not run: {outcome.reason}"
-    return {n: dict(pairs) for n, pairs in outcome.result.items()}, ""
+    return {n: {tuple(run): o for run, o in pairs} for n, pairs in outcome.result.items()}, ""
 
 
 def _finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict | None = None,
@@ -356,33 +363,44 @@ def _finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict 
 def _judge(outputs, checks: list, graph, eager: dict, atol: float, rtol: float,
            keyed: dict | None = None, why: str = "") -> tuple[str, str, int]:
     """(status, detail, timed calls judged): the seeded forward against eager's, each kept
-    timed call against the reference's outputs for its set (`keyed`; `why` they are missing:
-    UNCHECKED), and the graph's first forward where eager's own graph reproduces the
+    timed call against the reference's outputs for its run (`keyed`; `why` they are missing:
+    UNCHECKED), and the CUDA graph's judged forwards where eager's own graph reproduces the
     reference's outputs (random draws inside a graph may not)."""
     cmp = compare_outputs(eager["outputs"], outputs, atol, rtol)
     if not cmp.ok:
         return "INCORRECT", _detail("the seeded forward", cmp), 0
     refs = keyed or {}
-    for k, (j, outs) in enumerate(checks):
-        if j not in refs:
+    for k, (run, outs) in enumerate(checks):
+        if tuple(run) not in refs:
             return "UNCHECKED", why or f"no reference for timed call (kept {k})", k
-        cmp = compare_outputs(refs[j], outs, atol, rtol)
+        cmp = compare_outputs(refs[tuple(run)], outs, atol, rtol)
         if not cmp.ok:
-            return "INCORRECT", _detail(f"timed call (kept {k}, input set {j})", cmp), k
+            return "INCORRECT", _detail(f"timed call (kept {k}, {_run_name(run)})", cmp), k
     detail = ""
-    own = eager.get("graph_check")
-    if graph is not None and own is not None:
-        if own[0] in refs and compare_outputs(refs[own[0]], own[1], atol, rtol).ok:
-            if graph[0] not in refs:
-                return "UNCHECKED", why or "no reference for the CUDA graph's input set", \
-                    len(checks)
-            cmp = compare_outputs(refs[graph[0]], graph[1], atol, rtol)
-            if not cmp.ok:
-                return "INCORRECT", _detail("the CUDA graph's first forward", cmp), len(checks)
+    own, graph = eager.get("graph_check") or [], graph or []
+    if graph and own:
+        if all(tuple(run) in refs and compare_outputs(refs[tuple(run)], o, atol, rtol).ok
+               for run, o in own):
+            for run, outs in graph:
+                if tuple(run) not in refs:
+                    return "UNCHECKED", why or "no reference for the CUDA graph's input set", \
+                        len(checks)
+                cmp = compare_outputs(refs[tuple(run)], outs, atol, rtol)
+                if not cmp.ok:
+                    return "INCORRECT", _detail(f"the CUDA graph's forward {len(run)} "
+                                                f"({_run_name(run[-1:])})", cmp), len(checks)
         else:
             detail = ("graph outputs not judged: the reference's own graph replay differs from "
                       "its eager call (random draws inside a graph)")
     return "ok", detail, len(checks)
+
+
+def _run_name(run) -> str:
+    """How a report names a judged call's inputs: the set's key (_set_inputs redraws it), and
+    for a call inside a loop timed as a whole, its place in the loop."""
+    if len(run) == 1:
+        return f"input set key {run[0]}"
+    return f"call {len(run)} of a loop from set key {run[0]}, its own set key {run[-1]}"
 
 
 def _detail(what: str, cmp) -> str:

@@ -1,8 +1,10 @@
-"""Tripwires in a candidate's worker: the timers and the functions that read its outputs.
+"""Tripwires in a candidate's worker: the timers, the functions that read its outputs and those
+that draw its inputs.
 
-The candidate runs in the same process as the code that times it and hands its outputs over, so
-it could patch `time.perf_counter`, `torch.cuda.Event.elapsed_time`, `Tensor.clone` or the
-harness's own functions, or leave a TorchFunctionMode / TorchDispatchMode active that computes
+The candidate runs in the same process as the code that times it, draws its inputs and hands
+its outputs over, so it could patch `time.perf_counter`, `torch.cuda.Event.elapsed_time`,
+`Tensor.clone`, any torch function a problem's get_inputs calls, or the harness's own
+functions, or leave a TorchFunctionMode / TorchDispatchMode active that computes
 the real answer only when the harness copies an output (a lazy output). `Snapshot()` records
 what these names are bound to before the candidate is imported; `changed()` names every one
 that differs afterwards (checked after the import and after its forwards), and the harness
@@ -39,16 +41,22 @@ _WATCHED = [
 ] + [
     ("torch.cuda.CUDAGraph", n) for n in ("replay", "capture_begin", "capture_end")
 ] + [
-    ("torch.profiler", "profile"),
+    ("torch.profiler", "profile"), ("os", "urandom"),
 ] + [
     ("fastelbo.harness." + m, n) for m, names in (
         ("loader", ("to_host", "to_device", "sync", "rng_state")),
         ("compare", ("compare_outputs", "identical", "as_tuple")),
         ("worker", ("emit", "progress", "_save", "_send")),
-        ("timing", ("measure", "event_times", "wall_per_call", "graph_time", "flush_l2")),
+        ("timing", ("measure", "event_times", "wall_per_call", "single_calls", "graph_time",
+                    "L2Flush")),
+        ("pool", ("_urandom", "secret_key", "forward_seed", "judged", "Pool", "Checks")),
         ("integrity", ("active_modes", "_same")),
     ) for n in names
 ]
+# Watched whole: every name in their namespace. The harness draws a bench's input sets with the
+# problem's own get_inputs in the candidate's worker; a torch function replaced there would
+# show the candidate each new set before its timed call (time to compute the answer unseen).
+_WATCHED_WHOLE = ("torch", "torch.Tensor", "torch.nn.functional", "torch.cuda")
 
 
 def _owner(path: str):
@@ -75,14 +83,24 @@ def _raw(owner, name: str):
 
 
 class Snapshot:
-    """What every watched name is bound to now (taken before the candidate is imported)."""
+    """What every watched name is bound to now (taken before the candidate is imported), and
+    every name of `modules` (a bench's problem module: its get_inputs draws the timed sets)."""
 
-    def __init__(self):
+    def __init__(self, modules: tuple = ()):
         self.bound = {}
         for path, name in _WATCHED:
             owner = _owner(path)
             if owner is not None:
                 self.bound[(path, name)] = (owner, _raw(owner, name))
+        for path in _WATCHED_WHOLE:
+            owner = _owner(path)
+            for name, value in list(vars(owner).items()):
+                if _code(value):
+                    self.bound.setdefault((path, name), (owner, value))
+        for mod in modules:
+            for name, value in list(vars(mod).items()):
+                if _code(value):
+                    self.bound[(mod.__name__, name)] = (mod, value)
 
     def changed(self) -> list[str]:
         """'time.perf_counter was replaced', ... for every watched name bound elsewhere now,
@@ -90,6 +108,12 @@ class Snapshot:
         out = [f"{path}.{name} was replaced" for (path, name), (owner, value) in
                self.bound.items() if not _same(_raw(owner, name), value)]
         return out + active_modes()
+
+
+def _code(value) -> bool:
+    """A function, class or descriptor: what runs code when called or read (data such as
+    torch.cuda's lazy-init flags changes by itself, and is not watched)."""
+    return callable(value) or hasattr(type(value), "__get__")
 
 
 def _same(now, then) -> bool:

@@ -33,7 +33,7 @@ def _cells(row: dict) -> list[str]:
             "; ".join(notes)]
 
 
-HEADERS = ["candidate", "batch", "status", "cold ms (p20-p80)", "warm ms", "wall ms",
+HEADERS = ["candidate", "batch", "status", "cold ms (p20-p80)", "warm ms (mean)", "wall ms",
            "graph ms", "floor", "peak MiB", "x eager", "x eager (graph)", "x compile", "notes"]
 
 
@@ -46,7 +46,7 @@ def print_rows(rows: list[dict]) -> None:
         title += " -- CPU timings: wall clock of single calls on fresh inputs"
     else:
         title += (" -- cold: events around one call after an L2 flush (KernelBench's way); "
-                  "warm: back to back; floor: the physical floor / cold time")
+                  "warm: back to back, the mean; floor: the physical floor / cold time")
     if rows[0].get("validate") is False:
         title += " -- FASTELBO_VALIDATE=0 (no per-call value check)"
     cells = [_cells(r) for r in rows]

@@ -1,25 +1,31 @@
 """Time a forward on fresh inputs, keeping what it returned so that the timed calls are judged.
 
-Every timed call gets inputs of its own: a copy of one of a pool of distinct input sets (every
-other call in new storage, the others in the previous call's storage, refilled), in shuffled
-order with no set twice in a row, after the generators are seeded for that set (`Pool`). The
-outputs of a random sample of the timed calls (all of up to 16, else at least one in eight, and
-always the last) are kept and come back as `checks`, [(set, outputs)], for the parent to
-compare with the reference's outputs for that set: a candidate whose behaviour depends on call
-count, spacing or input identity shows up wrong, not fast.
+Every timed call gets inputs of its own from `pool.Pool`: a set drawn when first needed, under a
+key the candidate's process cannot predict, copied into new storage every other call and into
+the previous call's storage otherwise, with the generators seeded for that set. Whether a call
+is judged is decided after it returns (`pool.judged`: all of up to 16, else each with
+probability 1/8, and always the last); the kept outputs come back as `checks`, [(run,
+outputs)], for the parent to compare with the reference's outputs for that run: a candidate
+whose behaviour depends on call count, spacing, input identity or on what it can read of the
+loop shows up wrong, not fast.
 
 Metrics, each answering its own question:
 - `events_ms` (GPU; the default, as KernelBench times): device time of one call with a cold L2,
   flushed before the call and outside the timed window (a write of twice the L2's size and at
   least KernelBench's 256 MiB, and a reset of persisting L2 lines), the device idle before the
   flush (a synchronize, as KernelBench does: the host queues the call while the write runs, so
-  launch latency counts only where it exceeds the write); median and p20 / p80.
+  launch latency counts only where it exceeds the write); median and p20 / p80. Each call's
+  set is drawn just before it, ahead of the flush.
 - `events_warm_ms`: the same without the flush, back to back (a warm L2: small problems' weights
-  stay in it; a best case).
-- `wall_ms`: host time per call of N calls and one synchronize (launch overhead included);
-  on the CPU, the median of single calls' host times.
+  stay in it; a best case). Its sets are drawn before the loop (a draw between calls would
+  leave the device idle), so the first call could see the others: it is the mean, in which
+  their work counts wherever it was done, with p20 / p80 beside.
+- `wall_ms`: host time per call of N calls and one synchronize (launch overhead included),
+  median over rounds; the judged calls are drawn after each round. On the CPU, the
+  median of single calls' host times, each on a set drawn just before it.
 - `graph_ms`: one CUDA graph of `graph_reps` forwards, replayed; what a CUDA-graph user gets.
-  Its first forward is judged too, on a pool set copied into the captured inputs.
+  Its captured forwards are judged as a loop's calls are, drawn after the replay, on a pool
+  set copied into the captured inputs.
 - `kernels` (GPU): device time per call of each kernel, from torch.profiler: a kernel that runs
   elsewhere or on a side stream shows up there.
 The timers are bound here at import, before any candidate: patching `time.perf_counter` or
@@ -27,12 +33,13 @@ The timers are bound here at import, before any candidate: patching `time.perf_c
 """
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
+
+from .pool import KEEP_BYTES, Checks, Pool, judged
 
 _perf = time.perf_counter
 _Event = torch.cuda.Event
@@ -44,10 +51,6 @@ _sync_all = torch.cuda.synchronize
 # by both this factor and this many ms: small kernels are dominated by launch overhead, which
 # inflates wall time without any escape.
 ESCAPE_FACTOR, ESCAPE_MIN_MS = 2.0, 0.05
-SAMPLE_EVERY = 8      # at least one timed call in this many is judged (and always the last)
-JUDGE_ALL = 16        # up to this many timed calls, every one is judged
-POOL_BYTES = 1 << 29  # the pool's inputs at most (512 MiB)
-POOL_MAX = 2048       # sets: enough for one per timed call of a bench entry (4 to 64 quick)
 TOP_KERNELS = 8
 
 
@@ -67,92 +70,6 @@ class Budget:
         """(reps, calls) shrunk so each metric takes about target_s, but at least 3."""
         n = max(3, int(self.target_s / max(est_s, 1e-7)))
         return min(self.reps, n), min(self.calls, n)
-
-
-def pool_size(set_bytes: int, quick: bool = False) -> int:
-    """How many distinct input sets the pool holds: one per timed call where POOL_BYTES allows
-    (POOL_MAX, 64 quick), else as many as it allows, at least 2."""
-    return max(2, min(64 if quick else POOL_MAX, POOL_BYTES // max(set_bytes, 1)))
-
-
-class Pool:
-    """Distinct input sets on the device (each drawn by the problem's own get_inputs, so any
-    structure it builds is kept) and the seed of each set's forward. `fresh(j)` seeds the
-    generators for set j and returns new copies of its inputs (the clones are made on the
-    current stream, before any timed window opens). `order` deals every set once before any
-    set again: where the pool holds a set per timed call, no call's inputs repeat an earlier
-    one's, so an answer memoised by the inputs' contents is never asked for again (a pool of
-    large sets must repeat them). The judged calls are recomputed by the reference, set by set
-    (bench.bench_reference), not every set's outputs kept.
-    """
-
-    def __init__(self, sets: list[list], seeds: list[int], rng: random.Random):
-        self.sets, self.seeds, self.rng = sets, seeds, rng
-        self._last, self._prev, self._deck = -1, None, []
-
-    def order(self, n: int) -> list[int]:
-        """n set indices, shuffled: each set once before any set again (a deck, reshuffled
-        when used up), no set twice in a row (nor as the previous order's end)."""
-        out = []
-        for _ in range(n):
-            if not self._deck:
-                self._deck = list(range(len(self.sets)))
-                self.rng.shuffle(self._deck)
-                if self._deck[-1] == self._last:  # drawn from the end: not the last one again
-                    self._deck[0], self._deck[-1] = self._deck[-1], self._deck[0]
-            j = self._deck.pop()
-            out.append(j)
-            self._last = j
-        return out
-
-    def fresh(self, j: int, recycle: bool = True) -> list:
-        """Set j's inputs for one call: new tensors every other call, and otherwise the
-        previous call's tensors refilled with set j (same storage, other contents), so that
-        a candidate keying answers on input identity returns a stale one. `recycle=False`
-        for inputs prepared ahead of a loop (they must not share storage)."""
-        prev, self._prev = self._prev, None
-        if recycle and prev is not None and all(
-                not isinstance(t, torch.Tensor) or (isinstance(p, torch.Tensor)
-                                                   and p.shape == t.shape and p.dtype == t.dtype)
-                for p, t in zip(prev, self.sets[j])):
-            x = [p.copy_(t) if isinstance(t, torch.Tensor) else t
-                 for p, t in zip(prev, self.sets[j])]
-        else:
-            x = [t.clone() if isinstance(t, torch.Tensor) else t for t in self.sets[j]]
-            self._prev = x
-        torch.manual_seed(self.seeds[j])
-        return x
-
-    def sample(self, n: int) -> set[int]:
-        """Which of n timed calls are judged: every one of up to JUDGE_ALL, else a random 1 in
-        SAMPLE_EVERY at least, and always the last."""
-        if n <= JUDGE_ALL:
-            return set(range(n))
-        k = max(1, -(-n // SAMPLE_EVERY))
-        return set(self.rng.sample(range(n), k)) | {n - 1}
-
-
-KEEP_BYTES = 1 << 30  # outputs kept for judging, at most (each metric's last always is)
-
-
-class Checks(list):
-    """The timed calls' outputs kept for judging, [(set, outputs)], as device copies (no sync
-    inside a timing loop). Past KEEP_BYTES only each metric's last call is kept (a problem
-    whose outputs take GBs); `skipped` counts the sampled calls left unjudged so."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes, self.skipped = 0, 0
-
-    def keep(self, j: int, out, last: bool) -> None:
-        from .compare import as_tuple
-        from .loader import nbytes, to_host
-        size = nbytes(as_tuple(out))
-        if self.bytes + size > KEEP_BYTES and not last:
-            self.skipped += 1
-            return
-        self.bytes += size
-        self.append((j, to_host(out, keep_device=True, strict=True)))
 
 
 def quantiles(ms: list[float]) -> tuple[float, float, float]:
@@ -205,12 +122,15 @@ def _persisting_reset():
 def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Checks,
                 synced: list | None = None) -> tuple[float, float, float]:
     """Device time of single calls (ms), each on fresh inputs, with the L2 flushed before each
-    when `flush`: events around the call only; the sampled calls' outputs go to `checks`. With
-    `synced`, each call is followed by a synchronize (as KernelBench's are), and the host time
-    from its start event to that synchronize goes there: work on another stream is in it, not
-    in the events."""
-    order, sample = pool.order(reps), pool.sample(reps)
-    pairs = []
+    when `flush` (cold: each set drawn just before its call, the median); else back to back
+    (warm: the sets drawn before the loop, the mean). Events around the call only; the judged
+    calls' outputs go to `checks`. With `synced`, each call is followed by a synchronize (as
+    KernelBench's are), and the host time from its start event to that synchronize goes
+    there: work on another stream is in it, not in the events."""
+    order, pairs = pool.order(reps), []
+    if flush is None:
+        for j in order:
+            pool.get(j)
     for k, j in enumerate(order):
         x = pool.fresh(j)
         if flush is not None:  # as KernelBench: idle device, then the flush, then the call
@@ -227,45 +147,56 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
             _sync_all()
             synced.append((_perf() - t0) * 1e3)
         pairs.append((start, end))
-        if k in sample:
-            checks.keep(j, out, k == reps - 1)
+        if judged(k, reps):
+            checks.keep(pool.run([j]), out, k == reps - 1)
         del out, x
     _sync_all()
-    return quantiles([_elapsed(s, e) for s, e in pairs])
+    ms = [_elapsed(s, e) for s, e in pairs]
+    if flush is None:
+        return statistics.fmean(ms), *quantiles(ms)[1:]
+    return quantiles(ms)
 
 
 def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: Checks,
                   rounds: int = 5) -> float:
-    """Host time per call (ms): N calls on fresh inputs prepared beforehand, one synchronize,
-    divide; median over rounds. The last call of each round is judged (the generators are
-    seeded for its set just before it; the others' noise is not judged)."""
+    """Host time per call (ms): N calls on fresh inputs prepared beforehand, the generators
+    seeded once, one synchronize, divide; median over rounds. Every call's outputs are held
+    until the round ends (as its inputs are), and then the judged ones are drawn: a judged
+    call's run is the sets of the calls up to it."""
     per = []
-    for _ in range(rounds):
+    for r in range(rounds):
         order = pool.order(calls)
-        inputs = [pool.fresh(j, recycle=False) for j in order]
+        inputs = [pool.fresh(j, recycle=False, seed=False) for j in order]
+        pool.seed(order[0])
         _sync(device)
         t0 = _perf()
-        for k, x in enumerate(inputs):
-            if k == calls - 1:
-                torch.manual_seed(pool.seeds[order[k]])
-            out = model(*x)
+        outs = [model(*x) for x in inputs]
         _sync(device)
         per.append((_perf() - t0) * 1e3 / calls)
-        checks.keep(order[-1], out, len(per) == rounds)
-        del out, inputs
+        for k in range(calls):
+            if judged(k, calls):
+                checks.keep(pool.run(order[:k + 1]), outs[k], r == rounds - 1 and k == calls - 1)
+        del outs, inputs
     return statistics.median(per)
 
 
+def _nbytes(out) -> int:
+    from .compare import as_tuple
+    from .loader import nbytes
+    return nbytes(as_tuple(out))
+
+
 def single_calls(model, pool: Pool, reps: int, checks: Checks) -> float:
-    """CPU: host time of single calls on fresh inputs (ms, median); sampled outputs judged."""
-    order, sample, ms = pool.order(reps), pool.sample(reps), []
+    """CPU: host time of single calls, each on a set drawn just before it (ms, median); the
+    judged calls' outputs kept."""
+    order, ms = pool.order(reps), []
     for k, j in enumerate(order):
         x = pool.fresh(j)
         t0 = _perf()
         out = model(*x)
         ms.append((_perf() - t0) * 1e3)
-        if k in sample:
-            checks.keep(j, out, k == reps - 1)
+        if judged(k, reps):
+            checks.keep(pool.run([j]), out, k == reps - 1)
     return statistics.median(ms)
 
 
@@ -291,8 +222,10 @@ def graph_time(model, pool: Pool, graph_reps: int, replays: int = 5) -> dict:
     """ms per forward from replaying one CUDA graph holding `graph_reps` forwards (median over
     `replays` replays, each timed by its own events, / graph_reps), and `graph_check`: a pool
     set copied into the captured inputs, the generators seeded for it, one replay, and the
-    first captured forward's outputs (the parent judges them, where the reference's own graph
-    reproduces its eager outputs).
+    outputs of the captured forwards judged, drawn after it as a loop's are (the parent
+    judges them, where the reference's own graph reproduces its eager outputs). Every
+    captured forward's outputs are held, so a graph of large outputs holds fewer forwards
+    (`graph_forwards`: KEEP_BYTES).
 
     Warm-up runs on a side stream first (as the PyTorch CUDA-graph docs require, so lazy
     initialisation and allocator warm-up happen outside capture).
@@ -303,21 +236,21 @@ def graph_time(model, pool: Pool, graph_reps: int, replays: int = 5) -> dict:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(3):
-                model(*static)
+                size = _nbytes(model(*static))
         torch.cuda.current_stream().wait_stream(side)
+        reps = min(graph_reps, max(2, KEEP_BYTES // max(size, 1)))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            first = model(*static)
-            for _ in range(graph_reps - 1):
-                model(*static)
+            outs = [model(*static) for _ in range(reps)]
         j = pool.order(1)[0]
-        for dst, src in zip(static, pool.sets[j]):
+        for dst, src in zip(static, pool.get(j)):
             if isinstance(dst, torch.Tensor):
                 dst.copy_(src)
-        torch.manual_seed(pool.seeds[j])
+        pool.seed(j)
         graph.replay()
         from .loader import to_host
-        check = (j, to_host(first, keep_device=True, strict=True))
+        check = [(pool.run([j] * (k + 1)), to_host(outs[k], keep_device=True, strict=True))
+                 for k in range(reps) if judged(k, reps)]
         _sync_all()
         pairs = [(_Event(enable_timing=True), _Event(enable_timing=True)) for _ in range(replays)]
         for start, end in pairs:
@@ -328,9 +261,9 @@ def graph_time(model, pool: Pool, graph_reps: int, replays: int = 5) -> dict:
     except Exception as exc:  # noqa: BLE001 - a capture failure is a result, not a crash
         return {"graph_ms": None, "graph_error": f"capture failed: {type(exc).__name__}: "
                                                  f"{str(exc).splitlines()[0][:200]}"}
-    ms = statistics.median(_elapsed(s, e) for s, e in pairs) / graph_reps
-    del graph
-    return {"graph_ms": ms, "graph_error": "", "graph_check": check}
+    ms = statistics.median(_elapsed(s, e) for s, e in pairs) / reps
+    del graph, outs
+    return {"graph_ms": ms, "graph_error": "", "graph_check": check, "graph_forwards": reps}
 
 
 def peak_memory(model, pool: Pool, device: torch.device) -> int:
@@ -376,9 +309,12 @@ def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps:
     """(every metric, checks): see the module docstring. On the CPU only host time exists."""
     for j in pool.order(max(1, budget.warmup)):
         model(*pool.fresh(j))
+    estimate = pool.order(3)
+    for j in estimate:  # drawn before the clock starts: a draw is not the forward's time
+        pool.get(j)
     _sync(device)
     t0 = _perf()
-    for j in pool.order(3):
+    for j in estimate:
         model(*pool.fresh(j))
     _sync(device)
     reps, calls = budget.scaled((_perf() - t0) / 3)

@@ -1,0 +1,153 @@
+"""The timed calls' inputs, and which of them are judged: decided where a candidate cannot see.
+
+The candidate shares its process with the timing loop, so it can read anything the loop holds
+(gc, frame walking). Two rules keep what it can read useless:
+
+- **A set does not exist before its call.** `Pool` draws each input set when a timed call first
+  needs it, by the problem's own get_inputs (so any structure it builds is kept), under a key
+  from the OS's random source (`secret_key`). A candidate that reads the pool finds only sets
+  it has already been called on; precomputing the next call's answer is impossible, and a memo
+  of past answers never hits while the pool holds a set per timed call. (A loop that prepares
+  its inputs ahead of one timed window, as wall_ms does, shows them to the first call; doing
+  their work there is timed in that window.)
+- **Whether a call is judged is decided after it returns** (`judged`), by the same source: no
+  state the candidate can read says which calls will be compared, so an answer skipped on a
+  call it hopes is unjudged is caught at the rate of the sample, a certainty over a bench.
+
+A judged call is named by its *run*: the keys of the sets its forward and the forwards before
+it (since the generators were last seeded) ran on. The reference replays a run: it seeds the
+generators with `forward_seed(run[0])` and calls its forward on each set in order, and the last
+call's outputs are the ones judged (bench.bench_reference). A single call's run is one key.
+
+The OS's random source is bound here at import, before any candidate: replacing `os.urandom`
+later does not reach it (integrity.py reports such a patch).
+"""
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+
+import torch
+
+_urandom = os.urandom
+
+SAMPLE_EVERY = 8      # each timed call is judged with probability 1 / this (and the last always)
+JUDGE_ALL = 16        # up to this many timed calls, every one is judged
+POOL_BYTES = 1 << 29  # the pool's inputs at most (512 MiB)
+POOL_MAX = 2048       # sets: enough for one per timed call of a bench entry (64 quick)
+KEEP_BYTES = 1 << 30  # outputs kept for judging, at most (each metric's last always is)
+
+
+def secret_key() -> int:
+    """A set key (63 bits) from the OS's random source: nothing in this process predicts it."""
+    return int.from_bytes(_urandom(8), "little") >> 1
+
+
+def forward_seed(key: int) -> int:
+    """The generators' seed for a forward on set `key` (its inputs are drawn under `key`)."""
+    return (key + 1) % (1 << 63)
+
+
+def judged(k: int, n: int) -> bool:
+    """Whether timed call k of n is judged, asked after it returned: every one of up to
+    JUDGE_ALL, the last always, else each with probability 1 / SAMPLE_EVERY, independently (a
+    rule that guaranteed a count would tell the candidate, near the end, which calls are not)."""
+    return n <= JUDGE_ALL or k == n - 1 or _urandom(1)[0] < 256 // SAMPLE_EVERY
+
+
+def pool_size(set_bytes: int, quick: bool = False) -> int:
+    """How many distinct input sets the pool holds: one per timed call where POOL_BYTES allows
+    (POOL_MAX, 64 quick), else as many as it allows, at least 2."""
+    return max(2, min(64 if quick else POOL_MAX, POOL_BYTES // max(set_bytes, 1)))
+
+
+class Pool:
+    """Input sets on the device, drawn when first needed (see the module docstring).
+
+    `count`: the sets it holds (pool_size of set 0's bytes). Set 0 is the seeded forward's,
+    under a key the caller gives (the same in every entry, so
+    their untimed outputs compare); it also serves the capture of a CUDA graph and the memory
+    peak, and is dealt to timed calls only in a pool of two sets. `draw(key)` returns a set's
+    inputs on the device. `order` deals every set once before any set again; sets past the
+    first `count` are the ones already drawn, dealt again (a pool of large sets).
+    """
+
+    def __init__(self, draw: Callable[[int], list], first_key: int, quick: bool = False,
+                 count: int | None = None):
+        from .loader import nbytes
+        self._draw = draw
+        self.sets, self.keys = {0: draw(first_key)}, {0: first_key}
+        self.count = count or pool_size(nbytes(self.sets[0]), quick)
+        self.rng = random.Random(secret_key())  # the deck's order: harmless to read
+        self._last, self._prev, self._deck = -1, None, []
+
+    def get(self, j: int) -> list:
+        """Set j's inputs, drawn now under a new secret key if this is its first use."""
+        if j not in self.sets:
+            self.keys[j] = secret_key()
+            self.sets[j] = self._draw(self.keys[j])
+        return self.sets[j]
+
+    def run(self, js) -> tuple[int, ...]:
+        """The run (set keys in call order) of forwards on sets `js` after one seeding."""
+        return tuple(self.keys[j] for j in js)
+
+    def seed(self, j: int) -> None:
+        """Seed the generators for a forward on set j."""
+        torch.manual_seed(forward_seed(self.keys[j]))
+
+    def order(self, n: int) -> list[int]:
+        """n set indices, shuffled: each set once before any set again (a deck, reshuffled
+        when used up), no set twice in a row (nor as the previous order's end)."""
+        out = []
+        for _ in range(n):
+            if not self._deck:
+                self._deck = list(range(1, self.count) if self.count > 2 else range(self.count))
+                self.rng.shuffle(self._deck)
+                if len(self._deck) > 1 and self._deck[-1] == self._last:  # drawn from the end
+                    self._deck[0], self._deck[-1] = self._deck[-1], self._deck[0]
+            j = self._deck.pop()
+            out.append(j)
+            self._last = j
+        return out
+
+    def fresh(self, j: int, recycle: bool = True, seed: bool = True) -> list:
+        """Set j's inputs for one call (drawn now if new), with the generators seeded for it:
+        new tensors every other call, and otherwise the previous call's tensors refilled with
+        set j (same storage, other contents), so that a candidate keying answers on input
+        identity returns a stale one. `recycle=False` for inputs prepared ahead of a loop (they
+        must not share storage); `seed=False` where the loop seeds once for all its calls."""
+        src = self.get(j)
+        prev, self._prev = self._prev, None
+        if recycle and prev is not None and all(
+                not isinstance(t, torch.Tensor) or (isinstance(p, torch.Tensor)
+                                                   and p.shape == t.shape and p.dtype == t.dtype)
+                for p, t in zip(prev, src)):
+            x = [p.copy_(t) if isinstance(t, torch.Tensor) else t for p, t in zip(prev, src)]
+        else:
+            x = [t.clone() if isinstance(t, torch.Tensor) else t for t in src]
+            self._prev = x
+        if seed:
+            self.seed(j)
+        return x
+
+
+class Checks(list):
+    """The timed calls' outputs kept for judging, [(run, outputs)], as device copies (no sync
+    inside a timing loop). Past KEEP_BYTES only each metric's last call is kept (a problem
+    whose outputs take GBs); `skipped` counts the judged calls left unkept so."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes, self.skipped = 0, 0
+
+    def keep(self, run: tuple[int, ...], out, last: bool) -> None:
+        from .compare import as_tuple
+        from .loader import nbytes, to_host
+        size = nbytes(as_tuple(out))
+        if self.bytes + size > KEEP_BYTES and not last:
+            self.skipped += 1
+            return
+        self.bytes += size
+        self.append((run, to_host(out, keep_device=True, strict=True)))

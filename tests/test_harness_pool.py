@@ -1,0 +1,137 @@
+"""bench's timed inputs (harness/pool.py): a set does not exist before its call, a memo of past
+answers never hits, which calls are judged is drawn after they return, and the reference
+replays every judged call (a loop's too) exactly."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastelbo.harness import bench, loader, pool, timing
+
+TINY = str(Path(__file__).parent / "problems" / "tiny_vae.py")
+SEED = 3
+
+
+def _hash(xs) -> int:
+    return hash(b"".join(t.numpy().tobytes() for t in xs))
+
+
+class _Recorder(torch.nn.Module):
+    """Records a hash of each call's inputs (what a memo would key on) and of every set the
+    pool holds while it runs (what a candidate reading the pool would find)."""
+
+    def __init__(self, the_pool=None):
+        super().__init__()
+        self.pool, self.seen, self.visible = the_pool, [], []
+
+    def forward(self, *xs):
+        self.seen.append(_hash(xs))
+        if self.pool is not None:
+            self.visible.append({_hash(s) for s in self.pool.sets.values()})
+        return xs[0].sum(dim=-1)
+
+
+def _pool(batch: int) -> pool.Pool:
+    return bench._pool(loader.problem_module(TINY), SEED, batch, torch.device("cpu"), quick=False)
+
+
+@pytest.mark.parametrize("batch", [1, 5, 64])
+def test_no_timed_call_repeats_inputs_a_memo_has_seen(batch):
+    """Where the pool holds a set per timed call, a memo keyed on the inputs' contents never
+    hits in a timed call. Before, its 2-16 sets repeated, and such a memo was ok at 6-7x eager
+    on this CPU (tests/candidates/exploit_content_memo.py)."""
+    p = _pool(batch)
+    assert p.count > 150
+    model = _Recorder()
+    for j in p.order(10):  # as measure's warm-up and estimate calls
+        model(*p.fresh(j))
+    before = set(model.seen)
+    model.seen.clear()
+    timing.single_calls(model, p, 100, timing.Checks())
+    assert len(set(model.seen)) == len(model.seen) == 100 and not set(model.seen) & before
+
+
+@pytest.mark.parametrize("batch", [5, 64])
+def test_no_set_exists_before_its_call(batch):
+    """A candidate that reads the pool (gc) finds only sets it has been called on: each timed
+    call's set is drawn just before it. Before, the pool drew every set ahead, and a candidate
+    that answered all of them at its first call was ok at 6-9x eager on this CPU
+    (tests/candidates/exploit_pool_peek.py)."""
+    p = _pool(batch)
+    model = _Recorder(p)
+    model(*p.fresh(0))
+    timing.single_calls(model, p, 100, timing.Checks())
+    for t in range(1, len(model.seen)):
+        assert model.seen[t] not in model.visible[t - 1], f"call {t}'s set existed before"
+    assert len(p.sets) <= 102  # set 0 and one per call: nothing drawn ahead
+
+
+def test_set_keys_come_from_the_os_not_the_seed():
+    """The timed sets' keys differ between two pools of one seed (nothing in the process
+    predicts them); set 0, the seeded forward's, is the same (entries compare it)."""
+    a, b = _pool(5), _pool(5)
+    a.get(1), b.get(1)
+    assert a.keys[0] == b.keys[0] and torch.equal(a.sets[0][0], b.sets[0][0])
+    assert a.keys[1] != b.keys[1] and not torch.equal(a.sets[1][0], b.sets[1][0])
+
+
+def test_which_calls_are_judged():
+    """All of up to 16 and the last always; else each with probability 1/8, independently."""
+    assert all(pool.judged(k, 16) for k in range(16))
+    assert all(pool.judged(999, 1000) for _ in range(50))
+    count = sum(pool.judged(k, 10**6) for k in range(4000))
+    assert 350 < count < 650  # mean 500, sd 21
+
+
+def _reference(runs: dict) -> dict:
+    got = bench.bench_reference(TINY, "cpu", SEED, False, runs)
+    return {n: dict(pairs) for n, pairs in got.items()}
+
+
+def _spec_model():
+    mod = loader.problem_module(TINY)
+    model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, SEED), SEED)
+    return model
+
+
+@torch.no_grad()
+def test_every_judged_call_of_a_loop_is_replayed_exactly():
+    """wall_ms's loop seeds the generators once for all its calls: a judged call's run is the
+    sets up to it, and bench_reference's replay of each gives the very outputs (the spec draws
+    noise in every call)."""
+    p, model = _pool(5), _spec_model()
+    checks = timing.Checks()
+    timing.wall_per_call(model, p, torch.device("cpu"), 10, checks, rounds=2)
+    assert len(checks) == 20 and {len(run) for run, _ in checks} == set(range(1, 11))
+    refs = _reference({5: [run for run, _ in checks]})[5]
+    for run, outs in checks:
+        assert all(torch.equal(a, b) for a, b in zip(refs[run], outs)), len(run)
+
+
+class _LastOnly(torch.nn.Module):
+    """Honest only on what it guesses is judged: a loop's last call (as wall_ms's was). The
+    others draw the forward's noise, so that the last call's is right."""
+
+    def __init__(self, model, calls: int):
+        super().__init__()
+        self.model, self.calls, self.n = model, calls, 0
+
+    def forward(self, x):
+        self.n += 1
+        if self.n % self.calls:
+            torch.randn(x.shape[0], self.model.fc_mu.out_features)
+            return tuple(torch.zeros(x.shape[0]) for _ in range(3))
+        return self.model(x)
+
+
+@torch.no_grad()
+def test_a_loop_judges_calls_other_than_its_last():
+    p, model = _pool(5), _spec_model()
+    checks = timing.Checks()
+    timing.wall_per_call(_LastOnly(model, 10), p, torch.device("cpu"), 10, checks, rounds=1)
+    refs = _reference({5: [run for run, _ in checks]})[5]
+    wrong = [len(run) for run, outs in checks
+             if not all(torch.equal(a, b) for a, b in zip(refs[run], outs))]
+    assert wrong == list(range(1, 10))
