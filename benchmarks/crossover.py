@@ -29,19 +29,33 @@ import datetime
 import json
 import math
 import statistics
+import time
 from pathlib import Path
 
 import torch
 
 from fastelbo import VAEParams, validation
 from fastelbo.backends import _CROSSOVER, module, unavailable_reason
-from fastelbo.harness.timing import wall_per_call
 from fastelbo.model import ModelNew
 
 # Powers of two from 2048 up: the crossovers lie there (run 57: at B = 4096 cuda takes 0.24 ms
 # per eager call, triton 0.39, while triton's graph replay is faster; 4096 was not sampled).
 BATCHES = [1, 8, 32, 128, 512, 2048, 4096, 8192, 16384, 32768, 65536]
 OPEN_ENDED = 2**62
+
+
+def wall_per_call(fn, dev: torch.device, calls: int, rounds: int = 5) -> float:
+    """ms per call of N calls and one synchronize, median over rounds: `fastelbo bench`'s
+    wall_ms on one input (bench's own loop takes a model and fresh input sets per call)."""
+    per = []
+    for _ in range(rounds):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize(dev)
+        per.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(per)
 
 
 def time_graph(fn, reps: int) -> float:
@@ -156,7 +170,7 @@ def main() -> None:
                 call = lambda f=fwd, x=x, e=eps: f(x, params, e)
                 for _ in range(3):
                     call()  # compile / warm the allocator before timing
-                # The same eager measure as `fastelbo bench`'s wall_ms (--from-bench reads it).
+                # bench's wall_ms measure (--from-bench reads bench's own rows).
                 times[name][batch] = wall_per_call(call, dev, max(10, args.reps // 10))
                 graph[name][batch] = time_graph(call, args.reps)
         best = min(names, key=lambda n: times[n][batch])  # fastest, held out or not

@@ -143,9 +143,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "records validate=false (default: %(default)s)")
     _tolerances(p, " for the timed calls' outputs")
     p.add_argument("--seed", type=int, default=None,
-                   help="seed of weights and input sets (default: %(default)s, meaning a secret "
-                        "one drawn for this run; the rows record it, and --seed N reproduces "
-                        "the inputs)")
+                   help="seed of the weights and of the seeded forward's inputs (default: "
+                        "%(default)s, meaning a secret one drawn for this run; the rows record "
+                        "it). The timed calls' input sets are drawn from the OS's random source "
+                        "whatever the seed; an INCORRECT row names the failing set's key")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("export", help="write fastelbo's kernels as one KernelBench solution file",

@@ -189,7 +189,8 @@ class BenchOptions(_Checked):
     appended to (None: none). `compile_baseline`: also time torch.compile of the reference.
     `graph_reps`: forwards captured in one CUDA graph (at most 10 when `quick`); `quick`: few
     repetitions, for tests and smoke runs. `timeout`: seconds per entry's worker. `seed`: of
-    the weights and every input set; None draws a secret one (the rows record it). `atol`,
+    the weights and the seeded forward's inputs; None draws a secret one (the rows record it).
+    The timed calls' sets are drawn from the OS's random source whatever the seed (pool.py). `atol`,
     `rtol`: the tolerance each output is judged with against eager's. `validate`: False runs
     the workers with FASTELBO_VALIDATE=0 (fastelbo's per-call value check off). `eval_mode`:
     the models in .eval() (else the training mode they are constructed in, as KernelBench).
