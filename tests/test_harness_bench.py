@@ -132,6 +132,7 @@ TIMING_EXPLOITS = {
     "exploit_pool_peek": {"ok"},
     "exploit_lazy_mode": {"TAMPERED"},
     "exploit_patches_timers": {"TAMPERED"},
+    "exploit_wraps_get_inputs": {"TAMPERED"},
     "reference_as_candidate": {"ok"},
 }
 

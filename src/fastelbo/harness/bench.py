@@ -101,7 +101,8 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     snapshot = None
     if kind == "candidate":
         from .integrity import Snapshot
-        snapshot = Snapshot((mod,))  # before the candidate's import: what it may not replace
+        # before the candidate's import: what it may not replace (the problem draws its inputs)
+        snapshot = Snapshot({"problem": mod})
         progress("importing the candidate")
         cls = loader.import_candidate(candidate).ModelNew
         model, weights = loader.build_model(cls, init, seed, reference.state_dict())

@@ -84,29 +84,35 @@ def _raw(owner, name: str):
 
 class Snapshot:
     """What every watched name is bound to now (taken before the candidate is imported), and
-    every name of `modules` (a bench's problem module: its get_inputs draws the timed sets)."""
+    every name of `modules`, {label: module} (a bench's problem: its get_inputs draws the
+    timed sets)."""
 
-    def __init__(self, modules: tuple = ()):
+    def __init__(self, modules: dict | None = None):
         self.bound = {}
         for path, name in _WATCHED:
             owner = _owner(path)
             if owner is not None:
                 self.bound[(path, name)] = (owner, _raw(owner, name))
+        self.whole = {}  # path: (owner, its names now): a name added later shadows a base's
         for path in _WATCHED_WHOLE:
             owner = _owner(path)
+            self.whole[path] = (owner, set(vars(owner)))
             for name, value in list(vars(owner).items()):
                 if _code(value):
                     self.bound.setdefault((path, name), (owner, value))
-        for mod in modules:
+        for label, mod in (modules or {}).items():
             for name, value in list(vars(mod).items()):
                 if _code(value):
-                    self.bound[(mod.__name__, name)] = (mod, value)
+                    self.bound[(label, name)] = (mod, value)
 
     def changed(self) -> list[str]:
         """'time.perf_counter was replaced', ... for every watched name bound elsewhere now,
         and any torch function or dispatch mode left active."""
         out = [f"{path}.{name} was replaced" for (path, name), (owner, value) in
                self.bound.items() if not _same(_raw(owner, name), value)]
+        out += [f"{path}.{name} was added" for path, (owner, names) in self.whole.items()
+                for name, value in list(vars(owner).items())
+                if name not in names and _code(value)]
         return out + active_modes()
 
 

@@ -1,0 +1,73 @@
+"""The tripwires in a candidate's worker (harness/integrity.py): what a candidate replaces or
+adds among the names the harness relies on is named, and honest work changes none of them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from fastelbo.harness import integrity, pool
+
+
+@pytest.fixture
+def snap():
+    return integrity.Snapshot()
+
+
+@pytest.mark.parametrize("owner, name", [
+    (torch, "randn"), (torch, "randint"), (torch.Tensor, "to"), (torch.Tensor, "__add__"),
+    (torch.nn.functional, "binary_cross_entropy"), (torch.cuda, "manual_seed_all"),
+    (time, "perf_counter"), (os, "urandom"), (pool, "_urandom"),
+    (pool, "judged"),
+])
+def test_a_replaced_name_is_named(monkeypatch, snap, owner, name):
+    """Timers, the OS's random source and every torch function a problem's get_inputs might
+    call (any of torch, torch.Tensor, torch.nn.functional, torch.cuda), and the pool's own."""
+    assert snap.changed() == []
+    monkeypatch.setattr(owner, name, lambda *a, **k: None)
+    assert any(f".{name} was " in c for c in snap.changed()), snap.changed()  # or "added"
+    monkeypatch.undo()
+    assert snap.changed() == []
+
+
+def test_a_name_added_to_tensor_is_named(monkeypatch, snap):
+    """torch.Tensor.normal_ lives on the C base class: a Python attribute of that name on
+    torch.Tensor would shadow it."""
+    assert "normal_" not in vars(torch.Tensor)
+    monkeypatch.setattr(torch.Tensor, "normal_", lambda self, *a, **k: self, raising=False)
+    assert "torch.Tensor.normal_ was added" in snap.changed()
+
+
+def test_the_problems_functions_are_watched(monkeypatch):
+    mod = types.ModuleType("problem_under_test")
+    mod.get_inputs = lambda: [torch.rand(2, 3)]
+    snap = integrity.Snapshot({"problem": mod})
+    monkeypatch.setattr(mod, "get_inputs", lambda: [torch.zeros(2, 3)])
+    assert snap.changed() == ["problem.get_inputs was replaced"]
+
+
+HONEST = """
+import torch
+from fastelbo.harness import integrity
+snap = integrity.Snapshot()
+import torch._dynamo, torch.fx
+import fastelbo
+from fastelbo.model import ModelNew
+m = ModelNew(64, 48, 8)
+m(torch.rand(4, 64))
+print(snap.changed())
+"""
+
+
+def test_honest_work_changes_nothing_watched():
+    """Importing torch._dynamo (which rebinds torch.manual_seed to a wrapper of itself) and
+    fastelbo, and running its forward, is not tampering (a fresh process: nothing imported
+    before the snapshot)."""
+    out = subprocess.run([sys.executable, "-c", HONEST], capture_output=True, text=True,
+                         timeout=600, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
