@@ -2,8 +2,9 @@
 
 As KernelBench's kernel_static_checker and GPU MODE's kernelguard do, the candidate's source is
 read (never run) and each construct an honest kernel rarely needs is flagged with its line:
-threads and processes, ctypes, signals, file access, introspection of frames and the garbage
-collector, edits of sys.modules, assignments to torch's attributes, and CUDA streams. A flag is
+threads and processes, ctypes, signals, file access and raw file descriptors, introspection of
+frames and the garbage collector, edits of sys.modules, assignments to torch's attributes, CUDA
+streams, and imports of the harness's own modules. A flag is
 not a verdict (a candidate may use a stream well); it tells a reviewer where to look, and the
 confinement (sandbox.py) and the checks of outputs and timers are what reject a cheat.
 """
@@ -32,6 +33,8 @@ _CALLS = {
     "torch.load": "file_access", "os.fork": "processes", "os.system": "processes",
     "os.popen": "processes", "os.kill": "signal", "os.setsid": "processes",
     "os.execv": "processes", "os.execvp": "processes", "os._exit": "processes",
+    "os.write": "file_descriptors", "os.fdopen": "file_descriptors", "os.dup": "file_descriptors",
+    "os.dup2": "file_descriptors", "os.open": "file_access",
     "sys._getframe": "introspection", "sys.settrace": "introspection",
     "sys.setprofile": "introspection",
     "cuda.Stream": "streams", "cuda.stream": "streams", "torch.cuda.Stream": "streams",
@@ -40,6 +43,9 @@ _CALLS = {
 _ATTRS = {"f_back": "introspection", "f_globals": "introspection", "f_locals": "introspection",
           "gi_frame": "introspection", "tb_frame": "introspection", "__code__": "introspection",
           "modules": "sys_modules"}
+# the harness's own modules: the worker that times a candidate runs them in its process, and
+# its result channel is a file descriptor there (what a candidate would impersonate)
+_HARNESS = "fastelbo.harness"
 # what a torch attribute assignment may legitimately set: numerics switches
 _TORCH_SETTINGS = ("torch.backends.", "torch._inductor.config", "torch._dynamo.config")
 
@@ -68,8 +74,13 @@ def scan_source(text: str) -> list[dict]:
         if isinstance(node, ast.Import):
             flags += [(node.lineno, _MODULES[a.name.split(".")[0]]) for a in node.names
                       if a.name.split(".")[0] in _MODULES]
+            flags += [(node.lineno, "harness_internals") for a in node.names
+                      if a.name.startswith(_HARNESS)]
         elif isinstance(node, ast.ImportFrom) and node.module:
             top = node.module.split(".")[0]
+            if node.module.startswith(_HARNESS) or (node.module == "fastelbo" and any(
+                    a.name == "harness" for a in node.names)):
+                flags.append((node.lineno, "harness_internals"))
             if top in _MODULES:
                 flags.append((node.lineno, _MODULES[top]))
             elif top == "sys" and any(a.name == "modules" for a in node.names):
