@@ -231,3 +231,18 @@ def test_forked_workers_check_on_cuda():
     wrong = _check_json(HERE / "candidates" / "kl_sign_flipped.py", "--device", "cuda")
     assert (good["exit_code"], wrong["exit_code"], wrong["categories"]) == (0, 1, ["mismatch"])
     assert [w["forked"] for r in (good, wrong) for w in r["workers"]] == [True] * 4
+
+
+@pytest.mark.parametrize("command", ["bench", "check"])
+def test_a_device_past_the_gpu_count_is_a_usage_error(monkeypatch, capsys, command):
+    """On a machine with one GPU, --device cuda:3 is one line and exit 2, before any verdict
+    (both checked only that CUDA was there, and went on to start workers on a device that is
+    not)."""
+    from fastelbo.cli import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    argv = [command, TINY] + ([GOOD] if command == "check" else ["--quick"])
+    assert main([*argv, "--device", "cuda:3"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "fastelbo: error: --device cuda:3, but this machine has 1 CUDA device(s) "
+        "(cuda:0 to cuda:0)")

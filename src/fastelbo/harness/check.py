@@ -58,7 +58,8 @@ from .worker import Worker, WorkerPool, fork_enabled, fork_safe
 
 
 class DeviceUnavailable(ValueError):
-    """`device` is cuda but this machine has none. Raised once the workers are started (CUDA is
+    """`device` is cuda but this machine has none, or not that many (the message says which,
+    for "device X, but ..."). Raised once the workers are started (CUDA is
     probed after they are forked from this process, or while new interpreters import torch);
     they are killed first, before any verdict."""
 
@@ -267,8 +268,13 @@ class _Check:
             # Only now, with every worker started: spawned ones import torch while this process
             # does (it needs torch to read their results), so a new process pays it once.
             import torch
-            if o.device.startswith("cuda") and not torch.cuda.is_available():
-                raise DeviceUnavailable(f"device {o.device!r}: CUDA is not available here")
+            if o.device.startswith("cuda"):
+                count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+                if not count:
+                    raise DeviceUnavailable("CUDA is not available here")
+                if int(o.device.partition(":")[2] or 0) >= count:
+                    raise DeviceUnavailable(f"this machine has {count} CUDA device(s) "
+                                            f"(cuda:0 to cuda:{count - 1})")
             built = build.result()
             report.timings["build_s"] = built.result["build_s"] if built.ok else built.seconds
             if not built.ok:

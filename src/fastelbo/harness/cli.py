@@ -215,6 +215,10 @@ def _cuda_available(device: str | None, option: str = "--device") -> None:
         import torch
         if not torch.cuda.is_available():
             raise UsageError(f"{option} {device}, but CUDA is not available here")
+        index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+        if index >= count:
+            raise UsageError(f"{option} {device}, but this machine has {count} CUDA device(s) "
+                             f"(cuda:0 to cuda:{count - 1})")
 
 
 # The CUDA driver's device count (0 without a driver), for a process that must not import torch
@@ -301,8 +305,8 @@ def _check(args) -> int:
     from .check import DeviceUnavailable, run_check
     try:
         report = run_check(args.problem, args.candidate, options=options)
-    except DeviceUnavailable:
-        raise UsageError(f"--device {args.device}, but CUDA is not available here") from None
+    except DeviceUnavailable as exc:
+        raise UsageError(f"--device {args.device}, but {exc}") from None
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
     return report.exit_code
 
