@@ -191,24 +191,28 @@ class KernelInputError(ValueError, RuntimeError):
     callers, and a RuntimeError as a C++ binding's own check failure would be."""
 
 
-def check_kernel_tensors(backend: str, tensors: Iterable[tuple[str, torch.Tensor]], *,
+def check_kernel_tensors(backend: str | None, tensors: Iterable[tuple[str, torch.Tensor]], *,
                          device_type: str = "cuda", contiguous: bool = True) -> None:
     """Dense float32 tensors on one `device_type` device (x's, the first), contiguous if asked,
-    each size within int32: the inputs of a kernel backend (cuda, triton)."""
+    each size within int32: the inputs of a kernel backend (cuda, triton). `backend` None: a
+    kernel standing alone (the exported file), whose messages point to no other backend."""
     tensors = list(tensors)
+    who = "this kernel" if backend is None else f"the {backend} backend"
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.layout != torch.strided:
             raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if t.dtype != torch.float32:
-            raise TypeError(f"the {backend} backend computes in float32 only; {name} is "
-                            f"{t.dtype}. Use backend='torch' for other dtypes.")
+            raise TypeError(f"{who} computes in float32 only; {name} is {t.dtype}."
+                            + ("" if backend is None else " Use backend='torch' for other "
+                                                          "dtypes."))
     first_name, first = tensors[0]
     for name, t in tensors:
         if device_type is not None and t.device.type != device_type:
             raise KernelInputError(f"{name} must be a {device_type.upper()} tensor, got one on "
-                                   f"{t.device}. Use backend='torch' on other devices.")
+                                   f"{t.device}." + ("" if backend is None else
+                                                     " Use backend='torch' on other devices."))
         if t.device != first.device:
             raise KernelInputError(f"{name} is on {t.device} but {first_name} is on "
                                    f"{first.device}: every tensor must be on {first_name}'s "
