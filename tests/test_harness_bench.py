@@ -155,6 +155,10 @@ def test_timing_exploits_show_up_wrong_not_fast(exploit_rows, name):
     row = rows[name]
     assert row["status"] in TIMING_EXPLOITS[name], row
     assert code == 1
+    if name == "exploit_background_thread":  # its threads, in a note
+        assert any("Python threads the candidate started" in n for n in row["notes"]), row
+    if name == "reference_as_candidate":  # starts none
+        assert row["threads"] == [] and row["notes"] == [], row
 
 
 def test_default_candidates_on_cpu_are_auto_and_torch():

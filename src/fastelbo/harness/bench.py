@@ -130,13 +130,15 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
             if kind == EAGER:
                 row["flops"] = count_flops(model, pool.fresh(0))
                 row["io_bytes"] = loader.nbytes(pool.get(0)) + loader.nbytes(row["outputs"])
-            metrics, checks = measure(model, pool, dev, budget, reps)
+            metrics, checks = measure(model, pool, dev, budget, reps,
+                                      observe=snapshot and snapshot.observe_threads)
             check = metrics.pop("graph_check", None)
             row.update(metrics, pool=pool.count, pool_drawn=len(pool.sets),
                        checks_skipped=checks.skipped,
                        checks=[(run, loader.to_host(o)) for run, o in checks],
                        graph_check=check and [(run, loader.to_host(o)) for run, o in check])
             row["tampered"] = snapshot.changed() if snapshot is not None else []
+            row["threads"] = snapshot.threads_started() if snapshot is not None else []
             row["host"] = placement(dev)  # where this worker ran its timing loops
         except Exception as exc:  # noqa: BLE001 - one batch size failing is that row's result
             row = {**row, "error": traceback_tail(exc), "category": "exception"}
@@ -346,6 +348,10 @@ def _finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict 
     # floor (_floor) and the judged timed calls are what reject a cheat.
     row["notes"] = [f"speedup over {IMPLAUSIBLE:g}x eager: look twice"] if any(
         (row.get(f"speedup_eager_{m[:-3]}") or 0) > IMPLAUSIBLE for m in METRICS) else []
+    if row.get("threads"):
+        row["notes"].append(f"Python threads the candidate started ran beside the timed calls "
+                            f"(seen: {', '.join(row['threads'][:3])}): a thread can work "
+                            f"between them, outside the timed window")
     if row.get("stream_escape"):
         row["flags"].append("work escaped the timed stream (synced wall >> event time)")
     event, synced = row.get("events_ms"), row.get("events_synced_ms")

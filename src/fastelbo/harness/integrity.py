@@ -100,6 +100,8 @@ class Snapshot:
             for name, value in list(vars(owner).items()):
                 if _code(value):
                     self.bound.setdefault((path, name), (owner, value))
+        self.threads = set(sys._current_frames())  # Python threads alive before the import
+        self.started: set[str] = set()
         for label, mod in (modules or {}).items():
             for name, value in list(vars(mod).items()):
                 if _code(value):
@@ -114,6 +116,22 @@ class Snapshot:
                 for name, value in list(vars(owner).items())
                 if name not in names and _code(value)]
         return out + active_modes()
+
+
+    def observe_threads(self) -> None:
+        """Note the Python threads alive now that were not at the snapshot (by name; one
+        started below threading's API, unnamed)."""
+        import threading
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for i in set(sys._current_frames()) - self.threads:
+            self.started.add(names.get(i, "an unnamed thread"))
+
+    def threads_started(self) -> list[str]:
+        """Every thread observe_threads has seen, and those alive now: a thread can work
+        between timed calls, outside the timed window. torch.compile's own compile threads
+        count too, so the harness makes this a note, not a verdict."""
+        self.observe_threads()
+        return sorted(self.started)
 
 
 def _code(value) -> bool:

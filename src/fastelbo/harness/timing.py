@@ -305,8 +305,11 @@ def kernel_times(model, pool: Pool, calls: int = 5) -> dict:
 
 
 def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps: int,
-            profile: bool = True) -> tuple[dict, Checks]:
-    """(every metric, checks): see the module docstring. On the CPU only host time exists."""
+            profile: bool = True, observe=None) -> tuple[dict, Checks]:
+    """(every metric, checks): see the module docstring. On the CPU only host time exists.
+    `observe()` is called after each metric (integrity.Snapshot.observe_threads: a thread the
+    candidate starts per call is alive just after its calls)."""
+    observe = observe or (lambda: None)
     for j in pool.order(max(1, budget.warmup)):
         model(*pool.fresh(j))
     estimate = pool.order(3)
@@ -320,7 +323,9 @@ def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps:
     reps, calls = budget.scaled((_perf() - t0) / 3)
     checks = Checks()
     if device.type != "cuda":
-        return {"wall_ms": single_calls(model, pool, reps, checks)}, checks
+        m = {"wall_ms": single_calls(model, pool, reps, checks)}
+        observe()
+        return m, checks
     # Events, streams and synchronize() act on the current device: make it the measured one
     # (cuda:1 timed with cuda:0's stream would time nothing).
     with torch.cuda.device(device):
@@ -328,13 +333,17 @@ def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps:
         m["events_ms"], m["events_p20_ms"], m["events_p80_ms"] = event_times(
             model, pool, reps, L2Flush(device), checks, synced)
         m["events_synced_ms"] = statistics.median(synced)
+        observe()
         m["events_warm_ms"], m["events_warm_p20_ms"], m["events_warm_p80_ms"] = event_times(
             model, pool, reps, None, checks)
+        observe()
         m["wall_ms"] = wall_per_call(model, pool, device, calls, checks)
+        observe()
         m["bracket_event_ms"], m["synced_wall_ms"], m["stream_escape"] = escape_check(
             model, pool, calls)
         m["peak_mem_bytes"] = peak_memory(model, pool, device)
         if profile:
             m.update(kernel_times(model, pool))
         m.update(graph_time(model, pool, graph_reps))
+        observe()
     return m, checks
