@@ -1,0 +1,145 @@
+"""bench's GPU timing loops (harness/timing.py) run on the CPU with CUDA's timers, streams and
+graphs stood in for, so that what they keep for judging is checked where no GPU is: every kept
+call is replayed exactly by the reference (bench_reference), with its run's length."""
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastelbo.harness import bench, loader, timing
+
+TINY = str(Path(__file__).parent / "problems" / "tiny_vae.py")
+SEED = 5
+CPU = torch.device("cpu")
+
+
+class _Event:
+    """torch.cuda.Event on the host clock."""
+
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+class _Graph:
+    """A CUDA graph whose capture runs the forwards eagerly and whose replay runs them again
+    in the same order on the (refilled) captured inputs, into the captured outputs."""
+
+    capturing = None
+
+    def __init__(self):
+        self.calls = []
+
+    def replay(self):
+        for fn, args, outs in self.calls:
+            for dst, src in zip(outs, fn(*args)):
+                dst.copy_(src)
+
+
+class _Captured:
+    """model(*x) during capture: recorded on the graph being captured."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *x):
+        out = self.model(*x)
+        if _Graph.capturing is not None:
+            _Graph.capturing.calls.append((self.model, x, out))
+        return out
+
+
+@contextlib.contextmanager
+def _capture(graph):
+    _Graph.capturing = graph
+    try:
+        yield
+    finally:
+        _Graph.capturing = None
+
+
+class _Stream:
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(timing, "_Event", _Event)
+    monkeypatch.setattr(timing, "_record", _Event.record)
+    monkeypatch.setattr(timing, "_elapsed", _Event.elapsed_time)
+    monkeypatch.setattr(timing, "_sync_all", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", _capture)
+
+
+class _Flush:
+    reset = None
+
+    def __call__(self):
+        pass
+
+
+def _setup():
+    mod = loader.problem_module(TINY)
+    model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, SEED), SEED)
+    return bench._pool(mod, SEED, 6, CPU, quick=True), model
+
+
+def _replayed(checks) -> None:
+    """Every kept (run, outputs) equals the reference worker's replay of the run."""
+    runs = [run for run, _ in checks]
+    refs = dict(bench.bench_reference(TINY, "cpu", SEED, False, {6: runs})[6])
+    for run, outs in checks:
+        assert all(torch.equal(a, b) for a, b in zip(refs[run], outs)), len(run)
+
+
+@torch.no_grad()
+def test_cold_and_warm_event_loops_keep_what_the_reference_replays(fake_cuda):
+    pool, model = _setup()
+    checks, synced = timing.Checks(), []
+    cold = timing.event_times(model, pool, 12, _Flush(), checks, synced)
+    warm = timing.event_times(model, pool, 12, None, checks)
+    assert len(cold) == len(warm) == 3 and len(synced) == 12
+    assert warm[1] <= warm[2]  # mean, p20, p80
+    assert len(checks) == 24 and {len(run) for run, _ in checks} == {1}
+    _replayed(checks)
+
+
+@torch.no_grad()
+def test_the_wall_loop_keeps_runs_the_reference_replays(fake_cuda):
+    pool, model = _setup()
+    checks = timing.Checks()
+    ms = timing.wall_per_call(model, pool, CPU, 6, checks, rounds=2)
+    assert ms > 0 and sorted(len(run) for run, _ in checks) == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5,
+                                                                  6, 6]
+    _replayed(checks)
+
+
+@torch.no_grad()
+def test_the_graph_keeps_runs_of_its_captured_forwards(fake_cuda):
+    pool, model = _setup()
+    got = timing.graph_time(_Captured(model), pool, 5)
+    assert got["graph_error"] == "" and got["graph_forwards"] == 5 and got["graph_ms"] > 0
+    runs = [run for run, _ in got["graph_check"]]
+    assert [len(r) for r in runs] == [1, 2, 3, 4, 5] and len({*runs[-1]}) == 1
+    _replayed(got["graph_check"])
+
+
+@torch.no_grad()
+def test_escape_check_runs(fake_cuda):
+    pool, model = _setup()
+    event, wall, escaped = timing.escape_check(model, pool, 4)
+    assert event > 0 and wall > 0 and escaped in (True, False)
