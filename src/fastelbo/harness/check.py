@@ -269,10 +269,10 @@ class _Check:
             # does (it needs torch to read their results), so a new process pays it once.
             import torch
             if o.device.startswith("cuda"):
-                count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-                if not count:
+                if not torch.cuda.is_available():
                     raise DeviceUnavailable("CUDA is not available here")
-                if int(o.device.partition(":")[2] or 0) >= count:
+                index, count = o.device.partition(":")[2], torch.cuda.device_count()
+                if index and int(index) >= count:
                     raise DeviceUnavailable(f"this machine has {count} CUDA device(s) "
                                             f"(cuda:0 to cuda:{count - 1})")
             built = build.result()

@@ -215,8 +215,8 @@ def _cuda_available(device: str | None, option: str = "--device") -> None:
         import torch
         if not torch.cuda.is_available():
             raise UsageError(f"{option} {device}, but CUDA is not available here")
-        index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
-        if index >= count:
+        index, count = device.partition(":")[2], torch.cuda.device_count()
+        if index and int(index) >= count:
             raise UsageError(f"{option} {device}, but this machine has {count} CUDA device(s) "
                              f"(cuda:0 to cuda:{count - 1})")
 
