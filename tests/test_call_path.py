@@ -11,12 +11,13 @@ value check on and off, without autograd and with parameters that require grad; 
 backends' shape of the path, through a stand-in registered as 'cuda' (tests/fake_backends.py):
 called directly, drawing its own noise, and behind the custom op that autograd needs.
 
-Not covered, and not yet at the target: the real GPU backends. The cuda backend's checks run
-in its lanes (backends.native on a CUDA x): backends/cuda/checks.py is entered for start_checks
-and again for the in-flight verdict's wait() and settled(), and its RangeCheck enters
-backends/__init__.py from there (Verdict.__init__). The triton backend answers availability and
-runs its forward from one file (triton/__init__.py), and its forward waits on a given verdict
-too (Verdict.wait). A CPU runs none of that code.
+Not covered, and not yet at the target: the real GPU backends (read from the code, not
+recorded: a CPU runs none of it). On a CUDA x, backends/__init__.py is entered twice (native,
+resolve); the cuda backend's build.py three times (the lanes' extension(), resolve's
+unavailable_reason, the forward's extension()), its launch.py three times (checked_start,
+default_forward_options, forward) and its lanes.py twice (start_checks, the verdict's
+settled()). The triton backend answers availability and runs its forward from one file
+(triton/__init__.py).
 
 The documented exceptions (VALIDATION_OFF, THROUGH_OP) are the structural ones; any other file
 entered twice fails, printing the whole path, one (file, function) entry a line.
