@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fastelbo.harness import bench, loader, timing
+from fastelbo.harness import pool as pool_module
 
 TINY = str(Path(__file__).parent / "problems" / "tiny_vae.py")
 SEED = 5
@@ -143,3 +144,16 @@ def test_escape_check_runs(fake_cuda):
     pool, model = _setup()
     event, wall, escaped = timing.escape_check(model, pool, 4)
     assert event > 0 and wall > 0 and escaped in (True, False)
+
+
+@torch.no_grad()
+def test_a_loop_prepares_no_more_sets_than_the_pool_holds(fake_cuda):
+    """A loop timed as a whole holds its inputs at once: as many as the pool holds (its bytes
+    bounded), at least 3, not `calls` copies of a large set."""
+    mod = loader.problem_module(TINY)
+    model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, SEED), SEED)
+    pool = pool_module.Pool(lambda key: bench._set_inputs(mod, key, 6), 1, count=4)
+    checks = timing.Checks()
+    timing.wall_per_call(model, pool, CPU, 10, checks, rounds=1)
+    assert max(len(run) for run, _ in checks) == 4
+    assert pool.ahead(10) == 4 and pool_module.Pool(pool._draw, 1, count=2).ahead(10) == 3

@@ -97,6 +97,12 @@ class Pool:
         """Seed the generators for a forward on set j."""
         torch.manual_seed(forward_seed(self.keys[j]))
 
+    def ahead(self, n: int) -> int:
+        """How many of n calls a loop may prepare inputs for at once: at most the sets the
+        pool holds (their bytes bounded by POOL_BYTES), at least 3. A loop of 100 prepared
+        copies of the VAE's B=65,536 set held 20 GB."""
+        return min(n, max(3, self.count))
+
     def order(self, n: int) -> list[int]:
         """n set indices, shuffled: each set once before any set again (a deck, reshuffled
         when used up), no set twice in a row (nor as the previous order's end)."""

@@ -159,11 +159,12 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
 
 def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: Checks,
                   rounds: int = 5) -> float:
-    """Host time per call (ms): N calls on fresh inputs prepared beforehand, the generators
-    seeded once, one synchronize, divide; median over rounds. Every call's outputs are held
+    """Host time per call (ms): N calls on fresh inputs prepared beforehand (N at most what the
+    pool holds, pool.ahead), the generators seeded once, one synchronize, divide; median over
+    rounds. Every call's outputs are held
     until the round ends (as its inputs are), and then the judged ones are drawn: a judged
     call's run is the sets of the calls up to it."""
-    per = []
+    per, calls = [], pool.ahead(calls)
     for r in range(rounds):
         order = pool.order(calls)
         inputs = [pool.fresh(j, recycle=False, seed=False) for j in order]
@@ -202,7 +203,7 @@ def single_calls(model, pool: Pool, reps: int, checks: Checks) -> float:
 
 def escape_check(model, pool: Pool, calls: int) -> tuple[float, float, bool]:
     """(event ms per call, synced wall ms per call, escaped?) over the same N calls."""
-    order = pool.order(calls)
+    order = pool.order(pool.ahead(calls))
     inputs = [pool.fresh(j, recycle=False) for j in order]
     start, end = _Event(enable_timing=True), _Event(enable_timing=True)
     _sync_all()
@@ -212,8 +213,8 @@ def escape_check(model, pool: Pool, calls: int) -> tuple[float, float, bool]:
         model(*x)
     _record(end)
     _sync_all()
-    wall = (_perf() - t0) * 1e3 / calls
-    event = _elapsed(start, end) / calls
+    wall = (_perf() - t0) * 1e3 / len(order)
+    event = _elapsed(start, end) / len(order)
     escaped = wall > ESCAPE_FACTOR * event and wall - event > ESCAPE_MIN_MS
     return event, wall, escaped
 
@@ -283,6 +284,7 @@ def kernel_times(model, pool: Pool, calls: int = 5) -> dict:
     """Device time per call of each kernel the forward ran (torch.profiler, CUPTI), whatever
     stream it ran on: {kernel_ms, kernels: [{name, us, count}] of the TOP_KERNELS longest}."""
     from torch.profiler import ProfilerActivity, profile
+    calls = pool.ahead(calls)
     inputs = [pool.fresh(j, recycle=False) for j in pool.order(calls)]
     _sync_all()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
