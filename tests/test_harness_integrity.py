@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -12,6 +13,13 @@ import pytest
 import torch
 
 from fastelbo.harness import integrity, pool
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_hook_left():
+    """A Snapshot names threads through threading.setprofile: none left for later tests."""
+    yield
+    threading.setprofile(None)
 
 
 @pytest.fixture
@@ -71,3 +79,14 @@ def test_honest_work_changes_nothing_watched():
     out = subprocess.run([sys.executable, "-c", HONEST], capture_output=True, text=True,
                          timeout=600, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
+def test_a_thread_started_after_the_snapshot_is_named_however_short():
+    """A thread can work between timed calls: each one started through threading is named
+    (at most five, then a count), even one that ended long before anyone looked."""
+    snap = integrity.Snapshot()
+    for i in range(7):
+        t = threading.Thread(target=lambda: None, name=f"short-{i}")
+        t.start()
+        t.join()
+    assert snap.threads_started() == [f"short-{i}" for i in range(5)] + ["and 2 more"]
