@@ -117,7 +117,8 @@ class CompileResult(BaseModel):
 
 class BenchRow(BaseModel):
     """One entry (eager, torch.compile, candidate) at one batch size. Metrics: events (cold
-    L2, CUDA events), events_warm, graph (CUDA graph replay), wall (host clock; the CPU's)."""
+    L2, CUDA events, the median), events_warm (back to back, the mean), graph (CUDA graph
+    replay), wall (host clock; the CPU's)."""
     entry: str
     batch_size: int | None
     status: str = Field(description="ok, INCORRECT, TAMPERED, IMPLAUSIBLE, UNCHECKED or ERROR")
