@@ -8,8 +8,8 @@ The candidate shares its process with the timing loop, so it can read anything t
   from the OS's random source (`secret_key`). A candidate that reads the pool finds only sets
   it has already been called on; precomputing the next call's answer is impossible, and a memo
   of past answers never hits while the pool holds a set per timed call. (A loop that prepares
-  its inputs ahead of one timed window, as wall_ms does, shows them to the first call; doing
-  their work there is timed in that window.)
+  its inputs ahead, as wall_ms and the warm events do, shows them to its first call; work done
+  there for the others is timed in that loop's window, or counted in the warm column's mean.)
 - **Whether a call is judged is decided after it returns** (`judged`), by the same source: no
   state the candidate can read says which calls will be compared, so an answer skipped on a
   call it hopes is unjudged is caught at the rate of the sample, a certainty over a bench.
@@ -66,8 +66,8 @@ class Pool:
     """Input sets on the device, drawn when first needed (see the module docstring).
 
     `count`: the sets it holds (pool_size of set 0's bytes). Set 0 is the seeded forward's,
-    under a key the caller gives (the same in every entry, so
-    their untimed outputs compare); it also serves the capture of a CUDA graph and the memory
+    under a key the caller gives (the same in every entry, so their untimed outputs compare);
+    it also serves the capture of a CUDA graph and the memory
     peak, and is dealt to timed calls only in a pool of two sets. `draw(key)` returns a set's
     inputs on the device. `order` deals every set once before any set again; sets past the
     first `count` are the ones already drawn, dealt again (a pool of large sets).
