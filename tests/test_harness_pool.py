@@ -135,3 +135,16 @@ def test_a_loop_judges_calls_other_than_its_last():
     wrong = [len(run) for run, outs in checks
              if not all(torch.equal(a, b) for a, b in zip(refs[run], outs))]
     assert wrong == list(range(1, 10))
+
+
+@torch.no_grad()
+def test_a_judged_call_reruns_by_hand_from_its_key():
+    """What an INCORRECT row names ("input set key K") is enough to rerun that call: the set
+    redrawn by bench.set_inputs, the forward under pool.forward_seed(K)."""
+    p, model = _pool(5), _spec_model()
+    checks = timing.Checks()
+    timing.single_calls(model, p, 4, checks)
+    (key,), outs = checks[-1]
+    x = bench.set_inputs(loader.problem_module(TINY), key, 5)
+    torch.manual_seed(pool.forward_seed(key))
+    assert all(torch.equal(a, b) for a, b in zip(model(*x), outs))

@@ -152,7 +152,7 @@ def test_a_loop_prepares_no_more_sets_than_the_pool_holds(fake_cuda):
     bounded), at least 3, not `calls` copies of a large set."""
     mod = loader.problem_module(TINY)
     model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, SEED), SEED)
-    pool = pool_module.Pool(lambda key: bench._set_inputs(mod, key, 6), 1, count=4)
+    pool = pool_module.Pool(lambda key: bench.set_inputs(mod, key, 6), 1, count=4)
     checks = timing.Checks()
     timing.wall_per_call(model, pool, CPU, 10, checks, rounds=1)
     assert max(len(run) for run, _ in checks) == 4

@@ -173,7 +173,7 @@ def bench_reference(problem: str, device: str, seed: int, eval_mode: bool,
         out[n], wanted = [], {tuple(r) for r in runs}
         for run in sorted(wanted, key=len, reverse=True):
             if run in wanted:  # not yet computed on the way to a longer run
-                sets = {key: loader.to_device(_set_inputs(mod, key, n), dev) for key in set(run)}
+                sets = {key: loader.to_device(set_inputs(mod, key, n), dev) for key in set(run)}
                 torch.manual_seed(forward_seed(run[0]))  # after the draws: they seed their own
                 for i, key in enumerate(run):
                     outputs = model(*sets[key])
@@ -185,9 +185,10 @@ def bench_reference(problem: str, device: str, seed: int, eval_mode: bool,
     return out
 
 
-def _set_inputs(mod, key: int, n: int | None) -> list:
+def set_inputs(mod, key: int, n: int | None) -> list:
     """The inputs of the set drawn under `key` at batch size n, on the CPU (the same in every
-    worker)."""
+    worker): what a row's "input set key K" names, to rerun a failing timed call by hand
+    (`loader.problem_module(problem)` for mod; its forward ran under pool.forward_seed(K))."""
     return loader.draw_inputs(mod, key, n)
 
 
@@ -200,7 +201,7 @@ def _first_key(seed: int) -> int:
 def _pool(mod, seed: int, n: int | None, dev: torch.device, quick: bool) -> Pool:
     """The batch size's pool: set 0 from the bench's seed, the others drawn as timed calls
     need them (pool.py)."""
-    return Pool(lambda key: loader.to_device(_set_inputs(mod, key, n), dev), _first_key(seed),
+    return Pool(lambda key: loader.to_device(set_inputs(mod, key, n), dev), _first_key(seed),
                 quick)
 
 
@@ -403,7 +404,7 @@ def _judge(outputs, checks: list, graph, eager: dict, atol: float, rtol: float,
 
 
 def _run_name(run) -> str:
-    """How a report names a judged call's inputs: the set's key (_set_inputs redraws it), and
+    """How a report names a judged call's inputs: the set's key (set_inputs redraws it), and
     for a call inside a loop timed as a whole, its place in the loop."""
     if len(run) == 1:
         return f"input set key {run[0]}"
