@@ -142,8 +142,8 @@ def test_the_graph_keeps_runs_of_its_captured_forwards(fake_cuda):
 @torch.no_grad()
 def test_escape_check_runs(fake_cuda):
     pool, model = _setup()
-    event, wall, escaped = timing.escape_check(model, pool, 4)
-    assert event > 0 and wall > 0 and escaped in (True, False)
+    event, wall, _ = timing.escape_check(model, pool, 4)
+    assert 0 < event <= wall  # the events' window lies inside the synchronised one
 
 
 @torch.no_grad()
