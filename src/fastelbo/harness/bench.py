@@ -301,7 +301,7 @@ def _references(rows: list[dict], problem: str, device: str, seed: int, o: Bench
     keys: dict = {}
     for r in rows:
         for run, _ in [*r.get("checks", ()), *(r.get("graph_check") or ())]:
-            keys.setdefault(r["batch_size"], set()).add(tuple(run))
+            keys.setdefault(r["batch_size"], set()).add(run)
     if not keys:
         return {}, ""
     outcome = run_task(bench_reference, o.timeout, env=env, problem=problem, device=device,
@@ -309,7 +309,7 @@ def _references(rows: list[dict], problem: str, device: str, seed: int, o: Bench
                        keys={n: sorted(k) for n, k in keys.items()})
     if not outcome.ok:
         return {}, f"the reference for the timed calls could not run: {outcome.reason}"
-    return {n: {tuple(run): o for run, o in pairs} for n, pairs in outcome.result.items()}, ""
+    return {n: dict(pairs) for n, pairs in outcome.result.items()}, ""
 
 
 def _finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict | None = None,
@@ -371,29 +371,28 @@ def _finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict 
 def _judge(outputs, checks: list, graph, eager: dict, atol: float, rtol: float,
            keyed: dict | None = None, why: str = "") -> tuple[str, str, int]:
     """(status, detail, timed calls judged): the seeded forward against eager's, each kept
-    timed call against the reference's outputs for its run (`keyed`; `why` they are missing:
-    UNCHECKED), and the CUDA graph's judged forwards where eager's own graph reproduces the
-    reference's outputs (random draws inside a graph may not)."""
+    timed call against the reference's outputs for its run (a tuple of set keys; `keyed`;
+    `why` they are missing: UNCHECKED), and the CUDA graph's judged forwards where eager's own
+    graph reproduces the reference's outputs (random draws inside a graph may not)."""
     cmp = compare_outputs(eager["outputs"], outputs, atol, rtol)
     if not cmp.ok:
         return "INCORRECT", _detail("the seeded forward", cmp), 0
     refs = keyed or {}
     for k, (run, outs) in enumerate(checks):
-        if tuple(run) not in refs:
+        if run not in refs:
             return "UNCHECKED", why or f"no reference for timed call (kept {k})", k
-        cmp = compare_outputs(refs[tuple(run)], outs, atol, rtol)
+        cmp = compare_outputs(refs[run], outs, atol, rtol)
         if not cmp.ok:
             return "INCORRECT", _detail(f"timed call (kept {k}, {_run_name(run)})", cmp), k
     detail = ""
     own, graph = eager.get("graph_check") or [], graph or []
     if graph and own:
-        if all(tuple(run) in refs and compare_outputs(refs[tuple(run)], o, atol, rtol).ok
-               for run, o in own):
+        if all(run in refs and compare_outputs(refs[run], o, atol, rtol).ok for run, o in own):
             for run, outs in graph:
-                if tuple(run) not in refs:
+                if run not in refs:
                     return "UNCHECKED", why or "no reference for the CUDA graph's input set", \
                         len(checks)
-                cmp = compare_outputs(refs[tuple(run)], outs, atol, rtol)
+                cmp = compare_outputs(refs[run], outs, atol, rtol)
                 if not cmp.ok:
                     return "INCORRECT", _detail(f"the CUDA graph's forward {len(run)} "
                                                 f"({_run_name(run[-1:])})", cmp), len(checks)

@@ -67,8 +67,7 @@ class Pool:
 
     `count`: the sets it holds (pool_size of set 0's bytes). Set 0 is the seeded forward's,
     under a key the caller gives (the same in every entry, so their untimed outputs compare);
-    it also serves the capture of a CUDA graph and the memory
-    peak, and is dealt to timed calls only in a pool of two sets. `draw(key)` returns a set's
+    it also serves the capture of a CUDA graph and the memory peak, and is dealt to timed calls only in a pool of two sets. `draw(key)` returns a set's
     inputs on the device. `order` deals every set once before any set again; sets past the
     first `count` are the ones already drawn, dealt again (a pool of large sets).
     """
@@ -139,6 +138,13 @@ class Pool:
         return x
 
 
+def output_bytes(out) -> int:
+    """The bytes of a forward's outputs (one tensor or a tuple of them)."""
+    from .compare import as_tuple
+    from .loader import nbytes
+    return nbytes(as_tuple(out))
+
+
 class Checks(list):
     """The timed calls' outputs kept for judging, [(run, outputs)], as device copies (no sync
     inside a timing loop). Past KEEP_BYTES only each metric's last call is kept (a problem
@@ -149,9 +155,8 @@ class Checks(list):
         self.bytes, self.skipped = 0, 0
 
     def keep(self, run: tuple[int, ...], out, last: bool) -> None:
-        from .compare import as_tuple
-        from .loader import nbytes, to_host
-        size = nbytes(as_tuple(out))
+        from .loader import to_host
+        size = output_bytes(out)
         if self.bytes + size > KEEP_BYTES and not last:
             self.skipped += 1
             return

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pool import KEEP_BYTES, Checks, Pool, judged
+from .pool import KEEP_BYTES, Checks, Pool, judged, output_bytes
 
 _perf = time.perf_counter
 _Event = torch.cuda.Event
@@ -161,9 +161,8 @@ def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: C
                   rounds: int = 5) -> float:
     """Host time per call (ms): N calls on fresh inputs prepared beforehand (N at most what the
     pool holds, pool.ahead), the generators seeded once, one synchronize, divide; median over
-    rounds. Every call's outputs are held
-    until the round ends (as its inputs are), and then the judged ones are drawn: a judged
-    call's run is the sets of the calls up to it."""
+    rounds. Every call's outputs are held until the round ends (as its inputs are), and then
+    the judged ones are drawn: a judged call's run is the sets of the calls up to it."""
     per, calls = [], pool.ahead(calls)
     for r in range(rounds):
         order = pool.order(calls)
@@ -179,12 +178,6 @@ def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: C
                 checks.keep(pool.run(order[:k + 1]), outs[k], r == rounds - 1 and k == calls - 1)
         del outs, inputs
     return statistics.median(per)
-
-
-def _nbytes(out) -> int:
-    from .compare import as_tuple
-    from .loader import nbytes
-    return nbytes(as_tuple(out))
 
 
 def single_calls(model, pool: Pool, reps: int, checks: Checks) -> float:
@@ -237,7 +230,7 @@ def graph_time(model, pool: Pool, graph_reps: int, replays: int = 5) -> dict:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(3):
-                size = _nbytes(model(*static))
+                size = output_bytes(model(*static))
         torch.cuda.current_stream().wait_stream(side)
         reps = min(graph_reps, max(2, KEEP_BYTES // max(size, 1)))
         graph = torch.cuda.CUDAGraph()
