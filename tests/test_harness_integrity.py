@@ -81,6 +81,29 @@ def test_honest_work_changes_nothing_watched():
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
 
 
+def test_cuda_is_initialised_before_a_cuda_snapshot(monkeypatch):
+    """CUDA's lazy init adds torch.cuda._get_device_properties: a snapshot for a CUDA device
+    initialises CUDA first (else every honest candidate on a GPU reads as tampering), and one
+    for the CPU does not (it would cost a CPU check a CUDA context)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("init"))
+    integrity.Snapshot(device="cpu")
+    assert calls == []
+    integrity.Snapshot(device=torch.device("cuda", 0))
+    assert calls == ["init"]
+
+
+@pytest.mark.gpu
+def test_cuda_init_after_a_cuda_snapshot_changes_nothing_watched():
+    """The real thing, in a fresh process: a snapshot for cuda, then a forward on the GPU."""
+    code = HONEST.replace("integrity.Snapshot()", "integrity.Snapshot(device='cuda')").replace(
+        "m(torch.rand(4, 64))", "m.cuda()(torch.rand(4, 64, device='cuda'))")
+    assert "device='cuda')" in code and "m.cuda()" in code
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
 def test_a_thread_started_after_the_snapshot_is_named_however_short():
     """A thread can work between timed calls: each one started through threading is named
     (at most five, then a count), even one that ended long before anyone looked."""

@@ -102,7 +102,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     if kind == "candidate":
         from .integrity import Snapshot
         # before the candidate's import: what it may not replace (the problem draws its inputs)
-        snapshot = Snapshot({"problem": mod})
+        snapshot = Snapshot({"problem": mod}, dev)
         progress("importing the candidate")
         cls = loader.import_candidate(candidate).ModelNew
         model, weights = loader.build_model(cls, init, seed, reference.state_dict())

@@ -76,9 +76,12 @@ def _raw(owner, name: str):
 class Snapshot:
     """What every watched name is bound to now (taken before the candidate is imported), and
     every name of `modules`, {label: module} (a bench's problem: its get_inputs draws the
-    timed sets)."""
+    timed sets). On a CUDA `device`, CUDA is initialised first: its lazy init adds functions
+    to torch.cuda (`_get_device_properties`), which would read as the candidate's."""
 
-    def __init__(self, modules: dict | None = None):
+    def __init__(self, modules: dict | None = None, device=None):
+        if device is not None and torch.device(device).type == "cuda":
+            torch.cuda.init()
         self.bound = {}
         for path, name in _WATCHED:
             owner = _owner(path)

@@ -299,7 +299,7 @@ def build_candidate(candidate: str, problem: str, device: str, seed: int) -> dic
     on the device (building what its constructor compiles), before any reference work ends."""
     dev = torch.device(device)
     start = time.perf_counter()
-    _snapshot()
+    _snapshot(dev)
     progress("build: importing the candidate (building its extensions)", BUILD)
     module = loader.import_candidate(candidate)
     import_s = time.perf_counter() - start
@@ -330,7 +330,7 @@ def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, ini
     dev = torch.device(device)
     module, model = _built.get(candidate, (None, None))
     if module is None:
-        _snapshot()
+        _snapshot(dev)
         progress("importing the candidate", BUILD)
         module = loader.import_candidate(candidate)
     progress("candidate: loading the reference's weights")
@@ -377,9 +377,9 @@ def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, ini
 _snap: list = []  # integrity.Snapshot taken before the candidate's import
 
 
-def _snapshot() -> None:
+def _snapshot(dev: torch.device) -> None:
     from .integrity import Snapshot
-    _snap[:] = [Snapshot()]
+    _snap[:] = [Snapshot(device=dev)]
 
 
 def _candidate_trial(model, inputs: list, seed: int, dev, resident: bool = False) -> dict:
