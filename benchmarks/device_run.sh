@@ -12,6 +12,11 @@ for stage in "$@"; do  # refuse a typo before any stage spends device time
   [[ $STAGES == *" $stage "* ]] || { echo "device_run.sh: unknown stage '$stage' (stages:$STAGES)" >&2; exit 2; }
 done
 [ $# -gt 0 ] || { echo "usage: bash benchmarks/device_run.sh STAGE... (stages:$STAGES)" >&2; exit 2; }
+# Rows are tagged with FASTELBO_COMMIT: the copy of the tree on a device machine may carry a .git
+# of another commit (2026-12-05: rows read 52da252-dirty for a tree at c14135e), so git there
+# is not asked.
+[ -n "${FASTELBO_COMMIT:-}" ] || { echo "device_run.sh: set FASTELBO_COMMIT=\$(git rev-parse --short HEAD) where the tree was committed: git on the device may read another commit" >&2; exit 2; }
+export FASTELBO_COMMIT
 
 OUT=${OUT:-device_out}; LOGS=${LOGS:-/tmp/fastelbo_logs}; mkdir -p "$OUT" "$LOGS"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

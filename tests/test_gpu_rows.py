@@ -104,7 +104,7 @@ def test_device_run_logs_its_commands_and_writes_the_rows(tmp_path):
 
     repo = PATH.parents[1]
     env = {**os.environ, "OUT": str(tmp_path / "out"), "LOGS": str(tmp_path / "logs"),
-           "HOST_TESTS": "0", "TESTS": "tests/test_contract.py",
+           "HOST_TESTS": "0", "TESTS": "tests/test_contract.py", "FASTELBO_COMMIT": "abc1234",
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
     proc = subprocess.run(["bash", str(repo / "benchmarks" / "device_run.sh"), "tests"],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=600,
@@ -116,4 +116,20 @@ def test_device_run_logs_its_commands_and_writes_the_rows(tmp_path):
             for line in (tmp_path / "logs" / "gpu_tests.jsonl").read_text().splitlines()]
     assert [(r["file"], r["markers"], r["passed"], r["failed"], r["rc"]) for r in rows] == [
         ("test_contract", "gpu and not multi_gpu", 0, 1, 5)]
+    assert rows[0]["commit"] == "abc1234"  # the commit it was told, not git's here
     assert (tmp_path / "out" / "results.tgz").is_file()
+
+
+def test_device_run_refuses_to_start_without_the_commit(tmp_path):
+    """A copy of the tree on a device machine may carry a .git of another commit: without
+    FASTELBO_COMMIT nothing runs (exit 2, one line that says how to set it)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "FASTELBO_COMMIT"}
+    env.update(OUT=str(tmp_path / "out"), LOGS=str(tmp_path / "logs"))
+    proc = subprocess.run(["bash", str(PATH.parents[1] / "benchmarks" / "device_run.sh"), "env"],
+                          cwd=PATH.parents[1], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 2 and "FASTELBO_COMMIT" in proc.stderr, proc.stderr
+    assert not (tmp_path / "logs").exists()
