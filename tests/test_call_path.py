@@ -11,13 +11,17 @@ value check on and off, without autograd and with parameters that require grad; 
 backends' shape of the path, through a stand-in registered as 'cuda' (tests/fake_backends.py):
 called directly, drawing its own noise, and behind the custom op that autograd needs.
 
-Not covered, and not yet at the target: the real GPU backends (read from the code, not
-recorded: a CPU runs none of it). On a CUDA x, backends/__init__.py is entered twice (native,
-resolve); the cuda backend's build.py three times (the lanes' extension(), resolve's
-unavailable_reason, the forward's extension()), its launch.py three times (checked_start,
-default_forward_options, forward) and its lanes.py twice (start_checks, the verdict's
-settled()). The triton backend answers availability and runs its forward from one file
-(triton/__init__.py).
+Not yet at the target: the real cuda backend. Its Python path is recorded here with a
+stand-in for the compiled extension (its ten-odd entry points answered by the torch spec) and
+the CPU admitted as a device it runs on, so every file of the backend is the real one
+(CUDA_PATH holds its counts, so the path cannot grow unnoticed): on a call that draws its
+noise, backends/__init__.py is entered twice (native, resolve) and launch.py twice (the lanes'
+checked_start, the forward); with eps given, the ops wait for the value check first (lanes.py
+three times: start_checks, wait, settled; launch.py once more, range_check_finish). build.py is
+entered once (resolve's unavailable_reason): the lanes and the forward take the extension from
+build.RUNS_ON (until 2026-12-05 each called build.extension(), three entries, four with eps,
+and the forward built its launch options by a second launch.py call). The triton backend answers availability and runs its forward from
+one file (triton/__init__.py).
 
 The documented exceptions (VALIDATION_OFF, THROUGH_OP) are the structural ones; any other file
 entered twice fails, printing the whole path, one (file, function) entry a line.
@@ -181,6 +185,64 @@ def test_a_gpu_backend_behind_the_custom_op_keeps_to_its_exceptions(stand_in, gi
     assert_within_target(path, THROUGH_OP)
     assert ("backends/__init__.py", "module") in path, show(path)  # the kernel's lookup
     assert ("ops/elbo.py", "_elbo_forward_kernel") not in path, show(path)
+
+
+# The real cuda backend's path today (module docstring): over the target where noted.
+CUDA_PATH = {
+    "drawn": {"backends/__init__.py": 2, "backends/cuda/launch.py": 2},
+    "eps": {"backends/__init__.py": 2, "backends/cuda/launch.py": 3,
+            "backends/cuda/lanes.py": 3},
+}
+
+
+class _StandInExtension:
+    """What the cuda backend's Python calls of its extension on the ops' path, answered by the
+    torch spec on the CPU: every check passes, the value check (validate) is 'in flight'."""
+
+    class ForwardOptions:
+        pass
+
+    def checked_start(self, x, eps, params, validate):
+        return 1 if validate else 0
+
+    def range_check_finish(self, device):
+        return True
+
+    def last_status(self):
+        return 0
+
+    def forward(self, x, eps, params, options):
+        if options.draw:  # as the kernel draws torch.randn's numbers into eps
+            eps.copy_(torch.randn(eps.shape))
+        return list(torch_ref.forward_prepared(x, VAEParams(*params), eps))
+
+
+@pytest.fixture
+def real_cuda_backend(monkeypatch):
+    """The cuda backend's own modules on a CPU x: its extension stood in for, the CPU
+    admitted as a device it runs on (build.RUNS_ON), its lanes serving CPU tensors and its
+    in-kernel noise taken as matching."""
+    cuda = backends.module("cuda")
+    from fastelbo.backends.cuda import build, noise
+    ext = _StandInExtension()
+    monkeypatch.setattr(build, "_build", lambda: (ext, None))
+    monkeypatch.setattr(build, "RUNS_ON", {torch.device("cpu"): ext})
+    monkeypatch.setitem(noise._MATCHES, None, True)  # a CPU device's index
+    monkeypatch.setitem(backends.NATIVE, "cpu", "cuda")
+    return cuda
+
+
+@pytest.mark.parametrize("given_eps", [True, False], ids=["eps", "drawn"])
+def test_the_real_cuda_backends_path_does_not_grow(real_cuda_backend, given_eps):
+    x, params, eps = _inputs()
+    path = _record_elbo(x, params, eps if given_eps else None, grad=False, backend="cuda")
+    # the torch spec's files come from the stand-in: not part of the cuda backend's path
+    path = [e for e in path if e[0] not in ("backends/torch_ref.py", "contract.py")]
+    assert_within_target(path, CUDA_PATH["eps" if given_eps else "drawn"])
+    assert ("backends/cuda/lanes.py", "start_checks") in path, show(path)  # its own lanes
+    assert ("backends/cuda/elbo.py", "forward_prepared") in path, show(path)
+    if not given_eps:
+        assert ("backends/cuda/noise.py", "forward_drawing") in path, show(path)
 
 
 def test_the_recorder_counts_entries_not_calls():

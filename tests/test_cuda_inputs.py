@@ -312,15 +312,17 @@ def test_a_device_found_able_is_not_asked_again(monkeypatch):
         asked.append(index)
         return (9, 0) if index == 0 else (8, 0)
 
-    monkeypatch.setattr(build, "RUNS_ON", set())
+    monkeypatch.setattr(build, "RUNS_ON", {})
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
-    monkeypatch.setattr(build, "_build", lambda: (object(), None))
+    ext = object()
+    monkeypatch.setattr(build, "_build", lambda: (ext, None))
     for _ in range(3):
         assert cuda.unavailable_reason(torch.device("cuda:0")) is None
         assert "compute capability 9.0+" in cuda.unavailable_reason(torch.device("cuda:1"))
     assert asked == [0, 1, 1, 1]
+    assert build.RUNS_ON == {torch.device("cuda:0"): ext}  # where the lanes take it from
 
 
 def test_iwae_checks_pass_injected_eps_without_a_seed(fake):

@@ -152,10 +152,11 @@ def extension() -> ModuleType:
     return mod
 
 
-# CUDA devices (with an index) this backend was found to run on, its extension built: the ops
-# ask once per call, and a device that can run it keeps being able to (a no is asked again every
-# time). lanes.py's fast lanes apply only on these (so they never build).
-RUNS_ON: set[torch.device] = set()
+# CUDA devices (with an index) this backend was found to run on, each with the extension (one
+# module for all): the ops ask once per call, and a device that can run it keeps being able to
+# (a no is asked again every time). lanes.py's fast lanes apply only on these (so they never
+# build), and they and the ops' forward take the extension from here: a lookup, not a call.
+RUNS_ON: dict[torch.device, ModuleType] = {}
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -174,7 +175,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     if major < 9:
         return (f"the kernel needs compute capability 9.0+ (thread-block clusters), "
                 f"device {index} has {major}.{minor}")
-    _, why = _build()
+    mod, why = _build()
     if why is None and device.index is not None:
-        RUNS_ON.add(device)
+        RUNS_ON[device] = mod
     return why

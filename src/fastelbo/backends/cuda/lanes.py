@@ -1,7 +1,8 @@
 """The cuda backend's lanes for the ops' checks (the Backend protocol's start_checks,
 start_value_check, in_unit_range).
 
-They never build the extension and apply only on a device build.RUNS_ON holds: `start_checks`
+They never build the extension and apply only on a device build.RUNS_ON holds (whose
+extension they take from there): `start_checks`
 (the binding's input check, binding_check.h, and the value check's launch in one binding call)
 and the value check on x alone (`in_unit_range`; `start_value_check`, a RangeCheck whose wait()
 collects the verdict).
@@ -27,7 +28,7 @@ def in_unit_range(x: torch.Tensor) -> bool | None:
     does not apply (the caller falls back to torch ops)."""
     if not _range_check_applies(x):
         return None
-    return launch.x_in_unit_range(build.extension(), x=x)
+    return launch.x_in_unit_range(build.RUNS_ON[x.device], x=x)
 
 
 class RangeCheck(Verdict):
@@ -42,7 +43,8 @@ class RangeCheck(Verdict):
         self.plain, self.checked, self.x = plain, True, x  # Verdict's fields, set here
 
     def wait(self) -> None:
-        if not launch.range_check_finish(build.extension(), device=self.x.device.index):
+        if not launch.range_check_finish(build.RUNS_ON[self.x.device],
+                                         device=self.x.device.index):
             self.fail()
 
     def fail(self):
@@ -60,7 +62,7 @@ def start_value_check(x: torch.Tensor) -> RangeCheck | None:
     """in_unit_range's launch alone, where it applies (else None, nothing launched)."""
     if not _range_check_applies(x):
         return None
-    launch.range_check_start(build.extension(), x=x)
+    launch.range_check_start(build.RUNS_ON[x.device], x=x)
     return RangeCheck(x)
 
 
@@ -72,14 +74,13 @@ def start_checks(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None,
     none started (validate off or a graph being captured). None: not the plain case or a rule
     broken (the binding's status): the caller runs the contract's checks, which raise its error
     or send the call to another backend."""
-    if (type(x) not in PLAIN_TYPES or x.device not in build.RUNS_ON or len(params) != 10
-            or (eps is not None and type(eps) not in PLAIN_TYPES)):
+    ext = build.RUNS_ON.get(x.device) if type(x) in PLAIN_TYPES else None
+    if ext is None or len(params) != 10 or (eps is not None and type(eps) not in PLAIN_TYPES):
         return None
     for p in params:
         if type(p) not in PLAIN_TYPES:
             return None
-    status = launch.checked_start(build.extension(), x=x, eps=eps, params=params,
-                                  validate=validate)
+    status = launch.checked_start(ext, x=x, eps=eps, params=params, validate=validate)
     if status < 0:
         return None
     return RangeCheck(x, plain=True) if status else GIVEN_PLAIN
