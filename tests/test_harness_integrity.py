@@ -93,6 +93,25 @@ def test_cuda_is_initialised_before_a_cuda_snapshot(monkeypatch):
     assert calls == ["init"]
 
 
+def test_cudas_lazy_names_in_a_worker_on_another_device_are_not_tampering(monkeypatch):
+    """A candidate in a CPU check that initialises CUDA at import (on a GPU machine) makes torch
+    add torch.cuda._get_device_properties: not tampering there, since CUDA was not initialised
+    at the snapshot. Once CUDA was initialised at the snapshot (every CUDA worker), the same
+    name added is reported, and any other name added to torch.cuda always is."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    snap = integrity.Snapshot(device="cpu")
+    monkeypatch.setattr(torch.cuda, "_get_device_properties", lambda d: None, raising=False)
+    assert snap.changed() == []
+    monkeypatch.setattr(torch.cuda, "_not_torchs", lambda: None, raising=False)
+    assert snap.changed() == ["torch.cuda._not_torchs was added"]
+    monkeypatch.delattr(torch.cuda, "_not_torchs")
+    monkeypatch.delattr(torch.cuda, "_get_device_properties")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    snap = integrity.Snapshot(device="cpu")
+    monkeypatch.setattr(torch.cuda, "_get_device_properties", lambda d: None, raising=False)
+    assert snap.changed() == ["torch.cuda._get_device_properties was added"]
+
+
 @pytest.mark.gpu
 def test_cuda_init_after_a_cuda_snapshot_changes_nothing_watched():
     """The real thing, in a fresh process: a snapshot for cuda, then a forward on the GPU."""

@@ -48,6 +48,11 @@ _WATCHED = [
 # draws a bench's input sets (the problem's own get_inputs) with them in the candidate's worker;
 # a function replaced there would show the candidate each new set before its timed call.
 _WATCHED_WHOLE = ("torch", "torch.Tensor", "torch.nn.functional", "torch.cuda")
+# What CUDA's lazy init adds to torch.cuda (torch/csrc/cuda/Module.cpp). A snapshot for a CUDA
+# device initialises CUDA first; in a worker on another device a candidate may still initialise
+# it (a CUDA call at import), and these names then come from torch: that worker times nothing
+# with them.
+_CUDA_INIT_ADDS = {("torch.cuda", "_get_device_properties")}
 
 
 def _owner(path: str):
@@ -82,6 +87,7 @@ class Snapshot:
     def __init__(self, modules: dict | None = None, device=None):
         if device is not None and torch.device(device).type == "cuda":
             torch.cuda.init()
+        self.cuda_initialized = torch.cuda.is_initialized()
         self.bound = {}
         for path, name in _WATCHED:
             owner = _owner(path)
@@ -108,9 +114,10 @@ class Snapshot:
         and any torch function or dispatch mode left active."""
         out = [f"{path}.{name} was replaced" for (path, name), (owner, value) in
                self.bound.items() if not _same(_raw(owner, name), value)]
+        lazy = set() if self.cuda_initialized else _CUDA_INIT_ADDS
         out += [f"{path}.{name} was added" for path, (owner, names) in self.whole.items()
                 for name, value in list(vars(owner).items())
-                if name not in names and _code(value)]
+                if name not in names and _code(value) and (path, name) not in lazy]
         return out + active_modes()
 
     def _thread_started(self, frame, event, arg) -> None:
