@@ -298,8 +298,8 @@ def build_candidate(candidate: str, problem: str, device: str, seed: int) -> dic
     """Import the candidate (building what it compiles at import) and construct ModelNew once
     on the device (building what its constructor compiles), before any reference work ends."""
     dev = torch.device(device)
+    _snapshot(dev)  # on a GPU this initialises CUDA: not the candidate's import time
     start = time.perf_counter()
-    _snapshot(dev)
     progress("build: importing the candidate (building its extensions)", BUILD)
     module = loader.import_candidate(candidate)
     import_s = time.perf_counter() - start

@@ -1,11 +1,10 @@
 """The cuda backend's lanes for the ops' checks (the Backend protocol's start_checks,
 start_value_check, in_unit_range).
 
-They never build the extension and apply only on a device build.RUNS_ON holds (whose
-extension they take from there): `start_checks`
-(the binding's input check, binding_check.h, and the value check's launch in one binding call)
-and the value check on x alone (`in_unit_range`; `start_value_check`, a RangeCheck whose wait()
-collects the verdict).
+They never build the extension and apply only on a device build.RUNS_ON holds, taking the
+extension from there: `start_checks` (the binding's input check, binding_check.h, and the value
+check's launch in one binding call) and the value check on x alone (`in_unit_range`;
+`start_value_check`, a RangeCheck whose wait() collects the verdict).
 """
 from __future__ import annotations
 
