@@ -245,6 +245,18 @@ def test_the_real_cuda_backends_path_does_not_grow(real_cuda_backend, given_eps)
         assert ("backends/cuda/noise.py", "forward_drawing") in path, show(path)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("given_eps", [True, False], ids=["eps", "drawn"])
+def test_the_cuda_backends_path_on_a_gpu_does_not_grow(given_eps):
+    """The same path with the real extension on a CUDA x: what the stand-in above stands for."""
+    x, params, eps = _inputs()
+    x, eps, params = x.cuda(), eps.cuda(), VAEParams(*[p.cuda() for p in params])
+    path = _record_elbo(x, params, eps if given_eps else None, grad=False, backend="cuda")
+    assert_within_target(path, CUDA_PATH["eps" if given_eps else "drawn"])
+    assert ("backends/cuda/elbo.py", "forward_prepared") in path, show(path)
+    assert ("backends/cuda/lanes.py", "start_checks") in path, show(path)
+
+
 def test_the_recorder_counts_entries_not_calls():
     """A call within a file is not an entry; a call into another file is, each time."""
     x, params, eps = _inputs()
