@@ -15,12 +15,13 @@ Not yet at the target: the real cuda backend. Its Python path is recorded here w
 stand-in for the compiled extension (its ten-odd entry points answered by the torch spec) and
 the CPU admitted as a device it runs on, so every file of the backend is the real one
 (CUDA_PATH holds its counts, so the path cannot grow unnoticed): on a call that draws its
-noise, backends/__init__.py is entered twice (native, resolve) and launch.py twice (the lanes'
-checked_start, the forward); with eps given, the ops wait for the value check first (lanes.py
-three times: start_checks, wait, settled; launch.py once more, range_check_finish). build.py is
-entered once (resolve's unavailable_reason): the lanes and the forward take the extension from
-build.RUNS_ON (until 2026-12-05 each called build.extension(), three entries, four with eps,
-and the forward built its launch options by a second launch.py call). The triton backend answers availability and runs its forward from
+noise, backends/__init__.py is entered twice (native, resolve) and launch.py three times (the
+lanes' checked_start; the forward's default_forward_options and forward: one wrapper per binding
+entry, each passing exactly that entry's arguments, test_cuda_launch.py); with eps given, the
+ops wait for the value check first (lanes.py three times: start_checks, wait, settled; launch.py
+once more, range_check_finish). build.py is entered once (resolve's unavailable_reason): the
+lanes and the forward take the extension from build.RUNS_ON (until 2026-12-05 each called
+build.extension(): three entries, four with eps). The triton backend answers availability and runs its forward from
 one file (triton/__init__.py).
 
 The documented exceptions (VALIDATION_OFF, THROUGH_OP) are the structural ones; any other file
@@ -189,8 +190,8 @@ def test_a_gpu_backend_behind_the_custom_op_keeps_to_its_exceptions(stand_in, gi
 
 # The real cuda backend's path today (module docstring): over the target where noted.
 CUDA_PATH = {
-    "drawn": {"backends/__init__.py": 2, "backends/cuda/launch.py": 2},
-    "eps": {"backends/__init__.py": 2, "backends/cuda/launch.py": 3,
+    "drawn": {"backends/__init__.py": 2, "backends/cuda/launch.py": 3},
+    "eps": {"backends/__init__.py": 2, "backends/cuda/launch.py": 4,
             "backends/cuda/lanes.py": 3},
 }
 

@@ -41,13 +41,10 @@ def default_forward_options(ext, *, draw=False, awaits=False):
     return (_PRESETS.get(ext) or _presets(ext))[draw][awaits]
 
 
-def forward(ext, *, x, eps, params, options=None, draw=False, awaits=False):
+def forward(ext, *, x, eps, params, options):
     """[elbo, recon, kl], each (B,) float32, on the current stream; [] where a check failed
     (the inputs', or with options.awaits the value check in flight): nothing was drawn or
-    launched. options: an ext.ForwardOptions (forward_options), or None for the product's
-    with `draw` and `awaits` (default_forward_options)."""
-    if options is None:
-        options = default_forward_options(ext, draw=draw, awaits=awaits)
+    launched."""
     return ext.forward(x, eps, params, options)
 
 
