@@ -12,17 +12,18 @@ backends' shape of the path, through a stand-in registered as 'cuda' (tests/fake
 called directly, drawing its own noise, and behind the custom op that autograd needs.
 
 Not yet at the target: the real cuda backend. Its Python path is recorded here with a
-stand-in for the compiled extension (its ten-odd entry points answered by the torch spec) and
-the CPU admitted as a device it runs on, so every file of the backend is the real one
-(CUDA_PATH holds its counts, so the path cannot grow unnoticed): on a call that draws its
-noise, backends/__init__.py is entered twice (native, resolve) and launch.py three times (the
-lanes' checked_start; the forward's default_forward_options and forward: one wrapper per binding
-entry, each passing exactly that entry's arguments, test_cuda_launch.py); with eps given, the
-ops wait for the value check first (lanes.py three times: start_checks, wait, settled; launch.py
-once more, range_check_finish). build.py is entered once (resolve's unavailable_reason): the
-lanes and the forward take the extension from build.RUNS_ON (until 2026-12-05 each called
-build.extension(): three entries, four with eps). The triton backend answers availability and runs its forward from
-one file (triton/__init__.py).
+stand-in for the compiled extension (the entry points the ops' path calls, answered by the
+torch spec) and the CPU admitted as a device it runs on, so every file of the backend is the
+real one (CUDA_PATH holds its counts, so the path cannot grow unnoticed; a GPU test records the
+same with the real extension): on a call that draws its noise, backends/__init__.py is entered
+twice (native, resolve) and launch.py three times (the lanes' checked_start; the forward's
+default_forward_options and forward: one wrapper per binding entry, each passing exactly that
+entry's arguments, test_cuda_launch.py); with eps given, the ops wait for the value check first
+(lanes.py three times: start_checks, wait, settled; launch.py once more, range_check_finish).
+build.py is entered once (resolve's unavailable_reason): the lanes and the forward take the
+extension from build.RUNS_ON (until 2026-12-05 each called build.extension(): three entries,
+four with eps). The triton backend answers availability and runs its forward from one file
+(triton/__init__.py).
 
 The documented exceptions (VALIDATION_OFF, THROUGH_OP) are the structural ones; any other file
 entered twice fails, printing the whole path, one (file, function) entry a line.
@@ -215,7 +216,7 @@ class _StandInExtension:
     def forward(self, x, eps, params, options):
         if options.draw:  # as the kernel draws torch.randn's numbers into eps
             eps.copy_(torch.randn(eps.shape))
-        return list(torch_ref.forward_prepared(x, VAEParams(*params), eps))
+        return list(torch_ref.forward(x, VAEParams(*params), eps, valid=True))
 
 
 @pytest.fixture
@@ -237,8 +238,8 @@ def real_cuda_backend(monkeypatch):
 def test_the_real_cuda_backends_path_does_not_grow(real_cuda_backend, given_eps):
     x, params, eps = _inputs()
     path = _record_elbo(x, params, eps if given_eps else None, grad=False, backend="cuda")
-    # the torch spec's files come from the stand-in: not part of the cuda backend's path
-    path = [e for e in path if e[0] not in ("backends/torch_ref.py", "contract.py")]
+    # the torch spec's file is the stand-in's: not part of the cuda backend's path
+    path = [e for e in path if e[0] != "backends/torch_ref.py"]
     assert_within_target(path, CUDA_PATH["eps" if given_eps else "drawn"])
     assert ("backends/cuda/lanes.py", "start_checks") in path, show(path)  # its own lanes
     assert ("backends/cuda/elbo.py", "forward_prepared") in path, show(path)
