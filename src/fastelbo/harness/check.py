@@ -37,6 +37,7 @@ from . import refcache, sandbox
 from .files import candidate_path, syntax_error
 from .judge import ENVELOPE_CATEGORIES, judge_trial, trial_from_dict
 from .options import CheckOptions
+from .placement import cuda_device_missing
 from .regimes import plan
 from .report import (
     CheckReport,
@@ -267,14 +268,10 @@ class _Check:
             ref = None if ref_w is None else threads.submit(self._reference, only, ref_w)
             # Only now, with every worker started: spawned ones import torch while this process
             # does (it needs torch to read their results), so a new process pays it once.
-            import torch
-            if o.device.startswith("cuda"):
-                if not torch.cuda.is_available():
-                    raise DeviceUnavailable("CUDA is not available here")
-                index, count = o.device.partition(":")[2], torch.cuda.device_count()
-                if index and int(index) >= count:
-                    raise DeviceUnavailable(f"this machine has {count} CUDA device(s) "
-                                            f"(cuda:0 to cuda:{count - 1})")
+            import torch  # noqa: F401 - imported now, beside the workers (above)
+            why = o.device.startswith("cuda") and cuda_device_missing(o.device)
+            if why:
+                raise DeviceUnavailable(why)
             built = build.result()
             report.timings["build_s"] = built.result["build_s"] if built.ok else built.seconds
             if not built.ok:

@@ -212,13 +212,10 @@ def _positive(args, *options: str) -> None:
 def _cuda_available(device: str | None, option: str = "--device") -> None:
     """bench's device (spelt right: a BenchOptions'), where CUDA is (which imports torch)."""
     if device is not None and device.startswith("cuda"):
-        import torch
-        if not torch.cuda.is_available():
-            raise UsageError(f"{option} {device}, but CUDA is not available here")
-        index, count = device.partition(":")[2], torch.cuda.device_count()
-        if index and int(index) >= count:
-            raise UsageError(f"{option} {device}, but this machine has {count} CUDA device(s) "
-                             f"(cuda:0 to cuda:{count - 1})")
+        from .placement import cuda_device_missing
+        why = cuda_device_missing(device)
+        if why is not None:
+            raise UsageError(f"{option} {device}, but {why}")
 
 
 # The CUDA driver's device count (0 without a driver), for a process that must not import torch

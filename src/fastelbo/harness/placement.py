@@ -16,6 +16,18 @@ PIN_ENV = "FASTELBO_PIN_GPU_LOCAL"
 _SYS_PCI = Path("/sys/bus/pci/devices")
 
 
+def cuda_device_missing(device: str) -> str | None:
+    """Why CUDA device `device` ("cuda" or "cuda:N") is not on this machine, or None where it
+    is: check's and bench's one answer (imports torch)."""
+    import torch
+    if not torch.cuda.is_available():
+        return "CUDA is not available here"
+    index, count = device.partition(":")[2], torch.cuda.device_count()
+    if index and int(index) >= count:
+        return f"this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1})"
+    return None
+
+
 def parse_cpulist(text: str) -> set[int]:
     """The CPUs of a sysfs cpulist ("0-3,8,10-11")."""
     cpus: set[int] = set()
