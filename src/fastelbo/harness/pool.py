@@ -67,9 +67,10 @@ class Pool:
 
     `count`: the sets it holds (pool_size of set 0's bytes). Set 0 is the seeded forward's,
     under a key the caller gives (the same in every entry, so their untimed outputs compare);
-    it also serves the capture of a CUDA graph and the memory peak, and is dealt to timed calls only in a pool of two sets. `draw(key)` returns a set's
-    inputs on the device. `order` deals every set once before any set again; sets past the
-    first `count` are the ones already drawn, dealt again (a pool of large sets).
+    it also serves the capture of a CUDA graph and the memory peak, and is dealt to timed calls
+    only in a pool of two sets. `draw(key)` returns a set's inputs on the device. `order` deals
+    every set once before any set again; sets past the first `count` are the ones already
+    drawn, dealt again (a pool of large sets).
     """
 
     def __init__(self, draw: Callable[[int], list], first_key: int, quick: bool = False,
