@@ -11,19 +11,21 @@ value check on and off, without autograd and with parameters that require grad; 
 backends' shape of the path, through a stand-in registered as 'cuda' (tests/fake_backends.py):
 called directly, drawing its own noise, and behind the custom op that autograd needs.
 
-Not yet at the target: the real cuda backend. Its Python path is recorded here with a
-stand-in for the compiled extension (the entry points the ops' path calls, answered by the
-torch spec) and the CPU admitted as a device it runs on, so every file of the backend is the
-real one (CUDA_PATH holds its counts, so the path cannot grow unnoticed; a GPU test records the
-same with the real extension): on a call that draws its noise, backends/__init__.py is entered
-twice (native, resolve) and launch.py three times (the lanes' checked_start; the forward's
-default_forward_options and forward: one wrapper per binding entry, each passing exactly that
-entry's arguments, test_cuda_launch.py); with eps given, the ops wait for the value check first
-(lanes.py three times: start_checks, wait, settled; launch.py once more, range_check_finish).
-build.py is entered once (resolve's unavailable_reason): the lanes and the forward take the
-extension from build.RUNS_ON (until 2026-12-05 each called build.extension(): three entries,
-four with eps). The triton backend answers availability and runs its forward from one file
-(triton/__init__.py).
+The real cuda backend's Python path is recorded here with a stand-in for the compiled
+extension (the entry points the ops' path calls, answered by the torch spec) and the CPU
+admitted as a device it runs on, so every file of the backend is the real one; a GPU test
+records the same with the real extension. One file is over the target, the same with eps given
+or drawn: launch.py, the extension's edge (one keyword-only wrapper per binding entry, each
+passing exactly that entry's arguments: test_cuda_launch.py), entered three times: the lane's
+checked_start, then the forward's default_forward_options and forward. The check's call and the
+launch are two crossings into the extension by design (the host prepares the call while the
+value check runs on the GPU). CUDA_PATH holds these counts exactly, so the path can neither
+grow nor shrink unnoticed. Until 2026-12-05 the ops asked backends/__init__.py twice (native
+for the check's lane, resolve for the backend) where backends.start now does both, and waited
+for the value check themselves with eps given (three lanes.py entries, a fourth launch.py one)
+where the binding now waits; before that the lanes and the forward each called
+build.extension() (three build.py entries, four with eps). The triton backend answers
+availability and runs its forward from one file (triton/__init__.py).
 
 The documented exceptions (VALIDATION_OFF, THROUGH_OP) are the structural ones; any other file
 entered twice fails, printing the whole path, one (file, function) entry a line.
@@ -189,12 +191,17 @@ def test_a_gpu_backend_behind_the_custom_op_keeps_to_its_exceptions(stand_in, gi
     assert ("ops/elbo.py", "_elbo_forward_kernel") not in path, show(path)
 
 
-# The real cuda backend's path today (module docstring): over the target where noted.
+# The real cuda backend's path today (module docstring): the files over the target, exactly.
 CUDA_PATH = {
-    "drawn": {"backends/__init__.py": 2, "backends/cuda/launch.py": 3},
-    "eps": {"backends/__init__.py": 2, "backends/cuda/launch.py": 4,
-            "backends/cuda/lanes.py": 3},
+    "drawn": {"backends/cuda/launch.py": 3},
+    "eps": {"backends/cuda/launch.py": 3},
 }
+
+
+def assert_cuda_path(path, given_eps):
+    expected = CUDA_PATH["eps" if given_eps else "drawn"]
+    assert path and path[0] == ("ops/elbo.py", "elbo"), show(path)
+    assert over_the_target(path) == expected, show(path)
 
 
 class _StandInExtension:
@@ -240,7 +247,7 @@ def test_the_real_cuda_backends_path_does_not_grow(real_cuda_backend, given_eps)
     path = _record_elbo(x, params, eps if given_eps else None, grad=False, backend="cuda")
     # the torch spec's file is the stand-in's: not part of the cuda backend's path
     path = [e for e in path if e[0] != "backends/torch_ref.py"]
-    assert_within_target(path, CUDA_PATH["eps" if given_eps else "drawn"])
+    assert_cuda_path(path, given_eps)
     assert ("backends/cuda/lanes.py", "start_checks") in path, show(path)  # its own lanes
     assert ("backends/cuda/elbo.py", "forward_prepared") in path, show(path)
     if not given_eps:
@@ -254,7 +261,7 @@ def test_the_cuda_backends_path_on_a_gpu_does_not_grow(given_eps):
     x, params, eps = _inputs()
     x, eps, params = x.cuda(), eps.cuda(), VAEParams(*[p.cuda() for p in params])
     path = _record_elbo(x, params, eps if given_eps else None, grad=False, backend="cuda")
-    assert_within_target(path, CUDA_PATH["eps" if given_eps else "drawn"])
+    assert_cuda_path(path, given_eps)
     assert ("backends/cuda/elbo.py", "forward_prepared") in path, show(path)
     assert ("backends/cuda/lanes.py", "start_checks") in path, show(path)
 

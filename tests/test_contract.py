@@ -113,14 +113,15 @@ def test_the_cuda_value_check_stays_out_of_cpu_tensors():
     assert cuda.start_checks(torch.rand(3, 4), [torch.rand(1)] * 10, None, True) is None
 
 
-def test_start_checks_takes_the_native_backends_lanes(model, monkeypatch):
-    """start_checks asks backends.native(x.device) through the protocol, for a device type
-    listed in backends.NATIVE (here the CPU, posing as one): its one-call lane's verdict is
-    taken as it is; where that lane declines, the contract's checks run and the lane's started
-    value check is the verdict; where that declines too, in_unit_range (then torch ops)
-    decides at once. Bad metadata is still the contract's error."""
+def test_start_takes_the_native_backends_lanes(model, monkeypatch):
+    """ops.checks.start asks backends.native(x.device) through the protocol (backends.start),
+    for a device type listed in backends.NATIVE (here the CPU, posing as one): its one-call
+    lane's verdict is taken as it is; where that lane declines, the contract's checks run and
+    the lane's started value check is the verdict; where that declines too, in_unit_range
+    (then torch ops) decides at once. Bad metadata is still the contract's error, and the
+    backend comes back resolved with the verdict."""
     from fastelbo import backends
-    from fastelbo.ops.checks import check_values, start_checks
+    from fastelbo.ops.checks import check_values, start
 
     lane_verdict, started = backends.Verdict(plain=True), backends.Verdict(checked=True)
     answers = {"start_checks": lane_verdict, "start_value_check": started,
@@ -134,14 +135,17 @@ def test_start_checks_takes_the_native_backends_lanes(model, monkeypatch):
     monkeypatch.setattr(backends, "native", lambda device: native)
     monkeypatch.setitem(backends.NATIVE, "cpu", "stand-in")
     params, x = model.vae_params(), torch.rand(5, 16)
-    assert start_checks(x, params, None) is lane_verdict and calls == ["start_checks"]
+    assert start("torch", x, params, None) == (lane_verdict, "torch", backends.module("torch"))
+    assert calls == ["start_checks"]
     answers["start_checks"] = None
-    assert start_checks(x, params, None) is started
+    assert start("torch", x, params, None)[0] is started
     with pytest.raises(ValueError, match="eps must have shape"):
-        start_checks(x, params, torch.randn(5, 2))
+        start("torch", x, params, torch.randn(5, 2))
+    with pytest.raises(ValueError, match="eps must have shape"):  # the contract's error first
+        start("cuda", x, params, torch.randn(5, 2))
     answers["start_value_check"] = None
     calls.clear()
-    assert start_checks(x, params, None).checked
+    assert start("torch", x, params, None)[0].checked
     assert calls == ["start_checks", "start_value_check", "in_unit_range"]
     bad = x.clone()
     bad[1, 2] = 1.5
@@ -152,18 +156,18 @@ def test_start_checks_takes_the_native_backends_lanes(model, monkeypatch):
         check_values(bad)
 
 
-def test_start_checks_on_cpu_gives_its_verdict_at_once(model):
-    """Off the GPU the value check runs inside start_checks: a bad x raises there, a good one
-    comes back with a verdict whose wait() passes; the other checks raise as check_inputs'."""
-    from fastelbo.ops.checks import start_checks
+def test_start_on_cpu_gives_its_verdict_at_once(model):
+    """Off the GPU the value check runs inside start: a bad x raises there, a good one comes
+    back with a verdict whose wait() passes; the other checks raise as the contract's."""
+    from fastelbo.ops.checks import start
 
     params = model.vae_params()
     x = torch.rand(5, 16)
-    start_checks(x, params, None).wait()
+    start("auto", x, params, None)[0].wait()
     x[2, 3] = float("nan")
     with pytest.raises(ValueError, match=r"first x\[2, 3\] = nan"):
-        start_checks(x, params, None)
+        start("auto", x, params, None)
     with validation(False):
-        start_checks(x, params, None).wait()  # off: nothing to check
+        start("auto", x, params, None)[0].wait()  # off: nothing to check
     with pytest.raises(ValueError, match="eps must have shape"):
-        start_checks(x, params, torch.randn(5, 2))
+        start("auto", x, params, torch.randn(5, 2))

@@ -227,19 +227,23 @@ def _probes(tree: ast.AST) -> list[int]:
 
 
 def _is_backend_call(node: ast.AST, getters: set[str] = frozenset()) -> bool:
-    """backends.module(...), backends.native(...) or backends.resolve(...) (a name and a
-    module), or a call of one of `getters` (local functions returning one): an expression
-    giving a backend module."""
+    """backends.module(...), backends.native(...), backends.resolve(...) (a name and a
+    module), backends.start(...) (a verdict, a name and a module), or a call of one of
+    `getters` (local functions returning one): an expression giving a backend module."""
     if not isinstance(node, ast.Call):
         return False
     f = node.func
     return (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
-            and f.value.id == "backends" and f.attr in ("module", "native", "resolve")
+            and f.value.id == "backends" and f.attr in ("module", "native", "resolve", "start")
             or isinstance(f, ast.Name) and f.id in getters)
 
 
 def _assigned_names(target: ast.AST) -> list[str]:
-    """The names an assignment binds: `mod = ...` and each of `name, mod = ...`."""
+    """The names an assignment of a backend binds to the module: `mod = ...`, and the last of
+    `name, mod = ...` or `verdict, name, mod = ...` (resolve's and start's tuples end with the
+    module)."""
+    if isinstance(target, (ast.Tuple, ast.List)) and target.elts:
+        target = target.elts[-1]
     return [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
 
 
@@ -309,6 +313,7 @@ def test_the_protocol_rule_sees_what_it_should():
         "lane = None if c else backends.native(d)\nlane.finish_range_check(d)": "member",
         "def _cuda():\n    return backends.module('cuda')\n_cuda().start_range_check(x)": "member",
         "name, mod = backends.resolve(b, d, n, t)\nmod.checked_start(x)": "member",
+        "verdict, name, mod = backends.start(b, x, p, e, v)\nmod.range_check_start(x)": "member",
         "def _pick(b, x):\n    return backends.resolve(b, x.device, 1, x.dtype)\n"
         "name, mod = _pick(b, x)\nmod.finish_range_check(x)": "member",
     }
@@ -320,7 +325,8 @@ def test_the_protocol_rule_sees_what_it_should():
                                       if a not in _protocol_members()]
         assert found, src
     assert not _name_branches(ast.parse("x.device.type == 'cuda' or backend == 'auto'"))
-    fine = "mod = backends.module(name)\nmod.forward_prepared(x, p, e, verdict=v)"
+    fine = ("mod = backends.module(name)\nmod.forward_prepared(x, p, e, verdict=v)\n"
+            "verdict, name, mod = backends.start(b, x, p, e, v)\nverdict.wait()")
     assert not _probes(ast.parse(fine)) and not [
         a for _, a in _backend_members_used(ast.parse(fine)) if a not in _protocol_members()]
     graph = dict(GRAPH)

@@ -7,6 +7,7 @@ from fake_backends import gpu_stand_in
 from fastelbo import backends
 from fastelbo.backends import torch_ref
 from fastelbo.contract import validation
+from fastelbo.ops import checks
 from fastelbo.ops import elbo as elbo_op
 from fastelbo.params import VAEParams
 from reference import assert_outputs_close, assert_same_structure, twins
@@ -161,6 +162,8 @@ def op_calls(fake_gpu_backend, monkeypatch):
         return real_op(*args)
 
     def forward_prepared(x, params, eps, *, verdict=None):
+        if verdict is not None and verdict.in_flight:
+            verdict.wait()  # as the protocol asks, before anything reads x
         calls["backend"] += 1
         return torch_ref.forward(x, params, eps)
 
@@ -281,7 +284,7 @@ def test_compile_under_no_grad_still_traces_the_op(op_calls):
 
 
 class _Verdict(backends.Verdict):
-    """A value check in flight, as ops.checks.start_checks returns: logs its wait, may fail."""
+    """A value check in flight, as ops.checks.start returns: logs its wait, may fail."""
     in_flight = True
 
     def __init__(self, log, bad):
@@ -293,14 +296,25 @@ class _Verdict(backends.Verdict):
         if self.bad:
             raise ValueError("x must lie in [0, 1] (stand-in verdict)")
 
+    def settled(self):
+        return backends.Verdict(plain=self.plain, checked=True)  # as the cuda lane's
+
+
+def _starting(verdict):
+    """A stand-in for ops.checks.start: every check passed but `verdict`, the backend
+    resolved."""
+    return lambda backend, x, params, eps: (
+        verdict, *backends.resolve(backend, x.device, x.shape[0], x.dtype))
+
 
 @pytest.mark.parametrize("grad", [False, True], ids=["drawing", "through-op"])
 @pytest.mark.parametrize("given_eps", [False, True], ids=["draw", "eps"])
 def test_the_value_verdict_comes_before_any_draw_or_launch(op_calls, monkeypatch, grad,
                                                            given_eps):
-    """elbo_op.elbo starts the value check, prepares the call, and waits for the verdict before
-    drawing noise or calling the backend: a failing verdict raises with nothing launched and
-    the generator untouched."""
+    """elbo_op.elbo starts the value check, prepares the call, and has the verdict waited for
+    before anything is drawn or launched (by itself before it draws eps or calls the custom op,
+    by the backend otherwise, as the protocol asks): a failing verdict raises with nothing
+    launched and the generator untouched."""
     log = []
     fake = backends.module("cuda")
     def forward_drawing(x, p, verdict):
@@ -311,14 +325,14 @@ def test_the_value_verdict_comes_before_any_draw_or_launch(op_calls, monkeypatch
     monkeypatch.setattr(fake, "forward_drawing", forward_drawing, raising=False)
     monkeypatch.setattr(fake, "DRAWS_NOISE", True)
     real_prepared = fake.forward_prepared
-    monkeypatch.setattr(fake, "forward_prepared",
-                        lambda *a, **k: log.append("backend") or real_prepared(*a, **k))
+    monkeypatch.setattr(fake, "forward_prepared",  # logs once its computation is done
+                        lambda *a, **k: (real_prepared(*a, **k), log.append("backend"))[0])
     _, new = twins((16, 8, 3), backend="cuda")
     x = torch.rand(6, 16)
     eps = torch.randn(6, 3) if given_eps else None
     for bad in (False, True):
         log.clear()
-        monkeypatch.setattr(elbo_op, "start_checks", lambda *a, b=bad: _Verdict(log, b))
+        monkeypatch.setattr(elbo_op, "start", _starting(_Verdict(log, bad)))
         state = torch.get_rng_state()
         with torch.set_grad_enabled(grad):
             if bad:
@@ -348,7 +362,7 @@ def test_a_plain_verdict_hands_the_tensors_over_as_they_are(op_calls, monkeypatc
     monkeypatch.setattr(fake, "DRAWS_NOISE", True)
     verdict = _Verdict([], bad=False)
     verdict.plain = plain
-    monkeypatch.setattr(elbo_op, "start_checks", lambda *a: verdict)
+    monkeypatch.setattr(elbo_op, "start", _starting(verdict))
     _, new = twins((16, 8, 3), backend="cuda")
     params = VAEParams(*(t.detach() for t in new.vae_params()))
     x = torch.rand(16, 6).t()  # (6, 16), not contiguous
@@ -372,8 +386,17 @@ def test_auto_asks_cuda_about_capture_only_without_a_check_in_flight(monkeypatch
                         or "torch")
     verdict = _Verdict([], bad=False)
     verdict.in_flight = in_flight
-    monkeypatch.setattr(elbo_op, "start_checks", lambda *a: verdict)
+    # The contract's route (ops.checks.start_contract_checks' verdict) ...
+    monkeypatch.setattr(checks, "start_contract_checks", lambda *a: verdict)
     _, new = twins((16, 8, 3), backend="auto")
+    with torch.no_grad():
+        new(torch.rand(6, 16))
+    assert seen == ([False] if in_flight else [None])
+    # ... and the native lane's (backends.start, the CPU posing as a native device type)
+    lane = type("Lane", (), {"start_checks": staticmethod(lambda *a: verdict)})()
+    monkeypatch.setattr(backends, "native", lambda device: lane)
+    monkeypatch.setitem(backends.NATIVE, "cpu", "stand-in")
+    seen.clear()
     with torch.no_grad():
         new(torch.rand(6, 16))
     assert seen == ([False] if in_flight else [None])

@@ -167,6 +167,25 @@ def native(device: torch.device) -> Backend | None:
     return None if name is None else module(name)
 
 
+def start(backend: str, x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None,
+          validate: bool) -> tuple[Verdict, str, ModuleType] | None:
+    """The ops' common case in one call: x a plain tensor on a device type with a native backend
+    (NATIVE), whose lane runs every input check and starts the value check
+    (Backend.start_checks), then the backend that runs the call (`resolve`, `auto` told that
+    no graph is being captured where the check is in flight: none starts while one is).
+    Returns (verdict, name, module), or None where the lane does not take the call (not its
+    plain case, or a rule broken): nothing started, and the caller runs the contract's checks
+    (which raise its error) and resolves. The checks come first either way, so a call that
+    breaks the contract gets the contract's error, whatever backend it names."""
+    lane = native(x.device)
+    verdict = None if lane is None else lane.start_checks(x, params, eps, validate)
+    if verdict is None:
+        return None
+    name, mod = resolve(backend, x.device, x.shape[0], x.dtype,
+                        False if verdict.in_flight else None)
+    return verdict, name, mod
+
+
 def unavailable_reason(name: str, device: torch.device) -> str | None:
     """Why backend `name` cannot run on `device`, or None if it can."""
     if name == "torch":

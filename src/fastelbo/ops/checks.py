@@ -4,12 +4,15 @@ Shape, dtype and device checks always run (they read metadata only). The value c
 [0, 1], no NaN) reads x, one device sync per call; it is on by default (contract's switch),
 skipped while a CUDA graph is being captured, and run eagerly (a graph break) under
 torch.compile. Where x's device has a native backend (backends.native: cuda on a GPU it runs
-on), `start_checks` leaves the value check running there and returns a backends.Verdict to
+on), `start` leaves the value check running there and returns a backends.Verdict to
 `wait()` on: the op prepares its launch meanwhile and waits just before it, so the host's work
 overlaps the check's round trip. For contiguous float32 tensors there, every check and the
-value check's launch are one call of that backend's lane (Backend.start_checks).
+value check's launch are one call of that backend's lane (Backend.start_checks), which `start`
+makes through backends.start, resolving the call's backend in the same call.
 """
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 
@@ -18,20 +21,36 @@ from ..backends import CHECKED, GIVEN, Verdict
 from ..params import VAEParams
 
 
-def start_checks(x, params: VAEParams, eps) -> Verdict:
-    """contract.check_elbo_call and the value check, the latter left running where it can:
-    every other check has raised or passed on return, and the returned verdict's wait() raises
-    what check_values would for x's values (call it before anything reads x)."""
-    validate = contract.validating
-    lane = None if torch.compiler.is_compiling() else _native(x)
-    if lane is not None and type(x) is torch.Tensor:
-        # Every check below in one call, and the value check started.
-        verdict = lane.start_checks(x, params, eps, validate)
-        if verdict is not None:
-            return verdict
+def start(backend: str, x, params: VAEParams, eps) -> tuple[Verdict, str, ModuleType]:
+    """Every check of the ELBO op, then the backend that runs the call: (verdict, name,
+    module). contract.check_elbo_call has raised or passed on return, and the verdict's wait()
+    raises what check_values would for x's values (call it before anything reads x); it may
+    still be in flight. The contract's errors come before the backend's (a call that breaks the
+    contract gets the contract's error, whatever backend it names).
+
+    A plain x on a device with a native backend takes one backends call for both
+    (backends.start: its lane's one-call check, then resolve); any other call, or one that
+    lane declines, runs the contract's checks here and then resolves."""
+    if (not torch.compiler.is_compiling() and type(x) is torch.Tensor
+            and x.device.type in backends.NATIVE):
+        started = backends.start(backend, x, params, eps, contract.validating)
+        if started is not None:
+            return started
+    verdict = start_contract_checks(x, params, eps)
+    # A verdict in flight was started outside any graph capture (none starts while the stream
+    # captures), so `auto` need not ask CUDA again.
+    capturing = False if verdict.in_flight else None
+    return (verdict, *backends.resolve(backend, x.device, x.shape[0], x.dtype, capturing))
+
+
+def start_contract_checks(x, params: VAEParams, eps) -> Verdict:
+    """contract.check_elbo_call, then the value check: left running where x's native backend
+    starts it (Backend.start_value_check), else run at once (its one-launch in_unit_range, or
+    torch ops). Where the lane's one-call check (backends.start) does not take the call."""
     contract.check_elbo_call(x, params, eps)
-    if not validate or _capturing(x):
+    if not contract.validating or _capturing(x):
         return GIVEN
+    lane = None if torch.compiler.is_compiling() else _native(x)
     verdict = None if lane is None else lane.start_value_check(x)
     if verdict is not None:
         return verdict
@@ -58,11 +77,6 @@ def value_check(x: torch.Tensor) -> None:
         check_values(x)
 
 
-def check_inputs(x, params: VAEParams, eps=None) -> None:
-    """Every check of start_checks, waited for: raises a clear exception naming the argument."""
-    start_checks(x, params, eps).wait()
-
-
 def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -86,7 +100,7 @@ def check_values(x: torch.Tensor) -> None:
 
 def _check_values_eagerly(x: torch.Tensor, lane) -> None:
     """check_values, run eagerly even under torch.compile (a graph break), so it still raises.
-    lane: _native(x), asked by start_checks outside tracing (out of the graph, check_values
+    lane: _native(x), asked by start_contract_checks outside tracing (out of the graph, check_values
     asks itself)."""
     if torch.compiler.is_compiling():
         _check_values_out_of_graph(x)

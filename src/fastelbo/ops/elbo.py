@@ -18,9 +18,8 @@ import sys
 import torch
 
 from .. import backends
-from ..backends import Verdict
 from ..params import PLAIN_TYPES, VAEParams
-from .checks import start_checks
+from .checks import start
 
 # The GPU backends run behind two torch.library ops, so autograd, torch.compile and other
 # tracers see one opaque forward and one opaque backward (CUDA-graph capture sees the
@@ -143,17 +142,10 @@ def _randn(x: torch.Tensor, latent: int) -> torch.Tensor:
 _draw_noise = torch._disable_dynamo(_randn)
 
 
-def resolve_backend(backend: str, x: torch.Tensor, verdict: Verdict | None = None) -> str:
-    """The name of the backend this call runs on (see _resolve)."""
-    return _resolve(backend, x, verdict)[0]
-
-
-def _resolve(backend: str, x: torch.Tensor, verdict: Verdict | None):
-    """(name, module) of the backend this call runs on, from one backends call. `verdict`:
-    start_checks' for x; one still in flight was started outside any graph capture (none is
-    started while the stream captures), so `auto` need not ask CUDA again."""
-    capturing = False if verdict is not None and verdict.in_flight else None
-    return backends.resolve(backend, x.device, x.shape[0], x.dtype, capturing)
+def resolve_backend(backend: str, x: torch.Tensor) -> str:
+    """The name of the backend a call on x runs on (backends.resolve for x's device, batch and
+    dtype)."""
+    return backends.resolve(backend, x.device, x.shape[0], x.dtype)[0]
 
 
 def _needs_op(x: torch.Tensor, eps: torch.Tensor | None, params: VAEParams,
@@ -185,9 +177,9 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
     if type(params) is not VAEParams:
         params = VAEParams(*params)
     # The value check on x runs on the GPU while this prepares the call; the verdict is
-    # waited for before anything else is drawn or launched.
-    verdict = start_checks(x, params, eps)
-    name, mod = _resolve(backend, x, verdict)
+    # waited for before anything else is drawn or launched (by the backend, or here before the
+    # ops draw eps or call the custom op, which carries no verdict).
+    verdict, name, mod = start(backend, x, params, eps)
     plain = verdict.plain  # every tensor already contiguous, of a plain tensor type
     if not plain:  # .contiguous() returns the tensor itself when it already is
         # A list, not VAEParams._make(map(...)): torch 2.11's dynamo traces that as an empty
@@ -195,13 +187,15 @@ def elbo(x: torch.Tensor, params: VAEParams, eps: torch.Tensor | None = None, *,
         x, params = x.contiguous(), VAEParams(*[p.contiguous() for p in params])
     if eps is None and mod.DRAWS_NOISE and not _needs_op(x, None, params, plain):
         return mod.forward_drawing(x, params, verdict)  # it waits before drawing or launching
-    if verdict.in_flight:  # a given verdict has nothing to wait for
-        verdict.wait()
-        verdict = verdict.settled()
     if eps is None:
+        if verdict.in_flight:  # a given verdict has nothing to wait for
+            verdict.wait()  # a call that fails its check draws nothing
+            verdict = verdict.settled()
         eps = (_draw_noise if torch.compiler.is_compiling() else _randn)(x, params[2].shape[0])
     else:
         eps = eps.contiguous()
     if mod.TRACEABLE or not _needs_op(x, eps, params, plain):  # a plain verdict covered eps
-        return mod.forward_prepared(x, params, eps, verdict=verdict)
+        return mod.forward_prepared(x, params, eps, verdict=verdict)  # it waits (protocol)
+    if verdict.in_flight:
+        verdict.wait()
     return _elbo_forward(name, x, eps, list(params))
