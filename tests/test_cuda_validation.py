@@ -201,9 +201,13 @@ _MUTATIONS = {
 @pytest.mark.parametrize("name", ["x", "eps", "enc_w", "enc_b", "mu_w", "mu_b", "lv_w", "lv_b",
                                   "dec_w1", "dec_b1", "dec_w2", "dec_b2"])
 def test_start_checks_leaves_everything_else_to_the_python_checks(cuda, name, mutation):
-    """Any tensor off the plain case gives None (nothing started), so that start_checks' own
-    checks decide: they raise their precise error, or accept it for another path."""
-    from fastelbo.ops.checks import check_inputs
+    """Any tensor off the plain case gives None (nothing started), so that the ops' own checks
+    (ops.checks.start, by the contract) decide: they raise its precise error, or accept it for
+    another path."""
+    from fastelbo.ops.checks import start
+
+    def check_inputs(x, params, eps):
+        start("auto", x, params, eps)[0].wait()
 
     cuda = runs(cuda)
     x, params, eps = _plain_inputs()
