@@ -186,6 +186,21 @@ def test_cuda_bench_measures_events_graph_and_memory(tmp_path):
     assert row["host"]["cpu"] is not None and row["host"]["allowed"] >= 1
 
 
+@pytest.mark.gpu
+def test_the_profiler_runs_once_every_size_is_timed(monkeypatch):
+    """A torch.profiler session leaves CUPTI attached to the worker, and every launch after it
+    pays (PERF.md): each size's kernels are profiled only after every size's timing loops."""
+    log = []
+    measure, kernel_times = bench.measure, bench.kernel_times
+    monkeypatch.setattr(bench, "measure", lambda *a, **k: log.append("timed") or measure(*a, **k))
+    monkeypatch.setattr(bench, "kernel_times",
+                        lambda *a, **k: log.append("profiled") or kernel_times(*a, **k))
+    out = bench.bench_entry(TINY, bench.EAGER, None, "cuda", [4, 8], 0, True, 10)
+    assert log == ["timed", "timed", "profiled", "profiled"]
+    assert [r["batch_size"] for r in out["rows"]] == [4, 8]
+    assert all(r["kernels"] and r["kernel_ms"] > 0 for r in out["rows"]), out["rows"]
+
+
 @pytest.mark.slow
 def test_a_failing_batch_size_does_not_abort_the_others(tmp_path):
     """Raises at batch 5 (caught in the worker), kills its worker at batch 7 (the sizes are then

@@ -38,7 +38,7 @@ from .placement import pin_to_gpu, placement
 from .pool import Pool, forward_seed
 from .results import append_jsonl, environment, utc_now
 from .task_specs import implements
-from .timing import Budget, measure
+from .timing import Budget, kernel_times, measure
 from .worker import TaskError, progress, run_task, traceback_tail
 
 EAGER, COMPILED = "eager", "torch.compile"
@@ -120,7 +120,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
         model = torch.compile(model)
     budget = Budget.quick() if quick else Budget()
     reps = min(graph_reps, 10) if quick else graph_reps
-    rows, unfinished = [], []
+    rows, unfinished, timed = [], [], []
     for i, n in enumerate(batch_sizes):
         progress(f"{kind} {candidate or ''} batch {n}")
         row = {"batch_size": n if n is not None else default, "weights": weights}
@@ -140,6 +140,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
             row["tampered"] = snapshot.changed() if snapshot is not None else []
             row["threads"] = snapshot.threads_started() if snapshot is not None else []
             row["host"] = placement(dev)  # where this worker ran its timing loops
+            timed.append((n, row))
         except Exception as exc:  # noqa: BLE001 - one batch size failing is that row's result
             row = {**row, "error": traceback_tail(exc), "category": "exception"}
             pool = None  # drop this size's device tensors before release()
@@ -149,7 +150,24 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                 break
         rows.append(row)
         loader.release(dev)
+    if dev.type == "cuda" and not unfinished:
+        _profile_kernels(model, mod, seed, dev, quick, timed)
     return {"batch_sizes": batch_sizes, "rows": rows, "unfinished": unfinished}
+
+
+def _profile_kernels(model, mod, seed: int, dev: torch.device, quick: bool, timed) -> None:
+    """Each timed row's `kernels` (timing.kernel_times), on a pool drawn again, once every size
+    is timed: a torch.profiler session leaves CUPTI attached to the process (Kineto finalizes
+    it only under TEARDOWN_CUPTI=1), and every launch after it pays for that (on the H200, a
+    launch-bound forward timed after the first size's profile ran up to 3.4x slower than in a
+    process never profiled: PERF.md)."""
+    for n, row in timed:
+        progress(f"profiling the kernels, batch {row['batch_size']}")
+        try:
+            row.update(kernel_times(model, _pool(mod, seed, n, dev, quick)))
+        except Exception as exc:  # noqa: BLE001 - the timings stand without the kernel list
+            row["kernels_error"] = traceback_tail(exc)
+        loader.release(dev)
 
 
 @implements(specs.bench_reference)

@@ -26,8 +26,9 @@ Metrics, each answering its own question:
 - `graph_ms`: one CUDA graph of `graph_reps` forwards, replayed; what a CUDA-graph user gets.
   Its captured forwards are judged as a loop's calls are, drawn after the replay, on a pool
   set copied into the captured inputs.
-- `kernels` (GPU): device time per call of each kernel, from torch.profiler: a kernel that runs
-  elsewhere or on a side stream shows up there.
+- `kernels` (GPU; `kernel_times`, which bench runs once every size is timed: a torch.profiler
+  session leaves CUPTI attached to the process, and every later launch pays for it): device
+  time per call of each kernel: a kernel that runs elsewhere or on a side stream shows up there.
 The timers are bound here at import, before any candidate: patching `time.perf_counter` or
 `torch.cuda.Event` later does not reach them (integrity.py reports such a patch).
 """
@@ -300,8 +301,9 @@ def kernel_times(model, pool: Pool, calls: int = 5) -> dict:
 
 
 def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps: int,
-            profile: bool = True, observe=None) -> tuple[dict, Checks]:
-    """(every metric, checks): see the module docstring. On the CPU only host time exists.
+            observe=None) -> tuple[dict, Checks]:
+    """(every metric but `kernels`, checks): see the module docstring. On the CPU only host
+    time exists.
     `observe()` is called after each metric (integrity.Snapshot.observe_threads: a thread the
     candidate starts per call is alive just after its calls)."""
     observe = observe or (lambda: None)
@@ -337,8 +339,6 @@ def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps:
         m["bracket_event_ms"], m["synced_wall_ms"], m["stream_escape"] = escape_check(
             model, pool, calls)
         m["peak_mem_bytes"] = peak_memory(model, pool, device)
-        if profile:
-            m.update(kernel_times(model, pool))
         m.update(graph_time(model, pool, graph_reps))
         observe()
     return m, checks
