@@ -186,19 +186,32 @@ def test_cuda_bench_measures_events_graph_and_memory(tmp_path):
     assert row["host"]["cpu"] is not None and row["host"]["allowed"] >= 1
 
 
-@pytest.mark.gpu
-def test_the_profiler_runs_once_every_size_is_timed(monkeypatch):
-    """A torch.profiler session leaves CUPTI attached to the worker, and every launch after it
-    pays (PERF.md): each size's kernels are profiled only after every size's timing loops."""
+def _order_of_timing_and_profiling(monkeypatch, device: str):
     log = []
     measure, kernel_times = bench.measure, bench.kernel_times
     monkeypatch.setattr(bench, "measure", lambda *a, **k: log.append("timed") or measure(*a, **k))
+    if device == "cpu":  # the CPU has no CUDA activity to profile: a stand-in list
+        kernel_times = lambda *a, **k: {"kernel_ms": 1.0, "kernels": [{"name": "k"}]}
+        monkeypatch.setattr(bench, "_profiled", lambda dev: True)
     monkeypatch.setattr(bench, "kernel_times",
                         lambda *a, **k: log.append("profiled") or kernel_times(*a, **k))
-    out = bench.bench_entry(TINY, bench.EAGER, None, "cuda", [4, 8], 0, True, 10)
-    assert log == ["timed", "timed", "profiled", "profiled"]
+    out = bench.bench_entry(TINY, bench.EAGER, None, device, [4, 8], 0, True, 10)
     assert [r["batch_size"] for r in out["rows"]] == [4, 8]
     assert all(r["kernels"] and r["kernel_ms"] > 0 for r in out["rows"]), out["rows"]
+    return log
+
+
+def test_the_profiler_runs_once_every_size_is_timed(monkeypatch):
+    """A torch.profiler session leaves CUPTI attached to the worker, and every launch after it
+    pays (PERF.md): each size's kernels are profiled only after every size's timing loops."""
+    assert _order_of_timing_and_profiling(monkeypatch, "cpu") == [
+        "timed", "timed", "profiled", "profiled"]
+
+
+@pytest.mark.gpu
+def test_the_profiler_runs_once_every_size_is_timed_on_a_gpu(monkeypatch):
+    assert _order_of_timing_and_profiling(monkeypatch, "cuda") == [
+        "timed", "timed", "profiled", "profiled"]
 
 
 @pytest.mark.slow

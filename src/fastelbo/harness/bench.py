@@ -150,9 +150,14 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                 break
         rows.append(row)
         loader.release(dev)
-    if dev.type == "cuda" and not unfinished:
+    if _profiled(dev) and not unfinished:
         _profile_kernels(model, mod, seed, dev, quick, timed)
     return {"batch_sizes": batch_sizes, "rows": rows, "unfinished": unfinished}
+
+
+def _profiled(dev: torch.device) -> bool:
+    """Whether bench lists the kernels of each row (the profiler's CUDA activity: a GPU)."""
+    return dev.type == "cuda"
 
 
 def _profile_kernels(model, mod, seed: int, dev: torch.device, quick: bool, timed) -> None:
