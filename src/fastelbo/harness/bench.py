@@ -163,9 +163,10 @@ def _profiled(dev: torch.device) -> bool:
 def _profile_kernels(model, mod, seed: int, dev: torch.device, quick: bool, timed) -> None:
     """Each timed row's `kernels` (timing.kernel_times), on a pool drawn again, once every size
     is timed: a torch.profiler session leaves CUPTI attached to the process (Kineto finalizes
-    it only under TEARDOWN_CUPTI=1), and every launch after it pays for that (on the H200, a
-    launch-bound forward timed after the first size's profile ran up to 3.4x slower than in a
-    process never profiled: PERF.md)."""
+    it only under TEARDOWN_CUPTI=1), and every launch after it pays for that (pytorch/pytorch
+    issue 144455). The lead it follows (PERF.md; not yet timed again on a GPU): on the H200,
+    the exported solution's cold column was 1.7x KernelBench's own loop at B=128, the first
+    size its worker timed, and 3.4x at 1,024, timed after 128's profile."""
     for n, row in timed:
         progress(f"profiling the kernels, batch {row['batch_size']}")
         try:
