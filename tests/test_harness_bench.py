@@ -208,6 +208,25 @@ def test_the_profiler_runs_once_every_size_is_timed(monkeypatch):
         "timed", "timed", "profiled", "profiled"]
 
 
+def test_a_timer_patched_while_profiled_still_reads_as_tampered(monkeypatch, tmp_path):
+    """The profiled calls come after every row's own tamper check: a patch made in them is
+    still seen, on every row."""
+    import time
+    cand = tmp_path / "patches_when_profiled.py"
+    cand.write_text(f"from fastelbo.problems import load_module\n\n"
+                    f"Model = load_module({TINY!r}).Model\n\n\n"
+                    f"class ModelNew(Model):\n    pass\n")
+
+    def kernel_times(*a, **k):
+        monkeypatch.setattr(time, "perf_counter", lambda: 0.0)  # as a profiled call could
+        return {"kernel_ms": 1.0, "kernels": [{"name": "k"}]}
+
+    monkeypatch.setattr(bench, "_profiled", lambda dev: True)
+    monkeypatch.setattr(bench, "kernel_times", kernel_times)
+    out = bench.bench_entry(TINY, "candidate", str(cand), "cpu", [4, 8], 0, True, 10)
+    assert [r["tampered"] for r in out["rows"]] == [["time.perf_counter was replaced"]] * 2
+
+
 @pytest.mark.gpu
 def test_the_profiler_runs_once_every_size_is_timed_on_a_gpu(monkeypatch):
     assert _order_of_timing_and_profiling(monkeypatch, "cuda") == [
