@@ -1,4 +1,4 @@
-"""The harness's own timing: wall time of `fastelbo check` and of a server's check, against issue #21's targets.
+"""The harness's own timing: wall time of `fastelbo check` and of a server's, against #21's targets.
 
 Most cases (via "cli") run `python -m fastelbo.cli check PROBLEM CANDIDATE --device D` as a new
 process and time it from spawn to exit (median of --repeats). "cold" gives every run an empty

@@ -124,13 +124,14 @@ class Backend(Protocol):
 
     def iwae_unavailable_reason(self, device: torch.device,
                                 dims: tuple[int, int, int]) -> str | None:
-        """Beyond unavailable_reason(device): None when `iwae_log_likelihood` takes these (input, hidden,
-        latent) dims on `device`, else why not."""
+        """Beyond unavailable_reason(device): None when `iwae_log_likelihood` takes these
+        (input, hidden, latent) dims on `device`, else why not."""
 
-    def iwae_log_likelihood(self, x: torch.Tensor, params: VAEParams, samples: int, *, seed: int | None = None,
-             eps: torch.Tensor | None = None, indices: Sequence[int] | None = None,
-             generator: torch.Generator | None = None, chunk: int | None = None
-             ) -> torch.Tensor:
+    def iwae_log_likelihood(self, x: torch.Tensor, params: VAEParams, samples: int, *,
+                            seed: int | None = None, eps: torch.Tensor | None = None,
+                            indices: Sequence[int] | None = None,
+                            generator: torch.Generator | None = None, chunk: int | None = None
+                            ) -> torch.Tensor:
         """log p(x) estimates (B,), the importance-weighted bound over `samples` samples."""
 
     def adam_step(self, params: list[torch.Tensor], grads: list[torch.Tensor],

@@ -100,8 +100,8 @@ def check_values(x: torch.Tensor) -> None:
 
 def _check_values_eagerly(x: torch.Tensor, lane) -> None:
     """check_values, run eagerly even under torch.compile (a graph break), so it still raises.
-    lane: _native(x), asked by start_contract_checks outside tracing (out of the graph, check_values
-    asks itself)."""
+    lane: _native(x), asked by start_contract_checks outside tracing (out of the graph,
+    check_values asks itself)."""
     if torch.compiler.is_compiling():
         _check_values_out_of_graph(x)
     elif not _in_unit_range(x, lane):  # no tracer: the wrapper would only set dynamo's hook
