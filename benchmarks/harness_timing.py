@@ -30,6 +30,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -303,7 +304,7 @@ def print_table(rows: list[dict]) -> None:
               "-" if r["target_s"] is None else f"{r['target_s']:g}",
               "-" if r["met"] is None else ("yes" if r["met"] else "NO"), r["verdict"][:60]]
              for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(head)]
     if rows:
         r = rows[0]
         print(f"fastelbo check (a whole process; *_repeat: one call to a long-lived server or "
@@ -340,33 +341,52 @@ def main(argv: list[str] | None = None) -> int:
     base = {**environment(args.device), "date": utc_now(), "repeats": args.repeats,
             "load_avg": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
             "src": args.src, "note": args.note}
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="fastelbo-timing-") as tmp:
-        tmp = Path(tmp)
-        syntax_file = tmp / "syntax_error.py"
-        syntax_file.write_text(SYNTAX_ERROR)
-        only = set(args.only.split(",")) if args.only else None
-        kb_src = Path(args.kernelbench, "src") if args.kernelbench else None
-        for case in cases(args.device, [tuple(x) for x in args.pair], syntax_file,
-                          kb_src is not None):
-            if only and case["case"] not in only:
-                continue
-            timed = measure(case, args.device, args.repeats, args.timeout, tmp,
-                            Path(args.src), args.settle, kb_src)
-            if timed is None:
-                continue
-            row = {**base, **timed}
-            if case["case"] == "syntax_error":
-                row["candidate"] = "<a file with a syntax error on line 3>"
-            print(f"{row['case']}: {row['wall_s']:.2f} s, exit {row['exit_codes']}",
-                  file=sys.stderr)
-            rows.append(row)
-    judge_pairs(rows)
-    print_table(rows)
-    if args.out:
-        append_jsonl(args.out, rows)
-        print(f"appended {len(rows)} row(s) to {args.out}", file=sys.stderr)
-    return 0 if all(r["verdict_ok"] for r in rows) else 1
+    rows, failed = [], []
+    # A case that fails to be timed is named and skipped; the rows timed so far are written
+    # whatever ends the run, SIGTERM included (device_run.sh's time limit): on 2026-12-05 one
+    # case's KeyError on the H200 lost the seven rows before it.
+    previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        with tempfile.TemporaryDirectory(prefix="fastelbo-timing-") as tmp:
+            tmp = Path(tmp)
+            syntax_file = tmp / "syntax_error.py"
+            syntax_file.write_text(SYNTAX_ERROR)
+            only = set(args.only.split(",")) if args.only else None
+            kb_src = Path(args.kernelbench, "src") if args.kernelbench else None
+            for case in cases(args.device, [tuple(x) for x in args.pair], syntax_file,
+                              kb_src is not None):
+                if only and case["case"] not in only:
+                    continue
+                try:
+                    timed = measure(case, args.device, args.repeats, args.timeout, tmp,
+                                    Path(args.src), args.settle, kb_src)
+                except Exception as exc:  # noqa: BLE001 - one case's failure, the others run
+                    failed.append(case["case"])
+                    print(f"{case['case']}: not timed: {type(exc).__name__}: {exc}",
+                          file=sys.stderr)
+                    continue
+                if timed is None:
+                    continue
+                row = {**base, **timed}
+                if case["case"] == "syntax_error":
+                    row["candidate"] = "<a file with a syntax error on line 3>"
+                print(f"{row['case']}: {row['wall_s']:.2f} s, exit {row['exit_codes']}",
+                      file=sys.stderr)
+                rows.append(row)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        judge_pairs(rows)
+        print_table(rows)
+        if args.out:
+            append_jsonl(args.out, rows)
+            print(f"appended {len(rows)} row(s) to {args.out}", file=sys.stderr)
+    if failed:
+        print(f"not timed: {', '.join(failed)}", file=sys.stderr)
+    return 0 if not failed and all(r["verdict_ok"] for r in rows) else 1
+
+
+def _stopped(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -32,3 +32,51 @@ def test_each_kind_of_case_writes_a_whole_row(tmp_path):
         assert row["verdict"] == "verdict: PASS (exit 0)"
         assert row["report_total_s"][0] > 0 and row["reference"][0]
         assert row["worker_warm"] != [None], row  # read off the full report's workers
+
+
+def test_a_case_that_fails_is_named_and_the_others_keep_their_rows(tmp_path, monkeypatch,
+                                                                   capsys):
+    real = harness_timing.measure
+
+    def measure(case, *args):
+        if case["case"] == "kb_level1_relu_cold":
+            raise KeyError("workers")  # as the MCP case's did on the H200
+        return real(case, *args)
+
+    monkeypatch.setattr(harness_timing, "measure", measure)
+    out = tmp_path / "rows.jsonl"
+    assert harness_timing.main(["--device", "cpu", "--repeats", "1", "--only",
+                                "syntax_error,kb_level1_relu_cold", "--out", str(out)]) == 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["case"] for r in rows] == ["syntax_error"]
+    assert "kb_level1_relu_cold: not timed: KeyError: 'workers'" in capsys.readouterr().err
+
+
+def test_a_run_stopped_by_sigterm_keeps_the_rows_timed_so_far(tmp_path, monkeypatch):
+    import os
+    import signal
+    real = harness_timing.measure
+
+    def measure(case, *args):
+        if case["case"] == "kb_level1_relu_cold":  # the run's limit arrives during this one
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(case, *args)
+
+    monkeypatch.setattr(harness_timing, "measure", measure)
+    out = tmp_path / "rows.jsonl"
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit):
+        harness_timing.main(["--device", "cpu", "--repeats", "1", "--only",
+                             "syntax_error,kb_level1_relu_cold", "--out", str(out)])
+    assert signal.getsignal(signal.SIGTERM) is before
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["case"] for r in rows] == ["syntax_error"]
+
+
+def test_a_run_with_no_row_prints_an_empty_table(monkeypatch, capsys):
+    def measure(case, *args):
+        raise KeyError("workers")
+
+    monkeypatch.setattr(harness_timing, "measure", measure)
+    assert harness_timing.main(["--device", "cpu", "--only", "syntax_error"]) == 1
+    assert capsys.readouterr().out.split()[:2] == ["case", "cache"]  # the header alone
