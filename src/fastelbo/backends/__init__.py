@@ -1,5 +1,6 @@
 """Backend registry and protocol: names, lazy imports, availability and the `auto` choice
-(`resolve`: the ops' one call for the backend that runs a call).
+(`start`: the ops' one call for a plain call's input checks and the backend that runs it;
+`resolve`: the backend alone, where the ops ran the contract's checks themselves).
 
 Every backend is a module that provides the whole `Backend` protocol below (fastelbo.ops calls
 these names, never probes for them; tests/test_layout.py holds each module to it). Roles:
