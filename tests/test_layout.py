@@ -227,14 +227,16 @@ def _probes(tree: ast.AST) -> list[int]:
 
 
 def _is_backend_call(node: ast.AST, getters: set[str] = frozenset()) -> bool:
-    """backends.module(...), backends.native(...), backends.resolve(...) (a name and a
-    module), backends.start(...) (a verdict, a name and a module), or a call of one of
-    `getters` (local functions returning one): an expression giving a backend module."""
+    """backends.module(...), backends.native(...), backends.resolve(...) or
+    backends.resolve_checked(...) (a name and a module), backends.start(...) (a verdict, a
+    name and a module), or a call of one of `getters` (local functions returning one): an
+    expression giving a backend module."""
     if not isinstance(node, ast.Call):
         return False
     f = node.func
     return (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
-            and f.value.id == "backends" and f.attr in ("module", "native", "resolve", "start")
+            and f.value.id == "backends" and f.attr in ("module", "native", "resolve",
+                                                          "resolve_checked", "start")
             or isinstance(f, ast.Name) and f.id in getters)
 
 
@@ -314,6 +316,7 @@ def test_the_protocol_rule_sees_what_it_should():
         "def _cuda():\n    return backends.module('cuda')\n_cuda().start_range_check(x)": "member",
         "name, mod = backends.resolve(b, d, n, t)\nmod.checked_start(x)": "member",
         "verdict, name, mod = backends.start(b, x, p, e, v)\nmod.range_check_start(x)": "member",
+        "name, mod = backends.resolve_checked(b, x, v)\nmod.range_check_start(x)": "member",
         "def _pick(b, x):\n    return backends.resolve(b, x.device, 1, x.dtype)\n"
         "name, mod = _pick(b, x)\nmod.finish_range_check(x)": "member",
     }

@@ -173,8 +173,7 @@ def start(backend: str, x: torch.Tensor, params: VAEParams, eps: torch.Tensor | 
           validate: bool) -> tuple[Verdict, str, ModuleType] | None:
     """The ops' common case in one call: x a plain tensor on a device type with a native backend
     (NATIVE), whose lane runs every input check and starts the value check
-    (Backend.start_checks), then the backend that runs the call (`resolve`, `auto` told that
-    no graph is being captured where the check is in flight: none starts while one is).
+    (Backend.start_checks), then the backend that runs the call (`resolve_checked`).
     Returns (verdict, name, module), or None where the lane does not take the call (not its
     plain case, or a rule broken): nothing started, and the caller runs the contract's checks
     (which raise its error) and resolves. The checks come first either way, so a call that
@@ -183,9 +182,14 @@ def start(backend: str, x: torch.Tensor, params: VAEParams, eps: torch.Tensor | 
     verdict = None if lane is None else lane.start_checks(x, params, eps, validate)
     if verdict is None:
         return None
-    name, mod = resolve(backend, x.device, x.shape[0], x.dtype,
-                        False if verdict.in_flight else None)
-    return verdict, name, mod
+    return (verdict, *resolve_checked(backend, x, verdict))
+
+
+def resolve_checked(backend: str, x: torch.Tensor, verdict: Verdict) -> tuple[str, ModuleType]:
+    """`resolve` for a call on x whose input checks have passed, `verdict` the value check's:
+    one still in flight was started outside any graph capture (none starts while the stream
+    captures), so `auto` is told so rather than asking CUDA (~5 us)."""
+    return resolve(backend, x.device, x.shape[0], x.dtype, False if verdict.in_flight else None)
 
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:

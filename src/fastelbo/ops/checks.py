@@ -37,10 +37,7 @@ def start(backend: str, x, params: VAEParams, eps) -> tuple[Verdict, str, Module
         if started is not None:
             return started
     verdict = start_contract_checks(x, params, eps)
-    # A verdict in flight was started outside any graph capture (none starts while the stream
-    # captures), so `auto` need not ask CUDA again.
-    capturing = False if verdict.in_flight else None
-    return (verdict, *backends.resolve(backend, x.device, x.shape[0], x.dtype, capturing))
+    return (verdict, *backends.resolve_checked(backend, x, verdict))
 
 
 def start_contract_checks(x, params: VAEParams, eps) -> Verdict:
