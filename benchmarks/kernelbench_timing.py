@@ -8,14 +8,12 @@ the reference Model timed by KernelBench's `time_execution_with_cuda_event` (its
 from --kb: a synchronize, a 256 MB write to clear the L2, events around one call; 100 trials
 before bench's and 100 after), then by `fastelbo bench` (cold column: `events_ms`). A row per
 batch and module, with both numbers and their ratio (issue #36's target: the solution's within
-15%), bench's cold column again with its workers pinned to the GPU's local CPUs
-(harness/placement.py), and where each timing loop ran (`host_*`).
+15%), and where each timing loop ran (`host_*`). Each row is appended to --out as it is made.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import statistics
 import sys
 import tempfile
@@ -62,26 +60,16 @@ def main(argv=None) -> int:
     modules = {"exported solution": _load(solution, "fastelbo_solution").ModelNew,
                "eager reference": loader.problem_module(problem_path("vae_elbo")).Model}
     base = {**environment("cuda"), "date": utc_now(), "problem": "vae_elbo"}
-    rows, batches = [], [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
     # KernelBench's timing before and after bench's, pooled: a drift of the host's speed over
     # the run (the device's host is shared) lands on both sides.
     kb_ms = {(b, n): kernelbench_times(kb, cls, b) for b in batches for n, cls in modules.items()}
     ours, _ = run_bench("vae_elbo", [str(solution)], device="cuda", batch_sizes=batches,
                         compile_baseline=False)
-    # The same with bench's workers pinned to the GPU's local CPUs (placement.PIN_ENV): does
-    # the worker's placement explain its host time at launch-bound sizes (PERF.md)?
-    os.environ[placement.PIN_ENV] = "1"
-    try:
-        pinned, _ = run_bench("vae_elbo", [str(solution)], device="cuda", batch_sizes=batches,
-                              compile_baseline=False)
-    finally:
-        del os.environ[placement.PIN_ENV]
     here = placement.placement(torch.device("cuda"))  # KernelBench's loop: this process
     for batch in batches:
         mine = [r for r in ours if r["batch_size"] == batch]
-        mine_pinned = [r for r in pinned if r["batch_size"] == batch]
         cold = {"exported solution": mine[-1], "eager reference": mine[0]}
-        cold_pinned = {"exported solution": mine_pinned[-1], "eager reference": mine_pinned[0]}
         for name, cls in modules.items():
             times = kb_ms[batch, name] + kernelbench_times(kb, cls, batch)
             kb_mean, kb_median = statistics.mean(times), statistics.median(times)
@@ -91,16 +79,12 @@ def main(argv=None) -> int:
                    "fastelbo_warm_ms": fe.get("events_warm_ms"),
                    "fastelbo_graph_ms": fe.get("graph_ms"), "fastelbo_status": fe["status"],
                    "ratio_to_kernelbench_median": (fe.get("events_ms") or 0) / kb_median,
-                   "fastelbo_cold_pinned_ms": cold_pinned[name].get("events_ms"),
-                   "host_kernelbench": here, "host_worker": fe.get("host"),
-                   "host_worker_pinned": cold_pinned[name].get("host")}
-            rows.append(row)
+                   "host_kernelbench": here, "host_worker": fe.get("host")}
+            if args.out:  # as made: a run cut short by its stage's limit keeps what it timed
+                append_jsonl(args.out, [row])
             print(f"{name:18} B={batch:6}  KernelBench {kb_median:.4f} ms (mean {kb_mean:.4f})"
-                  f"  fastelbo cold {row['fastelbo_cold_ms']:.4f} ms  ratio "
-                  f"{row['ratio_to_kernelbench_median']:.3f}  pinned "
-                  f"{row['fastelbo_cold_pinned_ms'] or 0:.4f} ms  ({fe['status']})")
-    if args.out:
-        append_jsonl(args.out, rows)
+                  f"  fastelbo cold {row['fastelbo_cold_ms'] or 0:.4f} ms  ratio "
+                  f"{row['ratio_to_kernelbench_median']:.3f}  ({fe['status']})", flush=True)
     return 0
 
 

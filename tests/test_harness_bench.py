@@ -39,7 +39,7 @@ def test_cpu_quick_bench_appends_rows_with_provenance_and_metrics(tmp_path):
         assert r["validate"] is True  # the value check ran (the default)
         assert "events_ms" not in r and "graph_ms" not in r  # CPU: wall clock only
         host = r["host"]  # where the worker ran its timing loops
-        assert host["allowed"] >= 1 and host["gpu_numa"] is None and host["pinned"] is False
+        assert host["allowed"] >= 1 and host["gpu_numa"] is None
         assert host["cpu"] is None or 0 <= host["cpu"] < os.cpu_count()
     torch_row = rows[2]
     assert torch_row["status"] == "ok" and torch_row["correct"] is True

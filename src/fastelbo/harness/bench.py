@@ -34,7 +34,7 @@ from . import task_specs as specs
 from .compare import compare_outputs
 from .floor import count_flops, floors
 from .options import BenchOptions
-from .placement import pin_to_gpu, placement
+from .placement import placement
 from .pool import Pool, forward_seed
 from .results import append_jsonl, environment, utc_now
 from .task_specs import implements
@@ -91,7 +91,6 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     the sizes not yet run are returned as "unfinished" for the parent to retry elsewhere.
     """
     dev = torch.device(device)
-    pin_to_gpu(dev)  # an experiment's switch (placement.PIN_ENV), before anything is timed
     mod = loader.problem_module(problem)
     init = loader.init_inputs(mod, seed)
     default = getattr(mod, "batch_size", None)

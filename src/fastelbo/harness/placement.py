@@ -2,17 +2,15 @@
 
 Why it is recorded: on the H200's host, bench's worker took 2-4x the host time per launch of the
 same timing loop run in the parent process at launch-bound sizes (PERF.md, 2026-12-03), so
-every bench row says where its worker ran (`host`). `FASTELBO_PIN_GPU_LOCAL=1` (an experiment's
-switch, off by default) makes a GPU worker restrict itself to the CPUs of its GPU's NUMA node
-before anything is timed, so one run can time both ways. Linux sysfs and /proc only; elsewhere
-the fields are None.
+every bench row says where its worker ran (`host`). Pinning the worker to its GPU's local CPUs
+was measured on 2026-12-05 and changed nothing (the workers already ran there; PERF.md). Linux
+sysfs and /proc only; elsewhere the fields are None.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-PIN_ENV = "FASTELBO_PIN_GPU_LOCAL"
 _SYS_PCI = Path("/sys/bus/pci/devices")
 
 
@@ -74,8 +72,7 @@ def gpu_locality(index: int) -> tuple[int | None, set[int] | None]:
 
 def placement(device) -> dict:
     """Where this process runs: {"cpu", "allowed" (how many CPUs it may use), "gpu_numa",
-    "gpu_local" (whether `cpu` is one of the GPU's local CPUs), "pinned" (PIN_ENV set),
-    "load1"}; GPU fields None for a CPU device."""
+    "gpu_local" (whether `cpu` is one of the GPU's local CPUs), "load1"}; GPU fields None for a CPU device."""
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     cpu = current_cpu()
     node, local = (None, None)
@@ -83,22 +80,5 @@ def placement(device) -> dict:
         node, local = gpu_locality(device.index or 0)
     return {"cpu": cpu, "allowed": None if allowed is None else len(allowed),
             "gpu_numa": node, "gpu_local": None if local is None or cpu is None else cpu in local,
-            "pinned": pin_requested(), "load1": os.getloadavg()[0]}
+            "load1": os.getloadavg()[0]}
 
-
-def pin_requested() -> bool:
-    return os.environ.get(PIN_ENV) == "1"
-
-
-def pin_to_gpu(device) -> bool:
-    """With PIN_ENV set, restrict this process to the CPUs local to `device` (a CUDA device)
-    that it may already use; whether it did."""
-    if not (pin_requested() and hasattr(os, "sched_setaffinity")
-            and getattr(device, "type", "") == "cuda"):
-        return False
-    _, local = gpu_locality(device.index or 0)
-    cpus = (local or set()) & os.sched_getaffinity(0)
-    if not cpus:
-        return False
-    os.sched_setaffinity(0, cpus)
-    return True
