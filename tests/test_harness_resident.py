@@ -133,6 +133,22 @@ def test_extra_batch_regime_is_sized_to_the_budget():
     assert regimes.default_batch_sizes(41, 45 << 20) == [1, 3]  # 43 rows: 1.9 GiB
 
 
+def test_the_odd_batch_is_drawn_from_the_seed():
+    """A check's seed (secret by default) draws the odd size among those above the default up
+    to 2 * default + 1: no size is known in advance. The same seed draws the same size."""
+    drawn = {regimes.default_batch_sizes(16, seed=s)[1] for s in range(200)}
+    assert drawn == set(range(17, 34, 2))
+    assert {regimes.default_batch_sizes(15, seed=s)[1] for s in range(200)} == \
+        set(range(17, 32, 2))
+    assert regimes.default_batch_sizes(16, seed=7) == regimes.default_batch_sizes(16, seed=7)
+    assert regimes.default_batch_sizes(1, seed=3) == [1, 3]
+    layernorm = 64 * 256 * 256 * 4  # over the budget: the smallest odd above, whatever the seed
+    assert {regimes.default_batch_sizes(16, layernorm, seed=s)[1] for s in range(50)} == {17}
+    planned, _ = regimes.plan(16, [], None, (), seed=7)
+    assert [g.name for g in planned] == ["default", "batch=1",
+                                         f"batch={regimes.default_batch_sizes(16, seed=7)[1]}"]
+
+
 def test_scale_regimes_skipped_without_floating_parameters():
     planned, skipped = regimes.plan(8, [], None, (4.0, 16.0), float_params=0)
     assert [g.name for g in planned] == ["default", "batch=1", "batch=17"]

@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..problems import problem_path
-from . import refcache, sandbox
+from . import handoff, refcache, sandbox
 from .files import candidate_path, syntax_error
 from .judge import ENVELOPE_CATEGORIES, judge_trial, trial_from_dict
 from .options import CheckOptions
@@ -196,7 +196,8 @@ class _Check:
     def _planned(self):
         o, meta = self.o, self.meta
         regimes, self.skipped = plan(meta["default_batch"], meta["variants"], o.batch_sizes,
-                                     o.scales, meta.get("row_bytes"), meta.get("float_params"))
+                                     o.scales, meta.get("row_bytes"), meta.get("float_params"),
+                                     o.seed)
         digest = refcache.deps_digest(meta["deps"])
         return [(g, refcache.regime_key(self.pkey, digest, g.to_dict(), o.eval_mode, o.atol,
                                         o.rtol)) for g in regimes]
@@ -343,7 +344,8 @@ class _Check:
                 verdicts[g.name] = judging.submit(
                     self.ref_w.run, judge_pass,
                     {"name": g.name, "trials": partial["trials"],
-                     "envelope": g.perturbed_reference, "atol": o.atol, "rtol": o.rtol},
+                     "envelope": g.perturbed_reference, "atol": o.atol, "rtol": o.rtol,
+                     "outputs_dir": str(cand_w.tmp)},
                     timeout=o.timeout)
         try:
             out = cand_w.run(check_candidate,
@@ -370,7 +372,7 @@ class _Check:
                 unjudged.append((name, why, judged.output_tail))
                 continue
             report.regimes.append(self._regime(g, entry, got.get(name), name == failed_in,
-                                               out.reason, judged and judged.result))
+                                               out.reason, judged and judged.result, out.ok))
         self._envelopes(entries)
         for name, why, tail in unjudged if out.ok else ():
             report.error("reference", f"regime {name}: {why}", tail)
@@ -382,10 +384,9 @@ class _Check:
     @staticmethod
     def _hand(worker: Worker, source, name: str) -> str:
         """A copy of the reference's file `source` in the candidate worker's own directory: the
-        only place it may read the reference's inputs from (never the cache itself)."""
-        target = worker.tmp / name
-        shutil.copyfile(source, target)
-        return str(target)
+        only place it may read the reference's inputs from (never the cache itself), as a new
+        file: never written through anything the candidate put there (handoff.py)."""
+        return str(handoff.write_new(worker.tmp, name, source=source))
 
     def _hand_shared(self, worker: Worker, desc):
         """A device-resident input as the candidate's worker can open it: CUDA IPC handles as
@@ -397,9 +398,13 @@ class _Check:
         return {**desc, "path": self._hand(worker, desc["path"], name)}
 
     def _regime(self, g, entry: dict, got: dict | None, failed: bool, why: str,
-                judged: dict | None = None) -> RegimeReport:
+                judged: dict | None = None, finished: bool = False) -> RegimeReport:
         """The regime's report; `judged`: the verdicts of its trials from judge_pass (a
-        device-resident regime), else they are judged here."""
+        device-resident regime), else they are judged here. `finished`: the candidate's worker
+        said its task was done, so every trial of every regime sent must have its answer (or
+        the exception that stopped it): a regime or trial without one is wrong ("unanswered"),
+        not merely not run. Only code in the candidate's process can end the task early so
+        (the worker's own loop answers every trial): it did no work that can be judged."""
         o = self.o
         regime = RegimeReport(g.name, g.batch_size or self.meta["default_batch"], g.scale,
                               g.variant, envelope_runs=_runs(g))
@@ -416,6 +421,8 @@ class _Check:
         if got is None:
             regime.status = "ERROR" if failed else "NOT RUN"
             regime.note = why if failed else regime.note
+            if finished:
+                regime.trials.append(_unanswered(0, entry))
             return regime
         ref_trials, cand_trials = entry["trials"], got["trials"]
         if judged is not None:
@@ -436,6 +443,8 @@ class _Check:
             regime.status = "ERROR"
         elif len(cand_trials) < len(ref_trials):
             regime.status = "INCOMPLETE"
+            if finished:
+                regime.trials.append(_unanswered(len(cand_trials), entry))
         else:
             regime.status = "PASS" if all(t.passed for t in regime.trials) else "FAIL"
         return regime
@@ -512,6 +521,14 @@ def available_device() -> str:
 
 
 PERTURB_RUNS = 16  # compare.PERTURB_RUNS (compare imports torch; tests hold the two equal)
+
+
+def _unanswered(t: int, entry: dict) -> TrialReport:
+    """Trial `t` of a regime that the candidate's finished task left without an answer."""
+    seed = entry["trials"][min(t, len(entry["trials"]) - 1)]["seed"]
+    return TrialReport(t, seed, False, findings=[Finding(
+        "unanswered", f"the candidate's worker ended its task without answering trial {t} of "
+                      f"this regime (only code in the candidate's process ends it early)")])
 
 
 def _runs(g) -> int:

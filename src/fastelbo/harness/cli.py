@@ -162,7 +162,8 @@ def _regime_options(p: argparse.ArgumentParser) -> None:
     """The regimes beyond get_inputs(), for check and serve (parsed by _numbers)."""
     p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
                    help="extra batch sizes, e.g. 1,7,128; '' for none (default: %(default)s, "
-                        "meaning 1 and 2*batch_size+1)")
+                        "meaning 1 and an odd size above batch_size, up to "
+                        "2*batch_size+1, drawn from the seed)")
     p.add_argument("--scales", default="4,16", metavar="S,S,...",
                    help="parameter scalings for the saturation regimes; '' for none "
                         "(default: %(default)s)")

@@ -21,7 +21,9 @@ code exists, with the strongest protection this OS offers (`plan()` decides, `en
 
 Every worker, confined or not, is a child subreaper (PR_SET_CHILD_SUBREAPER): a process the
 candidate starts stays its descendant even in a new session or as a daemon, and `kill_tree()`
-ends them all with the worker. Linux only; elsewhere `plan()` reports "none".
+ends them all with the worker. The one clone flag that would escape it, CLONE_PARENT, is
+refused by a seccomp filter (seccomp.py; x86-64 and arm64). Linux only; elsewhere `plan()`
+reports "none".
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from . import seccomp
 
 ENV = "FASTELBO_SANDBOX"  # "0": no confinement (the report says so); tests use it to compare
 
@@ -78,9 +82,18 @@ def landlock_abi() -> int:
 
 def plan(secrets: list[str | Path], reads: list[str | Path] = ()) -> dict:
     """The confinement for a candidate's worker: {"kind": landlock|user|none, "deny": [...],
-    ...}, equal for equal secrets (a pool's spares serve any check with the same). `secrets`:
-    directories it must not read (the cache, the private root); `reads`: files it must read
-    (its candidate, the problem), checked for the "user" kind."""
+    "note", ...}, equal for equal secrets (a pool's spares serve any check with the same).
+    `secrets`: directories it must not read (the cache, the private root); `reads`: files it
+    must read (its candidate, the problem), checked for the "user" kind. The note ends with
+    what keeps the candidate's processes inside its worker's tree."""
+    spec = _plan(secrets, reads)
+    why = seccomp.unavailable()
+    tree = ("its processes: a subreaper's tree, CLONE_PARENT refused (seccomp)" if why is None
+            else f"its processes: a subreaper's tree (no seccomp filter: {why})")
+    return {**spec, "note": f"{spec['note']}; {tree}"}
+
+
+def _plan(secrets: list[str | Path], reads: list[str | Path]) -> dict:
     paths = {Path(p).resolve() for p in secrets}
     deny = sorted(str(p) for p in paths if not any(q in p.parents for q in paths))
     if os.environ.get(ENV) == "0":
@@ -130,13 +143,15 @@ def _unreadable_for_others(paths) -> list[str]:
 
 
 def enter(spec: dict | None, scratch: Path) -> None:
-    """In a new worker, before any thread or candidate code: become a subreaper, then apply
-    `spec` (from plan(); None: no confinement). OSError when it cannot be applied: the worker
-    must not run the candidate unconfined when confinement was promised."""
+    """In a new worker, before any thread or candidate code: become a subreaper that nothing
+    it starts can leave (seccomp.py), then apply `spec` (from plan(); None: no confinement).
+    OSError when it cannot be applied: the worker must not run the candidate unconfined when
+    confinement was promised."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     _prctl(libc, _PR_SET_CHILD_SUBREAPER, 1)
+    seccomp.forbid_clone_parent()
     if not spec or spec.get("kind") == "none":
         return
     caches = _compile_caches(scratch, own=spec["kind"] != "user")

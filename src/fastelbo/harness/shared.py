@@ -16,9 +16,12 @@ with weights_only=True, and opening one never unpickles anything chosen by its s
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import torch
+
+from . import handoff
 
 KIND = "__fastelbo_shared__"
 _kept: list = []          # what this process has shared: alive until it exits
@@ -58,11 +61,20 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def open_copy(desc: dict, device: torch.device) -> torch.Tensor:
-    """The described tensor, copied into memory this process owns, on `device`."""
+def open_copy(desc: dict, device: torch.device, within: str | Path | None = None) -> torch.Tensor:
+    """The described tensor, copied into memory this process owns, on `device`. `within`: a
+    file must be a plain file of that directory (handoff.open_regular: what another worker
+    describes is read from nowhere else, through no link), read through the descriptor
+    checked."""
     dtype = _dtype(desc["dtype"])
     if desc[KIND] == "cpu":
-        t = torch.load(desc["path"], weights_only=True, mmap=True)
+        if within is None:
+            t = torch.load(desc["path"], weights_only=True, mmap=True)
+        else:
+            with handoff.open_regular(desc["path"], within) as f:
+                fd_path = f"/proc/self/fd/{f.fileno()}"  # the file checked, mapped (Linux)
+                t = torch.load(fd_path if os.path.exists(fd_path) else f, weights_only=True,
+                               mmap=os.path.exists(fd_path))
         if not isinstance(t, torch.Tensor) or t.dtype != dtype:
             raise ValueError(f"{desc['path']} does not hold the described tensor")
         return t.to(device, copy=True)
@@ -83,5 +95,5 @@ def share_all(values, directory: str | Path) -> list:
     return [share(v, directory) if isinstance(v, torch.Tensor) else v for v in values]
 
 
-def open_all(values, device: torch.device) -> list:
-    return [open_copy(v, device) if is_shared(v) else v for v in values]
+def open_all(values, device: torch.device, within: str | Path | None = None) -> list:
+    return [open_copy(v, device, within) if is_shared(v) else v for v in values]

@@ -143,8 +143,9 @@ def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, ini
 
 @declare(TASKS)
 def judge_pass(name: str, trials: list[dict], envelope: bool, atol: float,
-               rtol: float) -> dict:
-    """Judge a device-resident regime's trials where the reference's outputs are."""
+               rtol: float, outputs_dir: str) -> dict:
+    """Judge a device-resident regime's trials where the reference's outputs are (outputs
+    shared through files only from the candidate worker's directory `outputs_dir`)."""
 
 
 @declare(TASKS)

@@ -161,7 +161,7 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
         if first and meta["default_batch"]:
             meta["row_bytes"] = loader.nbytes(first[0]) // meta["default_batch"]
     regimes, _ = plan(meta["default_batch"], meta["variants"], batch_sizes, scales,
-                      meta["row_bytes"], meta["float_params"])
+                      meta["row_bytes"], meta["float_params"], seed)
     refcache.save(meta, refcache.path(root, pkey, "meta.json"))
     todo = [g.name for g in regimes[1:] if only is None or g.name in only]
     for regime in regimes[1:]:
@@ -415,16 +415,17 @@ def _candidate_trial(model, inputs: list, seed: int, dev, resident: bool = False
 @implements(specs.judge_pass)
 @torch.no_grad()
 def judge_pass(name: str, trials: list[dict], envelope: bool, atol: float,
-               rtol: float) -> dict:
+               rtol: float, outputs_dir: str) -> dict:
     """Judge the candidate's `trials` of the device-resident regime `name` (outputs shared by
-    the candidate's worker, which is still alive) against the outputs this worker kept, on the
-    device; with `envelope`, rejudge the trials that missed the plain tolerance against the
+    the candidate's worker, which is still alive: through files, only plain files of its
+    directory `outputs_dir`) against the outputs this worker kept, on the device; with
+    `envelope`, rejudge the trials that missed the plain tolerance against the
     perturbed-reference envelope. Only the verdicts go back (judge.trial_to_dict)."""
     kept, dev = _resident[name], _problem["dev"]
     progress(f"judging regime {name}")
     ref, got, reports = kept["trials"], [None] * len(trials), []
     for t, ct in enumerate(trials):  # at most two trials' outputs open at once, unless envelope
-        got[t] = {**ct, "outputs": tuple(shared.open_all(ct["outputs"], dev))}
+        got[t] = {**ct, "outputs": tuple(shared.open_all(ct["outputs"], dev, outputs_dir))}
         reports.append(judge_trial(t, ref[t], got[t], (ref[t - 1], got[t - 1]) if t else None,
                                    atol, rtol))
         if t and not envelope:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import sandbox, task_specs
+from . import handoff, sandbox, task_specs
 from .task_specs import Task
 
 TAIL_CHARS = 4000
@@ -143,8 +143,9 @@ class Worker:
         spec.bind(kwargs)
         self._on_partial = on_partial
         self._tasks += 1
-        path = self.tmp / f"task{self._tasks}.pkl"
-        path.write_bytes(pickle.dumps({"task": (spec.module, spec.name), "kwargs": kwargs}))
+        path = handoff.write_new(self.tmp, f"task{self._tasks}.pkl",
+                                 pickle.dumps({"task": (spec.module, spec.name),
+                                               "kwargs": kwargs}))
         start = time.monotonic()
         outcome = WorkerOutcome(None)
         try:
@@ -214,7 +215,7 @@ class Worker:
                 step_cls = "fb"
             elif kind == "R":
                 try:
-                    outcome.partials.append(_load(Path(rest)))
+                    outcome.partials.append(_load(Path(rest), self.tmp))
                 except Exception as exc:  # noqa: BLE001 - what the worker sent is its fault
                     self.kill()
                     outcome.category = "exception"
@@ -223,7 +224,7 @@ class Worker:
                 if self._on_partial is not None:
                     self._on_partial(outcome.partials[-1])
             elif kind == "D":
-                return _read_result(outcome, Path(rest))
+                return _read_result(outcome, Path(rest), self.tmp)
 
     def _next_line(self, wait: float) -> str | None:
         """The next message line; None when none came within `wait` s; "" at end of file."""
@@ -255,10 +256,7 @@ class Worker:
                 "killed": list(self.killed)}
 
     def output_tail(self) -> str:
-        try:
-            return self._log_path.read_text(errors="replace")[-TAIL_CHARS:]
-        except OSError:
-            return ""
+        return handoff.tail(self._log_path, self.tmp, TAIL_CHARS)
 
     def kill(self, wait: bool = True) -> None:
         """SIGKILL the worker's descendants (it is their subreaper: in a new session or a daemon
@@ -380,14 +378,16 @@ def _step_reason(cls: str, forward_timeout, build_timeout, limit: float) -> str:
     return f"no progress within {build_timeout:g} s (the build limit)"
 
 
-def _load(path: Path):
+def _load(path: Path, within: Path):
+    """What a worker saved at `path`, a plain file of its directory `within` (handoff.py)."""
     import torch
-    return torch.load(path, weights_only=True)
+    with handoff.open_regular(path, within) as f:
+        return torch.load(f, weights_only=True)
 
 
-def _read_result(outcome: WorkerOutcome, path: Path) -> None:
+def _read_result(outcome: WorkerOutcome, path: Path, within: Path) -> None:
     try:
-        data = _load(path)
+        data = _load(path, within)
         if not isinstance(data, dict):
             raise TypeError(f"the result is a {type(data).__name__}, not a dict")
     except Exception as exc:  # noqa: BLE001 - a result we cannot read is the task's fault

@@ -1,0 +1,82 @@
+"""harness/handoff.py: the harness writes into a worker's directory (which the candidate's code
+can write) only as new files under names no one can guess, and reads back only regular files
+with one link directly inside it. On 2026-12-05 a candidate's link named `init.pt` made the
+check's copy of the weights overwrite a reference entry (and pass), and a FIFO named as a
+result hung the check."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from fastelbo.harness import handoff
+
+
+def test_a_new_file_never_writes_through_what_is_there(tmp_path, monkeypatch):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"reference")
+    made = handoff.write_new(tmp_path, "init.pt", b"weights")
+    assert made.parent == tmp_path and made.name.startswith("init.") and made.suffix == ".pt"
+    assert made.read_bytes() == b"weights" and made.stat().st_mode & 0o777 == 0o600
+    assert handoff.write_new(tmp_path, "init.pt", b"w") != made  # a new name each time
+    # Were the name guessed, the link planted there is refused, not followed.
+    monkeypatch.setattr(handoff.secrets, "token_hex", lambda n: "guessed")
+    (tmp_path / "init.guessed.pt").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        handoff.write_new(tmp_path, "init.pt", b"weights")
+    assert victim.read_bytes() == b"reference"
+
+
+def test_a_copy_holds_the_source(tmp_path):
+    source = tmp_path / "source.bin"
+    source.write_bytes(os.urandom(3 << 20))
+    made = handoff.write_new(tmp_path / ".", "regime0.inputs.pt", source=source)
+    assert made.read_bytes() == source.read_bytes() and made.name.endswith(".inputs.pt")
+
+
+def test_only_a_plain_file_of_the_directory_is_read(tmp_path):
+    worker, elsewhere = tmp_path / "worker", tmp_path / "reference"
+    worker.mkdir()
+    elsewhere.mkdir()
+    secret = elsewhere / "answers.pt"
+    secret.write_bytes(b"answers")
+    plain = worker / "partial1.pt"
+    plain.write_bytes(b"result")
+    with handoff.open_regular(plain, worker) as f:
+        assert f.read() == b"result"
+    (worker / "link.pt").symlink_to(secret)
+    os.link(secret, worker / "hard.pt")
+    os.mkfifo(worker / "partial.fifo")
+    (worker / "sub").symlink_to(elsewhere, target_is_directory=True)
+    refused = {"link.pt": "cannot be opened", "hard.pt": "other links",
+               "partial.fifo": "not a file", "sub/answers.pt": "not a file of the worker's"}
+    for name, why in refused.items():
+        with pytest.raises(handoff.NotAHandoff, match=why):
+            handoff.open_regular(worker / name, worker)
+    with pytest.raises(handoff.NotAHandoff, match="not a file of the worker's"):
+        handoff.open_regular(secret, worker)
+
+
+def test_a_fifo_does_not_block_the_reader(tmp_path):
+    os.mkfifo(tmp_path / "partial.fifo")
+    done = threading.Event()
+
+    def read():
+        with pytest.raises(handoff.NotAHandoff):
+            handoff.open_regular(tmp_path / "partial.fifo", tmp_path)
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert done.wait(60), "open_regular blocked on a FIFO"
+
+
+def test_the_tail_reads_the_end_of_a_plain_file_only(tmp_path):
+    log = tmp_path / "output.log"
+    log.write_text("x" * 100_000 + "the end")
+    assert handoff.tail(log, tmp_path, 7) == "the end"
+    secret = tmp_path / "secret"
+    secret.write_text("answers")
+    log.unlink()
+    log.symlink_to(secret)
+    assert handoff.tail(log, tmp_path, 100) == ""
