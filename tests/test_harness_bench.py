@@ -80,6 +80,23 @@ def test_large_speedups_get_a_note_not_a_verdict():
     assert any("look twice" in n for n in row["notes"])
 
 
+def test_work_moved_outside_the_timed_window_is_flagged():
+    """A candidate whose host time between timed calls (the harness's draw, flush and copies)
+    exceeds eager's by more than its own time inside the window did its work there (a hook run
+    by the draw); within that, or where its outside time is eager's, nothing is flagged."""
+    results = _eager(outside_ms=0.05)
+    moved = bench._finish_row(_row(events_ms=0.01, outside_ms=0.40), results, 1e-4, 1e-4)
+    assert any("work outside the timed window" in f for f in moved["flags"]), moved["flags"]
+    for honest in (_row(events_ms=0.01, outside_ms=0.06),   # a little noise
+                   _row(events_ms=0.50, outside_ms=0.40),   # within its own time
+                   _row(events_ms=0.01)):                   # not measured
+        row = bench._finish_row(honest, results, 1e-4, 1e-4)
+        assert not any("outside the timed window" in f for f in row["flags"]), row["flags"]
+    as_eager = bench._finish_row({**_row(events_ms=0.01, outside_ms=0.40),
+                                  "candidate": bench.EAGER}, results, 1e-4, 1e-4)
+    assert not any("outside the timed window" in f for f in as_eager["flags"])
+
+
 def test_a_row_faster_than_its_physical_floor_is_implausible():
     """1 GFLOP cannot run in a nanosecond on any chip: the row is IMPLAUSIBLE, whatever its
     outputs, and the floor's fraction is reported on every timed row."""
@@ -133,6 +150,9 @@ TIMING_EXPLOITS = {
     "exploit_lazy_mode": {"TAMPERED"},
     "exploit_patches_timers": {"TAMPERED"},
     "exploit_wraps_get_inputs": {"TAMPERED"},
+    # hooks the harness runs between calls, computing each set before its window
+    "exploit_profile_hook": {"TAMPERED"},
+    "exploit_module_class_hook": {"TAMPERED"},
     "reference_as_candidate": {"ok"},
 }
 
@@ -159,6 +179,24 @@ def test_timing_exploits_show_up_wrong_not_fast(exploit_rows, name):
         assert any("Python threads the candidate started" in n for n in row["notes"]), row
     if name == "reference_as_candidate":  # starts none
         assert row["threads"] == [] and row["notes"] == [], row
+
+
+@pytest.mark.slow
+def test_bench_holds_timed_calls_to_checks_hygiene():
+    """A ReLU computed in place, returning its input: check rejects it (output_aliased); under
+    bench it saved the allocation eager pays and was "ok" at 8-10x until 2026-12-05. Now its
+    judged timed calls are held to the same rules: INCORRECT, naming both, and bench exits 1."""
+    relu = HERE / "problems" / "relu.py"
+    rows, code = bench.run_bench(relu, [str(HERE / "candidates" / "exploit_output_aliases_input.py"),
+                                        str(HERE / "candidates" / "relu_clamp.py")],
+                                 device="cpu", batch_sizes=[16], compile_baseline=False,
+                                 quick=True, out=None)
+    by = {Path(r["candidate"]).stem: r for r in rows}
+    cheat = by["exploit_output_aliases_input"]
+    assert cheat["status"] == "INCORRECT" and code == 1, cheat
+    assert "output 0 shares storage with an input" in cheat["correct_detail"], cheat
+    assert "input 0 was modified by a timed call" in cheat["correct_detail"], cheat
+    assert by["relu_clamp"]["status"] == "ok" and not by["relu_clamp"]["hygiene"], by["relu_clamp"]
 
 
 def test_default_candidates_on_cpu_are_auto_and_torch():

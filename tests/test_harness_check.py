@@ -136,7 +136,7 @@ from pathlib import Path
 from fastelbo.problems import load_problem
 
 Model = load_problem("vae_elbo").Model
-MARK = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "built"  # a cache a confined worker may write
+MARK = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "built"  # the candidates' own build cache
 
 
 class ModelNew(Model):
@@ -157,12 +157,13 @@ def test_a_build_inside_a_forward_gets_the_build_limit_not_the_forward_limit(tmp
     to the forward limit (test above)."""
     cand = tmp_path / "slow_build.py"
     cand.write_text(SLOW_BUILD)
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("FASTELBO_CANDIDATE_BUILDS", str(tmp_path))
     report = run_check(TINY, cand, trials=1, batch_sizes=[], scales=(), forward_timeout=5.0,
                        build_timeout=120.0, timeout=300.0)
     assert report.exit_code == 0, report.format()
-    assert (tmp_path / "built").read_text() == "built"
-    (tmp_path / "built").unlink()
+    mark = tmp_path / "torch_extensions" / "built"
+    assert mark.read_text() == "built"
+    mark.unlink()
     report = run_check(TINY, cand, trials=1, batch_sizes=[], scales=(), forward_timeout=5.0,
                        build_timeout=6.0, timeout=300.0)
     assert report.exit_code == 2 and report.categories == ["timeout"], report.format()

@@ -132,3 +132,53 @@ def test_a_thread_started_after_the_snapshot_is_named_however_short():
         t.start()
         t.join()
     assert snap.threads_started() == [f"short-{i}" for i in range(5)] + ["and 2 more"]
+
+
+def _no_op(*args):
+    return None
+
+
+@pytest.mark.parametrize("what, set_it, unset", [
+    ("sys.setprofile", lambda: sys.setprofile(_no_op), lambda: sys.setprofile(None)),
+    ("sys.settrace", lambda: sys.settrace(_no_op), lambda: sys.settrace(None)),
+    ("gc.callbacks", lambda: __import__("gc").callbacks.append(_no_op),
+     lambda: __import__("gc").callbacks.remove(_no_op)),
+    ("signal 10", lambda: __import__("signal").signal(10, _no_op),
+     lambda: __import__("signal").signal(10, __import__("signal").SIG_DFL)),
+    ("ITIMER_REAL", lambda: __import__("signal").setitimer(0, 3600.0),
+     lambda: __import__("signal").setitimer(0, 0.0)),
+])
+def test_a_hook_left_set_between_calls_is_named(what, set_it, unset):
+    """What the harness would run between timed calls without calling it (a profile or trace
+    function, a gc callback, a signal handler, an interval timer): named by hooks_left and
+    raised by guard as tampering (2026-12-05: such hooks computed each drawn set before its
+    timed call, 8-16x "ok" under bench)."""
+    module = types.ModuleType("problem")
+    snap = integrity.Snapshot({"problem": module})
+    assert snap.hooks_left() == []
+    previous = sys.gettrace()  # a coverage tool's, say: not the candidate's
+    set_it()
+    try:
+        left = snap.hooks_left()
+        assert any(what in item for item in left), left
+        from fastelbo.harness.worker import TaskError
+        with pytest.raises(TaskError, match="after a timed call"):
+            snap.guard()
+    finally:
+        unset()
+        if what == "sys.settrace":
+            sys.settrace(previous)
+    assert snap.hooks_left() == []
+
+
+def test_a_swapped_module_class_is_named():
+    """A module given a class of its own runs its __setattr__ when the harness sets the
+    problem's batch_size after a draw: named, though every name in it is unchanged."""
+    module = types.ModuleType("problem")
+    snap = integrity.Snapshot({"problem": module})
+
+    class Watching(types.ModuleType):
+        pass
+
+    module.__class__ = Watching
+    assert snap.hooks_left() == ["the class of problem was replaced (Watching)"]

@@ -68,9 +68,9 @@ class ModelNew(Model):
 @pytest.fixture(scope="module", autouse=True)
 def build_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
-        build = str(tmp_path_factory.mktemp("build"))
-        mp.setenv("FASTELBO_TEST_BUILD_DIR", build)
-        mp.setenv("TORCH_EXTENSIONS_DIR", build)  # a build root a confined worker may write
+        build = tmp_path_factory.mktemp("build")
+        mp.setenv("FASTELBO_CANDIDATE_BUILDS", str(build))  # a confined worker may write there
+        mp.setenv("FASTELBO_TEST_BUILD_DIR", str(build / "torch_extensions"))
         yield
 
 

@@ -1,6 +1,7 @@
 """harness/seccomp.py: a worker cannot start a process outside its own tree (CLONE_PARENT is
-refused), while fork, threads, subprocesses and torch work as before. Run in a child process:
-the filter cannot be removed once applied."""
+refused) nor change another process's CPUs, scheduling, priority or limits, while fork,
+threads, subprocesses, torch and its own settings work as before. Run in a child process: the
+filter cannot be removed once applied."""
 from __future__ import annotations
 
 import platform
@@ -29,13 +30,28 @@ PROBE = textwrap.dedent("""
             os.waitpid(pid, 0) if not flags else None
         return pid, ctypes.get_errno()
 
+    def attempt(fn):
+        try:
+            fn()
+            return "done"
+        except PermissionError:
+            return "refused"
+
     if sys.argv[1] == "on":
-        assert seccomp.forbid_clone_parent() is None
+        assert seccomp.forbid_escapes() is None
     pid, err = clone(0x8000)  # CLONE_PARENT
     print("clone_parent", "refused" if pid < 0 and err == 1 else "made")
     print("plain_clone", "made" if clone(0)[0] > 0 else "refused")
     r = libc.syscall(435, None, ctypes.c_size_t(0))  # clone3(NULL, 0)
     print("clone3", ctypes.get_errno())
+    cpus, parent = os.sched_getaffinity(0), os.getppid()
+    print("own_affinity", attempt(lambda: os.sched_setaffinity(0, cpus)),
+          attempt(lambda: os.sched_setaffinity(os.getpid(), cpus)))
+    print("parent_affinity", attempt(lambda: os.sched_setaffinity(parent, cpus)))
+    nice = os.getpriority(os.PRIO_PROCESS, parent)
+    print("parent_priority", attempt(lambda: os.setpriority(os.PRIO_PROCESS, parent, nice)))
+    print("user_priority", attempt(lambda: os.setpriority(os.PRIO_USER, 0, nice)))
+    print("own_priority", attempt(lambda: os.setpriority(os.PRIO_PROCESS, 0, 1)))
     out = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True)
     t = threading.Thread(target=lambda: None)
     t.start()
@@ -52,7 +68,7 @@ PROBE = textwrap.dedent("""
 def _probe(mode: str) -> dict[str, str]:
     clone = {"x86_64": 56, "aarch64": 220}[platform.machine()]
     # Through a middle process, so that an escaped sibling is its child (reaped once it exits),
-    # not this test process's.
+    # not this test process's, and whose settings the probe may change unfiltered.
     middle = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
     out = subprocess.run([sys.executable, "-c", middle, sys.executable, "-c",
                           f"CLONE = {clone}\n" + PROBE, mode],
@@ -61,24 +77,30 @@ def _probe(mode: str) -> dict[str, str]:
     return {line.split()[0]: " ".join(line.split()[1:]) for line in out.stdout.splitlines()}
 
 
-def test_clone_parent_is_refused_and_the_rest_works():
+def test_escapes_are_refused_and_the_rest_works():
     got = _probe("on")
     assert got["clone_parent"] == "refused"
     assert got["plain_clone"] == "made"
     assert got["clone3"] == "38"  # ENOSYS: the C library falls back to clone
+    assert got["own_affinity"] == "done done" and got["own_priority"] == "done"
+    assert got["parent_affinity"] == "refused" and got["parent_priority"] == "refused"
+    assert got["user_priority"] == "refused"
     assert got["works"] == "42 5 6"
 
 
-def test_without_the_filter_clone_parent_escapes():
-    """The probe can tell: unfiltered, the call makes its process (it exits at once)."""
-    assert _probe("off")["clone_parent"] == "made"
+def test_without_the_filter_the_same_calls_succeed():
+    """The probe can tell: unfiltered, each call does what it asks."""
+    got = _probe("off")
+    assert got["clone_parent"] == "made"
+    assert got["parent_affinity"] == "done" and got["parent_priority"] == "done"
 
 
-def test_the_program_jumps_land_on_its_returns():
+def test_the_program_jumps_land_inside_it():
     for machine in ("x86_64", "aarch64"):
-        insns = seccomp.program(machine)
+        insns = seccomp.program(machine, 1234)
         for pc, (code, jt, jf, _) in enumerate(insns):
             if code & 0x07 == 0x05:  # a jump: both targets inside the program
                 assert pc + 1 + jt < len(insns) and pc + 1 + jf < len(insns)
         assert [i[0] for i in insns[-3:]] == [0x06] * 3  # ALLOW, EPERM, ENOSYS
-    assert seccomp.program("riscv64") is None
+        assert any(i[3] == 1234 for i in insns)  # the worker itself may be named
+    assert seccomp.program("riscv64", 1) is None

@@ -265,16 +265,16 @@ def test_stopping_the_server_kills_its_running_workers(tmp_path):
     """The client closes while a worker runs a candidate that hangs at import: the SDK
     terminates the server, and the server takes the worker (in a session of its own, out of
     the SDK's reach) with it."""
-    # a confined worker writes only its scratch dir and the compile caches: it says it started
-    # in the extension root the server's environment names
-    ext = tmp_path / "ext"
-    tag, started = uuid.uuid4().hex, ext / "started"
+    # a confined worker writes only its scratch dir and the candidates' compile caches: it says
+    # it started in the extension root under the build root the server's environment names
+    builds = tmp_path / "builds"
+    tag, started = uuid.uuid4().hex, builds / "torch_extensions" / "started"
     hangs_at_import = (f"import pathlib\nimport time\n\npathlib.Path({str(started)!r}).touch()\n"
                        "while True:\n    time.sleep(1)\n")
     alive = []
 
     async def scenario():
-        async with stdio_client(_params(tmp_path, tag, TORCH_EXTENSIONS_DIR=str(ext))) as (
+        async with stdio_client(_params(tmp_path, tag, FASTELBO_CANDIDATE_BUILDS=str(builds))) as (
                 read, write), ClientSession(read, write) as client:
             await client.initialize()
             async with anyio.create_task_group() as tg:

@@ -51,6 +51,11 @@ ESCAPE_KERNEL_FACTOR, ESCAPE_KERNEL_MS = 1.5, 0.02
 # stream) beyond this multiple of its event time plus this many ms: work on another stream. On
 # the current stream the events see launch gaps too, so the two differ by a synchronize's cost.
 ESCAPE_SYNC_FACTOR, ESCAPE_SYNC_MS = 3.0, 0.01
+# Work moved out of the timed window (code the harness runs between calls: a hook computing each
+# drawn set before its call, or lazy outputs filled when read): flagged where the candidate's
+# host time per call outside the window exceeds eager's (the same draws, flushes and copies)
+# by more than its own time inside the window, and by OUTSIDE_MIN_MS.
+OUTSIDE_MIN_MS = 0.05
 
 
 def default_candidates(device: str) -> list[str]:
@@ -130,16 +135,21 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                 row["flops"] = count_flops(model, pool.fresh(0))
                 row["io_bytes"] = loader.nbytes(pool.get(0)) + loader.nbytes(row["outputs"])
             metrics, checks = measure(model, pool, dev, budget, reps,
-                                      observe=snapshot and snapshot.observe_threads)
+                                      observe=snapshot and snapshot.observe_threads,
+                                      guard=snapshot and snapshot.guard)
             check = metrics.pop("graph_check", None)
             row.update(metrics, pool=pool.count, pool_drawn=len(pool.sets),
                        checks_skipped=checks.skipped,
                        checks=[(run, loader.to_host(o)) for run, o in checks],
                        graph_check=check and [(run, loader.to_host(o)) for run, o in check])
+            row["hygiene"] = checks.hygiene()
             row["tampered"] = snapshot.changed() if snapshot is not None else []
             row["threads"] = snapshot.threads_started() if snapshot is not None else []
             row["host"] = placement(dev)  # where this worker ran its timing loops
             timed.append((n, row))
+        except TaskError as exc:  # a hook left set after a timed call (Snapshot.guard)
+            row = {**row, "error": str(exc), "category": exc.category}
+            pool = None
         except Exception as exc:  # noqa: BLE001 - one batch size failing is that row's result
             row = {**row, "error": traceback_tail(exc), "category": "exception"}
             pool = None  # drop this size's device tensors before release()
@@ -362,6 +372,10 @@ def _finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict 
         if eager.get("io_bytes") is not None:
             row.update(floors(eager.get("flops"), eager["io_bytes"], row["device"].split(":")[0],
                               row.get("device_name", "")))
+    if row.get("hygiene") and row["status"] == "ok":  # check's input and output hygiene
+        row["status"], row["correct"] = "INCORRECT", False
+        row["correct_detail"] = "; ".join(row["hygiene"])
+        row["flags"].append("INCORRECT")
     if row.get("tampered"):
         row["status"] = "TAMPERED"
         row["flags"].append("tampered: " + "; ".join(row["tampered"]))
@@ -387,6 +401,13 @@ def _finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict 
             ESCAPE_SYNC_MS:
         row["flags"].append(f"work outside the timed stream: a cold call took {event * 1e3:.1f} us "
                             f"by its events but {synced * 1e3:.1f} us until the device was idle")
+    mine, theirs = row.get("outside_ms"), (eager or {}).get("outside_ms")
+    timed = row.get("events_ms") or row.get("wall_ms")
+    if (row.get("candidate") not in (EAGER, COMPILED) and None not in (mine, theirs, timed)
+            and mine - theirs > max(timed, OUTSIDE_MIN_MS)):
+        row["flags"].append(f"work outside the timed window: {mine * 1e3:.1f} us per call "
+                            f"between the timed calls (the draw, flush and copies: "
+                            f"{theirs * 1e3:.1f} us for eager), {timed * 1e3:.1f} us inside")
     kernels, window = row.get("kernel_ms"), row.get("events_warm_ms")
     if kernels and window and kernels > ESCAPE_KERNEL_FACTOR * window + ESCAPE_KERNEL_MS:
         row["flags"].append(f"device time outside the timed window: the profiler saw "

@@ -10,12 +10,21 @@ what these names are bound to before the candidate is imported; `changed()` name
 that differs afterwards (checked after the import and after its forwards), and the harness
 reports it as a failure ("tampered") that names what was changed.
 
+Hooks are the other way in: code the harness runs without calling it, between the candidate's
+calls, where it draws the next set and reads the last outputs. A profile or trace function, a
+gc callback, a signal handler or interval timer, a module whose class was swapped (a
+`__setattr__` run when the harness sets the problem's batch_size) or a mode left active saw
+each new set before its timed call, or filled lazy outputs when they were read (2026-12-05: up
+to 16x "ok" on the CPU). `hooks_left()` names each one left set when a call returns, and the
+timing loops ask after every call (`guard`), so one removed before the end is still seen.
+
 These are tripwires, not walls: code that deliberately edits the harness's own state in its
 worker (the snapshot itself) can evade them; the static scan (scan.py) flags such code, and the
 confinement (sandbox.py) keeps the answers out of its reach whatever it patches.
 """
 from __future__ import annotations
 
+import signal
 import sys
 
 import torch
@@ -108,6 +117,8 @@ class Snapshot:
             for name, value in list(vars(mod).items()):
                 if _code(value):
                     self.bound[(label, name)] = (mod, value)
+        self.types = {label: (mod, type(mod)) for label, mod in (modules or {}).items()}
+        self.hooks = _hooks()
 
     def changed(self) -> list[str]:
         """'time.perf_counter was replaced', ... for every watched name bound elsewhere now,
@@ -119,6 +130,23 @@ class Snapshot:
                 for name, value in list(vars(owner).items())
                 if name not in names and _code(value) and (path, name) not in lazy]
         return out + active_modes()
+
+    def hooks_left(self) -> list[str]:
+        """Every hook set since the snapshot that the harness would run between calls (module
+        docstring), and any mode left active: cheap enough to ask after every call."""
+        now = _hooks()
+        out = [f"{what} was set" for what, value in now.items()
+               if not _same_hook(value, self.hooks.get(what))]
+        out += [f"the class of {label} was replaced ({type(mod).__name__})"
+                for label, (mod, klass) in self.types.items() if type(mod) is not klass]
+        return out + active_modes()
+
+    def guard(self) -> None:
+        """TaskError("tampered") naming every hook left set (hooks_left), if any."""
+        left = self.hooks_left()
+        if left:
+            from .worker import TaskError
+            raise TaskError("tampered", "after a timed call: " + "; ".join(left))
 
     def _thread_started(self, frame, event, arg) -> None:
         """A new threading.Thread's first profile event: its name noted, its profiling ended
@@ -144,6 +172,40 @@ class Snapshot:
         self.observe_threads()
         names = sorted(self.started)
         return names[:5] + ([f"and {len(names) - 5} more"] if len(names) > 5 else [])
+
+
+# (label, signal number) of every signal whose handler Python can set (real-time ones too: a
+# POSIX timer, which getitimer does not show, can deliver any)
+_SIGNALS = [(f"a handler of signal {int(s)}", int(s)) for s in signal.valid_signals()
+            if s not in (signal.SIGKILL, signal.SIGSTOP)]
+_TIMERS = {"ITIMER_REAL": signal.ITIMER_REAL, "ITIMER_VIRTUAL": signal.ITIMER_VIRTUAL,
+           "ITIMER_PROF": signal.ITIMER_PROF} if hasattr(signal, "setitimer") else {}
+
+
+def _hooks() -> dict:
+    """{what: value} of everything that runs Python code the harness does not call."""
+    import gc
+    import threading
+    out = {"a profile function (sys.setprofile)": sys.getprofile(),
+           "a trace function (sys.settrace)": sys.gettrace(),
+           "gc.callbacks": tuple(gc.callbacks)}
+    if hasattr(threading, "getprofile"):  # 3.10+
+        out["threading.setprofile"] = threading.getprofile()
+        out["threading.settrace"] = threading.gettrace()
+    getsignal = signal.getsignal
+    for label, sig in _SIGNALS:
+        out[label] = getsignal(sig)
+    for name, which in _TIMERS.items():
+        out[f"an interval timer ({name})"] = signal.getitimer(which) != (0.0, 0.0) or None
+    return out
+
+
+def _same_hook(now, then) -> bool:
+    """The same hook: identical, equal (a bound method is made anew on each access), or an
+    equal tuple of them."""
+    if isinstance(now, tuple) and isinstance(then, tuple):
+        return len(now) == len(then) and all(_same_hook(a, b) for a, b in zip(now, then))
+    return now is then or now == then
 
 
 def _code(value) -> bool:

@@ -149,17 +149,44 @@ def output_bytes(out) -> int:
 class Checks(list):
     """The timed calls' outputs kept for judging, [(run, outputs)], as device copies (no sync
     inside a timing loop). Past KEEP_BYTES only each metric's last call is kept (a problem
-    whose outputs take GBs); `skipped` counts the judged calls left unkept so."""
+    whose outputs take GBs); `skipped` counts the judged calls left unkept so. With the call's
+    `inputs` and the set they were copied from (`pristine`), a judged call is also held to
+    check's hygiene (`hygiene()`): no output sharing an input's storage, no input changed (a
+    forward that works in place saves the allocations eager pays, and clobbers its caller's
+    data: on 2026-12-05 bench reported such a ReLU "ok" at 8-10x eager)."""
 
     def __init__(self):
         super().__init__()
         self.bytes, self.skipped = 0, 0
+        self.aliased: set[int] = set()
+        self._changed: list = []  # (input index, a device bool: it differs), read at the end
 
-    def keep(self, run: tuple[int, ...], out, last: bool) -> None:
+    def keep(self, run: tuple[int, ...], out, last: bool, inputs=None, pristine=None) -> None:
         from .loader import to_host
+        if inputs is not None:
+            self._hygiene(out, inputs, pristine)
         size = output_bytes(out)
         if self.bytes + size > KEEP_BYTES and not last:
             self.skipped += 1
             return
         self.bytes += size
         self.append((run, to_host(out, keep_device=True, strict=True)))
+
+    def _hygiene(self, out, inputs, pristine) -> None:
+        from .compare import as_tuple
+        storages = {t.untyped_storage().data_ptr() for t in inputs
+                    if type(t) is torch.Tensor and t.numel()}
+        for i, o in enumerate(as_tuple(out)):
+            if type(o) is torch.Tensor and o.numel() and o.untyped_storage().data_ptr() in storages:
+                self.aliased.add(i)
+        for i, (a, b) in enumerate(zip(inputs, pristine or ())):
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
+                both_nan = a.isnan() & b.isnan() if a.is_floating_point() else False
+                self._changed.append((i, (a.ne(b) & ~both_nan).any()))  # no sync here
+
+    def hygiene(self) -> list[str]:
+        """What the judged calls broke of check's hygiene (reads the device: after the loops)."""
+        out = [f"output {i} shares storage with an input (outputs must be tensors of their own)"
+               for i in sorted(self.aliased)]
+        changed = sorted({i for i, differs in self._changed if bool(differs)})
+        return out + [f"input {i} was modified by a timed call" for i in changed]

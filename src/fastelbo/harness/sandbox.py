@@ -9,7 +9,8 @@ code exists, with the strongest protection this OS offers (`plan()` decides, `en
 1. **landlock** (Linux >= 5.13, any user): the worker may read every file except those in the
    two directories (rules on the rest of the tree, taken at its birth; directory listings stay
    readable everywhere), write only its own scratch directory ($TMPDIR), /dev/shm and the
-   compile caches (torch extensions, Triton, Inductor, CUDA's: not its candidate's folder),
+   compile caches kept for candidates (torch extensions, Triton, Inductor, CUDA's: never the
+   user's, which unconfined processes read; not its candidate's folder),
    open only the device files a GPU job needs, and may not ptrace (read the memory of) or,
    from ABI 6, signal any process outside its domain: the check's process and the reference's
    worker included.
@@ -22,7 +23,8 @@ code exists, with the strongest protection this OS offers (`plan()` decides, `en
 Every worker, confined or not, is a child subreaper (PR_SET_CHILD_SUBREAPER): a process the
 candidate starts stays its descendant even in a new session or as a daemon, and `kill_tree()`
 ends them all with the worker. The one clone flag that would escape it, CLONE_PARENT, is
-refused by a seccomp filter (seccomp.py; x86-64 and arm64). Linux only; elsewhere `plan()`
+refused by a seccomp filter (seccomp.py; x86-64 and arm64), as are changes to another
+process's CPU affinity, scheduling, priority and limits. Linux only; elsewhere `plan()`
 reports "none".
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pathlib import Path
 from . import seccomp
 
 ENV = "FASTELBO_SANDBOX"  # "0": no confinement (the report says so); tests use it to compare
+BUILDS_ENV = "FASTELBO_CANDIDATE_BUILDS"  # where candidates' compile caches live (candidate_builds)
 
 # prctl options
 _PR_SET_NO_NEW_PRIVS = 38
@@ -88,7 +91,8 @@ def plan(secrets: list[str | Path], reads: list[str | Path] = ()) -> dict:
     what keeps the candidate's processes inside its worker's tree."""
     spec = _plan(secrets, reads)
     why = seccomp.unavailable()
-    tree = ("its processes: a subreaper's tree, CLONE_PARENT refused (seccomp)" if why is None
+    tree = ("its processes: a subreaper's tree, CLONE_PARENT refused, no other process's CPUs, "
+            "priority or limits (seccomp)" if why is None
             else f"its processes: a subreaper's tree (no seccomp filter: {why})")
     return {**spec, "note": f"{spec['note']}; {tree}"}
 
@@ -151,13 +155,13 @@ def enter(spec: dict | None, scratch: Path) -> None:
         return
     libc = ctypes.CDLL(None, use_errno=True)
     _prctl(libc, _PR_SET_CHILD_SUBREAPER, 1)
-    seccomp.forbid_clone_parent()
+    seccomp.forbid_escapes()
     if not spec or spec.get("kind") == "none":
         return
     caches = _compile_caches(scratch, own=spec["kind"] != "user")
     if spec["kind"] == "user":
         os.chown(scratch, spec["uid"], spec["gid"])
-        for d in caches:
+        for d in [candidate_builds(), *caches]:
             os.chown(d, spec["uid"], spec["gid"])
         _prctl(libc, _PR_SET_NO_NEW_PRIVS, 1)
         os.setgroups([])
@@ -173,49 +177,36 @@ def _prctl(libc, option: int, value: int) -> None:
         raise OSError(err, f"prctl({option}): {os.strerror(err)}")
 
 
+def candidate_builds() -> Path:
+    """The compile caches of candidates (BUILDS_ENV, else a directory of the temp dir): theirs
+    alone, never read by the harness's other processes or by the user's."""
+    return Path(os.environ.get(BUILDS_ENV)
+                or Path(tempfile.gettempdir()) / f"fastelbo-candidate-builds-{os.getuid()}")
+
+
 def _compile_caches(scratch: Path, own: bool) -> list[Path]:
-    """Where a confined candidate may build: torch's extension root, Triton's, Inductor's and
-    CUDA's caches, shared by its checks (a rebuilt extension costs minutes). `own`: the worker
-    keeps this user (Landlock), so the user's own caches serve, where torch puts them without
-    confinement; else (another user) a directory of that user's, under the temp dir. Set in the
-    environment (so that torch finds them after TMPDIR moves to the scratch dir), but for the
-    user's own extension root, which torch finds unaided and names differently when it is set.
+    """Where a confined candidate may build: torch's extension root, Triton's, Inductor's,
+    torch's JIT kernels' and CUDA's caches, kept for candidates (candidate_builds()) and shared
+    by their checks (a rebuilt extension costs minutes), set in the environment. Never the
+    user's own caches: those are read by processes no confinement holds (the torch.compile
+    baseline's worker, the user's), and Inductor, for one, never rewrites a module it finds
+    there, so on 2026-12-05 a candidate that appended code to the baseline's compiled modules
+    ran it, unconfined, in the next bench's baseline worker. `own`: the worker keeps this user
+    (Landlock); else (another user) the directories are made that user's.
     """
-    home = Path.home()
-    tmp = Path(tempfile.gettempdir())
-    if own:
-        dirs = {"TORCH_EXTENSIONS_DIR": home / ".cache" / "torch_extensions",
-                "TRITON_CACHE_DIR": home / ".triton" / "cache",
-                "TORCHINDUCTOR_CACHE_DIR": tmp / f"torchinductor_{_user()}",
-                "CUDA_CACHE_PATH": home / ".nv" / "ComputeCache"}
-    else:
-        base = tmp / f"fastelbo-build-{os.getuid()}"
-        dirs = {"TORCH_EXTENSIONS_DIR": base / "torch_extensions",
-                "TRITON_CACHE_DIR": base / "triton", "TORCHINDUCTOR_CACHE_DIR": base / "inductor",
-                "CUDA_CACHE_PATH": base / "nv"}
+    base = candidate_builds()
+    dirs = {"TORCH_EXTENSIONS_DIR": base / "torch_extensions", "TRITON_CACHE_DIR": base / "triton",
+            "TORCHINDUCTOR_CACHE_DIR": base / "inductor", "CUDA_CACHE_PATH": base / "nv",
+            "PYTORCH_KERNEL_CACHE_PATH": base / "torch_kernels"}
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
     out = []
-    for var, default in dirs.items():
-        path = Path(os.environ.get(var) or default)
-        path.mkdir(parents=True, exist_ok=True)
-        # Unset, torch builds in <root>/py312_cu130/<name>; set to the root, in <root>/<name>:
-        # a second build (28 s on the H200's host) of what the user's process built already.
-        if not (own and var == "TORCH_EXTENSIONS_DIR"):
-            os.environ[var] = str(path)
+    for var, path in dirs.items():
+        path.mkdir(exist_ok=True)
+        os.environ[var] = str(path)
         out.append(path)
-    if own:
-        out.append(home / ".cache" / "torch")  # torch's own JIT kernels
-        out[-1].mkdir(parents=True, exist_ok=True)
     os.environ["TMPDIR"] = str(scratch)
     tempfile.tempdir = str(scratch)
     return out
-
-
-def _user() -> str:
-    import getpass
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return str(os.getuid())
 
 
 class _RulesetAttr(ctypes.Structure):

@@ -29,6 +29,12 @@ Metrics, each answering its own question:
 - `kernels` (GPU; `kernel_times`, which bench runs once every size is timed: a torch.profiler
   session leaves CUPTI attached to the process, and every later launch pays for it): device
   time per call of each kernel: a kernel that runs elsewhere or on a side stream shows up there.
+- `outside_ms`: host time per call outside the window in the default column's loop (the draw,
+  the flush, the judged calls' copies): the harness's own work, the same for every entry,
+  unless code of the candidate's runs there (bench compares it with eager's).
+After the calls, `guard()` (integrity.Snapshot.guard) asks whether a hook the harness would run
+between calls is left set, so one that sees the next draw or fills outputs as they are read is
+TAMPERED even if removed before the loop ends.
 The timers are bound here at import, before any candidate: patching `time.perf_counter` or
 `torch.cuda.Event` later does not reach them (integrity.py reports such a patch).
 """
@@ -120,18 +126,27 @@ def _persisting_reset():
     return None
 
 
+def _nothing() -> None:
+    pass
+
+
 def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Checks,
-                synced: list | None = None) -> tuple[float, float, float]:
+                synced: list | None = None, guard=_nothing,
+                outside: list | None = None) -> tuple[float, float, float]:
     """Device time of single calls (ms), each on fresh inputs, with the L2 flushed before each
     when `flush` (cold: each set drawn just before its call, the median); else back to back
     (warm: the sets drawn before the loop, the mean). Events around the call only; the judged
     calls' outputs go to `checks`. With `synced`, each call is followed by a synchronize (as
     KernelBench's are), and the host time from its start event to that synchronize goes
-    there: work on another stream is in it, not in the events."""
+    there: work on another stream is in it, not in the events. `guard()` is called after each
+    call where a set is drawn or an output read (cold: every call; warm: the judged ones, so
+    that the loop stays back to back); with `outside`, the host time per call spent outside
+    the window (the draw, the flush, the judged calls' copies) is appended there."""
     order, pairs = pool.order(reps), []
     if flush is None:
         for j in order:
             pool.get(j)
+    loop, window = _perf(), 0.0
     for k, j in enumerate(order):
         x = pool.fresh(j)
         if flush is not None:  # as KernelBench: idle device, then the flush, then the call
@@ -144,13 +159,19 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
         _record(start)
         out = model(*x)
         _record(end)
+        window += _perf() - t0
         if synced is not None:
             _sync_all()
             synced.append((_perf() - t0) * 1e3)
         pairs.append((start, end))
-        if judged(k, reps):
-            checks.keep(pool.run([j]), out, k == reps - 1)
+        judge = judged(k, reps)
+        if flush is not None or judge:  # back to back: only where the harness reads outputs
+            guard()
+        if judge:
+            checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j))
         del out, x
+    if outside is not None:
+        outside.append((_perf() - loop - window) * 1e3 / reps)
     _sync_all()
     ms = [_elapsed(s, e) for s, e in pairs]
     if flush is None:
@@ -159,7 +180,7 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
 
 
 def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: Checks,
-                  rounds: int = 5) -> float:
+                  rounds: int = 5, guard=_nothing) -> float:
     """Host time per call (ms): N calls on fresh inputs prepared beforehand (N at most what the
     pool holds, pool.ahead), the generators seeded once, one synchronize, divide; median over
     rounds. Every call's outputs are held until the round ends (as its inputs are), and then
@@ -174,24 +195,32 @@ def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: C
         outs = [model(*x) for x in inputs]
         _sync(device)
         per.append((_perf() - t0) * 1e3 / calls)
+        guard()
         for k in range(calls):
             if judged(k, calls):
-                checks.keep(pool.run(order[:k + 1]), outs[k], r == rounds - 1 and k == calls - 1)
+                checks.keep(pool.run(order[:k + 1]), outs[k], r == rounds - 1 and k == calls - 1,
+                            inputs[k], pool.get(order[k]))
         del outs, inputs
     return statistics.median(per)
 
 
-def single_calls(model, pool: Pool, reps: int, checks: Checks) -> float:
+def single_calls(model, pool: Pool, reps: int, checks: Checks, guard=_nothing,
+                 outside: list | None = None) -> float:
     """CPU: host time of single calls, each on a set drawn just before it (ms, median); the
-    judged calls' outputs kept."""
+    judged calls' outputs kept; `guard()` after each call; with `outside`, the time per call
+    spent outside the window (the draw, the judged calls' copies) appended there."""
     order, ms = pool.order(reps), []
+    loop = _perf()
     for k, j in enumerate(order):
         x = pool.fresh(j)
         t0 = _perf()
         out = model(*x)
         ms.append((_perf() - t0) * 1e3)
+        guard()
         if judged(k, reps):
-            checks.keep(pool.run([j]), out, k == reps - 1)
+            checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j))
+    if outside is not None:
+        outside.append(((_perf() - loop) * 1e3 - sum(ms)) / reps)
     return statistics.median(ms)
 
 
@@ -301,14 +330,19 @@ def kernel_times(model, pool: Pool, calls: int = 5) -> dict:
 
 
 def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps: int,
-            observe=None) -> tuple[dict, Checks]:
+            observe=None, guard=None) -> tuple[dict, Checks]:
     """(every metric but `kernels`, checks): see the module docstring. On the CPU only host
-    time exists.
+    time exists. `outside_ms`: host time per call outside the timed window (the draw, the
+    flush, the judged calls' copies) in the default column's loop: the harness's work, the
+    same for every entry, unless the candidate's code runs there (bench compares it with
+    eager's).
     `observe()` is called after each metric (integrity.Snapshot.observe_threads: a thread the
-    candidate starts per call is alive just after its calls)."""
-    observe = observe or (lambda: None)
+    candidate starts per call is alive just after its calls); `guard()` after every call
+    (integrity.Snapshot.guard: a hook left set between calls)."""
+    observe, guard = observe or _nothing, guard or _nothing
     for j in pool.order(max(1, budget.warmup)):
         model(*pool.fresh(j))
+        guard()
     estimate = pool.order(3)
     for j in estimate:  # drawn before the clock starts: a draw is not the forward's time
         pool.get(j)
@@ -318,9 +352,11 @@ def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps:
         model(*pool.fresh(j))
     _sync(device)
     reps, calls = budget.scaled((_perf() - t0) / 3)
-    checks = Checks()
+    guard()
+    checks, outside = Checks(), []
     if device.type != "cuda":
-        m = {"wall_ms": single_calls(model, pool, reps, checks)}
+        m = {"wall_ms": single_calls(model, pool, reps, checks, guard, outside),
+             "outside_ms": outside[0]}
         observe()
         return m, checks
     # Events, streams and synchronize() act on the current device: make it the measured one
@@ -328,17 +364,19 @@ def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps:
     with torch.cuda.device(device):
         m, synced = {}, []
         m["events_ms"], m["events_p20_ms"], m["events_p80_ms"] = event_times(
-            model, pool, reps, L2Flush(device), checks, synced)
-        m["events_synced_ms"] = statistics.median(synced)
+            model, pool, reps, L2Flush(device), checks, synced, guard, outside)
+        m["events_synced_ms"], m["outside_ms"] = statistics.median(synced), outside[0]
         observe()
         m["events_warm_ms"], m["events_warm_p20_ms"], m["events_warm_p80_ms"] = event_times(
-            model, pool, reps, None, checks)
+            model, pool, reps, None, checks, guard=guard)
         observe()
-        m["wall_ms"] = wall_per_call(model, pool, device, calls, checks)
+        m["wall_ms"] = wall_per_call(model, pool, device, calls, checks, guard=guard)
         observe()
         m["bracket_event_ms"], m["synced_wall_ms"], m["stream_escape"] = escape_check(
             model, pool, calls)
+        guard()
         m["peak_mem_bytes"] = peak_memory(model, pool, device)
         m.update(graph_time(model, pool, graph_reps))
+        guard()
         observe()
     return m, checks
