@@ -153,6 +153,9 @@ TIMING_EXPLOITS = {
     # hooks the harness runs between calls, computing each set before its window
     "exploit_profile_hook": {"TAMPERED"},
     "exploit_module_class_hook": {"TAMPERED"},
+    # told which calls were judged by the harness's own torch ops (an aten kernel replaced)
+    "exploit_judged_only": {"INCORRECT"},
+    "exploit_fewer_threads": {"TAMPERED"},
     "reference_as_candidate": {"ok"},
 }
 
@@ -364,3 +367,27 @@ def test_table_on_a_terminal_is_the_same_plain_text(capsys, monkeypatch):
         table.print_rows(rows)
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and "1.0346 (1.0300-1.0400)" in outs[1]
+
+
+def test_eager_is_timed_again_where_a_candidate_is_far_faster(monkeypatch):
+    """A candidate over RETIME x eager has eager timed once more after it, and each eager time
+    is the faster of the two runs (a busy host only slows a run): here every candidate
+    qualifies (RETIME 0), and the eager row names both runs."""
+    monkeypatch.setattr(bench, "RETIME", 0.0)
+    calls = []
+    real = bench._entry_rows
+
+    def counting(sizes, *a, **task):
+        calls.append(task["kind"])
+        return real(sizes, *a, **task)
+
+    monkeypatch.setattr(bench, "_entry_rows", counting)
+    rows, code = bench.run_bench(TINY, [str(HERE / "candidates" / "reference_as_candidate.py")],
+                                 device="cpu", batch_sizes=[5], compile_baseline=False,
+                                 quick=True, out=None)
+    assert calls == [bench.EAGER, "candidate", bench.EAGER], calls
+    eager = next(r for r in rows if r["candidate"] == bench.EAGER)
+    first, second = eager["eager_runs"]["wall_ms"]
+    assert eager["wall_ms"] == min(first, second)
+    assert any("eager timed again" in n for n in eager["notes"])
+    assert code == 0

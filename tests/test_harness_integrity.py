@@ -182,3 +182,28 @@ def test_a_swapped_module_class_is_named():
 
     module.__class__ = Watching
     assert snap.hooks_left() == ["the class of problem was replaced (Watching)"]
+
+
+def test_a_changed_thread_count_is_named():
+    """Every entry is timed under the threads the harness gave it: a candidate that takes
+    fewer on a loaded host (where eager's oversubscribed threads wait on each other) was "ok"
+    at 169-288x (2026-12-05)."""
+    snap = integrity.Snapshot({})
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if before != 1 else 2)
+    try:
+        left = snap.hooks_left()
+        assert any(f.startswith("torch.set_num_threads was changed") for f in left), left
+    finally:
+        torch.set_num_threads(before)
+    assert snap.hooks_left() == []
+
+
+def test_an_added_audit_hook_is_named_for_good():
+    """An audit hook runs at events inside the harness's own calls (one fired in every seeding
+    on 2026-12-05) and can be neither listed nor removed: the snapshot's own hook sees it being
+    added. (This adds a no-op hook to the test process, for good.)"""
+    snap = integrity.Snapshot({})
+    assert snap.hooks_left() == []
+    sys.addaudithook(_no_op)
+    assert any("an audit hook was added" in f for f in snap.hooks_left())

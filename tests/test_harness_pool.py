@@ -148,3 +148,25 @@ def test_a_judged_call_reruns_by_hand_from_its_key():
     x = bench.set_inputs(loader.problem_module(TINY), key, 5)
     torch.manual_seed(pool.forward_seed(key))
     assert all(torch.equal(a, b) for a, b in zip(model(*x), outs))
+
+
+def test_the_seeding_is_torch_manual_seeds():
+    """pool.seed_all (the generators' own methods, bound at import) leaves the CPU generator as
+    torch.manual_seed does, so the reference's replay (torch.manual_seed) draws the same."""
+    pool.seed_all(1234)
+    ours = torch.rand(5)
+    torch.manual_seed(1234)
+    assert torch.equal(ours, torch.rand(5))
+
+
+def test_every_calls_outputs_are_copied_before_it_is_known_whether_it_is_judged(monkeypatch):
+    """The copy of a call's outputs is made before `judged` is drawn, on every call: a
+    candidate told by the harness's own operators which calls are judged (it replaced one at
+    the dispatcher) worked on those alone, after their windows (2026-12-05)."""
+    log = []
+    real_copy, real_judged = timing.Checks.copy, timing.judged
+    monkeypatch.setattr(timing.Checks, "copy",
+                        staticmethod(lambda out: log.append("copy") or real_copy(out)))
+    monkeypatch.setattr(timing, "judged", lambda k, n: log.append("judged") or real_judged(k, n))
+    timing.single_calls(_Recorder(), _pool(5), 20, timing.Checks())
+    assert log == ["copy", "judged"] * 20, log

@@ -119,6 +119,8 @@ class Snapshot:
                     self.bound[(label, name)] = (mod, value)
         self.types = {label: (mod, type(mod)) for label, mod in (modules or {}).items()}
         self.hooks = _hooks()
+        self.audit_hooks_added = False
+        sys.addaudithook(self._audit)  # for good: an audit hook cannot be removed, nor listed
 
     def changed(self) -> list[str]:
         """'time.perf_counter was replaced', ... for every watched name bound elsewhere now,
@@ -135,11 +137,19 @@ class Snapshot:
         """Every hook set since the snapshot that the harness would run between calls (module
         docstring), and any mode left active: cheap enough to ask after every call."""
         now = _hooks()
-        out = [f"{what} was set" for what, value in now.items()
-               if not _same_hook(value, self.hooks.get(what))]
+        out = [f"{what} was changed ({self.hooks.get(what)} -> {value})"
+               if isinstance(value, int) and not isinstance(value, bool) else f"{what} was set"
+               for what, value in now.items() if not _same_hook(value, self.hooks.get(what))]
         out += [f"the class of {label} was replaced ({type(mod).__name__})"
                 for label, (mod, klass) in self.types.items() if type(mod) is not klass]
+        if self.audit_hooks_added:
+            out.append("an audit hook was added (sys.addaudithook): it runs at events inside the "
+                       "harness's own calls")
         return out + active_modes()
+
+    def _audit(self, event: str, args) -> None:
+        if event == "sys.addaudithook":
+            self.audit_hooks_added = True
 
     def guard(self) -> None:
         """TaskError("tampered") naming every hook left set (hooks_left), if any."""
@@ -182,13 +192,24 @@ _TIMERS = {"ITIMER_REAL": signal.ITIMER_REAL, "ITIMER_VIRTUAL": signal.ITIMER_VI
            "ITIMER_PROF": signal.ITIMER_PROF} if hasattr(signal, "setitimer") else {}
 
 
+def hooks_now() -> None:
+    """The guard's reads without a snapshot to compare with: what an entry that is not a
+    candidate (eager, torch.compile) pays after each call, so that the time between calls
+    compares alike."""
+    _hooks()
+
+
 def _hooks() -> dict:
     """{what: value} of everything that runs Python code the harness does not call."""
     import gc
     import threading
     out = {"a profile function (sys.setprofile)": sys.getprofile(),
            "a trace function (sys.settrace)": sys.gettrace(),
-           "gc.callbacks": tuple(gc.callbacks)}
+           "gc.callbacks": tuple(gc.callbacks),
+           # not a hook, a setting every entry is timed under: a candidate that takes fewer
+           # threads than eager was given on a loaded host was "ok" at 169-288x (2026-12-05)
+           "torch.set_num_threads": torch.get_num_threads(),
+           "torch.set_num_interop_threads": torch.get_num_interop_threads()}
     if hasattr(threading, "getprofile"):  # 3.10+
         out["threading.setprofile"] = threading.getprofile()
         out["threading.settrace"] = threading.gettrace()

@@ -31,12 +31,29 @@ from collections.abc import Callable
 import torch
 
 _urandom = os.urandom
+# The generators are seeded through their own C methods, bound here before any candidate: not
+# through torch.manual_seed, whose Python path (torch.cuda's lazy call formats a stack on a
+# CPU-only torch, ~250 us; torch.mps / xpu / mtia seeds, unwatched) ran candidate code between
+# a draw and its call (2026-12-05), and whose cost a candidate could change.
+_seed_cpu = torch.default_generator.manual_seed
+_cuda_ready = torch.cuda.is_initialized
+_cuda_seeds: list = []  # each CUDA device's default generator's manual_seed, once CUDA is up
+
+
+def seed_all(seed: int) -> None:
+    """What torch.manual_seed does to the CPU's and every CUDA device's default generators."""
+    _seed_cpu(seed)
+    if not _cuda_seeds and _cuda_ready():
+        _cuda_seeds.extend(g.manual_seed for g in torch.cuda.default_generators)
+    for fn in _cuda_seeds:
+        fn(seed)
 
 SAMPLE_EVERY = 8      # each timed call is judged with probability 1 / this (and the last always)
 JUDGE_ALL = 16        # up to this many timed calls, every one is judged
 POOL_BYTES = 1 << 29  # the pool's inputs at most (512 MiB)
 POOL_MAX = 2048       # sets: enough for one per timed call of a bench entry (64 quick)
 KEEP_BYTES = 1 << 30  # outputs kept for judging, at most (each metric's last always is)
+COPY_ALL_BYTES = 64 << 20  # outputs up to this are copied after every call, judged or not
 
 
 def secret_key() -> int:
@@ -95,7 +112,7 @@ class Pool:
 
     def seed(self, j: int) -> None:
         """Seed the generators for a forward on set j."""
-        torch.manual_seed(forward_seed(self.keys[j]))
+        seed_all(forward_seed(self.keys[j]))
 
     def ahead(self, n: int) -> int:
         """How many of n calls a loop may prepare inputs for at once: at most the sets the
@@ -161,16 +178,33 @@ class Checks(list):
         self.aliased: set[int] = set()
         self._changed: list = []  # (input index, a device bool: it differs), read at the end
 
-    def keep(self, run: tuple[int, ...], out, last: bool, inputs=None, pristine=None) -> None:
+    @staticmethod
+    def copy(out):
+        """A plain copy of a call's outputs, made as soon as it returns, before anything says
+        whether it is judged: every call's, where they take at most COPY_ALL_BYTES (else None:
+        only judged calls' outputs are copied, in keep). On 2026-12-05 a candidate that
+        replaced a torch operator the harness ran on judged calls only (torch.library on
+        aten) learned which calls were judged and did the work of those alone, after their
+        windows: 21-112x "ok"."""
         from .loader import to_host
-        if inputs is not None:
-            self._hygiene(out, inputs, pristine)
+        if output_bytes(out) > COPY_ALL_BYTES:
+            return None
+        return to_host(out, keep_device=True, strict=True)
+
+    def keep(self, run: tuple[int, ...], out, last: bool, inputs=None, pristine=None,
+             copied=None) -> None:
+        """Keep a judged call's outputs (`copied`: Checks.copy's, else copied here), then hold
+        its inputs and outputs to the hygiene rules."""
+        from .loader import to_host
         size = output_bytes(out)
         if self.bytes + size > KEEP_BYTES and not last:
             self.skipped += 1
-            return
-        self.bytes += size
-        self.append((run, to_host(out, keep_device=True, strict=True)))
+        else:
+            self.bytes += size
+            self.append((run, copied if copied is not None
+                         else to_host(out, keep_device=True, strict=True)))
+        if inputs is not None:
+            self._hygiene(out, inputs, pristine)
 
     def _hygiene(self, out, inputs, pristine) -> None:
         from .compare import as_tuple

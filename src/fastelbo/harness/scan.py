@@ -2,9 +2,10 @@
 
 As KernelBench's kernel_static_checker and GPU MODE's kernelguard do, the candidate's source is
 read (never run) and each construct an honest kernel rarely needs is flagged with its line:
-threads and processes, ctypes, signals, file access and raw file descriptors, introspection of
-frames and the garbage collector, edits of sys.modules, assignments to torch's attributes, CUDA
-streams, and imports of the harness's own modules. A flag is
+threads and processes (affinity and priority too), ctypes, signals, file access and raw file
+descriptors, introspection of frames and the garbage collector, audit hooks, edits of
+sys.modules, assignments to torch's attributes, kernels registered on torch's own operators,
+CUDA streams, and imports of the harness's own modules. A flag is
 not a verdict (a candidate may use a stream well); it tells a reviewer where to look, and the
 confinement (sandbox.py) and the checks of outputs and timers are what reject a cheat.
 """
@@ -36,7 +37,8 @@ _CALLS = {
     "os.write": "file_descriptors", "os.fdopen": "file_descriptors", "os.dup": "file_descriptors",
     "os.dup2": "file_descriptors", "os.open": "file_access",
     "sys._getframe": "introspection", "sys.settrace": "introspection",
-    "sys.setprofile": "introspection",
+    "sys.setprofile": "introspection", "sys.addaudithook": "hooks",
+    "os.sched_setaffinity": "processes", "os.setpriority": "processes",
     "cuda.Stream": "streams", "cuda.stream": "streams", "torch.cuda.Stream": "streams",
     "Stream": "streams", "set_stream": "streams", "cuda.set_stream": "streams",
 }
@@ -46,6 +48,12 @@ _ATTRS = {"f_back": "introspection", "f_globals": "introspection", "f_locals": "
 # the harness's own modules: the worker that times a candidate runs them in its process, and
 # its result channel is a file descriptor there (what a candidate would impersonate)
 _HARNESS = "fastelbo.harness"
+# torch.library's registrations (Library, impl, register_kernel, ...) on torch's own operators:
+# a kernel of the candidate's would run inside the harness's own torch calls (an op of its own
+# namespace is fine)
+_REGISTRATIONS = {"Library", "impl", "register_kernel", "register_fake", "register_autograd",
+                  "_impl", "fallthrough_kernel"}
+_TORCH_OPS = ("aten", "prim", "prims")
 # what a torch attribute assignment may legitimately set: numerics switches
 _TORCH_SETTINGS = ("torch.backends.", "torch._inductor.config", "torch._dynamo.config")
 
@@ -94,6 +102,10 @@ def scan_source(text: str) -> list[dict]:
                 if key in _CALLS:
                     flags.append((node.lineno, _CALLS[key]))
                     break
+            first = node.args[0] if node.args else None
+            if (name.split(".")[-1] in _REGISTRATIONS and isinstance(first, ast.Constant)
+                    and isinstance(first.value, str) and first.value.startswith(_TORCH_OPS)):
+                flags.append((node.lineno, "operator_override"))
         elif isinstance(node, ast.Attribute) and node.attr in _ATTRS:
             owner = _dotted(node.value)
             if node.attr != "modules" or owner == "sys":

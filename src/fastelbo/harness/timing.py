@@ -29,9 +29,10 @@ Metrics, each answering its own question:
 - `kernels` (GPU; `kernel_times`, which bench runs once every size is timed: a torch.profiler
   session leaves CUPTI attached to the process, and every later launch pays for it): device
   time per call of each kernel: a kernel that runs elsewhere or on a side stream shows up there.
-- `outside_ms`: host time per call outside the window in the default column's loop (the draw,
-  the flush, the judged calls' copies): the harness's own work, the same for every entry,
-  unless code of the candidate's runs there (bench compares it with eager's).
+- `outside_ms`: median host time per call outside the window in the default column's loop
+  (every call's outputs copied, the next draw, the flush): the harness's own work, the same
+  for every entry, unless code of the candidate's runs there (bench compares it with
+  eager's); `wall_outside_ms` (GPU): the wall rounds' copy of every output, per call.
 After the calls, `guard()` (integrity.Snapshot.guard) asks whether a hook the harness would run
 between calls is left set, so one that sees the next draw or fills outputs as they are read is
 TAMPERED even if removed before the loop ends.
@@ -130,6 +131,14 @@ def _nothing() -> None:
     pass
 
 
+def _median_gap(ends: list[float], starts: list[float]) -> float:
+    """The median host time (ms) from one call's window closing to the next call's start: what
+    the harness does between calls (its outputs copied, the guard, the next draw and flush),
+    per call. `ends[k]`, `starts[k]`: call k's window's end and start."""
+    gaps = [(s - e) * 1e3 for e, s in zip(ends, starts[1:])]
+    return statistics.median(gaps) if gaps else 0.0
+
+
 def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Checks,
                 synced: list | None = None, guard=_nothing,
                 outside: list | None = None) -> tuple[float, float, float]:
@@ -146,7 +155,7 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
     if flush is None:
         for j in order:
             pool.get(j)
-    loop, window = _perf(), 0.0
+    ends, starts = [], []
     for k, j in enumerate(order):
         x = pool.fresh(j)
         if flush is not None:  # as KernelBench: idle device, then the flush, then the call
@@ -156,22 +165,24 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
             flush()
         start, end = _Event(enable_timing=True), _Event(enable_timing=True)
         t0 = _perf()
+        starts.append(t0)
         _record(start)
         out = model(*x)
         _record(end)
-        window += _perf() - t0
+        ends.append(_perf())
         if synced is not None:
             _sync_all()
             synced.append((_perf() - t0) * 1e3)
         pairs.append((start, end))
+        copied = checks.copy(out)  # every call's, before `judged` is drawn
         judge = judged(k, reps)
         if flush is not None or judge:  # back to back: only where the harness reads outputs
             guard()
         if judge:
-            checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j))
-        del out, x
+            checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
+        del out, x, copied
     if outside is not None:
-        outside.append((_perf() - loop - window) * 1e3 / reps)
+        outside.append(_median_gap(ends, starts))
     _sync_all()
     ms = [_elapsed(s, e) for s, e in pairs]
     if flush is None:
@@ -180,12 +191,14 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
 
 
 def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: Checks,
-                  rounds: int = 5, guard=_nothing) -> float:
+                  rounds: int = 5, guard=_nothing, outside: list | None = None) -> float:
     """Host time per call (ms): N calls on fresh inputs prepared beforehand (N at most what the
     pool holds, pool.ahead), the generators seeded once, one synchronize, divide; median over
     rounds. Every call's outputs are held until the round ends (as its inputs are), and then
-    the judged ones are drawn: a judged call's run is the sets of the calls up to it."""
-    per, calls = [], pool.ahead(calls)
+    the judged ones are drawn: a judged call's run is the sets of the calls up to it. Every
+    call's outputs are copied first (Checks.copy); with `outside`, the median over rounds of
+    that copy's time per call is appended there (lazy outputs would be computed in it)."""
+    per, copying, calls = [], [], pool.ahead(calls)
     for r in range(rounds):
         order = pool.order(calls)
         inputs = [pool.fresh(j, recycle=False, seed=False) for j in order]
@@ -194,13 +207,21 @@ def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: C
         t0 = _perf()
         outs = [model(*x) for x in inputs]
         _sync(device)
-        per.append((_perf() - t0) * 1e3 / calls)
+        t1 = _perf()
+        per.append((t1 - t0) * 1e3 / calls)
+        # before `judged` is drawn; a round of large outputs copies only its judged calls'
+        copy_all = output_bytes(outs[0]) * calls <= KEEP_BYTES
+        copies = [checks.copy(o) if copy_all else None for o in outs]
+        _sync(device)
+        copying.append((_perf() - t1) * 1e3 / calls)
         guard()
         for k in range(calls):
             if judged(k, calls):
                 checks.keep(pool.run(order[:k + 1]), outs[k], r == rounds - 1 and k == calls - 1,
-                            inputs[k], pool.get(order[k]))
-        del outs, inputs
+                            inputs[k], pool.get(order[k]), copies[k])
+        del outs, inputs, copies
+    if outside is not None:
+        outside.append(statistics.median(copying))
     return statistics.median(per)
 
 
@@ -209,18 +230,21 @@ def single_calls(model, pool: Pool, reps: int, checks: Checks, guard=_nothing,
     """CPU: host time of single calls, each on a set drawn just before it (ms, median); the
     judged calls' outputs kept; `guard()` after each call; with `outside`, the time per call
     spent outside the window (the draw, the judged calls' copies) appended there."""
-    order, ms = pool.order(reps), []
-    loop = _perf()
+    order, ms, ends, starts = pool.order(reps), [], [], []
     for k, j in enumerate(order):
         x = pool.fresh(j)
         t0 = _perf()
+        starts.append(t0)
         out = model(*x)
-        ms.append((_perf() - t0) * 1e3)
+        ends.append(_perf())
+        ms.append((ends[-1] - t0) * 1e3)
+        copied = checks.copy(out)  # before `judged` is drawn
         guard()
         if judged(k, reps):
-            checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j))
+            checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
+        del out, copied
     if outside is not None:
-        outside.append(((_perf() - loop) * 1e3 - sum(ms)) / reps)
+        outside.append(_median_gap(ends, starts))
     return statistics.median(ms)
 
 
@@ -370,7 +394,9 @@ def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps:
         m["events_warm_ms"], m["events_warm_p20_ms"], m["events_warm_p80_ms"] = event_times(
             model, pool, reps, None, checks, guard=guard)
         observe()
-        m["wall_ms"] = wall_per_call(model, pool, device, calls, checks, guard=guard)
+        m["wall_ms"] = wall_per_call(model, pool, device, calls, checks, guard=guard,
+                                     outside=outside)
+        m["wall_outside_ms"] = outside[-1]
         observe()
         m["bracket_event_ms"], m["synced_wall_ms"], m["stream_escape"] = escape_check(
             model, pool, calls)
