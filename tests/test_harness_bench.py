@@ -190,8 +190,9 @@ def test_bench_holds_timed_calls_to_checks_hygiene():
     bench it saved the allocation eager pays and was "ok" at 8-10x until 2026-12-05. Now its
     judged timed calls are held to the same rules: INCORRECT, naming both, and bench exits 1."""
     relu = HERE / "problems" / "relu.py"
-    rows, code = bench.run_bench(relu, [str(HERE / "candidates" / "exploit_output_aliases_input.py"),
-                                        str(HERE / "candidates" / "relu_clamp.py")],
+    cands = HERE / "candidates"
+    rows, code = bench.run_bench(relu, [str(cands / "exploit_output_aliases_input.py"),
+                                        str(cands / "relu_clamp.py")],
                                  device="cpu", batch_sizes=[16], compile_baseline=False,
                                  quick=True, out=None)
     by = {Path(r["candidate"]).stem: r for r in rows}

@@ -72,7 +72,8 @@ def gpu_locality(index: int) -> tuple[int | None, set[int] | None]:
 
 def placement(device) -> dict:
     """Where this process runs: {"cpu", "allowed" (how many CPUs it may use), "gpu_numa",
-    "gpu_local" (whether `cpu` is one of the GPU's local CPUs), "load1"}; GPU fields None for a CPU device."""
+    "gpu_local" (whether `cpu` is one of the GPU's local CPUs), "load1"}; GPU fields None for
+    a CPU device."""
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     cpu = current_cpu()
     node, local = (None, None)

@@ -66,8 +66,8 @@ def plan(default_batch: int | None, variants: list[str], batch_sizes: list[int] 
     (None: it has none), whose get_input_variants() names `variants`, whose default inputs
     take `row_bytes` per batch row and whose reference has `float_params` floating-point
     parameter elements (None: not known yet), and (name, reason) for those that cannot apply
-    to it; `seed` draws the odd batch size (default_batch_sizes). Plain data in, so the harness can plan from its cache without running problem
-    code."""
+    to it; `seed` draws the odd batch size (default_batch_sizes). Plain data in, so the
+    harness can plan from its cache without running problem code."""
     regimes, skipped = [Regime("default")], []
     if isinstance(default_batch, int):
         sizes = batch_sizes if batch_sizes is not None else \
