@@ -26,7 +26,7 @@ int answer() {
     return undefined_symbol;
 }
 """
-generated = Path(os.environ["FASTELBO_TEST_BUILD_DIR"]) / "main.cpp"
+generated = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "fake" / "main.cpp"  # its own root
 generated.parent.mkdir(parents=True, exist_ok=True)
 generated.write_text("#include <torch/extension.h>\\n" + cpp_src)
 bad = 1 + next(i + 1 for i, t in enumerate(cpp_src.splitlines()) if "return undefined" in t)
@@ -69,8 +69,7 @@ class ModelNew(Model):
 def build_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         build = tmp_path_factory.mktemp("build")
-        mp.setenv("FASTELBO_CANDIDATE_BUILDS", str(build))  # a confined worker may write there
-        mp.setenv("FASTELBO_TEST_BUILD_DIR", str(build / "torch_extensions"))
+        mp.setenv("FASTELBO_CANDIDATE_BUILDS", str(build))  # each candidate's builds: there
         yield
 
 

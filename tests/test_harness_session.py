@@ -327,7 +327,54 @@ def test_bad_arguments_raise_before_any_work(tmp_path):
     with Session(TINY, spares=0) as s:  # refused before any worker would be taken
         with pytest.raises(TypeError, match="source must be Python source text or a path"):
             s.run_correctness(42)
-        with pytest.raises(ValueError, match="trials must be an integer >= 1"):
+        with pytest.raises(ValueError, match="trials must be an int of at least 2"):
             s.run_correctness(str(CORRECT), trials=0)
         tmp = s._dir
     assert not tmp.exists()  # close() removes the session's directory
+
+
+SELF_REWRITING = '''"""Right answers; at import it rewrites its own file into a candidate of zeros."""
+from pathlib import Path
+
+from fastelbo.problems import load_problem
+
+Model = load_problem("vae_elbo").Model
+try:
+    Path(__file__).write_text("import torch\\nclass ModelNew(torch.nn.Module):\\n"
+                              "    def forward(self, x):\\n        return (x[:, 0] * 0,) * 3\\n")
+except OSError:
+    pass
+
+
+class ModelNew(Model):
+    pass
+'''
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+def test_submit_checks_and_saves_the_same_bytes(tmp_path):
+    """The file named is read once; the copy of those bytes in the session's own directory is
+    what is checked and saved. On 2026-12-05 a candidate in /dev/shm (which a confined worker
+    may write) rewrote itself at import into zeros, after its own check passed, and the zeros
+    were saved as the solution."""
+    named = Path("/dev/shm") / f"fastelbo-test-{tmp_path.name}.py"
+    named.write_text(SELF_REWRITING)
+    try:
+        with _session(spares=0, submit_dir=tmp_path / "out") as s:
+            result = s.submit_kernel(str(named))
+    finally:
+        named.unlink(missing_ok=True)
+    assert result["exit_code"] == 0, result["reasons"]
+    saved = Path(result["solution"]["path"])
+    assert saved.read_text() == result["solution"]["text"] == SELF_REWRITING
+    assert result["candidate"] != str(named)  # the session's copy was checked
+
+
+def test_an_agents_check_runs_at_least_two_trials():
+    """With one trial per regime, a candidate that computes once per input shape and replays
+    it passed (the scale regimes replay the default's inputs): a session refuses fewer than
+    two, before any worker."""
+    with _session(spares=0) as s:
+        for bad in (1, 0, True, 2.0):
+            with pytest.raises(ValueError, match="trials must be an int of at least 2"):
+                s.run_correctness(CORRECT, trials=bad)

@@ -116,7 +116,7 @@ async def _scenario(cwd: Path) -> dict:
                                   source=str(CANDIDATES / "kl_sign_flipped.py"))
         out["hang"] = await call("run_correctness", source=str(CANDIDATES / "hangs.py"),
                                  detail=True)
-        out["correct"] = await call("run_correctness", source=CORRECT.read_text(), trials=1,
+        out["correct"] = await call("run_correctness", source=CORRECT.read_text(), trials=2,
                                     detail=True)
         path = out["correct"]["structured"]["report_path"]
         out["correct_file"] = json.loads(Path(path).read_text())
@@ -124,8 +124,8 @@ async def _scenario(cwd: Path) -> dict:
         # it start from SPARES started workers of each kind
         out["bench"] = await call("benchmark", source=str(CORRECT), batch_sizes=[1],
                                   quick=True, compile_baseline=False)
-        out["first"] = await call("run_correctness", source=str(CORRECT), trials=1)
-        out["second"] = await call("run_correctness", source=str(CORRECT), trials=1,
+        out["first"] = await call("run_correctness", source=str(CORRECT), trials=2)
+        out["second"] = await call("run_correctness", source=str(CORRECT), trials=2,
                                    detail=True)
         out["submit"] = await call("submit_kernel", source=str(CORRECT))
         out["server_torch"] = [loaded for pid, loaded in _torch_loaded(tag)
@@ -169,7 +169,7 @@ def test_initialize_and_list_tools_come_before_torch(served):
 
 
 def test_invalid_arguments_are_a_tool_error_before_any_work(served):
-    """trials=0 is refused by the tool's input schema (ge=1): the SDK's validation error;
+    """trials=0 is refused by the tool's input schema (ge=2): the SDK's validation error;
     benchmark's batch_sizes [0, 4] by BenchOptions: its OptionError. The Session (torch,
     workers) never started for either."""
     is_error, text = served["bad_trials"]
@@ -226,8 +226,8 @@ def test_survives_a_hanging_candidate_and_checks_the_next(served):
     assert worker["role"] == "candidate" and worker["prestarted"]
     assert worker["pid"] != hang["detail"]["workers"][0]["pid"]
     assert [(r["name"], r["status"], len(r["trials"])) for r in report["regimes"]] == [
-        ("default", "PASS", 1), ("batch=1", "PASS", 1), ("batch=5", "PASS", 1),
-        ("variant:binary", "PASS", 1)]
+        ("default", "PASS", 2), ("batch=1", "PASS", 2), ("batch=5", "PASS", 2),
+        ("variant:binary", "PASS", 2)]
 
 
 def test_a_check_right_after_another_finds_warm_workers(served):
@@ -265,11 +265,12 @@ def test_stopping_the_server_kills_its_running_workers(tmp_path):
     """The client closes while a worker runs a candidate that hangs at import: the SDK
     terminates the server, and the server takes the worker (in a session of its own, out of
     the SDK's reach) with it."""
-    # a confined worker writes only its scratch dir and the candidates' compile caches: it says
-    # it started in the extension root under the build root the server's environment names
+    # a confined worker writes only its scratch dir and its own compile caches: it says it
+    # started in its extension root, under the build root the server's environment names
     builds = tmp_path / "builds"
-    tag, started = uuid.uuid4().hex, builds / "torch_extensions" / "started"
-    hangs_at_import = (f"import pathlib\nimport time\n\npathlib.Path({str(started)!r}).touch()\n"
+    tag = uuid.uuid4().hex
+    hangs_at_import = ("import os\nimport pathlib\nimport time\n\n"
+                       "pathlib.Path(os.environ['TORCH_EXTENSIONS_DIR'], 'started').touch()\n"
                        "while True:\n    time.sleep(1)\n")
     alive = []
 
@@ -280,7 +281,7 @@ def test_stopping_the_server_kills_its_running_workers(tmp_path):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(client.call_tool, "compile_kernel", {"source": hangs_at_import})
                 with anyio.fail_after(CALL_TIMEOUT):
-                    while not started.exists():  # the worker is in the hang
+                    while not list(builds.rglob("started")):  # the worker is in the hang
                         await anyio.sleep(0.2)
                 alive.extend(_tagged(tag))  # the server and the worker
                 tg.cancel_scope.cancel()

@@ -324,8 +324,11 @@ def run_bench(problem: str, candidates: list[str] | None = None,
                 confine if kind == "candidate" else {}).get("kind", "none"), **r}))
         if kind == EAGER and not results[EAGER]:
             break  # no baseline at any size: nothing to compare with or divide by
-    _retime_eager(results, timed, o.timeout, env, problem=prob, device=device, seed=seed,
-                  quick=o.quick, graph_reps=o.graph_reps, eval_mode=o.eval_mode)
+    task = {"problem": prob, "device": device, "seed": seed, "quick": o.quick,
+            "graph_reps": o.graph_reps, "eval_mode": o.eval_mode}
+    _retime_eager(results, timed, o.timeout, env, **task)
+    _rerun_outside(results, timed, {n: p for n, k, p in entries if k == "candidate"},
+                   o.timeout, env, confine, **task)
     keyed, why = _references([r for _, r in timed], prob, device, seed, o, env)
     for i, r in timed:
         rows[i] = _finish_row(r, results, o.atol, o.rtol, keyed, why)
@@ -360,6 +363,41 @@ def _retime_eager(results: dict, timed: list, timeout: float, env, **task) -> No
                 if eager[n].get(m) and r.get(m)}
         for target in (eager[n], rows.get(n, {})):
             target.update({m: min(t) for m, t in runs.items()}, eager_runs=runs)
+
+
+def _outside(row: dict, eager: dict | None) -> list[tuple[str, float, float, float]]:
+    """(metric, the row's, eager's, the row's in-window time) where a candidate's host time
+    outside the timed window exceeds eager's beyond OUTSIDE_FACTOR / OUTSIDE_MIN_MS."""
+    out = []
+    for gap, inside in (("outside_ms", row.get("events_ms") or row.get("wall_ms")),
+                        ("wall_outside_ms", row.get("wall_ms"))):
+        mine, theirs = row.get(gap), (eager or {}).get(gap)
+        if (row.get("candidate") not in (EAGER, COMPILED) and None not in (mine, theirs, inside)
+                and mine - theirs > max(OUTSIDE_FACTOR * inside, OUTSIDE_MIN_MS)):
+            out.append((gap, mine, theirs, inside))
+    return out
+
+
+def _rerun_outside(results: dict, timed: list, paths: dict, timeout: float, env, confine,
+                   **task) -> None:
+    """A candidate whose row looks like work outside the timed window (_outside) runs once more
+    at that size, in a new worker; where the second run does not, its row replaces the first
+    (every metric and its judged calls: a load on the host during one run is noise, work moved
+    out of the window is not). A second run that also looks so keeps the first row, flagged.
+    On 2026-12-05 the honest reference was flagged once, in a CI run on a loaded host."""
+    eager = results.get(EAGER, {})
+    for i, row in enumerate(timed):
+        _, r = row
+        if r["candidate"] not in paths or not _outside(r, eager.get(r["batch_size"])):
+            continue
+        again, _ = _entry_rows([r["batch_size"]], timeout, env, confine, kind="candidate",
+                               candidate=paths[r["candidate"]], **task)
+        if again and "error" not in again[0]:
+            new = {**r, **again[0], "rerun": True}
+            if not _outside(new, eager.get(r["batch_size"])):
+                timed[i] = (row[0], new)
+                continue
+        r["rerun"] = True
 
 
 def _references(rows: list[dict], problem: str, device: str, seed: int, o: BenchOptions,
@@ -435,15 +473,12 @@ def _finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict 
             ESCAPE_SYNC_MS:
         row["flags"].append(f"work outside the timed stream: a cold call took {event * 1e3:.1f} us "
                             f"by its events but {synced * 1e3:.1f} us until the device was idle")
-    for gap, inside in (("outside_ms", row.get("events_ms") or row.get("wall_ms")),
-                        ("wall_outside_ms", row.get("wall_ms"))):
-        mine, theirs = row.get(gap), (eager or {}).get(gap)
-        if (row.get("candidate") not in (EAGER, COMPILED) and None not in (mine, theirs, inside)
-                and mine - theirs > max(OUTSIDE_FACTOR * inside, OUTSIDE_MIN_MS)):
-            row["flags"].append(
-                f"work outside the timed window: {mine * 1e3:.1f} us per call between the timed "
-                f"calls ({gap}: the copies, draw and flush take {theirs * 1e3:.1f} us for "
-                f"eager), {inside * 1e3:.1f} us inside")
+    for gap, mine, theirs, inside in _outside(row, eager):
+        row["flags"].append(
+            f"work outside the timed window: {mine * 1e3:.1f} us per call between the timed "
+            f"calls ({gap}: the copies, draw and flush take {theirs * 1e3:.1f} us for eager), "
+            f"{inside * 1e3:.1f} us inside" + (" (in both of its runs)" if row.get("rerun")
+                                              else ""))
     kernels, window = row.get("kernel_ms"), row.get("events_warm_ms")
     if kernels and window and kernels > ESCAPE_KERNEL_FACTOR * window + ESCAPE_KERNEL_MS:
         row["flags"].append(f"device time outside the timed window: the profiler saw "

@@ -18,7 +18,10 @@ BUILD_LOG_CHARS = 20000
 
 
 def import_candidate(path: str | Path) -> ModuleType:
-    """Import a candidate file; failures become TaskError("import") naming file:line."""
+    """Import a candidate file; failures become TaskError("import") naming file:line. In a
+    confined worker its compile caches are first narrowed to its own (sandbox.narrow_builds)."""
+    from .sandbox import narrow_builds
+    narrow_builds(path)
     try:
         mod = load_module(path)
     except SyntaxError as exc:

@@ -156,12 +156,14 @@ def enter(spec: dict | None, scratch: Path) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     _prctl(libc, _PR_SET_CHILD_SUBREAPER, 1)
     seccomp.forbid_escapes()
+    # the builds root as this process names it now, before TMPDIR moves to the scratch dir
+    _entered.update(spec=spec, scratch=str(scratch), builds=str(candidate_builds()))
     if not spec or spec.get("kind") == "none":
         return
     caches = _compile_caches(scratch, own=spec["kind"] != "user")
     if spec["kind"] == "user":
         os.chown(scratch, spec["uid"], spec["gid"])
-        for d in [candidate_builds(), *caches]:
+        for d in caches:
             os.chown(d, spec["uid"], spec["gid"])
         _prctl(libc, _PR_SET_NO_NEW_PRIVS, 1)
         os.setgroups([])
@@ -171,10 +173,44 @@ def enter(spec: dict | None, scratch: Path) -> None:
     _landlock(libc, spec, scratch, caches)
 
 
+_entered: dict = {}  # what enter() applied in this worker: {"spec", "scratch"}
+
+
+def narrow_builds(candidate: str | Path) -> None:
+    """Before a candidate is imported in a confined worker: its compile caches become a
+    directory of its own under candidate_builds(), named by a hash of its file, and (under
+    Landlock) a second ruleset lets the worker write nowhere else there. On 2026-12-05 a
+    candidate built another's extension name from its own source in the shared caches, and that
+    other candidate, wrong, then passed its check with the first one's code (a right one can
+    be made to fail as easily). Layers of Landlock only narrow, and a worker runs one candidate,
+    so this is done once."""
+    spec = _entered.get("spec")
+    if not spec or spec.get("kind") == "none" or _entered.get("narrowed"):
+        return
+    import hashlib
+    digest = hashlib.sha256(Path(candidate).read_bytes()).hexdigest()[:16]
+    base = Path(_entered["builds"]) / digest
+    base.mkdir(mode=0o700, exist_ok=True)
+    for var, name in _CACHE_VARS.items():
+        path = base / name
+        path.mkdir(exist_ok=True)
+        os.environ[var] = str(path)
+    _entered["narrowed"] = str(base)
+    if spec["kind"] == "landlock":
+        _landlock_writes(ctypes.CDLL(None, use_errno=True), spec["abi"],
+                         [_entered["scratch"], base])
+
+
 def _prctl(libc, option: int, value: int) -> None:
     if libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+
+
+# The compile caches a candidate may write, by environment variable: their directory names
+_CACHE_VARS = {"TORCH_EXTENSIONS_DIR": "torch_extensions", "TRITON_CACHE_DIR": "triton",
+               "TORCHINDUCTOR_CACHE_DIR": "inductor", "CUDA_CACHE_PATH": "nv",
+               "PYTORCH_KERNEL_CACHE_PATH": "torch_kernels"}
 
 
 def candidate_builds() -> Path:
@@ -195,12 +231,10 @@ def _compile_caches(scratch: Path, own: bool) -> list[Path]:
     (Landlock); else (another user) the directories are made that user's.
     """
     base = candidate_builds()
-    dirs = {"TORCH_EXTENSIONS_DIR": base / "torch_extensions", "TRITON_CACHE_DIR": base / "triton",
-            "TORCHINDUCTOR_CACHE_DIR": base / "inductor", "CUDA_CACHE_PATH": base / "nv",
-            "PYTORCH_KERNEL_CACHE_PATH": base / "torch_kernels"}
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    out = []
-    for var, path in dirs.items():
+    out = [base]  # the whole root: narrow_builds makes a directory of the candidate's there
+    for var, name in _CACHE_VARS.items():
+        path = base / name
         path.mkdir(exist_ok=True)
         os.environ[var] = str(path)
         out.append(path)
@@ -236,20 +270,7 @@ def _landlock(libc, spec: dict, scratch: Path, caches: list[Path]) -> None:
         raise OSError(err, f"landlock_create_ruleset: {os.strerror(err)}")
     try:
         def allow(path, rights: int) -> None:
-            try:
-                pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            except OSError:
-                return  # vanished meanwhile, or unreadable: nothing to grant
-            try:
-                if not stat.S_ISDIR(os.fstat(pfd).st_mode):
-                    rights &= _FILE_RIGHTS
-                rule = _PathBeneath(rights & handled, pfd)
-                if libc.syscall(_SYS_ADD_RULE, ctypes.c_int(fd), ctypes.c_int(_RULE_PATH_BENEATH),
-                                ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"landlock_add_rule({path}): {os.strerror(err)}")
-            finally:
-                os.close(pfd)
+            _add_rule(libc, fd, path, rights, handled)
 
         everything = handled
         deny = [Path(d) for d in spec["deny"]]
@@ -271,6 +292,50 @@ def _landlock(libc, spec: dict, scratch: Path, caches: list[Path]) -> None:
             raise OSError(err, f"landlock_restrict_self: {os.strerror(err)}")
     finally:
         os.close(fd)
+
+
+def _landlock_writes(libc, abi: int, writable: list) -> None:
+    """A further Landlock layer on writes only: this process may then write (create, remove,
+    link, truncate) only under `writable`, /dev/shm, its own /proc entry and the device files a
+    GPU needs; reads are left to the first layer."""
+    writes = (_WRITE_FILE | _REMOVE_DIR | _REMOVE_FILE | _MAKE_CHAR | _MAKE_DIR | _MAKE_REG
+              | _MAKE_SOCK | _MAKE_FIFO | _MAKE_BLOCK | _MAKE_SYM)
+    writes |= (_REFER if abi >= 2 else 0) | (_TRUNCATE if abi >= 3 else 0)
+    attr = _RulesetAttr(writes, 0, 0)
+    size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else (16 if abi >= 4 else 8)
+    fd = libc.syscall(_SYS_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"landlock_create_ruleset: {os.strerror(err)}")
+    try:
+        paths = [*writable, "/dev/shm", f"/proc/{os.getpid()}"]
+        paths += [e.path for e in os.scandir("/dev")
+                  if e.name in _DEVICES or e.name.startswith(_DEVICE_PREFIXES)]
+        for path in paths:
+            _add_rule(libc, fd, path, writes, writes)
+        if libc.syscall(_SYS_RESTRICT, ctypes.c_int(fd), ctypes.c_uint32(0)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"landlock_restrict_self: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _add_rule(libc, fd: int, path, rights: int, handled: int) -> None:
+    """Grant `rights` (of those `handled`) beneath `path` (a file: its file rights only)."""
+    try:
+        pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return  # vanished meanwhile, or unreadable: nothing to grant
+    try:
+        if not stat.S_ISDIR(os.fstat(pfd).st_mode):
+            rights &= _FILE_RIGHTS
+        rule = _PathBeneath(rights & handled, pfd)
+        if libc.syscall(_SYS_ADD_RULE, ctypes.c_int(fd), ctypes.c_int(_RULE_PATH_BENEATH),
+                        ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"landlock_add_rule({path}): {os.strerror(err)}")
+    finally:
+        os.close(pfd)
 
 
 def _complement(root: Path, deny: list[Path]) -> list[Path]:

@@ -161,7 +161,8 @@ def build_server(lazy: LazySession) -> MCPServer:
 
     @server.tool()
     async def run_correctness(source: Source, trials: Annotated[int | None, Field(
-            description="trials per regime (default: the server's --trials)", ge=1)] = None,
+            description="trials per regime, at least 2 (default: the server's --trials)",
+            ge=2)] = None,
             detail: Detail = False) -> CheckResult:
         """Check the candidate against the problem's reference Model in every regime (default
         inputs, other batch sizes, saturating parameter scales, input variants). Returns

@@ -87,6 +87,12 @@ def _gpu_exclusive(key: str):
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# An agent's checks (Session, the MCP server) run at least this many trials per regime: the
+# scale regimes replay the default's inputs, so with one trial each input shape is seen with
+# one set only, and a candidate that computes once per shape and replays it passed
+# (2026-12-05); a second trial's new inputs catch it (`cached`, mismatch).
+MIN_TRIALS = 2
+
 class Session:
     """One problem, one device, one set of check settings, for many candidates.
 
@@ -178,7 +184,8 @@ class Session:
     def submit_kernel(self, source: str | os.PathLike) -> dict:
         """The session's full check, plus `solution`: {path, text, sha256, imports}.
 
-        The solution is the candidate file itself, one file KernelBench can take; for
+        The solution is the candidate file itself, one file KernelBench can take, read once
+        and checked and saved as read (a copy in the session's directory); for
         `fastelbo:<backend>` it is `fastelbo export --kernelbench`'s file (the fastelbo
         candidates import the package), and that file is what gets checked. `imports` lists
         the modules it imports beyond the standard library (a single-file solution needs no
@@ -187,8 +194,12 @@ class Session:
             from ..plugin import export_source
             source = export_source()
         cand = self._candidate(source)
-        result = self._check(cand, None)
         text = Path(cand).read_text() if Path(cand).is_file() else ""
+        if text:  # checked and saved as these bytes, from the session's own directory: the
+            # file named may change meanwhile (on 2026-12-05 a candidate checked before wrote
+            # one to /dev/shm that rewrote itself at import, and its zeros were saved)
+            cand = self._candidate(text if "\n" in text else text + "\n")
+        result = self._check(cand, None)
         digest = hashlib.sha256(text.encode()).hexdigest()
         path = cand
         if result["exit_code"] == 0 and self.submit_dir is not None:
@@ -203,6 +214,11 @@ class Session:
     # -- plumbing ------------------------------------------------------------------------------
 
     def _check(self, cand: str, trials: int | None) -> dict:
+        if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int)
+                                   or trials < MIN_TRIALS):
+            raise ValueError(f"trials must be an int of at least {MIN_TRIALS} for a session's "
+                             f"check, got {trials!r}: with one trial per regime, a candidate "
+                             "that replays its first answer for each input shape passes")
         options = self.options if trials is None else replace(self.options, trials=trials)
         with self._exclusive():
             report = run_check(self.problem, cand, options=options, pool=self._pool)
