@@ -359,7 +359,7 @@ def _retime_eager(results: dict, timed: list, timeout: float, env, **task) -> No
         n = r["batch_size"]
         if "error" in r or n not in eager:
             continue
-        runs = {m: [eager[n][m], r[m]] for m in (*METRICS, "outside_ms")
+        runs = {m: [eager[n][m], r[m]] for m in (*METRICS, "outside_ms", "wall_outside_ms")
                 if eager[n].get(m) and r.get(m)}
         for target in (eager[n], rows.get(n, {})):
             target.update({m: min(t) for m, t in runs.items()}, eager_runs=runs)

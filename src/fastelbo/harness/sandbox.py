@@ -9,8 +9,9 @@ code exists, with the strongest protection this OS offers (`plan()` decides, `en
 1. **landlock** (Linux >= 5.13, any user): the worker may read every file except those in the
    two directories (rules on the rest of the tree, taken at its birth; directory listings stay
    readable everywhere), write only its own scratch directory ($TMPDIR), /dev/shm and the
-   compile caches kept for candidates (torch extensions, Triton, Inductor, CUDA's: never the
-   user's, which unconfined processes read; not its candidate's folder),
+   compile caches of its own candidate (torch extensions, Triton, Inductor, CUDA's: never the
+   user's, which unconfined processes read, nor another candidate's; narrow_builds), not its
+   candidate's folder,
    open only the device files a GPU job needs, and may not ptrace (read the memory of) or,
    from ABI 6, signal any process outside its domain: the check's process and the reference's
    worker included.
@@ -160,7 +161,7 @@ def enter(spec: dict | None, scratch: Path) -> None:
     _entered.update(spec=spec, scratch=str(scratch), builds=str(candidate_builds()))
     if not spec or spec.get("kind") == "none":
         return
-    caches = _compile_caches(scratch, own=spec["kind"] != "user")
+    caches = _compile_caches(scratch)
     if spec["kind"] == "user":
         os.chown(scratch, spec["uid"], spec["gid"])
         for d in caches:
@@ -173,13 +174,14 @@ def enter(spec: dict | None, scratch: Path) -> None:
     _landlock(libc, spec, scratch, caches)
 
 
-_entered: dict = {}  # what enter() applied in this worker: {"spec", "scratch"}
+_entered: dict = {}  # this worker's: spec, scratch, builds root (enter); narrowed (its dir)
 
 
 def narrow_builds(candidate: str | Path) -> None:
     """Before a candidate is imported in a confined worker: its compile caches become a
     directory of its own under candidate_builds(), named by a hash of its file, and (under
-    Landlock) a second ruleset lets the worker write nowhere else there. On 2026-12-05 a
+    Landlock) a second ruleset lets the worker write nowhere else there (as `nobody`, every
+    candidate is the same user: the directory is its own by name only). On 2026-12-05 a
     candidate built another's extension name from its own source in the shared caches, and that
     other candidate, wrong, then passed its check with the first one's code (a right one can
     be made to fail as easily). Layers of Landlock only narrow, and a worker runs one candidate,
@@ -220,15 +222,15 @@ def candidate_builds() -> Path:
                 or Path(tempfile.gettempdir()) / f"fastelbo-candidate-builds-{os.getuid()}")
 
 
-def _compile_caches(scratch: Path, own: bool) -> list[Path]:
-    """Where a confined candidate may build: torch's extension root, Triton's, Inductor's,
-    torch's JIT kernels' and CUDA's caches, kept for candidates (candidate_builds()) and shared
-    by their checks (a rebuilt extension costs minutes), set in the environment. Never the
-    user's own caches: those are read by processes no confinement holds (the torch.compile
-    baseline's worker, the user's), and Inductor, for one, never rewrites a module it finds
-    there, so on 2026-12-05 a candidate that appended code to the baseline's compiled modules
-    ran it, unconfined, in the next bench's baseline worker. `own`: the worker keeps this user
-    (Landlock); else (another user) the directories are made that user's.
+def _compile_caches(scratch: Path) -> list[Path]:
+    """Where a confined candidate may build: the candidates' root (candidate_builds()), in
+    which narrow_builds gives each candidate a directory of its own before its import (its
+    checks share it: a rebuilt extension costs minutes), and until then the root's own torch
+    extension, Triton, Inductor, torch JIT kernel and CUDA caches, set in the environment.
+    Never the user's own caches: those are read by processes no confinement holds (the
+    torch.compile baseline's worker, the user's), and Inductor, for one, never rewrites a
+    module it finds there, so on 2026-12-05 a candidate that appended code to the baseline's
+    compiled modules ran it, unconfined, in the next bench's baseline worker.
     """
     base = candidate_builds()
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
