@@ -264,12 +264,7 @@ def _landlock(libc, spec: dict, scratch: Path, caches: list[Path]) -> None:
         handled |= _REFER
     if abi >= 3:
         handled |= _TRUNCATE
-    attr = _RulesetAttr(handled, 0, _SCOPE_SIGNAL if abi >= 6 else 0)
-    size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else (16 if abi >= 4 else 8)
-    fd = libc.syscall(_SYS_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"landlock_create_ruleset: {os.strerror(err)}")
+    fd = _ruleset(libc, abi, handled, _SCOPE_SIGNAL if abi >= 6 else 0)
     try:
         def allow(path, rights: int) -> None:
             _add_rule(libc, fd, path, rights, handled)
@@ -289,11 +284,26 @@ def _landlock(libc, spec: dict, scratch: Path, caches: list[Path]) -> None:
         for d in [scratch, *caches]:
             allow(d, everything)
         _prctl(libc, _PR_SET_NO_NEW_PRIVS, 1)
-        if libc.syscall(_SYS_RESTRICT, ctypes.c_int(fd), ctypes.c_uint32(0)) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"landlock_restrict_self: {os.strerror(err)}")
+        _restrict(libc, fd)
     finally:
         os.close(fd)
+
+
+def _ruleset(libc, abi: int, handled: int, scoped: int) -> int:
+    """A new Landlock ruleset's descriptor, handling `handled` (and `scoped`, ABI 6+)."""
+    attr = _RulesetAttr(handled, 0, scoped)
+    size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else (16 if abi >= 4 else 8)
+    fd = libc.syscall(_SYS_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"landlock_create_ruleset: {os.strerror(err)}")
+    return fd
+
+
+def _restrict(libc, fd: int) -> None:
+    if libc.syscall(_SYS_RESTRICT, ctypes.c_int(fd), ctypes.c_uint32(0)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"landlock_restrict_self: {os.strerror(err)}")
 
 
 def _landlock_writes(libc, abi: int, writable: list) -> None:
@@ -303,21 +313,14 @@ def _landlock_writes(libc, abi: int, writable: list) -> None:
     writes = (_WRITE_FILE | _REMOVE_DIR | _REMOVE_FILE | _MAKE_CHAR | _MAKE_DIR | _MAKE_REG
               | _MAKE_SOCK | _MAKE_FIFO | _MAKE_BLOCK | _MAKE_SYM)
     writes |= (_REFER if abi >= 2 else 0) | (_TRUNCATE if abi >= 3 else 0)
-    attr = _RulesetAttr(writes, 0, 0)
-    size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else (16 if abi >= 4 else 8)
-    fd = libc.syscall(_SYS_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"landlock_create_ruleset: {os.strerror(err)}")
+    fd = _ruleset(libc, abi, writes, 0)
     try:
         paths = [*writable, "/dev/shm", f"/proc/{os.getpid()}"]
         paths += [e.path for e in os.scandir("/dev")
                   if e.name in _DEVICES or e.name.startswith(_DEVICE_PREFIXES)]
         for path in paths:
             _add_rule(libc, fd, path, writes, writes)
-        if libc.syscall(_SYS_RESTRICT, ctypes.c_int(fd), ctypes.c_uint32(0)) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"landlock_restrict_self: {os.strerror(err)}")
+        _restrict(libc, fd)
     finally:
         os.close(fd)
 
