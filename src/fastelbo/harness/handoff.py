@@ -30,8 +30,10 @@ def write_new(directory: str | Path, name: str, data: bytes | None = None, *,
     or a copy of the file `source` (the harness's own, read as it is); its path."""
     stem, dot, suffix = name.partition(".")
     path = Path(directory) / f"{stem}.{secrets.token_hex(8)}{dot}{suffix}"
+    # the mode open() gives a new file (umask applied), as before: a worker that runs as
+    # another user (sandbox's `user` kind) reads what the harness hands it
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
+                 0o666)
     with os.fdopen(fd, "wb") as out:
         if source is not None:
             with open(source, "rb") as src:
