@@ -48,6 +48,15 @@ def as_tuple(out) -> tuple:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
+def aliased_outputs(outputs, inputs) -> list[int]:
+    """The indices of the plain tensors among `outputs` (a tuple) that share storage with a
+    plain tensor of `inputs`: check's and bench's hygiene rule (outputs of their own)."""
+    storages = {t.untyped_storage().data_ptr() for t in inputs
+                if type(t) is torch.Tensor and t.numel()}
+    return [i for i, o in enumerate(outputs) if type(o) is torch.Tensor and o.numel()
+            and o.untyped_storage().data_ptr() in storages]
+
+
 def _fmt_index(flat: int, shape: torch.Size) -> str:
     idx = []
     for size in reversed(shape):

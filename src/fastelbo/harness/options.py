@@ -154,8 +154,8 @@ class CheckOptions(_Checked):
     the seed above batch_size, up to 2*batch_size+1; () none); `scales`: the parameter
     scalings of the saturation regimes. `timeout` bounds the reference pass and the
     candidate's checking pass, each; the build (import, extension builds, the first ModelNew)
-    has `build_timeout`; each forward has `forward_timeout`, or up
-    to `build_timeout` while it compiles (a lazy build on first call). `seed`: weights, inputs
+    has `build_timeout`; each forward has `forward_timeout`, or up to `build_timeout` while
+    it compiles (a lazy build on first call). `seed`: weights, inputs
     and forwards; None draws a secret one per check, so no answer can be prepared in advance
     (the report records it, and `seed=` reproduces the run). `eval_mode`: both modules in
     .eval() (KernelBench keeps the training mode they are constructed in). `cache`: True for

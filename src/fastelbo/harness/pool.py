@@ -207,12 +207,8 @@ class Checks(list):
             self._hygiene(out, inputs, pristine)
 
     def _hygiene(self, out, inputs, pristine) -> None:
-        from .compare import as_tuple
-        storages = {t.untyped_storage().data_ptr() for t in inputs
-                    if type(t) is torch.Tensor and t.numel()}
-        for i, o in enumerate(as_tuple(out)):
-            if type(o) is torch.Tensor and o.numel() and o.untyped_storage().data_ptr() in storages:
-                self.aliased.add(i)
+        from .compare import aliased_outputs, as_tuple
+        self.aliased.update(aliased_outputs(as_tuple(out), inputs))
         for i, (a, b) in enumerate(zip(inputs, pristine or ())):
             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
                 both_nan = a.isnan() & b.isnan() if a.is_floating_point() else False

@@ -255,15 +255,22 @@ class _PathBeneath(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
+def _writes(abi: int) -> int:
+    """Every right that changes the file system, as far as Landlock ABI `abi` handles them."""
+    return (_WRITE_FILE | _REMOVE_DIR | _REMOVE_FILE | _MAKE_CHAR | _MAKE_DIR | _MAKE_REG
+            | _MAKE_SOCK | _MAKE_FIFO | _MAKE_BLOCK | _MAKE_SYM
+            | (_REFER if abi >= 2 else 0) | (_TRUNCATE if abi >= 3 else 0))
+
+
+def _device_files() -> list[str]:
+    """The device files a GPU job opens (_DEVICES, _DEVICE_PREFIXES), as /dev holds them now."""
+    return [e.path for e in os.scandir("/dev")
+            if e.name in _DEVICES or e.name.startswith(_DEVICE_PREFIXES)]
+
+
 def _landlock(libc, spec: dict, scratch: Path, caches: list[Path]) -> None:
     abi = spec["abi"]
-    handled = (_EXECUTE | _WRITE_FILE | _READ_FILE | _READ_DIR | _REMOVE_DIR | _REMOVE_FILE
-               | _MAKE_CHAR | _MAKE_DIR | _MAKE_REG | _MAKE_SOCK | _MAKE_FIFO | _MAKE_BLOCK
-               | _MAKE_SYM)
-    if abi >= 2:
-        handled |= _REFER
-    if abi >= 3:
-        handled |= _TRUNCATE
+    handled = _EXECUTE | _READ_FILE | _READ_DIR | _writes(abi)
     fd = _ruleset(libc, abi, handled, _SCOPE_SIGNAL if abi >= 6 else 0)
     try:
         def allow(path, rights: int) -> None:
@@ -278,9 +285,8 @@ def _landlock(libc, spec: dict, scratch: Path, caches: list[Path]) -> None:
         allow("/proc", _READ)  # other processes' memory stays behind Landlock's ptrace scope
         allow(f"/proc/{os.getpid()}", everything)  # its own: the CUDA driver writes there
         allow("/dev/shm", everything)
-        for entry in os.scandir("/dev"):
-            if entry.name in _DEVICES or entry.name.startswith(_DEVICE_PREFIXES):
-                allow(entry.path, _READ | _WRITE_FILE)
+        for path in _device_files():
+            allow(path, _READ | _WRITE_FILE)
         for d in [scratch, *caches]:
             allow(d, everything)
         _prctl(libc, _PR_SET_NO_NEW_PRIVS, 1)
@@ -310,15 +316,10 @@ def _landlock_writes(libc, abi: int, writable: list) -> None:
     """A further Landlock layer on writes only: this process may then write (create, remove,
     link, truncate) only under `writable`, /dev/shm, its own /proc entry and the device files a
     GPU needs; reads are left to the first layer."""
-    writes = (_WRITE_FILE | _REMOVE_DIR | _REMOVE_FILE | _MAKE_CHAR | _MAKE_DIR | _MAKE_REG
-              | _MAKE_SOCK | _MAKE_FIFO | _MAKE_BLOCK | _MAKE_SYM)
-    writes |= (_REFER if abi >= 2 else 0) | (_TRUNCATE if abi >= 3 else 0)
+    writes = _writes(abi)
     fd = _ruleset(libc, abi, writes, 0)
     try:
-        paths = [*writable, "/dev/shm", f"/proc/{os.getpid()}"]
-        paths += [e.path for e in os.scandir("/dev")
-                  if e.name in _DEVICES or e.name.startswith(_DEVICE_PREFIXES)]
-        for path in paths:
+        for path in [*writable, "/dev/shm", f"/proc/{os.getpid()}", *_device_files()]:
             _add_rule(libc, fd, path, writes, writes)
         _restrict(libc, fd)
     finally:

@@ -93,6 +93,7 @@ def _gpu_exclusive(key: str):
 # (2026-12-05); a second trial's new inputs catch it (`cached`, mismatch).
 MIN_TRIALS = 2
 
+
 class Session:
     """One problem, one device, one set of check settings, for many candidates.
 

@@ -34,6 +34,7 @@ from . import loader, refcache, shared
 from . import task_specs as specs
 from .compare import (
     PERTURB_RUNS,
+    aliased_outputs,
     as_tuple,
     compare_outputs,
     finiteness_differs,
@@ -394,10 +395,7 @@ def _candidate_trial(model, inputs: list, seed: int, dev, resident: bool = False
     torch.manual_seed(seed)
     raw = as_tuple(model(*x))
     tampered = _snap[0].changed() if _snap else []
-    storages = {t.untyped_storage().data_ptr() for t in x
-                if type(t) is torch.Tensor and t.numel()}
-    aliased = [i for i, o in enumerate(raw) if type(o) is torch.Tensor and o.numel()
-               and o.untyped_storage().data_ptr() in storages]
+    aliased = aliased_outputs(raw, x)
     outputs = loader.to_host(raw, keep_device=resident, strict=True)
     del raw
     loader.sync(dev)

@@ -149,8 +149,8 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
     KernelBench's are), and the host time from its start event to that synchronize goes
     there: work on another stream is in it, not in the events. `guard()` is called after each
     call where a set is drawn or an output read (cold: every call; warm: the judged ones, so
-    that the loop stays back to back); with `outside`, the host time per call spent outside
-    the window (the draw, the flush, the judged calls' copies) is appended there."""
+    that the loop stays back to back); with `outside`, the median host time per call spent
+    outside the window (every call's outputs copied, the draw, the flush) is appended there."""
     order, pairs = pool.order(reps), []
     if flush is None:
         for j in order:
@@ -228,8 +228,8 @@ def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: C
 def single_calls(model, pool: Pool, reps: int, checks: Checks, guard=_nothing,
                  outside: list | None = None) -> float:
     """CPU: host time of single calls, each on a set drawn just before it (ms, median); the
-    judged calls' outputs kept; `guard()` after each call; with `outside`, the time per call
-    spent outside the window (the draw, the judged calls' copies) appended there."""
+    judged calls' outputs kept; `guard()` after each call; with `outside`, the median time per
+    call spent outside the window (every call's outputs copied, the draw) appended there."""
     order, ms, ends, starts = pool.order(reps), [], [], []
     for k, j in enumerate(order):
         x = pool.fresh(j)
@@ -355,11 +355,8 @@ def kernel_times(model, pool: Pool, calls: int = 5) -> dict:
 
 def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps: int,
             observe=None, guard=None) -> tuple[dict, Checks]:
-    """(every metric but `kernels`, checks): see the module docstring. On the CPU only host
-    time exists. `outside_ms`: host time per call outside the timed window (the draw, the
-    flush, the judged calls' copies) in the default column's loop: the harness's work, the
-    same for every entry, unless the candidate's code runs there (bench compares it with
-    eager's).
+    """(every metric but `kernels`, checks): see the module docstring (`outside_ms` too). On
+    the CPU only host time exists.
     `observe()` is called after each metric (integrity.Snapshot.observe_threads: a thread the
     candidate starts per call is alive just after its calls); `guard()` after every call
     (integrity.Snapshot.guard: a hook left set between calls)."""
