@@ -301,7 +301,7 @@ def run_bench(problem: str, candidates: list[str] | None = None,
             "validate": o.validate and plugin.validation_enabled(),
             "mode": "eval" if o.eval_mode else "train",
             "l2": "flushed before each events_ms call" if device.startswith("cuda") else None}
-    confine = sandbox.for_candidates()
+    confine = sandbox.for_candidates(reads=[p for _, kind, p in entries if kind == "candidate"])
     results: dict[str, dict[int, dict]] = {}
     rows, code, timed = [], 0, []
     for name, kind, path in entries:

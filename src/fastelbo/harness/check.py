@@ -131,7 +131,10 @@ class _Check:
         self.root = Path(self.tmp_root or (refcache.default_root() if cache is True else cache))
         if self.tmp_root is None:
             refcache.seal(self.root)
-        self.confine = sandbox.for_candidates(self.root, reads=[cand, prob])
+        # a Session's pool reads the session's directory (sandbox.sessions_root): so do its
+        # checks, whatever the candidate's path, and its spares serve them
+        session = pool.confine.get("allow", []) if pool is not None and pool.confine else []
+        self.confine = sandbox.for_candidates(self.root, reads=[cand, prob, *session])
         report.confinement = self.confine["kind"]
         report.notes.append(f"confinement: {self.confine['note']}")
         self.pool = pool

@@ -72,6 +72,17 @@ def private_root() -> Path:
     return root
 
 
+def sessions_root() -> Path:
+    """Where every Session keeps the sources it is sent (mode 0711: its sessions' directories
+    are reached by name, not listed). A candidate's worker reads only its own session's
+    directory here (for_candidates): until 2026-12-05 sessions lived in the temp dir, and a
+    candidate could read, and run, what other agents' sessions had been sent."""
+    root = Path(tempfile.gettempdir()) / f"fastelbo-sessions-{os.getuid()}"
+    root.mkdir(mode=0o711, exist_ok=True)
+    os.chmod(root, 0o711)
+    return root
+
+
 def landlock_abi() -> int:
     """The kernel's Landlock ABI version, 0 where there is none (or it is disabled)."""
     if not sys.platform.startswith("linux"):
@@ -87,10 +98,14 @@ def landlock_abi() -> int:
 def plan(secrets: list[str | Path], reads: list[str | Path] = ()) -> dict:
     """The confinement for a candidate's worker: {"kind": landlock|user|none, "deny": [...],
     "note", ...}, equal for equal secrets (a pool's spares serve any check with the same).
-    `secrets`: directories it must not read (the cache, the private root); `reads`: files it
-    must read (its candidate, the problem), checked for the "user" kind. The note ends with
-    what keeps the candidate's processes inside its worker's tree."""
+    `secrets`: directories it must not read (the cache, the private root, the sessions' root);
+    `reads`: files it must read (its candidate, the problem), checked for the "user" kind. A
+    read inside the sessions' root makes its session's directory (the root's child that holds
+    it) readable under Landlock: "allow", the same for every candidate of one session. The note
+    ends with what keeps the candidate's processes inside its worker's tree."""
     spec = _plan(secrets, reads)
+    if spec["kind"] == "landlock":
+        spec["allow"] = _sessions_read(reads)
     why = seccomp.unavailable()
     tree = ("its processes: a subreaper's tree, CLONE_PARENT refused, no other process's CPUs, "
             "priority or limits (seccomp)" if why is None
@@ -128,7 +143,19 @@ def for_candidates(root: str | Path | None = None, reads=()) -> dict:
     and the user's default one) nor the harness's private directory. The same for every check
     of a Session (whose spares are born with it) and for compile and bench."""
     from .refcache import default_root
-    return plan([root or default_root(), default_root(), private_root()], reads=reads)
+    return plan([root or default_root(), default_root(), private_root(), sessions_root()],
+                reads=reads)
+
+
+def _sessions_read(reads) -> list[str]:
+    """The sessions' directories that hold one of `reads` (sessions_root()'s children)."""
+    root = sessions_root().resolve()
+    out = set()
+    for r in reads:
+        path = Path(r).resolve()
+        if root in path.parents:
+            out.add(str(root / path.relative_to(root).parts[0]))
+    return sorted(out)
 
 
 def _unreadable_for_others(paths) -> list[str]:
@@ -289,6 +316,8 @@ def _landlock(libc, spec: dict, scratch: Path, caches: list[Path]) -> None:
             allow(path, _READ | _WRITE_FILE)
         for d in [scratch, *caches]:
             allow(d, everything)
+        for d in spec.get("allow", ()):  # its own session's sources, inside a denied root
+            allow(d, _READ)
         _prctl(libc, _PR_SET_NO_NEW_PRIVS, 1)
         _restrict(libc, fd)
     finally:

@@ -127,12 +127,16 @@ class Session:
         if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
             raise ValueError(f"spares must be an integer >= 0, got {spares!r}")
         self.submit_dir = Path(submit_dir) if submit_dir is not None else None
-        self._dir = Path(tempfile.mkdtemp(prefix="fastelbo-session-"))
+        # Reached by name only (mode 0711, in a root of the same): a worker that runs as
+        # `nobody` reads its candidate there, and no other session's candidate reads it.
+        self._dir = Path(tempfile.mkdtemp(prefix="session-", dir=sandbox.sessions_root()))
+        os.chmod(self._dir, 0o711)
         self._lock = threading.Lock()
         # Started last, once every argument is known good: nothing to clean up before this.
         cache = options.cache
         root = None if cache is True or options.seed is None or cache is False else Path(cache)
-        self._pool = (WorkerPool(spares, device=self._key, confine=sandbox.for_candidates(root))
+        confine = sandbox.for_candidates(root, reads=[self._dir])  # as each check's (check.py)
+        self._pool = (WorkerPool(spares, device=self._key, confine=confine)
                       if spares else None)
         self._cleanup = weakref.finalize(self, _cleanup, self._dir, self._pool)
 
