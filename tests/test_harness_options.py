@@ -48,7 +48,7 @@ def test_defaults_and_sequences():
     o = CheckOptions(batch_sizes=[1, 7], scales=[4])
     assert (o.batch_sizes, o.scales) == ((1, 7), (4,))
     assert CheckOptions() == CheckOptions(device="cpu", trials=3, atol=1e-4, rtol=1e-4,
-                                          batch_sizes=None, scales=(4.0, 16.0), timeout=300.0,
+                                          batch_sizes=None, scales=None, timeout=300.0,
                                           build_timeout=600.0, forward_timeout=60.0, seed=None,
                                           eval_mode=False, cache=True)
     assert CheckOptions(device=None).device is None  # chosen by the check

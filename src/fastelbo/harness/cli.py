@@ -164,9 +164,10 @@ def _regime_options(p: argparse.ArgumentParser) -> None:
                    help="extra batch sizes, e.g. 1,7,128; '' for none (default: %(default)s, "
                         "meaning 1 and an odd size above batch_size, up to "
                         "2*batch_size+1, drawn from the seed)")
-    p.add_argument("--scales", default="4,16", metavar="S,S,...",
+    p.add_argument("--scales", default=None, metavar="S,S,...",
                    help="parameter scalings for the saturation regimes; '' for none "
-                        "(default: %(default)s)")
+                        "(default: %(default)s, meaning one in [3, 6) and one in [12, 20), "
+                        "drawn from the seed)")
 
 
 def _never_raise(command: str):

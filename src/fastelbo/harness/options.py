@@ -103,6 +103,8 @@ def _some_sizes(options, name: str) -> None:
 
 def _scales(options, name: str) -> None:
     value = getattr(options, name)
+    if value is None:
+        return
     if not isinstance(value, (list, tuple)) or any(
             not _is_number(s) or not s > 0 for s in value):
         raise OptionError(name, "> 0", value, "numbers", each=True)
@@ -152,7 +154,8 @@ class CheckOptions(_Checked):
     default), chosen once the workers are started. `trials` per regime; `atol`, `rtol`: the
     tolerance. `batch_sizes`: the extra batch-size regimes (None: 1 and an odd size drawn from
     the seed above batch_size, up to 2*batch_size+1; () none); `scales`: the parameter
-    scalings of the saturation regimes. `timeout` bounds the reference pass and the
+    scalings of the saturation regimes (None: one in [3, 6) and one in [12, 20), drawn from
+    the seed; () none). `timeout` bounds the reference pass and the
     candidate's checking pass, each; the build (import, extension builds, the first ModelNew)
     has `build_timeout`; each forward has `forward_timeout`, or up to `build_timeout` while
     it compiles (a lazy build on first call). `seed`: weights, inputs
@@ -166,7 +169,7 @@ class CheckOptions(_Checked):
     atol: float = 1e-4
     rtol: float = 1e-4
     batch_sizes: tuple[int, ...] | None = None
-    scales: tuple[float, ...] = (4.0, 16.0)
+    scales: tuple[float, ...] | None = None
     timeout: float = 300.0
     build_timeout: float = 600.0
     forward_timeout: float = 60.0

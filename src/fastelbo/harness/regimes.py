@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 
-DEFAULT_SCALES = (4.0, 16.0)
+DEFAULT_SCALES = (4.0, 16.0)  # without a seed; with one, default_scales draws near these
 # The odd batch above the default doubles the default's inputs. Where that is more than
 # EXTRA_BATCH_BYTES (drawing inputs on the CPU is most of a large check: 7.2 s for KernelBench's
 # level1/19_ReLU at its 6.4 GB), the regime is the smallest odd batch above the default (a kernel
@@ -58,15 +58,27 @@ def default_batch_sizes(default: int, row_bytes: int | None = None,
     return [1, odd]
 
 
+def default_scales(seed: int | None = None) -> tuple[float, ...]:
+    """The saturation regimes' parameter scalings: with `seed` (the check's), one drawn from
+    [3, 6) and one from [12, 20), two decimals each, so no factor is known in advance (until
+    2026-12-05 they were always 4 and 16, and a candidate that was right only at those factors
+    passed); without, DEFAULT_SCALES."""
+    if seed is None:
+        return DEFAULT_SCALES
+    rng = random.Random(f"scales {seed}")
+    return round(rng.uniform(3, 6), 2), round(rng.uniform(12, 20), 2)
+
+
 def plan(default_batch: int | None, variants: list[str], batch_sizes: list[int] | None = None,
-         scales: tuple[float, ...] = DEFAULT_SCALES, row_bytes: int | None = None,
+         scales: tuple[float, ...] | None = None, row_bytes: int | None = None,
          float_params: int | None = None,
          seed: int | None = None) -> tuple[list[Regime], list[tuple[str, str]]]:
     """The regimes to run for a problem whose module-level `batch_size` is `default_batch`
     (None: it has none), whose get_input_variants() names `variants`, whose default inputs
     take `row_bytes` per batch row and whose reference has `float_params` floating-point
     parameter elements (None: not known yet), and (name, reason) for those that cannot apply
-    to it; `seed` draws the odd batch size (default_batch_sizes). Plain data in, so the
+    to it; `seed` draws the odd batch size (default_batch_sizes) and, where `scales` is None,
+    the scalings (default_scales). Plain data in, so the
     harness can plan from its cache without running problem code."""
     regimes, skipped = [Regime("default")], []
     if isinstance(default_batch, int):
@@ -77,6 +89,8 @@ def plan(default_batch: int | None, variants: list[str], batch_sizes: list[int] 
                 regimes.append(Regime(f"batch={n}", batch_size=n))
     else:
         skipped.append(("batch sizes", "the problem has no module-level int batch_size"))
+    if scales is None:
+        scales = default_scales(seed)
     if float_params == 0 and any(s != 1 for s in scales):
         skipped.append(("scales", _NO_PARAMS))
     else:

@@ -126,7 +126,7 @@ BENCH = "fastelbo.harness.bench"
 @declare(TASKS)
 def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: float,
                    rtol: float, trials: int, root: str, batch_sizes: tuple[int, ...] | None,
-                   scales: tuple[float, ...], only: list[str] | None = None) -> dict:
+                   scales: tuple[float, ...] | None, only: list[str] | None = None) -> dict:
     """The reference's outputs of every planned regime (or those in `only`), into `root`."""
 
 

@@ -103,7 +103,7 @@ def resident_threshold(dev: torch.device) -> float:
 @torch.no_grad()
 def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: float,
                    rtol: float, trials: int, root: str, batch_sizes: tuple[int, ...] | None,
-                   scales: tuple[float, ...], only: list[str] | None = None) -> dict:
+                   scales: tuple[float, ...] | None, only: list[str] | None = None) -> dict:
     """Write the problem's entry and each planned regime's (all, or those named in `only`).
     A device-resident regime is kept in this worker instead; its entry (without outputs) and
     its shared inputs come back under "resident". The default regime runs first: the size of
