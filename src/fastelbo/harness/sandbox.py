@@ -96,17 +96,18 @@ def landlock_abi() -> int:
     return max(int(abi), 0)
 
 
-def plan(secrets: list[str | Path], reads: list[str | Path] = ()) -> dict:
+def plan(secrets: list[str | Path], reads: list[str | Path] = (),
+         allow: list[str] = ()) -> dict:
     """The confinement for a candidate's worker: {"kind": landlock|user|none, "deny": [...],
-    "note", ...}, equal for equal secrets (a pool's spares serve any check with the same).
-    `secrets`: directories it must not read (the cache, the private root, the sessions' root);
-    `reads`: files it must read (its candidate, the problem), checked for the "user" kind. A
-    read inside the sessions' root makes its session's directory (the root's child that holds
-    it) readable under Landlock: "allow", the same for every candidate of one session. The note
-    ends with what keeps the candidate's processes inside its worker's tree."""
+    "note", ...}, equal for equal secrets and `allow` (a pool's spares serve any check with
+    the same). `secrets`: directories it must not read (the cache, the private root, the
+    sessions' root); `reads`: files it must read (its candidate, the problem), checked for the
+    "user" kind; `allow`: directories inside a secret it may read all the same (its own
+    session's), under Landlock. The note ends with what keeps the candidate's processes inside
+    its worker's tree."""
     spec = _plan(secrets, reads)
     if spec["kind"] == "landlock":
-        spec["allow"] = _sessions_read(reads)
+        spec["allow"] = sorted(allow)
     why = seccomp.unavailable()
     tree = ("its processes: a subreaper's tree, CLONE_PARENT refused, no other process's CPUs, "
             "priority or limits (seccomp)" if why is None
@@ -141,16 +142,19 @@ def _plan(secrets: list[str | Path], reads: list[str | Path]) -> dict:
 
 def for_candidates(root: str | Path | None = None, reads=()) -> dict:
     """A candidate's worker's confinement: it may read neither the reference cache (`root`,
-    and the user's default one) nor the harness's private directory. The same for every check
-    of a Session (whose spares are born with it) and for compile and bench."""
+    and the user's default one), nor the harness's private directory, nor the sessions' root
+    but for the session directories that hold one of `reads` (its own session's: the same
+    for every candidate of one session). The same for every check of a Session (whose spares
+    are born with it) and for compile and bench."""
     from .refcache import default_root
-    return plan([root or default_root(), default_root(), private_root(), sessions_root()],
-                reads=reads)
+    sessions = sessions_root()
+    return plan([root or default_root(), default_root(), private_root(), sessions],
+                reads=reads, allow=_sessions_read(sessions, reads))
 
 
-def _sessions_read(reads) -> list[str]:
-    """The sessions' directories that hold one of `reads` (sessions_root()'s children)."""
-    root = sessions_root().resolve()
+def _sessions_read(sessions: Path, reads) -> list[str]:
+    """The directories of `sessions` (the sessions' root) that hold one of `reads`."""
+    root = sessions.resolve()
     out = set()
     for r in reads:
         path = Path(r).resolve()
