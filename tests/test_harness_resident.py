@@ -218,6 +218,43 @@ def test_shared_descriptions_name_only_torch_dtypes(tmp_path):
         shared.open_copy({**desc, shared.KIND: "tpu"}, torch.device("cpu"))
 
 
+def test_device_copies_are_copies(tmp_path):
+    t, other = torch.arange(6.0), "not a tensor"
+    got = shared.device_copies([t, other, 3], torch.device("cpu"))
+    assert got[1:] == [other, 3] and torch.equal(got[0], t)
+    assert got[0].data_ptr() != t.data_ptr()  # the caller's tensor is never what is shared
+
+
+def _segment(t: torch.Tensor, snapshot) -> int:
+    """The address of the caching allocator's segment (one IPC mapping) that holds t."""
+    ptr = t.data_ptr()
+    (seg,) = [s["address"] for s in snapshot if s["address"] <= ptr < s["address"] + s["total_size"]]
+    return seg
+
+
+@pytest.mark.gpu
+def test_a_shared_inputs_segment_holds_nothing_of_the_reference():
+    """An input shared by IPC maps its whole allocator segment into the candidate's process.
+    Control: in the default pool a 3 MB input and a 3 MB output made after it share one 20 MB
+    segment (so a candidate could read the output through the input's handle). What the
+    reference's worker shares is copied by shared.device_copies, into a pool of its own (and
+    shared from there in the next test, whose every regime is resident)."""
+    dev = torch.device("cuda")
+    x = torch.randn(3 << 18)  # 3 MB: the large pool, carved from 20 MB segments
+    torch.cuda.empty_cache()  # no cached free block elsewhere for the output to land in
+    plain = x.to(dev, copy=True)
+    out = plain * 2  # what a reference computes from it
+    snap = torch.cuda.memory_snapshot()
+    assert _segment(plain, snap) == _segment(out, snap), "control: the hole is not reproduced"
+    del plain, out
+    torch.cuda.empty_cache()
+    (sealed,) = shared.device_copies([x], dev)
+    outs = [sealed * 2, torch.empty(1 << 10, device=dev), torch.empty(3 << 18, device=dev)]
+    snap = torch.cuda.memory_snapshot()
+    assert {_segment(o, snap) for o in outs}.isdisjoint({_segment(sealed, snap)})
+    assert torch.equal(sealed.cpu(), x)  # IPC from the pool: the next test's checks
+
+
 @pytest.mark.gpu
 def test_resident_cuda_regimes_pass_and_fail(tmp_path, monkeypatch):
     """On CUDA the tensors travel as IPC handles: a right and a wrong candidate."""

@@ -10,6 +10,13 @@ waits for the event recorded when it was shared; the sharing process keeps the t
 until it exits (the check closes its workers last). On the CPU the tensor goes to a file in
 `directory` and is read back memory-mapped.
 
+An IPC handle maps the whole caching-allocator segment its tensor was carved from, not the
+tensor alone: whoever opens it can read the rest of that segment. So what is to be shared is
+first copied with `device_copies`, which on CUDA allocates in a memory pool of its own
+(torch.cuda.MemPool): its segments hold shared tensors and nothing else, never the
+reference's outputs or intermediates (the default pool carves a 3 MB input and a 3 MB output
+made after it from one 20 MB segment: tests/test_harness_resident.py shows it on a GPU).
+
 A description holds only bytes, ints, bools and strings: the harness reads what workers send
 with weights_only=True, and opening one never unpickles anything chosen by its sender.
 """
@@ -26,6 +33,23 @@ from . import handoff
 KIND = "__fastelbo_shared__"
 _kept: list = []          # what this process has shared: alive until it exits
 _count = itertools.count()
+_pools: dict = {}         # CUDA device index -> the MemPool of device_copies
+
+
+def device_copies(values, device: torch.device) -> list:
+    """`values` with every tensor copied onto `device` (anything else as it is); on CUDA into
+    a memory pool that holds only such copies, so that sharing one exposes no other memory of
+    this process (the module's docstring)."""
+    def copies():
+        return [v.to(device, copy=True) if isinstance(v, torch.Tensor) else v for v in values]
+
+    if device.type != "cuda":
+        return copies()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _pools:
+        _pools[index] = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(_pools[index], index):
+        return copies()
 
 
 def is_shared(value) -> bool:

@@ -256,7 +256,7 @@ def _reference_trial(model, inputs, seed, dev, atol, rtol,
     size), its inputs on the device, to be shared with the candidate (else None). Its outputs
     stay on the device there; elsewhere they come to the host for the cache."""
     state = _buffers(model)
-    export = [t.to(dev, copy=True) if isinstance(t, torch.Tensor) else t for t in inputs]
+    export = shared.device_copies(inputs, dev)  # shareable without exposing the rest
     torch.manual_seed(seed)  # seeds the CPU and every CUDA generator
     seeded = loader.rng_state(dev)
     raw = model(*_copies(export))
