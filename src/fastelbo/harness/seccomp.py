@@ -21,6 +21,13 @@ inherited by everything the worker starts and cannot be removed.
 Plain ctypes: a classic BPF program, for x86-64 and arm64 (elsewhere nothing is applied and
 `forbid_escapes` says so). Needs no privilege: it sets no_new_privs first, as the kernel
 requires of an unprivileged process.
+
+Installed through seccomp(2) with SECCOMP_FILTER_FLAG_SPEC_ALLOW (Linux >= 4.17; prctl
+elsewhere): without it a kernel whose speculative-store-bypass mitigation is "prctl and
+seccomp" (the default on x86) turns the mitigation on for every filtered process, slowing its
+host code, and so the candidate's and eager's launch-bound forwards, for no gain here (the
+filter keeps processes in the tree; what a worker can read speculatively in its own memory it
+can read plainly).
 """
 from __future__ import annotations
 
@@ -33,10 +40,10 @@ CLONE_PARENT = 0x00008000
 _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
 # Per machine: AUDIT_ARCH of the native ABI, then syscall numbers.
 _ARCH = {
-    "x86_64": {"audit": 0xC000003E, "clone": 56, "clone3": 435, "sched_setaffinity": 203,
+    "x86_64": {"audit": 0xC000003E, "seccomp": 317, "clone": 56, "clone3": 435, "sched_setaffinity": 203,
                "sched_setscheduler": 144, "sched_setparam": 142, "sched_setattr": 314,
                "setpriority": 141, "ioprio_set": 251, "prlimit64": 302},
-    "aarch64": {"audit": 0xC00000B7, "clone": 220, "clone3": 435, "sched_setaffinity": 122,
+    "aarch64": {"audit": 0xC00000B7, "seccomp": 277, "clone": 220, "clone3": 435, "sched_setaffinity": 122,
                 "sched_setscheduler": 119, "sched_setparam": 118, "sched_setattr": 274,
                 "setpriority": 140, "ioprio_set": 30, "prlimit64": 261},
 }
@@ -51,7 +58,8 @@ _X32_BIT = 0x40000000  # x86-64's x32 ABI: its own numbers for the same calls, r
 _LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 _ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
 _NR, _ARCH_OFF = 0, 4  # struct seccomp_data: nr, arch, instruction pointer, args[6] (u64 each)
-_EPERM, _ENOSYS = 1, 38
+_EPERM, _ENOSYS, _EINVAL = 1, 38, 22
+_SET_MODE_FILTER, _FLAG_SPEC_ALLOW = 1, 1 << 2  # seccomp(2)'s operation and flag
 
 
 def _arg(i: int) -> int:
@@ -114,9 +122,11 @@ def unavailable() -> str | None:
     return None if platform.machine() in _ARCH else f"no filter for {platform.machine()}"
 
 
-def forbid_escapes() -> str | None:
+def forbid_escapes(spec_allow: bool = True) -> str | None:
     """Apply the filter to this process (and all it starts); None where applied, else why
-    not (not Linux, an unknown architecture; OSError where the kernel refused)."""
+    not (not Linux, an unknown architecture; OSError where the kernel refused). `spec_allow`:
+    leave the speculative-store-bypass mitigation as it was (the module's docstring); False
+    installs it as prctl does, for benchmarks/seccomp_cost.py to compare."""
     why = unavailable()
     if why is not None:
         return why
@@ -124,10 +134,20 @@ def forbid_escapes() -> str | None:
     libc = ctypes.CDLL(None, use_errno=True)
     table = (_Insn * len(insns))(*(_Insn(*i) for i in insns))
     prog = _Prog(len(insns), table)
-    for option, arg in ((_PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1)),
-                        (_PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER))):
-        extra = ctypes.byref(prog) if option == _PR_SET_SECCOMP else ctypes.c_ulong(0)
-        if libc.prctl(option, arg, extra, ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"prctl({option}) for the seccomp filter: {os.strerror(err)}")
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                  ctypes.c_ulong(0)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(err)}")
+    if spec_allow:
+        nr = _ARCH[platform.machine()]["seccomp"]
+        if libc.syscall(ctypes.c_long(nr), ctypes.c_uint(_SET_MODE_FILTER),
+                        ctypes.c_uint(_FLAG_SPEC_ALLOW), ctypes.byref(prog)) == 0:
+            return None
+        err = ctypes.get_errno()
+        if err not in (_EINVAL, _ENOSYS):  # else a kernel without the flag: prctl below
+            raise OSError(err, f"seccomp(SET_MODE_FILTER): {os.strerror(err)}")
+    if libc.prctl(_PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(prog),
+                  ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_SECCOMP): {os.strerror(err)}")
     return None
