@@ -35,7 +35,7 @@ from .compare import compare_outputs
 from .floor import count_flops, floors
 from .options import BenchOptions
 from .placement import placement
-from .pool import Pool, forward_seed
+from .pool import Pool, forward_seed, seed_all
 from .results import append_jsonl, environment, utc_now
 from .task_specs import implements
 from .timing import Budget, kernel_times, measure
@@ -229,8 +229,12 @@ def bench_reference(problem: str, device: str, seed: int, eval_mode: bool,
 def set_inputs(mod, key: int, n: int | None) -> list:
     """The inputs of the set drawn under `key` at batch size n, on the CPU (the same in every
     worker): what a row's "input set key K" names, to rerun a failing timed call by hand
-    (`loader.problem_module(problem)` for mod; its forward ran under pool.forward_seed(K))."""
-    return loader.draw_inputs(mod, key, n)
+    (`loader.problem_module(problem)` for mod; its forward ran under pool.forward_seed(K)).
+    Seeded as torch.manual_seed seeds, through the generators' own methods (pool.seed_all):
+    torch.manual_seed's Python path costs a CPU-only torch ~0.25 ms per draw, which a
+    candidate could make cheaper in its own worker (traceback.format_stack replaced) and so
+    make room, between its calls, for work it had moved out of the timed window."""
+    return loader.draw_inputs(mod, key, n, seed_with=seed_all)
 
 
 def _first_key(seed: int) -> int:

@@ -44,8 +44,20 @@ def unsupported_type(value) -> str | None:
 
 
 def as_tuple(out) -> tuple:
-    """A model's output as a tuple: a bare tensor is a 1-tuple (KernelBench allows both)."""
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    """A model's output as a plain tuple: a bare tensor is a 1-tuple (KernelBench allows both).
+
+    Read through tuple's and list's own C methods, by the real type (not isinstance, which
+    asks an object's `__class__`): a container that is a subclass runs no code of its own here.
+    On 2026-12-05 a candidate's list subclass did a call's work in its `__iter__` only when
+    the harness read a judged call's outputs, and listed a fake 256 MiB tensor on the first
+    read, so that bench skipped copying the others: "ok" at 13-94x eager, wrong on most calls.
+    """
+    kind = type(out)
+    if issubclass(kind, tuple):
+        return tuple.__getitem__(out, slice(None))
+    if issubclass(kind, list):
+        return tuple(list.copy(out))
+    return (out,)
 
 
 def aliased_outputs(outputs, inputs) -> list[int]:

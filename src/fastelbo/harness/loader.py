@@ -127,9 +127,10 @@ def batch_size_set(mod: ModuleType, n: int | None):
 
 
 def draw_inputs(mod: ModuleType, seed: int, batch_size: int | None = None,
-                variant: str | None = None) -> list:
-    """get_inputs() (or a named input variant) with a fixed seed, returned on the CPU."""
-    torch.manual_seed(seed)
+                variant: str | None = None, seed_with=None) -> list:
+    """get_inputs() (or a named input variant) with a fixed seed, returned on the CPU.
+    `seed_with`: what seeds the generators (torch.manual_seed where None)."""
+    (seed_with or torch.manual_seed)(seed)
     with batch_size_set(mod, batch_size):
         make = mod.get_input_variants()[variant] if variant else mod.get_inputs
         inputs = list(make())

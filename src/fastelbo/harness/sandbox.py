@@ -204,6 +204,34 @@ def enter(spec: dict | None, scratch: Path) -> None:
         os.setuid(spec["uid"])
         return
     _landlock(libc, spec, scratch, caches)
+    _drop_capabilities(libc)
+
+
+_PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+_CAP_VERSION_3 = 0x20080522
+
+
+def _drop_capabilities(libc) -> None:
+    """Give up every capability for good: the bounding set (where this process may: root),
+    the ambient set, and the effective, permitted and inheritable sets (no_new_privs, set
+    by then, keeps an exec from regaining any). A Landlock worker keeps its user, and as root
+    it kept root's powers, which Landlock does not cover: on 2026-12-05 a root candidate
+    loaded eBPF uprobes on libc's write (bpf, perf_event_open), read the reference worker's
+    cache entries as that worker wrote them, and passed its check computing nothing. Without
+    capabilities root is an ordinary user that owns root's files."""
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last = int(f.read())
+    except (OSError, ValueError):
+        last = 63
+    for cap in range(last + 1):  # EPERM without CAP_SETPCAP: nothing to drop there
+        libc.prctl(_PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0)
+    libc.prctl(_PR_CAP_AMBIENT, ctypes.c_ulong(_PR_CAP_AMBIENT_CLEAR_ALL), 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0)  # this process
+    data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable}: all zero
+    if libc.capset(ctypes.byref(header), ctypes.byref(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"capset: {os.strerror(err)}")
 
 
 _entered: dict = {}  # this worker's: spec, scratch, builds root (enter); narrowed (its dir)
