@@ -180,6 +180,8 @@ TIMING_EXPLOITS = {
     # told which calls were judged by the harness's own torch ops (an aten kernel replaced)
     "exploit_judged_only": {"INCORRECT"},
     "exploit_fewer_threads": {"TAMPERED"},
+    # a list subclass whose iteration the harness ran: a fake size, then the work, judged only
+    "exploit_lazy_container": {"INCORRECT"},
     "reference_as_candidate": {"ok"},
 }
 
