@@ -253,6 +253,9 @@ def test_cuda_bench_measures_events_graph_and_memory(tmp_path):
     assert row["graph_ms"] > 0
     assert not row["stream_escape"]
     assert row["host"]["cpu"] is not None and row["host"]["allowed"] >= 1
+    # every kernel counted once: the profiler's total is no more than the calls' device time
+    assert 0 < row["kernel_ms"] <= 1.2 * row["events_warm_ms"], (row["kernel_ms"], row["kernels"])
+    assert not any("device time outside" in f for f in row["flags"]), row["flags"]
 
 
 def _order_of_timing_and_profiling(monkeypatch, device: str):
@@ -294,6 +297,25 @@ def test_a_timer_patched_while_profiled_still_reads_as_tampered(monkeypatch, tmp
     monkeypatch.setattr(bench, "kernel_times", kernel_times)
     out = bench.bench_entry(TINY, "candidate", str(cand), "cpu", [4, 8], 0, True, 10)
     assert [r["tampered"] for r in out["rows"]] == [["time.perf_counter was replaced"]] * 2
+
+
+def test_device_time_counts_each_kernel_once():
+    """A host op's "self device time" is its kernels' (aten::addmm beside its sgemm): only the
+    device-side events count, and the profiler's own overhead not at all (on the H200 eager's
+    VAE read twice its event time and was flagged as a side stream)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from fastelbo.harness.timing import device_totals
+
+    def event(key, device, us, count=1):
+        return SimpleNamespace(key=key, device_type=device, self_device_time_total=us,
+                               count=count)
+    events = [event("aten::addmm", DeviceType.CPU, 100.0, 2), event("sgemm", DeviceType.CUDA, 100.0, 2),
+              event("Memcpy DtoD", DeviceType.CUDA, 5.0), event("aten::add", DeviceType.CPU, 0.0),
+              event("Activity Buffer Request", DeviceType.CUDA, 177.8)]
+    assert device_totals(events) == {"sgemm": [100.0, 2], "Memcpy DtoD": [5.0, 1]}
 
 
 @pytest.mark.gpu
