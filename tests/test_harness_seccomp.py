@@ -104,3 +104,26 @@ def test_the_program_jumps_land_inside_it():
         assert [i[0] for i in insns[-3:]] == [0x06] * 3  # ALLOW, EPERM, ENOSYS
         assert any(i[3] == 1234 for i in insns)  # the worker itself may be named
     assert seccomp.program("riscv64", 1) is None
+
+
+def _ssb(status: str) -> str:
+    return next(line.split(":", 1)[1].strip() for line in status.splitlines()
+                if line.startswith("Speculation_Store_Bypass"))
+
+
+@pytest.mark.parametrize("spec_allow", [True, False])
+def test_the_filter_leaves_the_speculation_mitigation_alone(spec_allow):
+    """Installed with SECCOMP_FILTER_FLAG_SPEC_ALLOW, the filter does not turn on the
+    speculative-store-bypass mitigation (a kernel set to "prctl and seccomp", x86's default,
+    does for every filtered process, slowing its host code); the prctl way does, where the
+    kernel mitigates by seccomp at all (else both leave it as it was, and so cannot differ)."""
+    with open("/proc/self/status") as f:
+        before = _ssb(f.read())
+    if "prctl" not in before and "thread" not in before:
+        pytest.skip(f"this kernel does not mitigate per process ({before})")
+    probe = ("import sys\nfrom fastelbo.harness import seccomp\n"
+             f"assert seccomp.forbid_escapes(spec_allow={spec_allow}) is None\n"
+             "print(open('/proc/self/status').read())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout
+    assert (_ssb(out) == before) is spec_allow, (before, _ssb(out))
