@@ -299,6 +299,16 @@ def test_a_timer_patched_while_profiled_still_reads_as_tampered(monkeypatch, tmp
     assert [r["tampered"] for r in out["rows"]] == [["time.perf_counter was replaced"]] * 2
 
 
+def test_the_gap_between_calls_leaves_out_the_waits_for_the_device():
+    """The outside time is the harness's host work between calls: the synchronizes and the
+    flush (the device's time, and a driver call) are left out (they varied 0.9-2.0 ms per
+    worker on the H200 and flagged an honest candidate)."""
+    from fastelbo.harness.timing import _median_gap
+    ends, starts = [1.0, 2.0, 3.0], [0.5, 1.5, 2.6, 3.9]
+    assert _median_gap(ends, starts) == pytest.approx(600.0)  # (0.5, 0.6, 0.9) s, in ms
+    assert _median_gap(ends, starts, [0.4, 0.1, 0.85]) == pytest.approx(100.0)
+
+
 def test_device_time_counts_each_kernel_once():
     """A host op's "self device time" is its kernels' (aten::addmm beside its sgemm): only the
     device-side events count, and the profiler's own overhead not at all (on the H200 eager's

@@ -30,9 +30,10 @@ Metrics, each answering its own question:
   session leaves CUPTI attached to the process, and every later launch pays for it): device
   time per call of each kernel: a kernel that runs elsewhere or on a side stream shows up there.
 - `outside_ms`: median host time per call outside the window in the default column's loop
-  (every call's outputs copied, the next draw, the flush): the harness's own work, the same
-  for every entry, unless code of the candidate's runs there (bench compares it with
-  eager's); `wall_outside_ms` (GPU): the wall rounds' copy of every output, per call.
+  (every call's outputs copied, the guard, the next draw; not the waits for the device, nor
+  the flush): the harness's own work, the same for every entry, unless code of the
+  candidate's runs there (bench compares it with eager's); `wall_outside_ms` (GPU): the wall
+  rounds' copy of every output, per call.
 After the calls, `guard()` (integrity.Snapshot.guard) asks whether a hook the harness would run
 between calls is left set, so one that sees the next draw or fills outputs as they are read is
 TAMPERED even if removed before the loop ends.
@@ -132,12 +133,24 @@ def _nothing() -> None:
     pass
 
 
-def _median_gap(ends: list[float], starts: list[float]) -> float:
+def _median_gap(ends: list[float], starts: list[float], waits: list[float] | None = None) -> float:
     """The median host time (ms) from one call's window closing to the next call's start: what
-    the harness does between calls (its outputs copied, the guard, the next draw and flush),
-    per call. `ends[k]`, `starts[k]`: call k's window's end and start."""
-    gaps = [(s - e) * 1e3 for e, s in zip(ends, starts[1:])]
+    the harness does between calls (its outputs copied, the guard, the next draw), per call.
+    `ends[k]`, `starts[k]`: call k's window's end and start; `waits[k]`: the time after call k
+    spent waiting for the device or in the driver (synchronizes, the L2 flush and its reset),
+    left out: on the H200 those made the cold loop's gaps 0.9-2.0 ms per worker for the same
+    work (2026-12-05: honest fastelbo:cuda at B=128 flagged, 2.03 ms against eager's 0.94), and
+    device work moved outside the window is the profiler's to see (kernel_ms)."""
+    waits = waits or [0.0] * len(ends)
+    gaps = [(s - e - w) * 1e3 for e, s, w in zip(ends, starts[1:], waits)]
     return statistics.median(gaps) if gaps else 0.0
+
+
+def _timed(fn) -> float:
+    """Seconds `fn()` took."""
+    t0 = _perf()
+    fn()
+    return _perf() - t0
 
 
 def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Checks,
@@ -151,19 +164,19 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
     there: work on another stream is in it, not in the events. `guard()` is called after each
     call where a set is drawn or an output read (cold: every call; warm: the judged ones, so
     that the loop stays back to back); with `outside`, the median host time per call spent
-    outside the window (every call's outputs copied, the draw, the flush) is appended there."""
+    outside the window (every call's outputs copied, the guard, the draw: _median_gap) is
+    appended there."""
     order, pairs = pool.order(reps), []
     if flush is None:
         for j in order:
             pool.get(j)
-    ends, starts = [], []
+    ends, starts, waits = [], [], []
     for k, j in enumerate(order):
         x = pool.fresh(j)
         if flush is not None:  # as KernelBench: idle device, then the flush, then the call
-            if flush.reset is not None:
-                flush.reset()
-            _sync_all()
-            flush()
+            wait = _timed(flush.reset or _nothing) + _timed(_sync_all) + _timed(flush)
+            if waits:  # the previous call's gap
+                waits[-1] += wait
         start, end = _Event(enable_timing=True), _Event(enable_timing=True)
         t0 = _perf()
         starts.append(t0)
@@ -171,9 +184,12 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
         out = model(*x)
         _record(end)
         ends.append(_perf())
+        waits.append(0.0)
         if synced is not None:
             _sync_all()
-            synced.append((_perf() - t0) * 1e3)
+            now = _perf()
+            synced.append((now - t0) * 1e3)
+            waits[-1] += now - ends[-1]
         pairs.append((start, end))
         copied = checks.copy(out)  # every call's, before `judged` is drawn
         judge = judged(k, reps)
@@ -183,7 +199,7 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
             checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
         del out, x, copied
     if outside is not None:
-        outside.append(_median_gap(ends, starts))
+        outside.append(_median_gap(ends, starts, waits))
     _sync_all()
     ms = [_elapsed(s, e) for s, e in pairs]
     if flush is None:
