@@ -480,3 +480,119 @@ def kill_tree(pid: int) -> list[str]:
         except ProcessLookupError:
             pass
     return list(seen.values())
+
+
+# ---- the parent's side: what a worker that died first left behind (worker.py adopts it) ----
+
+_PF_EXITING = 0x4  # /proc/PID/stat's flags: the process has begun to exit
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in /proc/PID/status's SigPnd and ShdPnd masks
+
+
+def children(pid: int) -> list[int]:
+    """`pid`'s children, via /proc: each of its threads lists its own (an orphan is adopted
+    by whichever thread of its new parent is alive)."""
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _status(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return dict(line.rstrip("\n").partition(":\t")[::2] for line in f)
+    except OSError:
+        return {}
+
+
+def seccomp_filters(pid: int) -> int | None:
+    """How many seccomp filters `pid` runs under (Linux >= 5.9 reports it); None where that is
+    not reported, or `pid` is gone."""
+    try:
+        return int(_status(pid)["Seccomp_filters"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _dying(pid: int) -> bool:
+    """`pid` is dead or already being killed (a zombie, a SIGKILL pending, or exiting): what
+    kill_tree killed a moment ago, named there; gone counts as dying."""
+    status = _status(pid)
+    if not status or status.get("State", "Z")[:1] in "ZX":
+        return True
+    pending = int(status.get("SigPnd", "0"), 16) | int(status.get("ShdPnd", "0"), 16)
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            flags = int(f.read().rpartition(")")[2].split()[6])
+    except (OSError, ValueError, IndexError):
+        return True
+    return bool(pending & _SIGKILL_BIT or flags & _PF_EXITING)
+
+
+def is_subreaper() -> bool:
+    """Whether this process is a child subreaper (PR_GET_CHILD_SUBREAPER; False off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    value = ctypes.c_int(0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0) != 0:
+        return False
+    return bool(value.value)
+
+
+def set_subreaper(on: bool) -> None:
+    """Make this process a child subreaper, or stop being one: while it is, a descendant
+    whose parent dies is reparented to it (to the nearest such ancestor), not to init. The
+    orphans it adopted meanwhile stay its children after it stops."""
+    _prctl(ctypes.CDLL(None, use_errno=True), _PR_SET_CHILD_SUBREAPER, int(on))
+
+
+def kill_adopted(keep) -> list[str]:
+    """SIGKILL and reap every child of this process, except the pids in `keep`, that runs
+    under more seccomp filters than this process does, with its descendants; return what each
+    was that was still running (a zombie, or a process already being killed, is reaped without
+    a name: kill_tree named it). A worker's filter (seccomp.py) is inherited by all it starts,
+    so such a child is a worker's descendant that this process, a subreaper, adopted when the
+    worker died; a child without that mark (the user's own, in a long-lived process) is never
+    touched. Each is stopped before its tree is walked, as in kill_tree, so none forks away;
+    the descendants of the killed are adopted here in turn when they die, and reaped by a
+    later pass. Nothing is done where the count of filters is not reported (not Linux, or
+    Linux < 5.9)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    mine = seccomp_filters(os.getpid())
+    if mine is None:
+        return []
+    named: list[str] = []
+    for _ in range(50):
+        marked = [p for p in children(os.getpid())
+                  if p not in keep and (seccomp_filters(p) or 0) > mine]
+        if not marked:
+            break
+        for p in marked:
+            if _dying(p):
+                continue
+            named.append(describe(p))
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except ProcessLookupError:
+                continue
+            named += kill_tree(p)
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in marked:
+            try:
+                os.waitpid(p, 0)
+            except ChildProcessError:  # reaped elsewhere meanwhile
+                pass
+    return named
