@@ -126,7 +126,7 @@ def forbid_escapes(spec_allow: bool = True) -> str | None:
     """Apply the filter to this process (and all it starts); None where applied, else why
     not (not Linux, an unknown architecture; OSError where the kernel refused). `spec_allow`:
     leave the speculative-store-bypass mitigation as it was (the module's docstring); False
-    installs it as prctl does, for benchmarks/seccomp_cost.py to compare."""
+    installs it as prctl does (tests/test_harness_seccomp.py compares the two)."""
     why = unavailable()
     if why is not None:
         return why
