@@ -143,13 +143,14 @@ class Snapshot:
         out += [f"the class of {label} was replaced ({type(mod).__name__})"
                 for label, (mod, klass) in self.types.items() if type(mod) is not klass]
         if self.audit_hooks_added:
-            out.append("an audit hook was added (sys.addaudithook): it runs at events inside the "
-                       "harness's own calls")
+            out.append(f"an audit hook was added (sys.addaudithook, from {self.audit_hooks_added})"
+                       ": it runs at events inside the harness's own calls")
         return out + active_modes()
 
     def _audit(self, event: str, args) -> None:
-        if event == "sys.addaudithook":
-            self.audit_hooks_added = True
+        if event == "sys.addaudithook":  # the event names no hook: where it was added from
+            caller = sys._getframe(1)
+            self.audit_hooks_added = f"{caller.f_code.co_filename}:{caller.f_lineno}"
 
     def guard(self) -> None:
         """TaskError("tampered") naming every hook left set (hooks_left), if any."""
