@@ -482,7 +482,7 @@ def kill_tree(pid: int) -> list[str]:
     return list(seen.values())
 
 
-# ---- the parent's side: what a worker that died first left behind (worker.py adopts it) ----
+# ---- the parent's side: what a worker that died first left behind (orphans.py adopts it) ----
 
 _PF_EXITING = 0x4  # /proc/PID/stat's flags: the process has begun to exit
 _SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in /proc/PID/status's SigPnd and ShdPnd masks

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import handoff, sandbox, seccomp, task_specs
+from . import handoff, orphans, sandbox, task_specs
 from .task_specs import Task
 
 TAIL_CHARS = 4000
@@ -99,28 +99,22 @@ class Worker:
         self.killed: list[str] = []  # processes it left behind, killed with it (kill())
         self._tree_killed = False
         self.forked = fork and not env
-        # Born under the lock, and counted first: no sweep for orphans (_kill_orphans) may
-        # take it for one before it is registered, and it may die the moment it exists. (A
-        # forked worker gets the lock held; it never starts workers of its own.)
-        with _lock:
-            _opened()
-            try:
-                if self.forked:
-                    self.proc = _fork(cmd_r, msg_w, self.tmp, self._log_path, confine)
-                else:
-                    extra = {**(env or {}), CONFINE_ENV: json.dumps(confine)}
-                    with open(self._log_path, "wb") as log:
-                        self.proc = subprocess.Popen(
-                            [sys.executable, "-m", "fastelbo.harness.worker", str(cmd_r),
-                             str(msg_w), str(self.tmp)],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, pass_fds=(cmd_r, msg_w),
-                            env={**os.environ, **extra})
-            except BaseException:
-                _closed()
-                raise
-            _pids.add(self.proc.pid)
-        self._counted = True  # in _opened's count until close()
+        # Born counted and registered under orphans' lock: no sweep may take it for an
+        # orphan, and it may die the moment it exists.
+        with orphans.birth() as register:
+            if self.forked:
+                self.proc = _fork(cmd_r, msg_w, self.tmp, self._log_path, confine)
+            else:
+                extra = {**(env or {}), CONFINE_ENV: json.dumps(confine)}
+                with open(self._log_path, "wb") as log:
+                    self.proc = subprocess.Popen(
+                        [sys.executable, "-m", "fastelbo.harness.worker", str(cmd_r),
+                         str(msg_w), str(self.tmp)],
+                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        start_new_session=True, pass_fds=(cmd_r, msg_w),
+                        env={**os.environ, **extra})
+            register(self.proc.pid)
+        self._counted = True  # in orphans' count of open workers until close()
         os.close(cmd_r)
         os.close(msg_w)  # the worker holds the only write end: EOF means it is gone
         self._buf = b""
@@ -294,19 +288,15 @@ class Worker:
 
     def _kill_orphans(self) -> None:
         """The worker is dead and reaped: kill, reap and name what it left running (adopted by
-        this process, a subreaper while it has workers: _opened), and reap what was killed."""
-        with _lock:
-            _pids.discard(self.proc.pid)
-            if _adopting():
-                self.killed += sandbox.kill_adopted(_pids)
+        this process, a subreaper while it has workers: orphans.py)."""
+        self.killed += orphans.reaped(self.proc.pid)
 
     def close(self) -> None:
         _live.discard(self)
         self.kill()
-        with _lock:
-            if self._counted:
-                self._counted = False
-                _closed()
+        if self._counted:
+            self._counted = False
+            orphans.closed()
         for fd in (self._cmd, self._msg):
             try:
                 os.close(fd)
@@ -498,54 +488,6 @@ class WorkerPool:
 
 # Workers started and not yet closed, in any thread (see kill_all).
 _live: set[Worker] = set()
-
-# What a worker leaves when it dies first. A worker is the subreaper of all its candidate
-# starts, but if the worker itself dies (a crash, or an os._exit the candidate arranged after
-# handing its channel to a daemon), its descendants are reparented to the nearest subreaper
-# above it, or to init, and no worker's tree holds them any more. So while this process has
-# workers it is a subreaper too: it adopts them, and a worker found dead has every child of this
-# process that carries the workers' mark killed, reaped and named (sandbox.kill_adopted). The
-# mark: the seccomp filter every worker installs at birth (sandbox.enter), inherited by all it
-# starts and never removed, so they run under more filters than this process. Where there is no
-# filter (seccomp.unavailable(): not Linux x86-64 or arm64) or its count is not reported
-# (Linux < 5.9), orphans cannot be told from the user's own children: this process then never
-# becomes a subreaper, and a dead worker's orphans go to init and outlive its check (README).
-_pids: set[int] = set()  # this process's workers not yet reaped: never taken for orphans
-_open = 0                # workers started and not closed: a subreaper while above 0
-_set_by_us = False       # whether _opened made this process a subreaper (else left as found)
-# Over the three, a worker's birth and a sweep. Reentrant: kill_all runs in a signal handler,
-# which may interrupt a sweep on the same thread.
-_lock = threading.RLock()
-_adopts: bool | None = None  # _adopting()'s answer, once known
-
-
-def _adopting() -> bool:
-    """Whether this process can tell a worker's orphans by the mark (above), once per process."""
-    global _adopts
-    if _adopts is None:
-        _adopts = (seccomp.unavailable() is None
-                   and sandbox.seccomp_filters(os.getpid()) is not None)
-    return _adopts
-
-
-def _opened() -> None:
-    """A worker is being born (under _lock): with the first, become a subreaper."""
-    global _open, _set_by_us
-    _open += 1
-    if _open == 1 and _adopting() and not sandbox.is_subreaper():
-        sandbox.set_subreaper(True)
-        _set_by_us = True
-
-
-def _closed() -> None:
-    """A worker was closed (under _lock): after the last, stop being a subreaper (its orphans
-    were killed as it was closed)."""
-    global _open, _set_by_us
-    _open -= 1
-    if _open == 0 and _set_by_us:
-        sandbox.set_subreaper(False)
-        _set_by_us = False
-
 
 def kill_all() -> None:
     """Kill every worker still running, with its children: for a long-lived caller (`fastelbo
