@@ -15,7 +15,8 @@ code exists, with the strongest protection this OS offers (`plan()` decides, `en
    candidate's folder,
    open only the device files a GPU job needs, and may not ptrace (read the memory of) or,
    from ABI 6, signal any process outside its domain: the check's process and the reference's
-   worker included.
+   worker included. It then gives up every capability (a root worker keeps its uid, not
+   root's powers: _drop_capabilities).
 2. **user** (running as root without Landlock): the worker drops to an unprivileged user
    (`nobody`) before any candidate code; the cache and private directories are mode 0700,
    root's. Used only where everything the worker must import is readable by that user.

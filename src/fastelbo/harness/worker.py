@@ -489,6 +489,7 @@ class WorkerPool:
 # Workers started and not yet closed, in any thread (see kill_all).
 _live: set[Worker] = set()
 
+
 def kill_all() -> None:
     """Kill every worker still running, with its children: for a long-lived caller (`fastelbo
     serve`) that exits while tasks are in flight; each waiting run reports a crash."""
