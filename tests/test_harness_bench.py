@@ -322,8 +322,9 @@ def test_device_time_counts_each_kernel_once():
     def event(key, device, us, count=1):
         return SimpleNamespace(key=key, device_type=device, self_device_time_total=us,
                                count=count)
-    events = [event("aten::addmm", DeviceType.CPU, 100.0, 2), event("sgemm", DeviceType.CUDA, 100.0, 2),
-              event("Memcpy DtoD", DeviceType.CUDA, 5.0), event("aten::add", DeviceType.CPU, 0.0),
+    events = [event("aten::addmm", DeviceType.CPU, 100.0, 2),
+              event("sgemm", DeviceType.CUDA, 100.0, 2), event("Memcpy DtoD", DeviceType.CUDA, 5.0),
+              event("aten::add", DeviceType.CPU, 0.0),
               event("Activity Buffer Request", DeviceType.CUDA, 177.8)]
     assert device_totals(events) == {"sgemm": [100.0, 2], "Memcpy DtoD": [5.0, 1]}
 

@@ -228,7 +228,8 @@ def test_device_copies_are_copies(tmp_path):
 def _segment(t: torch.Tensor, snapshot) -> int:
     """The address of the caching allocator's segment (one IPC mapping) that holds t."""
     ptr = t.data_ptr()
-    (seg,) = [s["address"] for s in snapshot if s["address"] <= ptr < s["address"] + s["total_size"]]
+    (seg,) = [s["address"] for s in snapshot
+              if s["address"] <= ptr < s["address"] + s["total_size"]]
     return seg
 
 

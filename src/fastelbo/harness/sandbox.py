@@ -433,19 +433,9 @@ def descendants(pid: int) -> list[int]:
     """Every live descendant of `pid` (a subreaper keeps orphans among them), via /proc."""
     out, todo = [], [pid]
     while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    kids = [int(c) for c in f.read().split()]
-            except (OSError, ValueError):
-                continue
-            out += kids
-            todo += kids
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
     return out
 
 

@@ -40,12 +40,12 @@ CLONE_PARENT = 0x00008000
 _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
 # Per machine: AUDIT_ARCH of the native ABI, then syscall numbers.
 _ARCH = {
-    "x86_64": {"audit": 0xC000003E, "seccomp": 317, "clone": 56, "clone3": 435, "sched_setaffinity": 203,
-               "sched_setscheduler": 144, "sched_setparam": 142, "sched_setattr": 314,
-               "setpriority": 141, "ioprio_set": 251, "prlimit64": 302},
-    "aarch64": {"audit": 0xC00000B7, "seccomp": 277, "clone": 220, "clone3": 435, "sched_setaffinity": 122,
-                "sched_setscheduler": 119, "sched_setparam": 118, "sched_setattr": 274,
-                "setpriority": 140, "ioprio_set": 30, "prlimit64": 261},
+    "x86_64": {"audit": 0xC000003E, "seccomp": 317, "clone": 56, "clone3": 435,
+               "sched_setaffinity": 203, "sched_setscheduler": 144, "sched_setparam": 142,
+               "sched_setattr": 314, "setpriority": 141, "ioprio_set": 251, "prlimit64": 302},
+    "aarch64": {"audit": 0xC00000B7, "seccomp": 277, "clone": 220, "clone3": 435,
+                "sched_setaffinity": 122, "sched_setscheduler": 119, "sched_setparam": 118,
+                "sched_setattr": 274, "setpriority": 140, "ioprio_set": 30, "prlimit64": 261},
 }
 # Calls on another process: (name, the argument holding its pid, (the argument holding the
 # kind of target, the one kind allowed) or None). setpriority's PRIO_PROCESS is 0,
