@@ -98,7 +98,8 @@ def test_no_wrapper_without_an_entry():
     wrappers = {n for n, f in vars(launch).items() if inspect.isfunction(f)
                 and list(inspect.signature(f).parameters)[:1] == ["ext"]
                 and not n.startswith("_")}
-    helpers = {"forward_options", "default_forward_options", "backward_options"}
+    helpers = {"forward_options", "default_forward_options", "forward_default",
+               "backward_options"}
     assert wrappers - helpers == set(ENTRIES)
 
 

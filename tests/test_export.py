@@ -251,8 +251,8 @@ def test_the_file_holds_only_what_it_uses(solution):
     python = _python_part(text)
     tree = ast.parse(text)
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    assert {"forward", "default_forward_options", "check_kernel_tensors", "check_x",
-            "check_param_tensors", "param_shapes", "ModelNew", "get_inputs",
+    assert {"forward", "forward_default", "default_forward_options", "check_kernel_tensors",
+            "check_x", "check_param_tensors", "param_shapes", "ModelNew", "get_inputs",
             "get_init_inputs"} <= defined
     for absent in ("backward", "plan", "adam_step", "iwae_partials", "draw_randn", "as_params",
                    "check_params", "set_validation", "unit_mask", "outside_range_error",
@@ -262,7 +262,8 @@ def test_the_file_holds_only_what_it_uses(solution):
     assert not re.search(r"^\s*(import|from)\s+fastelbo", text, re.MULTILINE)
     assert codegen.free_names(text) == set()
     # Each carried wrapper is launch.py's own text, its annotations stripped.
-    for fn in (launch.forward, launch.default_forward_options, contract.check_x):
+    for fn in (launch.forward, launch.forward_default, launch.default_forward_options,
+               contract.check_x):
         assert codegen.strip_annotations(inspect.getsource(fn)) in text, fn.__name__
 
 
@@ -330,9 +331,16 @@ def test_renamed_definitions_in_launch_py_are_followed(tmp_path, monkeypatch):
     solution = _load(tmp_path, text)
     options = type("Ext", (), {"ForwardOptions": type("O", (), {})})
     assert solution.default_forward_options(options).path == 0
+    renamed = _launch_copy(tmp_path, "no_forward_default",
+                           lambda t: t.replace("def forward_default(ext", "def run(ext"))
+    with pytest.raises(codegen.CarryError,
+                       match="uses forward_default, which none of no_forward_default"):
+        _generate_with(monkeypatch, renamed)
+    # A wrapper's own helper that is gone: named with the wrapper that uses it.
     renamed = _launch_copy(tmp_path, "no_forward",
                            lambda t: t.replace("def forward(ext", "def run(ext"))
-    with pytest.raises(codegen.CarryError, match="uses forward, which none of no_forward"):
+    with pytest.raises(codegen.CarryError, match="no_forward.forward_default uses forward, "
+                                                 "which no_forward.py does not define"):
         _generate_with(monkeypatch, renamed)
 
 

@@ -113,8 +113,8 @@ class ModelNew(nn.Module):
         # the same generator call, so equal seeds give equal noise (params[2]: mu_w, (L, H)).
         eps = torch.randn(x.shape[0], params[2].shape[0], device=x.device, dtype=x.dtype)
         ext = _extension()
-        out = forward(ext, x=x, eps=eps, params=[p.detach().contiguous() for p in params],
-                      options=default_forward_options(ext))
+        out = forward_default(ext, x=x, eps=eps,
+                              params=[p.detach().contiguous() for p in params])
         if not out:  # the binding's own input check refused what _check passed: a bug
             raise RuntimeError(f"the kernel's input check refused the call (status "
                                f"{{last_status(ext)}}); please report it")

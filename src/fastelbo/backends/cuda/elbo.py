@@ -150,8 +150,7 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
     if verdict is not None and verdict.in_flight and not awaits:
         verdict.wait()
     ext = build.RUNS_ON.get(x.device) or build.extension()  # the ops resolved x's device
-    out = launch.forward(ext, x=x, eps=eps, params=params,
-                         options=launch.default_forward_options(ext, draw=draw, awaits=awaits))
+    out = launch.forward_default(ext, x=x, eps=eps, params=params, draw=draw, awaits=awaits)
     if not out:  # a check failed: nothing was drawn or launched
         code = launch.last_status(ext)
         if awaits and status.decode(code)[0] == status.VALUE:

@@ -48,6 +48,13 @@ def forward(ext, *, x, eps, params, options):
     return ext.forward(x, eps, params, options)
 
 
+def forward_default(ext, *, x, eps, params, draw=False, awaits=False):
+    """forward with default_forward_options(ext, draw=draw, awaits=awaits): the product's call,
+    one entry into this file on the ops' path."""
+    return forward(ext, x=x, eps=eps, params=params,
+                   options=default_forward_options(ext, draw=draw, awaits=awaits))
+
+
 # The backward's engines for its large GEMMs, as binding.h's Gemm enum numbers them.
 GEMMS = {"auto": 0, "cublas": 1, "tc": 2}
 
