@@ -199,6 +199,27 @@ def test_a_changed_thread_count_is_named():
     assert snap.hooks_left() == []
 
 
+def test_a_library_that_adds_an_audit_hook_at_import_is_imported_before_the_watch(
+        tmp_path, monkeypatch):
+    """filelock adds one when first imported (Python >= 3.12), and torch.compile imports it
+    lazily, inside an honest candidate's first call: the snapshot imports such libraries first
+    (integrity._IMPORTED_FIRST), so only a hook added after it reads as the candidate's. Stand-ins
+    here, as the CI's Python adds none of filelock's; the real one ran on 3.12 (PERF.md)."""
+    for name in ("hook_at_import_known", "hook_at_import_other"):
+        (tmp_path / f"{name}.py").write_text("import sys\nsys.addaudithook(lambda e, a: None)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(integrity, "_IMPORTED_FIRST",
+                        (*integrity._IMPORTED_FIRST, "hook_at_import_known", "not_installed_x"))
+    assert "filelock" in integrity._IMPORTED_FIRST
+    snap = integrity.Snapshot({})
+    assert "hook_at_import_known" in sys.modules
+    import hook_at_import_known  # noqa: F401  (imported already: nothing added now)
+    assert snap.hooks_left() == []
+    import hook_at_import_other  # noqa: F401  (a first import after the watch: seen)
+    assert any("an audit hook was added" in f and "hook_at_import_other.py:2" in f
+               for f in snap.hooks_left()), snap.hooks_left()
+
+
 def test_an_added_audit_hook_is_named_for_good():
     """An audit hook runs at events inside the harness's own calls (one fired in every seeding
     on 2026-12-05) and can be neither listed nor removed: the snapshot's own hook sees it being

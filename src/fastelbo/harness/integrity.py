@@ -62,6 +62,13 @@ _WATCHED_WHOLE = ("torch", "torch.Tensor", "torch.nn.functional", "torch.cuda")
 # it (a CUDA call at import), and these names then come from torch: that worker times nothing
 # with them.
 _CUDA_INIT_ADDS = {("torch.cuda", "_get_device_properties")}
+# Modules that add an audit hook when first imported and that torch imports lazily, so that an
+# honest candidate would import them inside its calls: filelock (torch._inductor's caches) adds
+# its fork-safety hook on CPython >= 3.12 (filelock/_api.py or _core/_fork.py; an honest
+# torch.compile candidate read TAMPERED on the H100 and H200 host, torch 2.11, filelock 3.32,
+# and on a CPU, Python 3.12, filelock 4.3). The snapshot imports them before its own hook,
+# so theirs are the libraries' own, added before the watch; one a candidate adds is still seen.
+_IMPORTED_FIRST = ("filelock",)
 
 
 def _owner(path: str):
@@ -120,6 +127,11 @@ class Snapshot:
         self.types = {label: (mod, type(mod)) for label, mod in (modules or {}).items()}
         self.hooks = _hooks()
         self.audit_hooks_added = False
+        for name in _IMPORTED_FIRST:
+            try:
+                __import__(name)
+            except ImportError:  # not installed: nothing of it can be imported later either
+                pass
         sys.addaudithook(self._audit)  # for good: an audit hook cannot be removed, nor listed
 
     def changed(self) -> list[str]:
