@@ -3,8 +3,9 @@
 Most cases (via "cli") run `python -m fastelbo.cli check PROBLEM CANDIDATE --device D` as a new
 process and time it from spawn to exit (median of --repeats). "cold" gives every run an empty
 reference cache; "warm" fills the cache once, untimed, then times checks that read it. Cases:
-the VAE with fastelbo's plain-PyTorch candidate (cold and warm), a candidate with a syntax
-error, one whose forward hangs (reported at --forward-timeout), and KernelBench-style level-1
+the VAE with fastelbo's plain-PyTorch candidate (cold and warm), the same job done the
+plain-PyTorch way (vae_torch_plain: the host's own cost, to compare hosts by), a candidate
+with a syntax error, one whose forward hangs (reported at --forward-timeout), and KernelBench-style level-1
 (ReLU) and level-2 (Gemm + BatchNorm in training mode) pairs from tests/; `--pair PROBLEM
 CANDIDATE` adds any other (a KernelBench problem at its current size, on the GPU), and with
 `--kernelbench DIR` (a KernelBench checkout) KernelBench's own eval of each pair is timed too,
@@ -80,6 +81,37 @@ print("KB " + json.dumps({"compiled": bool(r.compiled), "correctness": bool(r.co
                           "runtime_us": r.runtime}))
 """
 
+# The plain-PyTorch way of the same job, in a new process: the problem's Model against itself
+# (fastelbo:torch is the spec), as a script would check a candidate: import torch, build both
+# models with the same weights, 5 trials on fresh seeded inputs, torch.allclose. Its wall time
+# is the host's own cost of the job (process, torch's import, CUDA's init), so a check's time
+# on one host compares with another's through it (vae_torch_plain).
+PLAIN_DRIVER = """
+import importlib.util, sys
+import torch
+spec = importlib.util.spec_from_file_location("problem", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+dev = torch.device(sys.argv[2])
+ref = mod.Model(*mod.get_init_inputs()).to(dev)
+cand = mod.Model(*mod.get_init_inputs()).to(dev)
+cand.load_state_dict(ref.state_dict())
+ok = True
+with torch.no_grad():
+    for trial in range(5):
+        torch.manual_seed(trial)
+        inputs = [t.to(dev) if isinstance(t, torch.Tensor) else t for t in mod.get_inputs()]
+        torch.manual_seed(1000 + trial)
+        want = ref(*inputs)
+        torch.manual_seed(1000 + trial)
+        got = cand(*inputs)
+        want = want if isinstance(want, tuple) else (want,)
+        got = got if isinstance(got, tuple) else (got,)
+        ok &= all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(want, got))
+print("PLAIN", "ok" if ok else "mismatch")
+sys.exit(0 if ok else 1)
+"""
+
 
 def cases(device: str, pairs: list[tuple[str, str]], syntax_file: Path,
           kernelbench: bool = False) -> list[dict]:
@@ -98,6 +130,8 @@ def cases(device: str, pairs: list[tuple[str, str]], syntax_file: Path,
          str(TESTS / "candidates" / "batchnorm_batch_stats.py"), "cold", 0, []),
     ]
     out = [c + ("cli",) for c in out]
+    out.append(("vae_torch_plain", str(REPO / "src" / "fastelbo" / "problems" / "vae_elbo.py"),
+                "the problem's Model", "cold", 0, [], "plain"))
     out += [("server_vae_torch_repeat", "vae_elbo", "fastelbo:torch", "warm", 0, [], "mcp"),
             ("session_vae_torch_repeat", "vae_elbo", "fastelbo:torch", "warm", 0, [],
              "session")]
@@ -156,6 +190,19 @@ def run_kernelbench(case: dict, kb_src: Path, timeout: float) -> tuple[float, in
     return wall, res.returncode, verdict
 
 
+def run_plain(case: dict, device: str, timeout: float) -> tuple[float, int, str]:
+    start = time.perf_counter()
+    try:
+        res = subprocess.run([sys.executable, "-c", PLAIN_DRIVER, case["problem"], device],
+                             capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return timeout, TIMED_OUT, f"plain: did not finish within --timeout {timeout:g} s"
+    wall = time.perf_counter() - start
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("PLAIN ")), None)
+    return wall, res.returncode, (f"plain PyTorch: {line[6:]}" if line else
+                                  f"plain failed: {(res.stderr.strip().splitlines() or [''])[-1]}")
+
+
 def measure(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
             src: Path, settle: float, kb_src: Path | None = None) -> dict | None:
     if case["via"] == "kernelbench":
@@ -165,6 +212,13 @@ def measure(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
                 "exit_codes": [c for _, c, _ in runs], "verdict": runs[-1][2],
                 "verdict_ok": all(c == 0 for _, c, _ in runs), "target_s": None,
                 "met": None, "kernelbench_src": str(kb_src)}
+    if case["via"] == "plain":
+        runs = [run_plain(case, device, timeout) for _ in range(repeats)]
+        walls = [round(w, 3) for w, _, _ in runs]
+        codes = [c for _, c, _ in runs]
+        return {**case, "wall_s": round(statistics.median(walls), 3), "runs_s": walls,
+                "exit_codes": codes, "verdict": runs[-1][2],
+                "verdict_ok": all(c == 0 for c in codes), "target_s": None, "met": None}
     if case["via"] != "cli":
         return measure_repeated(case, device, repeats, timeout, tmp, src, settle)
     warm_dir = tmp / f"{case['case']}-warm"

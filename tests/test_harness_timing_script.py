@@ -1,8 +1,9 @@
-"""benchmarks/harness_timing.py, the harness's timing of record, runs its three kinds of case
-on the CPU and writes whole rows: a check as a whole process, one through a long-lived Session,
-and one through the MCP server (whose results are compact: the row reads the full report from
-its report_path; on 2026-12-05 the script still read the compact result and died on the H200
-with KeyError 'workers', after the server's results were made compact)."""
+"""benchmarks/harness_timing.py, the harness's timing of record, runs its four kinds of case
+on the CPU and writes whole rows: a check as a whole process, the plain-PyTorch job it is
+compared with, one through a long-lived Session, and one through the MCP server (whose
+results are compact: the row reads the full report from its report_path; on 2026-12-05 the
+script still read the compact result and died on the H200 with KeyError 'workers', after the
+server's results were made compact)."""
 from __future__ import annotations
 
 import importlib.util
@@ -20,12 +21,14 @@ spec.loader.exec_module(harness_timing)
 def test_each_kind_of_case_writes_a_whole_row(tmp_path):
     pytest.importorskip("mcp")
     out = tmp_path / "rows.jsonl"
-    cases = "syntax_error,session_vae_torch_repeat,server_vae_torch_repeat"
+    cases = "syntax_error,vae_torch_plain,session_vae_torch_repeat,server_vae_torch_repeat"
     assert harness_timing.main(["--device", "cpu", "--repeats", "1", "--settle", "0",
                                 "--only", cases, "--out", str(out)]) == 0
     rows = {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(rows) == set(cases.split(","))
     assert rows["syntax_error"]["exit_codes"] == [2]
+    plain = rows["vae_torch_plain"]  # the plain-PyTorch job, the host's own cost
+    assert plain["exit_codes"] == [0] and plain["verdict"] == "plain PyTorch: ok", plain
     for name in ("session_vae_torch_repeat", "server_vae_torch_repeat"):
         row = rows[name]
         assert row["exit_codes"] == [0] and row["verdict_ok"], row
