@@ -97,6 +97,21 @@ def test_work_moved_outside_the_timed_window_is_flagged():
     assert not any("outside the timed window" in f for f in as_eager["flags"])
 
 
+def test_on_a_cpu_less_work_moved_out_is_flagged():
+    """A GPU call's wait for its kernels falls outside its host window (room: twice its time);
+    a CPU call has none, and half a forward moved into the draw was "ok" at 2-4x under that
+    room (2026-12-05): on a CPU the room is half the call's time."""
+    results = _eager(outside_ms=0.05)
+    half_out = {"wall_ms": 0.50, "outside_ms": 0.40}  # 0.35 ms over eager's, 0.50 inside
+    on_gpu = bench._finish_row(_row(**half_out), results, 1e-4, 1e-4)
+    on_cpu = bench._finish_row({**_row(**half_out), "device": "cpu"}, results, 1e-4, 1e-4)
+    assert not any("outside the timed window" in f for f in on_gpu["flags"]), on_gpu["flags"]
+    assert any("outside the timed window" in f for f in on_cpu["flags"]), on_cpu["flags"]
+    noise = bench._finish_row({**_row(wall_ms=0.50, outside_ms=0.20), "device": "cpu"},
+                              results, 1e-4, 1e-4)
+    assert not any("outside the timed window" in f for f in noise["flags"]), noise["flags"]
+
+
 def test_a_row_that_looks_like_work_outside_the_window_runs_again(monkeypatch):
     """A load on the host during one run is noise; work moved out of the window is there in
     every run: a suspect row runs once more, and the second run's row replaces it where it is
@@ -182,6 +197,8 @@ TIMING_EXPLOITS = {
     "exploit_fewer_threads": {"TAMPERED"},
     # a list subclass whose iteration the harness ran: a fake size, then the work, judged only
     "exploit_lazy_container": {"INCORRECT"},
+    # the problem module's global `torch` replaced: the forward ran inside the harness's draw
+    "exploit_problem_global": {"TAMPERED"},
     "reference_as_candidate": {"ok"},
 }
 

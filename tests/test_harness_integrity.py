@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,3 +232,90 @@ def test_an_added_audit_hook_is_named_for_good():
     # where from: on the GPU something under torch.compile adds one (PERF.md); the report says who
     assert any("an audit hook was added" in f and f"{__file__}:{line}" in f
                for f in snap.hooks_left()), snap.hooks_left()
+
+
+def test_every_global_of_the_harnesss_modules_is_watched(monkeypatch):
+    """A module global the harness's code reads (a module such as statistics, whose median
+    makes the reported times), one added that shadows a builtin, and the stdlib function
+    itself: each is named."""
+    import statistics
+
+    from fastelbo.harness import timing
+    snap = integrity.Snapshot({})
+    monkeypatch.setattr(timing, "statistics", types.SimpleNamespace(median=min))
+    monkeypatch.setattr(timing, "min", max, raising=False)
+    monkeypatch.setattr(statistics, "median", min)
+    assert set(snap.changed()) == {"fastelbo.harness.timing.statistics was replaced",
+                                   "fastelbo.harness.timing.min was added",
+                                   "statistics.median was replaced"}
+
+
+def _other(*args, **kwargs):
+    return None
+
+
+@pytest.mark.parametrize("what", ["__code__", "__defaults__"])
+def test_a_function_whose_code_is_swapped_keeps_no_secret(what):
+    """Its identity stays, so a check of bindings alone missed it: the harness's functions,
+    their classes' methods and the problem's keep their code, defaults and closure."""
+    from fastelbo.harness import compare, pool
+    problem = types.ModuleType("problem")
+
+    def get_inputs(n=3):
+        return [n]
+
+    get_inputs.__module__ = "problem"
+    problem.get_inputs = get_inputs
+    snap = integrity.Snapshot({"problem": problem})
+    targets = [compare.compare_outputs, pool.Pool.fresh, problem.get_inputs]
+    saved = [getattr(f, what) for f in targets]
+    try:
+        for f in targets:
+            setattr(f, what, _other.__code__ if what == "__code__" else (7,))
+        assert set(snap.changed()) >= {
+            "the code of fastelbo.harness.compare.compare_outputs was replaced",
+            "the code of fastelbo.harness.pool.Pool.fresh was replaced",
+            "the code of problem.get_inputs was replaced"}, snap.changed()
+    finally:
+        for f, value in zip(targets, saved):
+            setattr(f, what, value)
+    assert snap.changed() == []
+
+
+def test_the_problems_data_is_watched_but_its_batch_size():
+    """Its global `torch` replaced by a proxy ran a forward inside the harness's draw
+    (exploit_problem_global.py); batch_size is the harness's own to set (and restore)."""
+    problem = types.ModuleType("problem")
+    problem.torch, problem.batch_size = torch, 8
+    snap = integrity.Snapshot({"problem": problem})
+    problem.batch_size = 16
+    assert snap.changed() == []
+    problem.torch = types.SimpleNamespace(rand=torch.rand)
+    problem.extra = 1
+    assert set(snap.changed()) == {"problem.torch was replaced", "problem.extra was added"}
+
+
+def test_what_the_guard_reads_hooks_with_is_watched(monkeypatch):
+    """signal.getsignal replaced by one answering as before would hide a handler."""
+    import signal
+    snap = integrity.Snapshot({})
+    monkeypatch.setattr(signal, "getsignal", lambda s: signal.SIG_DFL)
+    assert "signal.getsignal was replaced" in snap.changed()
+
+
+def test_own_state_is_every_global_the_harness_rebinds():
+    """_OWN_STATE (names the harness's own code rebinds while a candidate runs, so not watched)
+    is exactly the `global` statements of the watched modules: a new one must be listed, and a
+    stale entry would hide a rebinding."""
+    import ast
+    import importlib
+    found = {}
+    for m in integrity._HARNESS:
+        mod = importlib.import_module(f"fastelbo.harness.{m}")
+        tree = ast.parse(Path(mod.__file__).read_text())
+        names = {n for node in ast.walk(tree) if isinstance(node, ast.Global)
+                 for n in node.names}
+        if names:
+            found[mod.__name__] = names
+    own = {k: v for k, v in integrity._OWN_STATE.items() if k != "problem"}
+    assert found == own

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import types
 
 import torch
 
@@ -41,7 +42,12 @@ _WATCHED = [
     ("torch.cuda.CUDAGraph", n) for n in ("replay", "capture_begin", "capture_end")
 ] + [
     ("torch.profiler", "profile"), ("os", "urandom"),
-] + [
+] + [  # what the guard reads hooks with (_hooks): one replaced could answer as before
+    ("sys", n) for n in ("getprofile", "gettrace", "_getframe", "addaudithook")
+] + [("signal", n) for n in ("getsignal", "getitimer", "signal", "setitimer")] + [
+    ("threading", n) for n in ("getprofile", "gettrace", "setprofile", "enumerate",
+                               "current_thread")
+] + [("gc", "callbacks")] + [
     ("fastelbo.harness." + m, n) for m, names in (
         ("loader", ("to_host", "to_device", "sync", "rng_state")),
         ("compare", ("compare_outputs", "identical", "as_tuple")),
@@ -56,7 +62,7 @@ _WATCHED = [
 # torch.Tensor shadows its C base's: clone, copy_, to, ...). The harness times, reads outputs and
 # draws a bench's input sets (the problem's own get_inputs) with them in the candidate's worker;
 # a function replaced there would show the candidate each new set before its timed call.
-_WATCHED_WHOLE = ("torch", "torch.Tensor", "torch.nn.functional", "torch.cuda")
+_WATCHED_WHOLE = ("torch", "torch.Tensor", "torch.nn.functional", "torch.cuda", "random.Random")
 # What CUDA's lazy init adds to torch.cuda (torch/csrc/cuda/Module.cpp). A snapshot for a CUDA
 # device initialises CUDA first; in a worker on another device a candidate may still initialise
 # it (a CUDA call at import), and these names then come from torch: that worker times nothing
@@ -69,6 +75,21 @@ _CUDA_INIT_ADDS = {("torch.cuda", "_get_device_properties")}
 # and on a CPU, Python 3.12, filelock 4.3). The snapshot imports them before its own hook,
 # so theirs are the libraries' own, added before the watch; one a candidate adds is still seen.
 _IMPORTED_FIRST = ("filelock",)
+# Modules watched whole, every name (data included: a module global such as `torch` replaced by
+# a proxy in the problem's module ran half a VAE forward inside the harness's draw of each set,
+# "ok" at 2.1-4.7x an honest run on the CPU, 2026-12-05), and every name added (one shadows a
+# builtin): the harness's own modules in the worker and the problem's (bench's `modules`).
+# Each Python function among them, and each method of their own classes, keeps its code,
+# defaults and closure (a function's __code__ swapped keeps its identity). Not the names their
+# own code rebinds (`global`; tests/test_harness_integrity.py holds this list to the source).
+# Where threading.setprofile / settrace keep their hooks: the snapshot sets one itself, and
+# the guard reads them through threading.getprofile / gettrace (hooks_left).
+_READ_BY_THE_GUARD = {("threading", "_profile_hook"), ("threading", "_trace_hook")}
+_HARNESS = ("loader", "compare", "worker", "timing", "pool", "integrity", "tasks", "handoff",
+            "orphans", "shared")
+_OWN_STATE = {"fastelbo.harness.worker": {"_emitted", "_channel", "_tmp"},
+              "fastelbo.harness.orphans": {"_adopts", "_open", "_set_by_us"},
+              "problem": {"batch_size"}}  # loader.batch_size_set sets and restores it
 
 
 def _owner(path: str):
@@ -101,6 +122,13 @@ class Snapshot:
     to torch.cuda (`_get_device_properties`), which would read as the candidate's."""
 
     def __init__(self, modules: dict | None = None, device=None):
+        import importlib
+        import threading
+        for name in _IMPORTED_FIRST:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # not installed: nothing of it can be imported later either
+                pass
         if device is not None and torch.device(device).type == "cuda":
             torch.cuda.init()
         self.cuda_initialized = torch.cuda.is_initialized()
@@ -109,30 +137,45 @@ class Snapshot:
             owner = _owner(path)
             if owner is not None:
                 self.bound[(path, name)] = (owner, _raw(owner, name))
+        harness = {f"fastelbo.harness.{m}": importlib.import_module(f"fastelbo.harness.{m}")
+                   for m in _HARNESS}
+        self.globals = {label: (mod, dict(vars(mod)))
+                        for label, mod in {**harness, **(modules or {})}.items()}
+        # every module the harness's modules use by name (statistics.median computes the
+        # reported times; random.Random deals the sets), watched as torch's namespaces are
+        used = {v.__name__: v for mod in harness.values() for v in vars(mod).values()
+                if isinstance(v, types.ModuleType) and not v.__name__.startswith("fastelbo")}
         self.whole = {}  # path: (owner, its names now): a name added later shadows a base's
-        for path in _WATCHED_WHOLE:
-            owner = _owner(path)
+        for path, owner in [*((p, _owner(p)) for p in _WATCHED_WHOLE), *used.items()]:
+            if path in self.whole or owner is None:
+                continue
             self.whole[path] = (owner, set(vars(owner)))
             for name, value in list(vars(owner).items()):
                 if _code(value):
                     self.bound.setdefault((path, name), (owner, value))
+        self.codes = {}  # (label, name): a function's code, defaults and closure (_code_of)
+        for label, (mod, names) in self.globals.items():
+            for name, value in names.items():
+                self._keep_code(label, name, value)
+                if isinstance(value, type) and value.__module__ == mod.__name__:
+                    for attr, member in list(vars(value).items()):
+                        self._keep_code(f"{label}.{name}", attr, member)
+        for key in _READ_BY_THE_GUARD:  # state of the setters the guard reads (hooks_left)
+            self.bound.pop(key, None)
+        for (path, name), (_, value) in self.bound.items():
+            self._keep_code(path, name, value)
+        self.types = {label: (mod, type(mod)) for label, mod in (modules or {}).items()}
         self.threads = set(sys._current_frames())  # Python threads alive before the import
         self.started: set[str] = set()
-        import threading
         threading.setprofile(self._thread_started)  # every threading.Thread started from now
-        for label, mod in (modules or {}).items():
-            for name, value in list(vars(mod).items()):
-                if _code(value):
-                    self.bound[(label, name)] = (mod, value)
-        self.types = {label: (mod, type(mod)) for label, mod in (modules or {}).items()}
         self.hooks = _hooks()
         self.audit_hooks_added = False
-        for name in _IMPORTED_FIRST:
-            try:
-                __import__(name)
-            except ImportError:  # not installed: nothing of it can be imported later either
-                pass
         sys.addaudithook(self._audit)  # for good: an audit hook cannot be removed, nor listed
+
+    def _keep_code(self, label: str, name: str, value) -> None:
+        fn = getattr(value, "__func__", value)  # a classmethod's or staticmethod's function
+        if isinstance(fn, types.FunctionType):
+            self.codes[(label, name)] = (fn, _code_of(fn))
 
     def changed(self) -> list[str]:
         """'time.perf_counter was replaced', ... for every watched name bound elsewhere now,
@@ -143,6 +186,16 @@ class Snapshot:
         out += [f"{path}.{name} was added" for path, (owner, names) in self.whole.items()
                 for name, value in list(vars(owner).items())
                 if name not in names and _code(value) and (path, name) not in lazy]
+        missing = object()
+        for label, (mod, names) in self.globals.items():
+            own = _OWN_STATE.get(label, ())
+            now = dict(vars(mod))
+            out += [f"{label}.{name} was replaced" for name, value in names.items()
+                    if name not in own and not _same(now.get(name, missing), value)]
+            out += [f"{label}.{name} was added" for name in now
+                    if name not in names and name not in own]
+        out += [f"the code of {label}.{name} was replaced" for (label, name), (fn, code)
+                in self.codes.items() if not _same_parts(_code_of(fn), code)]
         return out + active_modes()
 
     def hooks_left(self) -> list[str]:
@@ -246,6 +299,27 @@ def _code(value) -> bool:
     """A function, class or descriptor: what runs code when called or read (data such as
     torch.cuda's lazy-init flags changes by itself, and is not watched)."""
     return callable(value) or hasattr(type(value), "__get__")
+
+
+def _code_of(fn: types.FunctionType) -> tuple:
+    """What a Python function runs: its code, defaults and closure cells' contents, as the
+    objects themselves (held, so that no id is reused; compared by identity, so that no
+    candidate object's __eq__ is asked)."""
+    kw = fn.__kwdefaults__ or {}
+    cells = []
+    for c in fn.__closure__ or ():
+        try:
+            cells.append(c.cell_contents)
+        except ValueError:  # an empty cell
+            cells.append(_EMPTY)
+    return (fn.__code__, fn.__defaults__, *(fn.__defaults__ or ()), *kw, *kw.values(), *cells)
+
+
+_EMPTY = object()
+
+
+def _same_parts(now: tuple, then: tuple) -> bool:
+    return len(now) == len(then) and all(a is b for a, b in zip(now, then))
 
 
 def _same(now, then) -> bool:
