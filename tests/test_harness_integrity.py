@@ -290,6 +290,8 @@ def test_the_problems_data_is_watched_but_its_batch_size():
     snap = integrity.Snapshot({"problem": problem})
     problem.batch_size = 16
     assert snap.changed() == []
+    problem.__warningregistry__ = {"version": 0}  # the warnings module's, where one warned
+    assert snap.changed() == []
     problem.torch = types.SimpleNamespace(rand=torch.rand)
     problem.extra = 1
     assert set(snap.changed()) == {"problem.torch was replaced", "problem.extra was added"}

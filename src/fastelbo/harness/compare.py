@@ -336,6 +336,13 @@ def _same(x, y) -> bool:
         torch.nan_to_num(x, nan=0.0), torch.nan_to_num(y, nan=0.0))
 
 
+def shaped_as(got: tuple, ref: tuple) -> bool:
+    """Every output a tensor with the reference's shape (so no larger than the reference's)."""
+    return len(got) == len(ref) and all(
+        isinstance(g, torch.Tensor) and isinstance(r, torch.Tensor) and g.shape == r.shape
+        for g, r in zip(got, ref))
+
+
 def identical(a: tuple, b: tuple) -> bool:
     """Bit-identical outputs (NaN equal to NaN): how cached results give themselves away."""
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))

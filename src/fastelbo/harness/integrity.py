@@ -90,6 +90,7 @@ _HARNESS = ("loader", "compare", "worker", "timing", "pool", "integrity", "tasks
 _OWN_STATE = {"fastelbo.harness.worker": {"_emitted", "_channel", "_tmp"},
               "fastelbo.harness.orphans": {"_adopts", "_open", "_set_by_us"},
               "problem": {"batch_size"}}  # loader.batch_size_set sets and restores it
+_PYTHON_STATE = {"__warningregistry__"}  # the warnings module's, in any module that warned
 
 
 def _owner(path: str):
@@ -188,7 +189,7 @@ class Snapshot:
                 if name not in names and _code(value) and (path, name) not in lazy]
         missing = object()
         for label, (mod, names) in self.globals.items():
-            own = _OWN_STATE.get(label, ())
+            own = _OWN_STATE.get(label, set()) | _PYTHON_STATE
             now = dict(vars(mod))
             out += [f"{label}.{name} was replaced" for name, value in names.items()
                     if name not in own and not _same(now.get(name, missing), value)]

@@ -18,12 +18,16 @@ def judge_trial(index: int, ref: dict, got: dict, prev: tuple | None, atol: floa
                 rtol: float, envelope: dict | None = None) -> TrialReport:
     """All findings for one trial; `prev` is the previous trial's (reference, candidate);
     `envelope` ({lo, hi, fragile}) the perturbed reference's bounds, when computed."""
-    from .compare import compare_outputs, identical
+    from .compare import compare_outputs, identical, shaped_as
     runs = [envelope["lo"], envelope["hi"]] if envelope else None
     cmp = compare_outputs(ref["outputs"], got["outputs"], atol, rtol, runs,
                           fragile=envelope["fragile"] if envelope else None)
     findings = list(cmp.findings)
-    if prev is not None and identical(got["outputs"], prev[1]["outputs"]) \
+    # Only outputs shaped as the reference's are compared with the previous trial's: a shape
+    # is the candidate's to choose, and torch.zeros(1).expand(10**8, 10**8) (one float in a
+    # file) kept torch.equal busy for weeks in the check's own process (2026-12-05, red team).
+    if prev is not None and shaped_as(got["outputs"], ref["outputs"]) \
+            and identical(got["outputs"], prev[1]["outputs"]) \
             and not identical(ref["outputs"], prev[0]["outputs"]):
         findings.append(Finding("cached", "outputs are bit-identical to the previous trial's "
                                 "although the inputs changed (and the reference's outputs did): "

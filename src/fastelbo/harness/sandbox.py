@@ -513,12 +513,30 @@ def seccomp_filters(pid: int) -> int | None:
         return None
 
 
+def _threads_alive(pid: int) -> bool:
+    """Whether any thread of `pid` is neither a zombie nor dead: a group leader that ended its
+    own thread alone (the exit syscall, not exit_group) reads "Z" while the others run on."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] not in "ZX":
+                    return True
+        except (OSError, IndexError):
+            continue
+    return False
+
+
 def _dying(pid: int) -> bool:
-    """`pid` is dead or already being killed (a zombie, a SIGKILL pending, or exiting): what
-    kill_tree killed a moment ago, named there; gone counts as dying."""
+    """`pid` is dead or already being killed (a zombie whose threads have all ended, a SIGKILL
+    pending, or exiting): what kill_tree killed a moment ago, named there; gone counts as
+    dying."""
     status = _status(pid)
     if not status or status.get("State", "Z")[:1] in "ZX":
-        return True
+        return not _threads_alive(pid)  # 2026-12-05: a zombie leader's thread ran on
     pending = int(status.get("SigPnd", "0"), 16) | int(status.get("ShdPnd", "0"), 16)
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -581,9 +599,13 @@ def kill_adopted(keep) -> list[str]:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for p in marked:
-            try:
-                os.waitpid(p, 0)
-            except ChildProcessError:  # reaped elsewhere meanwhile
-                pass
+        for p in marked:  # reaped once every thread has ended; never waited on for good
+            deadline = time.monotonic() + 2.0
+            while True:
+                try:
+                    if os.waitpid(p, os.WNOHANG)[0] or time.monotonic() > deadline:
+                        break
+                except ChildProcessError:  # reaped elsewhere meanwhile
+                    break
+                time.sleep(0.005)
     return named

@@ -54,6 +54,8 @@ BUILD_MACHINERY = (f"{os.sep}torch{os.sep}utils{os.sep}cpp_extension.py",
 # Step limit classes, sent with each step: total only, the build limit, the forward limit.
 TOTAL, BUILD, FORWARD = "t", "b", "f"
 READY = "W"  # a worker's first line: its start-up (imports, CUDA context) is done
+MAX_LINE = 1 << 20  # bytes: the longest line a worker's channel may carry (_next_line)
+FLOODED = object()  # _next_line's answer past MAX_LINE
 
 
 @dataclass
@@ -199,6 +201,11 @@ class Worker:
                 continue
             if line == "":
                 return self._died(outcome)
+            if line is FLOODED:
+                self.kill()
+                outcome.category = "exception"
+                outcome.reason = f"the worker's channel carried over {MAX_LINE} bytes in a line"
+                return
             if line == READY:  # the start-up is done; the task's first step follows
                 self.ready = True
                 continue
@@ -232,8 +239,10 @@ class Worker:
                 return _read_result(outcome, Path(rest), self.tmp)
 
     def _next_line(self, wait: float) -> str | None:
-        """The next message line; None when none came within `wait` s; "" at end of file."""
-        while b"\n" not in self._buf:
+        """The next message line; None when none is whole yet (one read at most: the limits
+        are checked between reads); "" at end of file; FLOODED past MAX_LINE bytes (a
+        candidate's endless line held a loop of reads here past every limit, 2026-12-05)."""
+        if b"\n" not in self._buf:
             ready, _, _ = _select([self._msg], wait)
             if not ready:
                 return None
@@ -241,7 +250,8 @@ class Worker:
             if not chunk:
                 return ""
             self._buf += chunk
-            wait = 0.0
+            if b"\n" not in self._buf:
+                return FLOODED if len(self._buf) > MAX_LINE else None
         line, self._buf = self._buf.split(b"\n", 1)
         return line.decode(errors="replace")
 
