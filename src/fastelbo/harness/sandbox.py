@@ -479,21 +479,27 @@ _PF_EXITING = 0x4  # /proc/PID/stat's flags: the process has begun to exit
 _SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in /proc/PID/status's SigPnd and ShdPnd masks
 
 
-def children(pid: int) -> list[int]:
-    """`pid`'s children, via /proc: each of its threads lists its own (an orphan is adopted
-    by whichever thread of its new parent is alive)."""
-    out = []
+def _per_thread(pid: int, name: str) -> list[str]:
+    """/proc/PID/task/*/`name` of each of `pid`'s threads (those that could be read)."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return out
+        return []
+    out = []
     for t in tasks:
         try:
-            with open(f"/proc/{pid}/task/{t}/children") as f:
-                out += [int(c) for c in f.read().split()]
-        except (OSError, ValueError):
+            with open(f"/proc/{pid}/task/{t}/{name}") as f:
+                out.append(f.read())
+        except OSError:
             continue
     return out
+
+
+def children(pid: int) -> list[int]:
+    """`pid`'s children, via /proc: each of its threads lists its own (an orphan is adopted
+    by whichever thread of its new parent is alive)."""
+    return [int(c) for text in _per_thread(pid, "children") for c in text.split()
+            if c.isdigit()]
 
 
 def _status(pid: int) -> dict[str, str]:
@@ -516,18 +522,8 @@ def seccomp_filters(pid: int) -> int | None:
 def _threads_alive(pid: int) -> bool:
     """Whether any thread of `pid` is neither a zombie nor dead: a group leader that ended its
     own thread alone (the exit syscall, not exit_group) reads "Z" while the others run on."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for t in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{t}/stat") as f:
-                if f.read().rpartition(")")[2].split()[0] not in "ZX":
-                    return True
-        except (OSError, IndexError):
-            continue
-    return False
+    return any(stat.rpartition(")")[2].split()[:1] not in ([], ["Z"], ["X"])
+               for stat in _per_thread(pid, "stat"))
 
 
 def _dying(pid: int) -> bool:
