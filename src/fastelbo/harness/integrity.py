@@ -8,7 +8,10 @@ functions, or leave a TorchFunctionMode / TorchDispatchMode active that computes
 the real answer only when the harness copies an output (a lazy output). `Snapshot()` records
 what these names are bound to before the candidate is imported; `changed()` names every one
 that differs afterwards (checked after the import and after its forwards), and the harness
-reports it as a failure ("tampered") that names what was changed.
+reports it as a failure ("tampered") that names what was changed. Watched so: the timers and
+readers by name, torch's namespaces and the stdlib modules the harness uses (their functions),
+and the harness's own modules and the problem's whole (every name, and the code, defaults and
+closure of each function in them).
 
 Hooks are the other way in: code the harness runs without calling it, between the candidate's
 calls, where it draws the next set and reads the last outputs. A profile or trace function, a
@@ -75,6 +78,9 @@ _CUDA_INIT_ADDS = {("torch.cuda", "_get_device_properties")}
 # and on a CPU, Python 3.12, filelock 4.3). The snapshot imports them before its own hook,
 # so theirs are the libraries' own, added before the watch; one a candidate adds is still seen.
 _IMPORTED_FIRST = ("filelock",)
+# Where threading.setprofile / settrace keep their hooks: the snapshot sets one itself, and
+# the guard reads them through threading.getprofile / gettrace (hooks_left).
+_READ_BY_THE_GUARD = {("threading", "_profile_hook"), ("threading", "_trace_hook")}
 # Modules watched whole, every name (data included: a module global such as `torch` replaced by
 # a proxy in the problem's module ran half a VAE forward inside the harness's draw of each set,
 # "ok" at 2.1-4.7x an honest run on the CPU, 2026-12-05), and every name added (one shadows a
@@ -82,9 +88,6 @@ _IMPORTED_FIRST = ("filelock",)
 # Each Python function among them, and each method of their own classes, keeps its code,
 # defaults and closure (a function's __code__ swapped keeps its identity). Not the names their
 # own code rebinds (`global`; tests/test_harness_integrity.py holds this list to the source).
-# Where threading.setprofile / settrace keep their hooks: the snapshot sets one itself, and
-# the guard reads them through threading.getprofile / gettrace (hooks_left).
-_READ_BY_THE_GUARD = {("threading", "_profile_hook"), ("threading", "_trace_hook")}
 _HARNESS = ("loader", "compare", "worker", "timing", "pool", "integrity", "tasks", "handoff",
             "orphans", "shared")
 _OWN_STATE = {"fastelbo.harness.worker": {"_emitted", "_channel", "_tmp"},
