@@ -239,10 +239,12 @@ class Worker:
                 return _read_result(outcome, Path(rest), self.tmp)
 
     def _next_line(self, wait: float) -> str | None:
-        """The next message line; None when none is whole yet (one read at most: the limits
-        are checked between reads); "" at end of file; FLOODED past MAX_LINE bytes (a
-        candidate's endless line held a loop of reads here past every limit, 2026-12-05)."""
-        if b"\n" not in self._buf:
+        """The next message line; None when none came within `wait` s; "" at end of file;
+        FLOODED past MAX_LINE bytes without a line break (reads without end held the limits
+        off, the buffer growing: a candidate's endless line, 2026-12-05)."""
+        while b"\n" not in self._buf:
+            if len(self._buf) > MAX_LINE:
+                return FLOODED
             ready, _, _ = _select([self._msg], wait)
             if not ready:
                 return None
@@ -250,8 +252,7 @@ class Worker:
             if not chunk:
                 return ""
             self._buf += chunk
-            if b"\n" not in self._buf:
-                return FLOODED if len(self._buf) > MAX_LINE else None
+            wait = 0.0
         line, self._buf = self._buf.split(b"\n", 1)
         return line.decode(errors="replace")
 
