@@ -175,50 +175,38 @@ def run_check(case: dict, device: str, cache_dir: Path, timeout: float,
     return wall, res.returncode, verdict, {k: round(v, 3) for k, v in report["timings"].items()}
 
 
-def run_kernelbench(case: dict, kb_src: Path, timeout: float) -> tuple[float, int, str]:
+def run_driver(driver: str, args: list[str], prefix: str, label: str,
+               timeout: float) -> tuple[float, int, str]:
+    """(wall s, exit code, verdict) of `driver` (a -c script printing one line `prefix ...`)
+    in a new process; the verdict is that line's rest after `label: `."""
     start = time.perf_counter()
     try:
-        res = subprocess.run([sys.executable, "-c", KB_DRIVER, str(kb_src), case["problem"],
-                              case["candidate"]], capture_output=True, text=True,
-                             timeout=timeout, check=False)
+        res = subprocess.run([sys.executable, "-c", driver, *args], capture_output=True,
+                             text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        return timeout, TIMED_OUT, f"kernelbench: did not finish within --timeout {timeout:g} s"
+        return timeout, TIMED_OUT, f"{label}: did not finish within --timeout {timeout:g} s"
     wall = time.perf_counter() - start
-    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("KB ")), None)
-    verdict = (f"kernelbench: {line[3:]}" if line else
-               f"kernelbench failed: {(res.stderr.strip().splitlines() or [''])[-1][:200]}")
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith(prefix)), None)
+    verdict = (f"{label}: {line[len(prefix):]}" if line else
+               f"{label} failed: {(res.stderr.strip().splitlines() or [''])[-1][:200]}")
     return wall, res.returncode, verdict
-
-
-def run_plain(case: dict, device: str, timeout: float) -> tuple[float, int, str]:
-    start = time.perf_counter()
-    try:
-        res = subprocess.run([sys.executable, "-c", PLAIN_DRIVER, case["problem"], device],
-                             capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return timeout, TIMED_OUT, f"plain: did not finish within --timeout {timeout:g} s"
-    wall = time.perf_counter() - start
-    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("PLAIN ")), None)
-    return wall, res.returncode, (f"plain PyTorch: {line[6:]}" if line else
-                                  f"plain failed: {(res.stderr.strip().splitlines() or [''])[-1]}")
 
 
 def measure(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
             src: Path, settle: float, kb_src: Path | None = None) -> dict | None:
-    if case["via"] == "kernelbench":
-        runs = [run_kernelbench(case, kb_src, timeout) for _ in range(repeats)]
-        walls = [round(w, 3) for w, _, _ in runs]
-        return {**case, "wall_s": round(statistics.median(walls), 3), "runs_s": walls,
-                "exit_codes": [c for _, c, _ in runs], "verdict": runs[-1][2],
-                "verdict_ok": all(c == 0 for _, c, _ in runs), "target_s": None,
-                "met": None, "kernelbench_src": str(kb_src)}
-    if case["via"] == "plain":
-        runs = [run_plain(case, device, timeout) for _ in range(repeats)]
+    if case["via"] in ("kernelbench", "plain"):
+        kb = case["via"] == "kernelbench"
+        args = ([str(kb_src), case["problem"], case["candidate"]] if kb
+                else [case["problem"], device])
+        runs = [run_driver(KB_DRIVER if kb else PLAIN_DRIVER, args, "KB " if kb else "PLAIN ",
+                           "kernelbench" if kb else "plain PyTorch", timeout)
+                for _ in range(repeats)]
         walls = [round(w, 3) for w, _, _ in runs]
         codes = [c for _, c, _ in runs]
         return {**case, "wall_s": round(statistics.median(walls), 3), "runs_s": walls,
                 "exit_codes": codes, "verdict": runs[-1][2],
-                "verdict_ok": all(c == 0 for c in codes), "target_s": None, "met": None}
+                "verdict_ok": all(c == 0 for c in codes), "target_s": None, "met": None,
+                **({"kernelbench_src": str(kb_src)} if kb else {})}
     if case["via"] != "cli":
         return measure_repeated(case, device, repeats, timeout, tmp, src, settle)
     warm_dir = tmp / f"{case['case']}-warm"

@@ -34,7 +34,8 @@ import types
 import torch
 
 # (owner's dotted path, attribute): what the harness calls to time a forward and read its
-# result, beyond the namespaces watched whole (_WATCHED_WHOLE: torch's own functions)
+# result, beyond the namespaces watched whole (_WATCHED_WHOLE: torch's own functions; _HARNESS:
+# the harness's own modules, every name)
 _WATCHED = [
     ("time", n) for n in ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
                           "time", "time_ns", "process_time", "sleep")
@@ -50,17 +51,7 @@ _WATCHED = [
 ] + [("signal", n) for n in ("getsignal", "getitimer", "signal", "setitimer")] + [
     ("threading", n) for n in ("getprofile", "gettrace", "setprofile", "enumerate",
                                "current_thread")
-] + [("gc", "callbacks")] + [
-    ("fastelbo.harness." + m, n) for m, names in (
-        ("loader", ("to_host", "to_device", "sync", "rng_state")),
-        ("compare", ("compare_outputs", "identical", "as_tuple")),
-        ("worker", ("emit", "progress", "_save", "_send")),
-        ("timing", ("measure", "event_times", "wall_per_call", "single_calls", "graph_time",
-                    "L2Flush")),
-        ("pool", ("_urandom", "secret_key", "forward_seed", "judged", "Pool", "Checks")),
-        ("integrity", ("active_modes", "_same")),
-    ) for n in names
-]
+] + [("gc", "callbacks")]
 # Watched whole: every code name in their namespace, replaced or added (a name added to
 # torch.Tensor shadows its C base's: clone, copy_, to, ...). The harness times, reads outputs and
 # draws a bench's input sets (the problem's own get_inputs) with them in the candidate's worker;
