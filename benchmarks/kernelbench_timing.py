@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     # KernelBench's timing before and after bench's, pooled: a drift of the host's speed over
     # the run (the device's host is shared) lands on both sides.
     kb_ms = {(b, n): kernelbench_times(kb, cls, b) for b in batches for n, cls in modules.items()}
-    ours, _ = run_bench("vae_elbo", [str(solution)], device="cuda", batch_sizes=batches,
+    ours, code = run_bench("vae_elbo", [str(solution)], device="cuda", batch_sizes=batches,
                         compile_baseline=False)
     here = placement.placement(torch.device("cuda"))  # KernelBench's loop: this process
     for batch in batches:
@@ -78,13 +78,15 @@ def main(argv=None) -> int:
                    "kernelbench_median_ms": kb_median, "fastelbo_cold_ms": fe.get("events_ms"),
                    "fastelbo_warm_ms": fe.get("events_warm_ms"),
                    "fastelbo_graph_ms": fe.get("graph_ms"), "fastelbo_status": fe["status"],
+                   "fastelbo_flags": fe.get("flags", []), "fastelbo_bench_exit": code,
                    "ratio_to_kernelbench_median": (fe.get("events_ms") or 0) / kb_median,
                    "host_kernelbench": here, "host_worker": fe.get("host")}
             if args.out:  # as made: a run cut short by its stage's limit keeps what it timed
                 append_jsonl(args.out, [row])
             print(f"{name:18} B={batch:6}  KernelBench {kb_median:.4f} ms (mean {kb_mean:.4f})"
                   f"  fastelbo cold {row['fastelbo_cold_ms'] or 0:.4f} ms  ratio "
-                  f"{row['ratio_to_kernelbench_median']:.3f}  ({fe['status']})", flush=True)
+                  f"{row['ratio_to_kernelbench_median']:.3f}  ({fe['status']})"
+                  + "".join(f"\n    flag: {f}" for f in row["fastelbo_flags"]), flush=True)
     return 0
 
 
