@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,21 +116,30 @@ def test_on_a_cpu_less_work_moved_out_is_flagged():
 
 def test_a_row_that_looks_like_work_outside_the_window_runs_again(monkeypatch):
     """A load on the host during one run is noise; work moved out of the window is there in
-    every run: a suspect row runs once more, and the second run's row replaces it where it is
-    not suspect; otherwise the first is kept, and flagged as seen in both runs."""
+    every run: a suspect row runs once more, just after eager does, and the second run's row
+    replaces it where it is not suspect against that eager; otherwise the first is kept, and
+    flagged as seen in both runs. A host loaded through both reruns slows eager's gaps as
+    much as the candidate's: not a flag."""
     eager = {bench.EAGER: {4: {"outside_ms": 0.05}}}
     suspect = {"candidate": "c.py", "batch_size": 4, "wall_ms": 0.01, "outside_ms": 0.40}
-    for second, replaced in (({"wall_ms": 0.01, "outside_ms": 0.06, "checks": ["new"]}, True),
-                             ({"wall_ms": 0.01, "outside_ms": 0.40}, False)):
-        monkeypatch.setattr(bench, "_entry_rows",
-                            lambda sizes, *a, second=second, **k: ([{"batch_size": 4, **second}],
-                                                                  sizes))
+    for second, eager_again, replaced in (
+            ({"wall_ms": 0.01, "outside_ms": 0.06, "checks": ["new"]}, 0.05, True),
+            ({"wall_ms": 0.01, "outside_ms": 0.40}, 0.05, False),
+            ({"wall_ms": 0.01, "outside_ms": 0.40, "checks": ["new"]}, 0.38, True)):
+        kinds = []
+
+        def rows(sizes, *a, second=second, eager_again=eager_again, kinds=kinds, kind, **k):
+            kinds.append(kind)
+            got = {"outside_ms": eager_again} if kind == bench.EAGER else second
+            return [{"batch_size": 4, **got}], sizes
+
+        monkeypatch.setattr(bench, "_entry_rows", rows)
         timed = [(0, dict(suspect))]
         bench._rerun_outside(eager, timed, {"c.py": "c.py"}, 1.0, None, None)
+        assert kinds == [bench.EAGER, "candidate"]
         row = timed[0][1]
         assert row["rerun"] is True
-        assert (row["outside_ms"] == 0.06 and row["checks"] == ["new"]) if replaced else \
-            row["outside_ms"] == 0.40
+        assert row["checks"] == ["new"] if replaced else row["outside_ms"] == 0.40
         plain = {k: v for k, v in row.items() if k != "checks"}  # no judged calls here
         finished = bench._finish_row({**plain, "outputs": (torch.arange(4.0),), "device": "cpu"},
                                      _eager(outside_ms=0.05), 1e-4, 1e-4)
@@ -245,6 +256,29 @@ def test_bench_holds_timed_calls_to_checks_hygiene():
     assert "output 0 shares storage with an input" in cheat["correct_detail"], cheat
     assert "input 0 was modified by a timed call" in cheat["correct_detail"], cheat
     assert by["relu_clamp"]["status"] == "ok" and not by["relu_clamp"]["hygiene"], by["relu_clamp"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("cc") is None or not sys.platform.startswith("linux"),
+                    reason="the exploit builds its fault handler with cc, on Linux")
+def test_an_output_too_large_to_copy_is_still_read_after_every_call(tmp_path):
+    """An 85 MB output (over COPY_ALL_BYTES) that a native fault handler computes when first
+    read: before 2026-12-05 only judged calls' outputs were read, so only they were computed,
+    and bench said "ok" at 21-86x eager. Every call's outputs are now read as it returns
+    (pool._read_all), so its work shows between the calls: flagged, exit 1. An honest copy of
+    the model is ok."""
+    problem = HERE / "problems" / "rbf_big.py"
+    honest = tmp_path / "honest_rbf.py"
+    honest.write_text(f"from fastelbo.problems import load_module\n\n"
+                      f"class ModelNew(load_module({str(problem)!r}).Model):\n    pass\n")
+    rows, code = bench.run_bench(problem, [str(HERE / "candidates" /
+                                               "exploit_lazy_big_output.py"), str(honest)],
+                                 device="cpu", batch_sizes=[4608], compile_baseline=False,
+                                 out=None)
+    by = {Path(r["candidate"]).stem: r for r in rows}
+    cheat = by["exploit_lazy_big_output"]
+    assert code == 1 and any("work outside the timed window" in f for f in cheat["flags"]), cheat
+    assert by["honest_rbf"]["status"] == "ok", by["honest_rbf"]
 
 
 def test_default_candidates_on_cpu_are_auto_and_torch():
