@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
 # Set-up and entry points on a fresh machine: ./dev.sh demo | ./dev.sh test [pytest args]
-# Creates .venv on first use. PyTorch 2.13.0 (unless .venv has a torch already): the CPU build
-# from PyTorch's CPU index where `nvidia-smi -L` lists no GPU, the default build (with CUDA)
+# Creates .venv on first use (VENV=DIR PYTHON=INTERPRETER: another, made with that interpreter,
+# as .ci/run's Python 3.12 leg does). PyTorch 2.13.0 (unless the venv has a torch already): the
+# CPU build from PyTorch's CPU index where `nvidia-smi -L` lists no GPU, the default build (with CUDA)
 # otherwise. Each step says what it does on stderr (pip draws its bars on a terminal).
 set -euo pipefail
 cd "$(dirname "$0")"
-py=.venv/bin/python
+venv=${VENV:-.venv}
+py=$venv/bin/python
 TORCH=2.13.0
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 say() { echo "dev.sh: $*" >&2; }
 if ! "$py" -c "import fastelbo, pytest, xdist, hypothesis, triton, mlxtend, safetensors, tqdm, ruff, mcp" \
     2>/dev/null; then
   if [ ! -x "$py" ]; then
-    say "creating .venv with $(python3 --version) ..."
-    python3 -m venv .venv
+    say "creating $venv with $("${PYTHON:-python3}" --version) ..."
+    "${PYTHON:-python3}" -m venv "$venv"
   fi
-  say "upgrading pip in .venv ..."
+  say "upgrading pip in $venv ..."
   "$py" -m pip install -q --upgrade pip
   gpus=$(nvidia-smi -L 2>/dev/null || true)
   if "$py" -c "import torch" 2>/dev/null; then
-    say "keeping torch $("$py" -c 'import torch; print(torch.__version__)') (already in .venv)"
+    say "keeping torch $("$py" -c 'import torch; print(torch.__version__)') (already in $venv)"
   elif [[ $gpus == *GPU* ]]; then
     say "installing torch $TORCH (default build, with CUDA: nvidia-smi lists a GPU; a few GB," \
         "minutes) ..."
