@@ -190,9 +190,13 @@ def test_other_dtypes(monkeypatch, seed):
     a = torch.randint(-5, 5, (4, 9), generator=gen)
     b = a.clone()
     b[torch.rand(a.shape, generator=gen) < 0.3] += 1
-    _assert_same(monkeypatch, a, b)
-    _assert_same(monkeypatch, a, b.float())
-    _assert_same(monkeypatch, a > 0, b > 0)
+    _assert_same(monkeypatch, a, b.float())  # integer vs float: the float path, as before
+    # integer and bool on both sides: exact, the same in every chunking (test_integer_*)
+    for x, y in ((a, b), (a > 0, b > 0)):
+        whole = _key(_both(monkeypatch, 1 << 62, x, y, ATOL, RTOL, 3))
+        assert whole[0]["n_bad"] == int((x != y).sum())
+        for chunk in (1, 2, 7, 64):
+            assert _key(_both(monkeypatch, chunk, x, y, ATOL, RTOL, 3)) == whole, chunk
 
 
 def test_special_inputs(monkeypatch):
@@ -280,6 +284,91 @@ def test_degenerate_in_blocks_of_rows(monkeypatch, chunk):
     assert not compare._close(near, other, 1e-4, 0.0)
     assert degenerate(torch.tensor(0.5), torch.tensor(0.0), 0) == [
         Finding("zero_output", "output 0 is all zeros; the reference's is not")]
+
+
+def _complex(shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.complex(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+
+
+def _chunkings(monkeypatch, ref, got, runs=None):
+    """diff_tensors' result, the same in every chunking."""
+    whole = _both(monkeypatch, 1 << 62, ref, got, ATOL, RTOL, 3, runs)
+    for chunk in (1, 2, 7, 64):
+        assert _key(_both(monkeypatch, chunk, ref, got, ATOL, RTOL, 3, runs)) == _key(whole)
+    return whole
+
+
+def test_complex_outputs_are_judged_on_both_parts(monkeypatch):
+    """Until 2026-12-06 `.to(float64)` dropped the imaginary part: a candidate right in its real
+    part alone passed (candidates/exploit_complex_real_part_only.py)."""
+    ref = _complex((6, 5), 1)
+    got = torch.complex(ref.real, ref.imag + 1.0)
+    diff, findings = _chunkings(monkeypatch, ref, got)
+    assert diff.n_bad == 30 and [f.category for f in findings] == ["mismatch"]
+    assert "j, reference" in findings[0].message and diff.max_abs == pytest.approx(1.0)
+    # The tolerance is torch.isclose's for complex values: |got - ref| <= atol + rtol * |ref|.
+    got = ref.clone()
+    got[1, 2] += 0.05j   # far from a small imaginary part, close to the modulus of 1e3 + x j
+    got[2, 3] += 0.05j
+    ref = ref.clone()
+    ref[1, 2] = complex(1e3, 1e-3)
+    got[1, 2] = complex(1e3, 1e-3 + 0.05)
+    want = int((~torch.isclose(got.cdouble(), ref.cdouble(), RTOL, ATOL)).sum())
+    diff, findings = _chunkings(monkeypatch, ref, got)
+    assert diff.n_bad == want == 1 and "first [2, 3]" in findings[0].message
+    # A real candidate for a complex reference: its dtype, and its missing imaginary part.
+    diff, findings = _chunkings(monkeypatch, ref, ref.real.clone())
+    assert [f.category for f in findings] == ["dtype", "mismatch"]
+
+
+def test_complex_nonfinite_positions_in_either_part(monkeypatch):
+    ref = _complex((12,), 2)
+    ref[3] = complex(1.0, NAN)
+    got = ref.clone()
+    assert _chunkings(monkeypatch, ref, got)[0].ok  # NaN = NaN, in the imaginary part too
+    got[3], got[8] = complex(1.0, 0.0), complex(INF, 0.0)
+    findings = _chunkings(monkeypatch, ref, got)[1]
+    assert [f.message.split(" positions")[0] for f in findings] == ["output 3: NaN",
+                                                                    "output 3: +inf"]
+    assert "first [3]: candidate 1+0j, reference 1+nanj" in findings[0].message
+    with pytest.raises(TypeError, match="imaginary part"):
+        compare._parts(ref, "cpu", False)
+
+
+def test_complex_envelope_and_degenerate():
+    ref = _complex((4, 3), 3)
+    hi = ref + complex(0.5, 0.5)
+    got = ref + complex(0.25, 0.0)
+    assert envelope_accepts([ref, hi], got, ATOL, RTOL).all()
+    assert not envelope_accepts([ref, hi], ref + complex(0.0, 0.75), ATOL, RTOL).any()
+    assert envelope_accepts([ref, hi], got, ATOL, RTOL).shape == ref.shape
+    zeros = torch.zeros_like(ref)
+    assert [f.category for f in degenerate(ref, zeros, 0, ATOL, RTOL)] == ["zero_output"]
+    assert degenerate(ref * 1e-6, zeros, 0, ATOL, RTOL) == []  # zero within the tolerance
+
+
+def test_integer_outputs_are_compared_exactly(monkeypatch):
+    """Counts of ~32,768 off by 3 passed atol + rtol * |ref| (~3.3) until 2026-12-06
+    (candidates/exploit_int_within_rtol.py); int64 above 2**53 lost its last bits in float64."""
+    ref = torch.full((5, 7), 32768, dtype=torch.int64)
+    got = ref.clone()
+    got[1, 2] -= 3
+    got[4, 6] -= 2
+    diff, findings = _chunkings(monkeypatch, ref, got)
+    assert (diff.n_bad, diff.max_abs) == (2, 3.0)
+    assert [f.category for f in findings] == ["mismatch"]
+    assert ("2/35 element(s) differ (integer outputs are compared exactly); first [1, 2]: "
+            "candidate 32765, reference 32768; worst |diff| 3 at [1, 2]") in findings[0].message
+    big = torch.tensor([2 ** 60, 2 ** 60 + 2, 7])
+    diff, findings = _chunkings(monkeypatch, big, big + torch.tensor([0, 1, 0]))
+    assert diff.n_bad == 1 and f"candidate {2 ** 60 + 3}, reference {2 ** 60 + 2}" in \
+        findings[0].message
+    assert _chunkings(monkeypatch, big, big.clone())[0].ok
+    # Another integer dtype: its dtype, and its values compared exactly after promotion.
+    small = torch.tensor([1, 2, 3], dtype=torch.int32)
+    diff, findings = _chunkings(monkeypatch, small, torch.tensor([1, 2, 4], dtype=torch.int16))
+    assert [f.category for f in findings] == ["dtype", "mismatch"] and diff.n_bad == 1
 
 
 @pytest.mark.gpu

@@ -108,47 +108,116 @@ def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, i.view(1))[0]
 
 
+def _parts(t: torch.Tensor, dev, cplx: bool) -> torch.Tensor:
+    """A flat chunk as float64 of shape (n, P) on dev: P = 2 (real and imaginary parts) where
+    the comparison is complex, else P = 1. A complex tensor never goes through
+    `.to(torch.float64)`, which keeps its real part alone (until 2026-12-06 the imaginary part
+    of a complex output was never compared: red team)."""
+    out = _float64(t, dev, cplx)
+    return out if cplx else out.unsqueeze(-1)
+
+
+def _mag(x: torch.Tensor) -> torch.Tensor:
+    """|x| per element of an (n, P) chunk from `_parts`: the modulus of a complex value."""
+    return x[:, 0].abs() if x.shape[-1] == 1 else torch.hypot(x[:, 0], x[:, 1])
+
+
 def _chunk_stats(r: torch.Tensor, g: torch.Tensor, judged: torch.Tensor, runs: list,
                  atol: float, rtol: float) -> list[float]:
     """The per-chunk quantities `diff_tensors` merges, as one list (a single device sync).
 
-    For each label of _LABELS then for `bad`: count, first index, candidate and reference
-    value there; then n_envelope, max err, max rel, and the worst element's where(env, 0, err)
-    value, index and err. r, g: float64 chunks; runs: the same chunk of each perturbed run.
+    r, g: float64 chunks of shape (n, P) (`_parts`: P = 2 for complex outputs, whose NaN/inf
+    positions are judged in both parts and whose differences are moduli |g - r|, as
+    torch.isclose measures complex values); runs: the same chunk of each perturbed run, alike.
+    For each label of _LABELS then for `bad`: count, first index, and the P parts of the
+    candidate's then the reference's value there; then n_envelope, max err, max rel, and the
+    worst element's where(env, 0, err) value, index and err.
     """
     out = []
     masks = {"NaN": (torch.isnan(r), torch.isnan(g)),
              "+inf": (torch.isposinf(r), torch.isposinf(g)),
              "-inf": (torch.isneginf(r), torch.isneginf(g))}
-    differs = torch.zeros(r.shape, dtype=torch.bool, device=r.device)
+    differs = torch.zeros(judged.shape, dtype=torch.bool, device=r.device)
+    each = judged.unsqueeze(-1)
     for label in _LABELS:
         mr, mg = masks[label]
-        differs |= mr != mg
-        count, first = _first((mr & judged) != (mg & judged))
-        out += [count, first, _at(g, first), _at(r, first)]
-    finite = torch.isfinite(r) & torch.isfinite(g)
-    absdiff = (g - r).abs()
-    beyond = finite & (absdiff > atol + rtol * r.abs())
+        differs |= (mr != mg).any(-1)
+        count, first = _first(((mr & each) != (mg & each)).any(-1))
+        out += [count, first, *_at(g, first), *_at(r, first)]
+    finite = torch.isfinite(r).all(-1) & torch.isfinite(g).all(-1)
+    absdiff, rabs = _mag(g - r), _mag(r)
+    beyond = finite & (absdiff > atol + rtol * rabs)
     err = torch.where(finite & judged, absdiff, torch.zeros((), dtype=torch.float64,
                                                             device=r.device))
     # |diff| / |ref| only where |ref| > atol: nearer zero atol alone bounds the difference, and
     # the ratio there (0.2 for a passing 1e-6 at an element of 5e-6) says nothing. Shown only.
-    big = r.abs() > atol
-    rel = torch.where(big, err / torch.where(big, r.abs(), 1.0), 0.0)
+    big = rabs > atol
+    rel = torch.where(big, err / torch.where(big, rabs, 1.0), 0.0)
     outside = beyond & judged
     # envelope_accepts only matters where `outside` holds; skipping it elsewhere saves moving
-    # every run's chunk to the device.
-    env = outside & envelope_accepts([r, *runs], g, atol, rtol) \
+    # every run's chunk to the device. Complex parts must each lie inside their envelope.
+    env = outside & envelope_accepts([r, *runs], g, atol, rtol).all(-1) \
         if runs and bool(outside.any()) else torch.zeros_like(outside)
     # Fragile elements are never judged; those where the candidate differs count as accepted.
     env |= ~judged & (differs | beyond)
     bad = outside & ~env
     count, first = _first(bad)
-    out += [count, first, _at(g, first), _at(r, first), env.sum(), err.max(), rel.max()]
+    out += [count, first, *_at(g, first), *_at(r, first), env.sum(), err.max(), rel.max()]
     masked = torch.where(env, 0.0, err)
     worst = masked.argmax()
     out += [_at(masked, worst), worst, _at(err, worst)]
     return torch.stack([t.to(torch.float64) for t in out]).tolist()
+
+
+def _exact_stats(r: torch.Tensor, g: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Integer or bool chunks (one dtype): ([count, first index, candidate and reference value
+    there, worst index], [its |diff|, max |diff|, max |diff| / |ref|]). The verdict is r != g
+    in their own dtype; the differences (int64, as float64) are for the report only."""
+    ne = r != g
+    count, first = _first(ne)
+    g64, r64 = g.to(torch.int64), r.to(torch.int64)
+    step = g64 - r64  # exact, unless it wraps past int64: then the float64 difference
+    d = torch.where((g64 >= r64) == (step >= 0), step.abs().double(),
+                    (g64.double() - r64.double()).abs())
+    d = torch.where(ne, d, 0.0)
+    worst = d.argmax()
+    ra = r64.double().abs()
+    rel = torch.where(ne & (ra > 0), d / torch.where(ra > 0, ra, 1.0), 0.0)
+    ints = torch.stack([count, first, _at(g64, first), _at(r64, first), worst]).tolist()
+    return ints, torch.stack([_at(d, worst), d.max(), rel.max()]).tolist()
+
+
+def _diff_exact(r_all: torch.Tensor, g_all: torch.Tensor, shape: torch.Size, index: int,
+                findings: list[Finding]) -> tuple[TensorDiff, list[Finding]]:
+    """`diff_tensors` for integer and bool outputs: equal or wrong, no tolerance (an rtol let a
+    count of ~32,768 be off by 3: red team, 2026-12-06), chunk by chunk in their own dtype."""
+    name, numel, step, dev = f"output {index}", r_all.numel(), _step(), r_all.device
+    dtype = torch.promote_types(r_all.dtype, g_all.dtype)
+    n_bad, first, worst, max_abs, max_rel = 0, None, None, 0.0, 0.0
+    for start in range(0, numel, step):
+        part = slice(start, min(start + step, numel))
+        ints, floats = _exact_stats(r_all[part].to(dev, dtype), g_all[part].to(dev, dtype))
+        count, at, cand, refv, worst_at = ints
+        if count and first is None:
+            first = (start + at, cand, refv)
+        if count and (worst is None or floats[0] > worst[0]):
+            worst = (floats[0], start + worst_at)
+        n_bad += count
+        max_abs, max_rel = max(max_abs, floats[1]), max(max_rel, floats[2])
+    diff = TensorDiff(index, True, max_abs=max_abs, max_rel=max_rel, n_bad=n_bad)
+    if n_bad:
+        at, cand, refv = first
+        findings.append(Finding(
+            "mismatch", f"{name}: {n_bad}/{numel} element(s) differ (integer outputs are "
+            f"compared exactly); first {_fmt_index(at, shape)}: candidate {cand}, reference "
+            f"{refv}; worst |diff| {worst[0]:.6g} at {_fmt_index(worst[1], shape)}"))
+    diff.ok = not findings
+    diff.message = "; ".join(f.message for f in findings)
+    return diff, findings
+
+
+def _value(parts: list[float]) -> str:
+    return f"{parts[0]:.6g}" if len(parts) == 1 else f"{complex(*parts):.6g}"
 
 
 def diff_tensors(ref: torch.Tensor, got: torch.Tensor, atol: float, rtol: float,
@@ -161,7 +230,11 @@ def diff_tensors(ref: torch.Tensor, got: torch.Tensor, atol: float, rtol: float,
     counted in `n_envelope`. NaN/inf positions are compared with `ref` alone, except at
     `fragile` elements (finite in only some perturbed runs: overflow there is an accident of
     rounding), which are not judged; those that differ are counted in `n_envelope` too.
-    Differences are measured in float64 so that the tolerance, not the comparison, decides.
+    Differences are measured in float64 so that the tolerance, not the comparison, decides;
+    where either output is complex, in complex128: both parts' NaN/inf positions, and the
+    modulus of the difference against atol + rtol * |ref|. Integer and bool outputs (neither
+    side floating or complex) are compared exactly, in their own dtype: tolerances are for
+    floating-point rounding.
 
     Runs on ref's device (got, runs and fragile are moved there chunk by chunk), over the
     flattened tensors in chunks of CHUNK_ELEMENTS, so that its float64 temporaries are bounded
@@ -185,29 +258,38 @@ def diff_tensors(ref: torch.Tensor, got: torch.Tensor, atol: float, rtol: float,
         findings.append(Finding("dtype", f"{name}: dtype {got.dtype}, reference {ref.dtype}"))
     dev, numel, step = ref.device, ref.numel(), _step()
     r_all, g_all = ref.detach().reshape(-1), got.detach().reshape(-1)
+    cplx = ref.is_complex() or got.is_complex()
+    if not (cplx or ref.is_floating_point() or got.is_floating_point()):
+        return _diff_exact(r_all, g_all, ref.shape, index, findings)
+    width = 2 if cplx else 1  # float64 parts per element (_parts)
     runs_all = [run.detach().reshape(-1) for run in runs] if runs else []
     f_all = fragile.detach().reshape(-1) \
         if fragile is not None and tuple(fragile.shape) == tuple(ref.shape) else None
     # Per label, then for `bad`: [count, first global index, candidate, reference value].
-    firsts = {label: [0, None, 0.0, 0.0] for label in (*_LABELS, "bad")}
+    firsts = {label: [0, None, [0.0], [0.0]] for label in (*_LABELS, "bad")}
     n_env, max_abs, max_rel, worst = 0, [], [], None  # worst: (masked value, index, err)
+    rec_len = 2 + 2 * width
     for start in range(0, numel, step):
         part = slice(start, min(start + step, numel))
-        r = r_all[part].to(dev, torch.float64)
-        g = g_all[part].to(dev, torch.float64)
+        r = _parts(r_all[part], dev, cplx)
+        g = _parts(g_all[part], dev, cplx)
         judged = ~f_all[part].to(dev) if f_all is not None else \
-            torch.ones(r.shape, dtype=torch.bool, device=dev)
-        stats = _chunk_stats(r, g, judged, [run[part] for run in runs_all], atol, rtol)
+            torch.ones(r.shape[0], dtype=torch.bool, device=dev)
+        stats = _chunk_stats(r, g, judged, [_parts(run[part], dev, cplx) for run in runs_all],
+                             atol, rtol)
         for k, label in enumerate((*_LABELS, "bad")):
-            count, first, cand, refv = stats[4 * k:4 * k + 4]
-            rec = firsts[label]
-            if count and rec[1] is None:
-                rec[1:] = [start + int(first), cand, refv]
-            rec[0] += int(count)
-        n_env += int(stats[16])
-        max_abs.append(stats[17])
-        max_rel.append(stats[18])
-        value, at, err_at = stats[19:22]
+            rec = stats[rec_len * k:rec_len * (k + 1)]
+            count, first = rec[0], rec[1]
+            cand, refv = rec[2:2 + width], rec[2 + width:]
+            kept = firsts[label]
+            if count and kept[1] is None:
+                kept[1:] = [start + int(first), cand, refv]
+            kept[0] += int(count)
+        tail = stats[rec_len * 4:]
+        n_env += int(tail[0])
+        max_abs.append(tail[1])
+        max_rel.append(tail[2])
+        value, at, err_at = tail[3:6]
         # Global argmax as torch.argmax over the whole tensor: NaN is the maximum, ties go to
         # the smallest index (this chunk's argmax is its first maximum, earlier chunks win).
         if worst is None or value > worst[0] or (math.isnan(value) and not math.isnan(worst[0])):
@@ -223,15 +305,17 @@ def diff_tensors(ref: torch.Tensor, got: torch.Tensor, atol: float, rtol: float,
         if count:
             findings.append(Finding(
                 "nonfinite", f"{name}: {label} positions differ at {count} element(s), first "
-                f"{_fmt_index(first, ref.shape)}: candidate {cand:.6g}, reference {refv:.6g}"))
+                f"{_fmt_index(first, ref.shape)}: candidate {_value(cand)}, reference "
+                f"{_value(refv)}"))
     if diff.n_bad:
         _, first, cand, refv = firsts["bad"]
         _, at, err_at = worst
         beyond = " and the perturbed-reference envelope" if runs else ""
         findings.append(Finding(
             "mismatch", f"{name}: {diff.n_bad}/{numel} element(s) outside atol+rtol*|ref|"
-            f"{beyond}; first {_fmt_index(first, ref.shape)}: candidate {cand:.6g}, reference "
-            f"{refv:.6g}; worst |diff| {err_at:.3g} at {_fmt_index(at, ref.shape)}"))
+            f"{beyond}; first {_fmt_index(first, ref.shape)}: candidate {_value(cand)}, "
+            f"reference {_value(refv)}; worst |diff| {err_at:.3g} at "
+            f"{_fmt_index(at, ref.shape)}"))
     diff.ok = not findings
     diff.message = "; ".join(f.message for f in findings)
     return diff, findings
@@ -242,23 +326,30 @@ def _rows_equal(t: torch.Tensor) -> bool:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> bool:
-    """allclose(a, b) in float64, NaN equal to NaN (b broadcasts), on a's device.
+    """allclose(a, b) in float64 (complex128 for a complex `a`: both parts; exactly, in a's
+    own dtype, for an integer or bool `a`), NaN equal to NaN (b broadcasts), on a's device.
 
     a is taken a block of rows at a time (about CHUNK_ELEMENTS elements), so that the float64
     copies stay bounded; b is sliced alongside where it has a's rows, else it broadcasts
     against every block (a scalar, one row).
     """
-    a, b = a.detach(), b.detach().to(a.device, torch.float64)
+    kind = torch.complex128 if a.is_complex() else \
+        torch.float64 if a.is_floating_point() else a.dtype
+    a, b = a.detach(), b.detach().to(a.device, kind)
+
+    def close(x: torch.Tensor, y: torch.Tensor) -> bool:
+        x = x.to(kind)
+        if not (kind.is_floating_point or kind.is_complex):
+            return bool((x == y.expand_as(x)).all())
+        return bool(torch.isclose(x, y.expand_as(x), rtol=rtol, atol=atol, equal_nan=True).all())
+
     if a.dim() == 0:
-        return bool(torch.isclose(a.double(), b.expand_as(a), rtol=rtol, atol=atol,
-                                  equal_nan=True))
+        return close(a, b)
     by_row = b.dim() == a.dim() and b.shape[0] != 1
     rows = max(1, _step() // max(1, a[0].numel()))
     for start in range(0, a.shape[0], rows):
-        part = a[start:start + rows].double()
         other = b[start:start + rows] if by_row else b
-        if not bool(torch.isclose(part, other.expand_as(part), rtol=rtol, atol=atol,
-                                  equal_nan=True).all()):
+        if not close(a[start:start + rows], other):
             return False
     return True
 
@@ -274,7 +365,7 @@ def degenerate(ref: torch.Tensor, got: torch.Tensor, index: int, atol: float = 0
     """
     if tuple(ref.shape) != tuple(got.shape) or got.numel() == 0:
         return []
-    if not ref.is_floating_point() or not got.is_floating_point():
+    if not all(t.is_floating_point() or t.is_complex() for t in (ref, got)):
         atol = rtol = 0.0  # integer outputs: exact comparison
     if bool((got == 0).all()) and not _close(ref, torch.zeros(()), atol, rtol):
         return [Finding("zero_output", f"output {index} is all zeros; the reference's is not")]
@@ -330,6 +421,8 @@ def _same(x, y) -> bool:
         return False
     if torch.equal(x, y):  # the common case, and the only one without a NaN
         return True
+    if x.is_complex():  # NaN in either part: compare the parts
+        x, y = torch.view_as_real(x), torch.view_as_real(y)
     if not x.is_floating_point():
         return False
     return torch.equal(torch.isnan(x), torch.isnan(y)) and torch.equal(
@@ -378,7 +471,8 @@ def perturbed(tensors, generator: torch.Generator, rel: float = PERTURB_REL) -> 
 
 def envelope_accepts(runs: list[torch.Tensor], got: torch.Tensor, atol: float,
                      rtol: float) -> torch.Tensor:
-    """Elements of `got` inside [min, max] of the reference runs, widened by atol + rtol*|ref|.
+    """Elements of `got` inside [min, max] of the reference runs, widened by atol + rtol*|ref|
+    (complex values: each part inside its own such interval).
 
     runs[0] is the unperturbed reference; NaN/inf positions must match it exactly (that is
     checked elsewhere), so only elements finite in every run and in `got` can be accepted.
@@ -387,13 +481,14 @@ def envelope_accepts(runs: list[torch.Tensor], got: torch.Tensor, atol: float,
     """
     if not runs:
         raise ValueError("envelope_accepts needs at least one run (the reference)")
-    g = got.detach().double()
+    cplx = got.is_complex() or any(run.is_complex() for run in runs)
+    g = _float64(got.detach(), got.device, cplx)
     lo = hi = finite = None
     for i, run in enumerate(runs):
         if tuple(run.shape) != tuple(runs[0].shape):
             raise ValueError(f"envelope_accepts: run {i} has shape {tuple(run.shape)}, "
                              f"run 0 {tuple(runs[0].shape)}")
-        r = run.detach().to(g.device, torch.float64)
+        r = _float64(run.detach(), g.device, cplx)
         # torch.minimum/maximum propagate NaN as stack.min/max do; those elements are
         # excluded through `finite` anyway.
         lo = r if lo is None else torch.minimum(lo, r)
@@ -401,7 +496,17 @@ def envelope_accepts(runs: list[torch.Tensor], got: torch.Tensor, atol: float,
         finite = torch.isfinite(r) if finite is None else finite & torch.isfinite(r)
     lo = lo - (atol + rtol * lo.abs())
     hi = hi + (atol + rtol * hi.abs())
-    return finite & torch.isfinite(g) & (g >= lo) & (g <= hi)
+    inside = finite & torch.isfinite(g) & (g >= lo) & (g <= hi)
+    return inside.all(-1) if cplx else inside  # a complex value: both parts inside
+
+
+def _float64(t: torch.Tensor, dev, cplx: bool) -> torch.Tensor:
+    """t as float64 on dev; with `cplx`, as complex128 viewed as its parts (a trailing 2)."""
+    if cplx:
+        return torch.view_as_real(t.to(dev, torch.complex128))
+    if t.is_complex():
+        raise TypeError("a complex tensor in a real comparison would lose its imaginary part")
+    return t.to(dev, torch.float64)
 
 
 def finiteness_differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
