@@ -35,7 +35,7 @@ from pathlib import Path
 from ..problems import problem_path
 from . import handoff, refcache, sandbox
 from .files import candidate_path, syntax_error
-from .judge import ENVELOPE_CATEGORIES, judge_trial, trial_from_dict
+from .judge import ENVELOPE_CATEGORIES, judge_trial, record_problem, regime_of, trial_from_dict
 from .options import CheckOptions
 from .placement import cuda_device_missing
 from .regimes import plan
@@ -341,9 +341,10 @@ class _Check:
         judging = ThreadPoolExecutor(1)  # the reference's worker judges while the candidate runs
         verdicts = {}
 
-        def judge(partial: dict) -> None:  # a resident regime's result has arrived
-            g = entries.get(partial.get("name"), (None,))[0]
-            if g is not None and g.name in self.resident and partial.get("trials"):
+        def judge(partial) -> None:  # a resident regime's result has arrived
+            g = entries.get(regime_of(partial), (None,))[0]
+            if g is not None and g.name in self.resident \
+                    and self._malformed(partial, entries) is None and partial["trials"]:
                 verdicts[g.name] = judging.submit(
                     self.ref_w.run, judge_pass,
                     {"name": g.name, "trials": partial["trials"],
@@ -362,8 +363,14 @@ class _Check:
         finally:
             judging.shutdown(wait=True)
         report.timings["candidate_s"] = time.monotonic() - t0
-        got = {p["name"]: p for p in out.partials}
-        report.weights = next((p["weights"] for p in out.partials if p["weights"]), "")
+        got, malformed = {}, {}
+        for p in out.partials:  # the candidate's to forge: checked before anything reads them
+            why = self._malformed(p, entries)
+            if why is None:
+                got[p["name"]] = p
+            else:
+                malformed.setdefault(regime_of(p) if regime_of(p) in entries else "default", why)
+        report.weights = next((p["weights"] for p in got.values() if p["weights"]), "")
         failed_in = None if out.ok else next((t["name"] for t in tasks if t["name"] not in got),
                                              None)
         unjudged = []
@@ -374,8 +381,16 @@ class _Check:
                 report.regimes.append(self._regime(g, entry, None, True, why))
                 unjudged.append((name, why, judged.output_tail))
                 continue
-            report.regimes.append(self._regime(g, entry, got.get(name), name == failed_in,
-                                               out.reason, judged and judged.result, out.ok))
+            regime = self._regime(g, entry, got.get(name), name == failed_in, out.reason,
+                                  judged and judged.result, out.ok)
+            if name in malformed:  # whatever else it sent: its worker lied
+                regime.status = "FAIL"
+                t = len(regime.trials)
+                seed = entry["trials"][min(t, len(entry["trials"]) - 1)]["seed"] \
+                    if entry["trials"] else o.seed
+                regime.trials.append(TrialReport(t, seed, False, findings=[
+                    Finding("malformed", malformed[name])]))
+            report.regimes.append(regime)
         self._envelopes(entries)
         for name, why, tail in unjudged if out.ok else ():
             report.error("reference", f"regime {name}: {why}", tail)
@@ -383,6 +398,16 @@ class _Check:
             return report.error(out.category, f"candidate worker: {out.reason}",
                                 out.output_tail)
         return report.finish()
+
+    def _malformed(self, partial, entries: dict) -> str | None:
+        """Why a regime's record from the candidate's worker is not one its task writes
+        (judge.record_problem), or None."""
+        name = regime_of(partial)
+        if name not in entries:
+            return "the candidate's worker handed over a record naming no regime it was sent"
+        why = record_problem(partial, entries[name][3]["trials"], name in self.resident)
+        return None if why is None else f"the candidate's worker handed over a record of " \
+            f"regime {name} that its task does not write ({why}): a forged record"
 
     @staticmethod
     def _hand(worker: Worker, source, name: str) -> str:

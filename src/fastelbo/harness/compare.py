@@ -31,6 +31,7 @@ def unsupported_output(value) -> dict:
     cls = type(value)
     name = cls.__qualname__ if cls.__module__ == "builtins" else \
         f"{cls.__module__}.{cls.__qualname__}"
+    name = name[:300]  # judge.TEXT_CHARS bounds what the check takes
     if isinstance(value, torch.Tensor):  # type() and isinstance run none of its code
         name += " (a torch.Tensor subclass; outputs must be exactly torch.Tensor)"
     return {UNSUPPORTED_KEY: name}
@@ -397,7 +398,8 @@ def compare_outputs(ref: tuple, got: tuple, atol: float, rtol: float,
             continue
         if not isinstance(r, torch.Tensor):
             if isinstance(g, torch.Tensor) or r != g:
-                result.findings.append(Finding("mismatch", f"output {i}: {g!r}, reference {r!r}"))
+                result.findings.append(Finding(
+                    "mismatch", f"output {i}: {_brief(g)}, reference {_brief(r)}"))
             continue
         if not isinstance(g, torch.Tensor):
             result.findings.append(Finding(
@@ -410,6 +412,17 @@ def compare_outputs(ref: tuple, got: tuple, atol: float, rtol: float,
         result.findings += found + degenerate(r, g, i, atol, rtol)
     result.ok = not result.findings
     return result
+
+
+def _brief(value) -> str:
+    """repr(value), at most about 200 characters (a str or int output is the candidate's to
+    size; repr of an int over 4,300 digits raises)."""
+    if type(value) is int and value.bit_length() > 256:
+        return f"an int of {value.bit_length()} bits"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    text = repr(value[:200] if type(value) is str else value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _same(x, y) -> bool:

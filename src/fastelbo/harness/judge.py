@@ -4,6 +4,10 @@ For small problems the check's own process judges, on the CPU, what the workers 
 a large one (device-resident regimes, see tasks.py) the reference's worker judges on the device,
 with the candidate's outputs opened by reference (shared.py), and sends back only the verdicts:
 `trial_to_dict` / `trial_from_dict` carry a TrialReport across as plain data.
+
+What the candidate's worker hands over is the candidate's to forge (its own process), so
+`record_problem` checks each regime's record against what tasks.check_candidate writes before
+anything here iterates or formats it: a record of any other shape is wrong ("malformed").
 """
 from __future__ import annotations
 
@@ -12,6 +16,98 @@ from dataclasses import asdict
 from .report import Finding, TensorDiff, TrialReport
 
 ENVELOPE_CATEGORIES = ("mismatch", "nonfinite")  # what the perturbed-reference envelope can excuse
+
+# Bounds on a candidate worker's record (tasks.check_candidate keeps within them): each string
+# is formatted into a finding or the report, each list item makes a finding.
+MAX_TAMPERED, TEXT_CHARS, ERROR_CHARS = 32, 500, 4000
+MAX_OUTPUTS = 4096     # outputs per trial, unless the reference's own are more
+RNG_BYTES = 1 << 16    # a generator's state: 5,056 bytes for the CPU's, 16 for a GPU's
+RECORD_KEYS = {"name", "weights", "trials", "error"}
+TRIAL_KEYS = {"outputs", "rng", "mutated", "aliased", "tampered"}
+
+
+def capped(texts: list[str]) -> list[str]:
+    """At most MAX_TAMPERED strings of at most TEXT_CHARS: the last one says how many more."""
+    texts = [t[:TEXT_CHARS] for t in texts]
+    if len(texts) <= MAX_TAMPERED:
+        return texts
+    return texts[:MAX_TAMPERED - 1] + [f"and {len(texts) - MAX_TAMPERED + 1} more"]
+
+
+def regime_of(record) -> str | None:
+    """The regime a record from the candidate's worker names, when it is a dict naming one by a
+    plain string (the key the check files it under); else None."""
+    name = record.get("name") if type(record) is dict else None
+    return name if type(name) is str and len(name) <= TEXT_CHARS else None
+
+
+def record_problem(record, ref_trials: list[dict], resident: bool) -> str | None:
+    """Why a regime's record from the candidate's worker is not one tasks.check_candidate
+    writes, or None. Its trials are checked against the reference's (`ref_trials`, each with
+    the count of its inputs); `resident`: outputs are descriptions of shared tensors (opened by
+    the reference's worker). Checks types and sizes only, touching no element: a list whose
+    length the candidate chose, or a tensor in its place (Tensor.__iter__ unbinds each of its
+    rows), is never iterated here (2026-12-06, red team: a 1.5 KB record held the check's own
+    process two minutes and 4 GB, growing with a number the candidate picked)."""
+    try:
+        return _record_problem(record, ref_trials, resident)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, it is not the worker's record
+        return f"the regime's record could not be read ({type(exc).__name__})"
+
+
+def _record_problem(record, ref_trials: list[dict], resident: bool) -> str | None:
+    if type(record) is not dict or len(record) != len(RECORD_KEYS) or set(record) != RECORD_KEYS:
+        return "the regime's record is not a dict of name, weights, trials and error"
+    if regime_of(record) is None:
+        return "its name is not a plain string"
+    if type(record["weights"]) is not str or len(record["weights"]) > TEXT_CHARS:
+        return f"its weights note is not a string of at most {TEXT_CHARS} characters"
+    error = record["error"]
+    if error is not None and not (type(error) is dict and len(error) == 2
+                                  and set(error) == {"where", "message"}
+                                  and all(type(v) is str and len(v) <= ERROR_CHARS
+                                          for v in error.values())):
+        return "its error is not None or {where, message} in strings of at most " \
+               f"{ERROR_CHARS} characters"
+    trials = record["trials"]
+    if type(trials) is not list or len(trials) > len(ref_trials):
+        return f"its trials are not a list of at most {len(ref_trials)}"
+    for t, (trial, ref) in enumerate(zip(trials, ref_trials)):
+        why = _trial_problem(trial, ref, resident)
+        if why:
+            return f"trial {t}: {why}"
+    return None
+
+
+def _trial_problem(trial, ref: dict, resident: bool) -> str | None:
+    import torch
+
+    from .loader import PLAIN_OUTPUT_TYPES
+    if type(trial) is not dict or len(trial) != len(TRIAL_KEYS) or set(trial) != TRIAL_KEYS:
+        return "the record is not a dict of outputs, rng, mutated, aliased and tampered"
+    outputs, n_ref = trial["outputs"], ref.get("outputs")
+    most = max(MAX_OUTPUTS, len(n_ref) if isinstance(n_ref, tuple) else 0)
+    if type(outputs) is not tuple or len(outputs) > most:
+        return f"its outputs are not a tuple of at most {most}"
+    if not resident and not all(type(o) is torch.Tensor or type(o) in PLAIN_OUTPUT_TYPES
+                                or _type_name(o) for o in outputs):
+        return "an output is neither a tensor, a plain Python value nor a type's name"
+    rng = trial["rng"]
+    if type(rng) is not dict or not set(rng) <= {"cpu", "cuda"} or not all(
+            type(v) is torch.Tensor and v.dtype == torch.uint8 and v.dim() == 1
+            and v.numel() <= RNG_BYTES for v in rng.values()):
+        return "its rng is not a dict of generator states (cpu, cuda)"
+    for key, bound in (("mutated", ref["inputs"]), ("aliased", len(outputs))):
+        idx = trial[key]
+        if type(idx) is not list or len(idx) > bound or len(set(idx)) != len(idx) \
+                or not all(type(i) is int and 0 <= i < bound for i in idx):
+            return f"its {key} is not a list of distinct indices below {bound}"
+    tampered = trial["tampered"]
+    if type(tampered) is not list or len(tampered) > MAX_TAMPERED or not all(
+            type(w) is str and len(w) <= TEXT_CHARS for w in tampered):
+        return f"its tampered is not a list of at most {MAX_TAMPERED} strings of at most " \
+               f"{TEXT_CHARS} characters"
+    return None
 
 
 def judge_trial(index: int, ref: dict, got: dict, prev: tuple | None, atol: float,
@@ -62,3 +158,10 @@ def trial_to_dict(trial: TrialReport) -> dict:
 def trial_from_dict(data: dict) -> TrialReport:
     return TrialReport(**{**data, "diffs": [TensorDiff(**d) for d in data["diffs"]],
                           "findings": [Finding(**f) for f in data["findings"]]})
+
+
+def _type_name(value) -> bool:
+    """compare.unsupported_output's record of an output the worker could not hand over."""
+    from .compare import UNSUPPORTED_KEY
+    name = value.get(UNSUPPORTED_KEY) if type(value) is dict and len(value) == 1 else None
+    return type(name) is str and len(name) <= TEXT_CHARS

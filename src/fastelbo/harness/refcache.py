@@ -34,7 +34,7 @@ import sysconfig
 from importlib import metadata
 from pathlib import Path
 
-CACHE_VERSION = 3   # bump when what the reference pass records changes
+CACHE_VERSION = 4   # bump when what the reference pass records changes
 MAX_BYTES = int(float(os.environ.get("FASTELBO_CACHE_MAX_GB", "4")) * 2**30)
 
 

@@ -16,7 +16,7 @@ RUN_FAILURES = ("import", "build", "exception", "timeout", "crash", "reference",
                 "nondeterministic_reference")
 WRONG = ("output_count", "output_type", "shape", "dtype", "nonfinite", "mismatch",
          "zero_output", "constant_output", "cached", "input_mutated", "rng", "output_aliased",
-         "tampered", "unanswered")
+         "tampered", "unanswered", "malformed")
 
 
 @dataclass

@@ -42,7 +42,7 @@ from .compare import (
     perturbed,
     unsupported_type,
 )
-from .judge import judge_trial, needs_envelope, trial_to_dict
+from .judge import ERROR_CHARS, TEXT_CHARS, capped, judge_trial, needs_envelope, trial_to_dict
 from .regimes import Regime, plan
 from .task_specs import implements
 from .worker import BUILD, FORWARD, TaskError, emit, progress, scratch_dir, traceback_tail
@@ -278,6 +278,7 @@ def _reference_trial(model, inputs, seed, dev, atol, rtol,
     _restore(model, after)
     same = compare_outputs(first, second, atol, rtol)
     trial = {"seed": seed, "outputs": first, "rng": rng, "deterministic": same.ok,
+             "inputs": len(inputs),  # what the candidate's `mutated` may name (judge.py)
              "bitwise": identical(first, second),
              "determinism_note": "; ".join(f.message for f in same.findings),
              # What KernelBench's own eval would make of this trial (report.kernelbench_note).
@@ -366,7 +367,8 @@ def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, ini
                 progress(f"candidate, {where}", FORWARD)
                 done["trials"].append(_candidate_trial(run, inputs[t], s, dev, resident))
         except Exception as exc:  # noqa: BLE001 - reported as the candidate's failure
-            done["error"] = {"where": where, "message": traceback_tail(exc)}
+            done["error"] = {"where": where, "message": traceback_tail(exc)[-ERROR_CHARS:]}
+        done["weights"] = done["weights"][:TEXT_CHARS]  # names the candidate's own keys
         emit(done)
         run = fresh = None
         loader.release(dev)
@@ -394,7 +396,7 @@ def _candidate_trial(model, inputs: list, seed: int, dev, resident: bool = False
     saved = [t.clone() if isinstance(t, torch.Tensor) else t for t in x]
     torch.manual_seed(seed)
     raw = as_tuple(model(*x))
-    tampered = _snap[0].changed() if _snap else []
+    tampered = capped(_snap[0].changed()) if _snap else []
     aliased = aliased_outputs(raw, x)
     outputs = loader.to_host(raw, keep_device=resident, strict=True)
     del raw
