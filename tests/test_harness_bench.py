@@ -503,3 +503,17 @@ def test_eager_is_timed_again_where_a_candidate_is_far_faster(monkeypatch):
     assert eager["wall_ms"] == min(first, second)
     assert any("eager timed again" in n for n in eager["notes"])
     assert code == 0
+
+
+def test_a_forged_row_is_refused_before_bench_walks_it():
+    """A candidate that impersonates its worker can hand bench any row: its lists are checked
+    for type and size before bench formats or walks them (a stride-0 tensor of 10^12 elements
+    where the findings belong would hold bench's own process), and a real row passes."""
+    huge = torch.zeros(1, dtype=torch.int64).expand(10 ** 12)
+    for forged in ({"tampered": huge}, {"threads": ["x" * 10 ** 6]}, {"checks": huge},
+                   {"hygiene": list(range(3))}, {"checks": [((1,), ())] * (1 << 17)}, huge):
+        assert bench._malformed(forged), forged
+    honest = bench.bench_entry(TINY, "candidate", str(HERE / "candidates" /
+                                                      "reference_as_candidate.py"), "cpu", [3],
+                               1, True, 10)
+    assert [bench._malformed(r) for r in honest["rows"]] == [None], honest["rows"]

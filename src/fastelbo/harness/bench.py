@@ -33,6 +33,7 @@ from . import loader, sandbox
 from . import task_specs as specs
 from .compare import compare_outputs
 from .floor import count_flops, floors
+from .judge import capped
 from .options import BenchOptions
 from .placement import placement
 from .pool import Pool, forward_seed, seed_all
@@ -149,7 +150,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                        checks=[(run, loader.to_host(o)) for run, o in checks],
                        graph_check=check and [(run, loader.to_host(o)) for run, o in check])
             row["hygiene"] = checks.hygiene()
-            row["tampered"] = snapshot.changed() if snapshot is not None else []
+            row["tampered"] = capped(snapshot.changed()) if snapshot is not None else []
             row["threads"] = snapshot.threads_started() if snapshot is not None else []
             row["host"] = placement(dev)  # where this worker ran its timing loops
             timed.append((n, row))
@@ -168,7 +169,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     if _profiled(dev) and not unfinished:
         _profile_kernels(model, mod, seed, dev, quick, timed)
         if snapshot is not None:  # the profiled calls may not tamper either (their kernel list
-            late = snapshot.changed()  # is the side-stream check's evidence)
+            late = capped(snapshot.changed())  # is the side-stream check's evidence)
             for _, row in timed:
                 row["tampered"] = row["tampered"] or late
     return {"batch_sizes": batch_sizes, "rows": rows, "unfinished": unfinished}
@@ -318,6 +319,10 @@ def run_bench(problem: str, candidates: list[str] | None = None,
         batch_sizes = batch_sizes or sizes
         results[name] = {r["batch_size"]: r for r in got if "error" not in r}
         for r in got:
+            why = _malformed(r) if kind == "candidate" else None
+            if why:  # the candidate's worker wrote its own row: nothing of it is read further
+                r = {"batch_size": r.get("batch_size") if type(r.get("batch_size")) is int
+                     else None, "error": f"a forged row: {why}", "category": "tampered"}
             if "error" in r:  # could not run (2), unless what stopped it was tampering (1)
                 tampered = r["category"] == "tampered"
                 code = max(code, 1 if tampered else 2)
@@ -344,6 +349,36 @@ def run_bench(problem: str, candidates: list[str] | None = None,
     if o.out is not None:
         append_jsonl(o.out, rows)
     return rows, code
+
+
+# A row's lists that the harness formats or walks, and how long each may be (a worker writes
+# at most MAX_TAMPERED findings, a hygiene finding per input and output, a judged call's run
+# per timed call).
+_ROW_LISTS = {"tampered": 32, "threads": 4096, "hygiene": 4096, "checks": 1 << 16,
+              "graph_check": 1 << 16}
+
+
+def _malformed(row) -> str | None:
+    """Why a row from a candidate's worker is not one the harness's task could have written
+    (its lists of the wrong type or size, their texts too long), else None: a candidate that
+    impersonates its worker could hand over a stride-0 tensor of 10^12 elements where a list
+    of findings belongs, and bench's own process would walk it (judge.py's records, likewise)."""
+    if type(row) is not dict:
+        return f"a {type(row).__name__}, not a dict"
+    for key, most in _ROW_LISTS.items():
+        value = row.get(key)
+        if value is None:
+            continue
+        if type(value) is not list or len(value) > most:
+            return f"{key}: not a list of at most {most}"
+        if key in ("tampered", "threads", "hygiene") and not all(
+                type(t) is str and len(t) <= 2000 for t in value):
+            return f"{key}: not short strings"
+        if key in ("checks", "graph_check") and not all(
+                type(c) is tuple and len(c) == 2 and type(c[0]) is tuple
+                and len(c[0]) <= 1 << 16 for c in value):
+            return f"{key}: not (run, outputs) pairs"
+    return None
 
 
 def _retime_eager(results: dict, timed: list, timeout: float, env, **task) -> None:
