@@ -82,3 +82,20 @@ def test_the_tail_reads_the_end_of_a_plain_file_only(tmp_path):
     log.unlink()
     log.symlink_to(secret)
     assert handoff.tail(log, tmp_path, 100) == ""
+
+
+def test_a_forged_error_result_is_read_as_bounded_text(tmp_path):
+    """A candidate that impersonates its worker may write {"worker_error": ..., "category": ...}
+    of any type and size: the harness keeps short text only (the category ends up in the
+    report, the reason in its message)."""
+    import torch
+
+    from fastelbo.harness import worker
+    huge = torch.zeros(1, dtype=torch.int64).expand(10 ** 12)
+    for error, category, want in ((huge, ["x"] * 10, ("exception", "a malformed error")),
+                                  ("e" * 10 ** 6, "c" * 10 ** 4, ("c" * 40, "e" * 16000))):
+        path = tmp_path / "result.pt"
+        torch.save({"worker_error": error, "category": category}, path)
+        outcome = worker.WorkerOutcome(result=None)
+        worker._read_result(outcome, path, tmp_path)
+        assert (outcome.category, outcome.reason) == want

@@ -425,9 +425,10 @@ def _read_result(outcome: WorkerOutcome, path: Path, within: Path) -> None:
         outcome.reason = ("the worker's result could not be read back safely (it holds objects "
                           f"other than tensors and plain Python values): {_load_error(exc)}")
         return
-    if "worker_error" in data:
-        outcome.category = data.get("category", "exception")
-        outcome.reason = data["worker_error"]
+    if "worker_error" in data:  # plain text of bounded size, whoever wrote it
+        category, reason = data.get("category", "exception"), data["worker_error"]
+        outcome.category = category[:40] if type(category) is str else "exception"
+        outcome.reason = reason[:4 * TAIL_CHARS] if type(reason) is str else "a malformed error"
         return
     outcome.result = data
 
