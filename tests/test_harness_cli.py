@@ -46,6 +46,10 @@ MISTAKES = [
     (["bench", TINY, "--seed", "-1"], "--seed must be >= 0, got -1"),
     (["bench", TINY, "--atol", "-1"], "--atol must be >= 0, got -1"),
     (["export", "--kernelbench", str(HERE)], "is a directory; give a file path"),
+    # before any work: on 2026-12-06 a bench ran, then lost every row to --out /tmp
+    (["bench", TINY, GOOD, "--out", str(HERE)],
+     f"--out must be a file path that can be written (it is a directory), got {str(HERE)!r}"),
+    (["bench", TINY, "--out", str(Path(GOOD) / "rows.jsonl")], f"(no directory {GOOD})"),
 ]
 if not torch.cuda.is_available():
     MISTAKES.append((["check", TINY, GOOD, "--device", "cuda"],

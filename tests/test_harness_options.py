@@ -58,6 +58,16 @@ def test_defaults_and_sequences():
         CheckOptions(colour="red")
 
 
+def test_an_out_file_that_cannot_be_written_is_refused(tmp_path):
+    """Before any work (a bench's rows were lost at its end to --out /tmp, a directory)."""
+    with pytest.raises(OptionError, match=r"out must be a file path that can be written \(it is "
+                       r"a directory\)"):
+        BenchOptions(out=tmp_path)
+    with pytest.raises(OptionError, match=f"no directory {tmp_path / 'gone'}"):
+        BenchOptions(out=tmp_path / "gone" / "rows.jsonl")
+    assert BenchOptions(out=tmp_path / "rows.jsonl").out == tmp_path / "rows.jsonl"
+
+
 def _raised_in_options(exc: BaseException) -> bool:
     return Path(traceback.extract_tb(exc.__traceback__)[-1].filename).name == "options.py"
 

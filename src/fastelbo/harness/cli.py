@@ -390,6 +390,10 @@ def _serve(args) -> int:
         problem = problem_path(args.problem)
     except FileNotFoundError as exc:
         raise UsageError(str(exc)) from None
+    from .options import unwritable_dir
+    if args.submit_dir and (why := unwritable_dir(args.submit_dir)):
+        raise UsageError(f"--submit-dir must be a directory that can be written ({why}), "
+                         f"got {args.submit_dir!r}")
     from .server import serve  # imports no torch: the session starts at the first tool call
     if cuda:
         index, count = int(args.device.partition(":")[2] or 0), counter()
