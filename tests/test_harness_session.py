@@ -378,3 +378,78 @@ def test_an_agents_check_runs_at_least_two_trials():
         for bad in (1, 0, True, 2.0):
             with pytest.raises(ValueError, match="trials must be an int of at least 2"):
                 s.run_correctness(CORRECT, trials=bad)
+
+
+def test_a_session_refuses_another_sessions_files_and_the_harness_own(tmp_path):
+    """An agent's candidate can list the sessions' root (directory names stay readable), so it
+    can name another agent's sources and reports. Until 2026-12-06 its Session then read them
+    (unconfined) and echoed them back as its solution, and a check widened its worker's
+    confinement to the other session's directory: now every tool refuses such a path (links
+    followed) before any work, as it refuses the harness's private directory and the reference
+    cache."""
+    from fastelbo.harness import refcache, sandbox
+    with _session(spares=0) as theirs, _session(spares=0, submit_dir=tmp_path / "out") as mine:
+        their_source = Path(theirs._candidate(CORRECT.read_text()))
+        report = theirs.directory / "reports" / "0001-run_correctness.json"
+        report.parent.mkdir()
+        report.write_text('{"status": "pass"}')
+        link = tmp_path / "innocent.py"
+        link.symlink_to(their_source)
+        private = Path(sandbox.private_root()) / f"test-{tmp_path.name}.py"
+        private.write_text("x = 1\n")
+        try:
+            for path in (their_source, report, link, private):
+                for tool in (mine.submit_kernel, mine.run_correctness, mine.compile_kernel,
+                             mine.benchmark):
+                    with pytest.raises(ValueError, match=r"source '.*' resolves to .*: a "
+                                       "session takes only its caller's files"):
+                        tool(str(path))
+            cache = refcache.default_root()
+            if cache.is_dir():
+                with pytest.raises(ValueError, match="in the reference cache"):
+                    mine.submit_kernel(str(cache))
+        finally:
+            private.unlink()
+        # its own directory is its own: the text it was sent, by path, is taken
+        own = Path(mine._candidate("x = 1\n"))
+        assert mine._candidate(str(own)) == str(own)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_candidates_path_never_opens_another_session_to_its_worker(tmp_path):
+    """The confinement reads one session's directory: the session's whose job it is
+    (session_scope) or the one named, never one a candidate's path lies in."""
+    from fastelbo.harness import sandbox
+    if sandbox.for_candidates()["kind"] != "landlock":
+        pytest.skip("needs Landlock (the only kind with per-directory rules)")
+    with _session(spares=0) as theirs, _session(spares=0) as mine:
+        their_source = theirs._candidate(CORRECT.read_text())
+        assert sandbox.for_candidates(reads=[their_source])["allow"] == []
+        with sandbox.session_scope(mine.directory):
+            assert sandbox.for_candidates(reads=[their_source])["allow"] == [
+                str(mine.directory.resolve())]
+        assert sandbox.for_candidates(session=tmp_path)["allow"] == []  # not a session's
+
+
+def test_an_empty_submission_is_refused_before_it_waits_for_the_lock(tmp_path):
+    """Until 2026-12-06 an empty file was not copied: the check, queued behind another job,
+    ran on the live path (rewritten meanwhile) and the empty text was saved as accepted."""
+    named = tmp_path / "mine.py"
+    named.write_text("")
+    out = {}
+    with _session(spares=0, submit_dir=tmp_path / "out") as s:
+        with s._lock:  # another job (a slow check) holds the session
+            def submit():
+                try:
+                    out["result"] = s.submit_kernel(str(named))
+                except ValueError as exc:
+                    out["error"] = str(exc)
+            t = threading.Thread(target=submit)
+            t.start()
+            t.join(2.0)
+            named.write_text("def broken(:\n")  # what the live path then holds
+        t.join()
+        with pytest.raises(ValueError, match="is not a file"):
+            s.submit_kernel(str(tmp_path))
+    assert "result" not in out and out["error"].startswith(f"source {str(named)!r} is empty")
+    assert not (tmp_path / "out").exists()

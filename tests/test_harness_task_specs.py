@@ -24,7 +24,8 @@ class NoWorker:
 def test_a_misspelt_argument_raises_in_the_parent_before_any_worker(monkeypatch):
     monkeypatch.setattr(worker, "Worker", NoWorker)
     with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.tasks\.import_only: got an "
-                                        r"unexpected keyword argument 'candidat' \(it takes candidate\)$"):
+                                        r"unexpected keyword argument 'candidat' "
+                                        r"\(it takes candidate, sha256\)$"):
         worker.run_task(task_specs.import_only, 60, candidat="x.py")
     with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.tasks\.build_candidate: "
                                         r"missing a required argument: 'seed'$"):

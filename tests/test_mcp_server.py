@@ -9,9 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from mcp.client.stdio import stdio_client
 
 from fastelbo.cli import build_parser
 from fastelbo.errors import UsageError
+from fastelbo.harness import sandbox
 from fastelbo.harness.schema import CHECK_REPORT
 from fastelbo.harness.server import SPARES, TOOLS, json_safe
 
@@ -128,6 +131,17 @@ async def _scenario(cwd: Path) -> dict:
         out["second"] = await call("run_correctness", source=str(CORRECT), trials=2,
                                    detail=True)
         out["submit"] = await call("submit_kernel", source=str(CORRECT))
+        # another agent's session (its server's, as a candidate's listing names it): refused
+        other = Path(tempfile.mkdtemp(prefix="session-", dir=sandbox.sessions_root()))
+        try:
+            (other / "candidate.py").write_text(CORRECT.read_text())
+            out["other_session"] = []
+            for tool in ("submit_kernel", "run_correctness"):
+                with anyio.fail_after(CALL_TIMEOUT):
+                    got = await client.call_tool(tool, {"source": str(other / "candidate.py")})
+                out["other_session"].append((_field(got, "is_error"), got.content[0].text))
+        finally:
+            shutil.rmtree(other)
         out["server_torch"] = [loaded for pid, loaded in _torch_loaded(tag)
                                if pid == out["started"][0][0]]
     return out
@@ -257,6 +271,13 @@ def test_submit_names_the_solution_without_its_text(served):
     assert result["solution"]["imports"] == ["fastelbo"]
 
 
+def test_another_sessions_file_is_a_tool_error(served):
+    """Until 2026-12-06 submit_kernel read it and returned its text as the solution."""
+    for is_error, text in served["other_session"]:
+        assert is_error is True and "ValueError: source '" in text, text
+        assert "in the sessions' root" in text, text
+
+
 def test_nothing_is_written_into_the_working_directory(served):
     assert served["cwd_files"] == []
 
@@ -304,7 +325,9 @@ def test_stopping_the_server_kills_its_running_workers(tmp_path):
 def test_serve_usage_errors_name_the_argument():
     for argv, text in ((["serve", "--device", "mps"], "--device must be cpu, cuda or cuda:N"),
                        (["serve", "--problem", "nope.py"], "problem 'nope.py'"),
-                       (["serve", "--trials", "0"], "--trials must be >= 1")):
+                       (["serve", "--trials", "0"], "--trials must be >= 1"),
+                       (["serve", "--submit-dir", str(CORRECT)],
+                        r"--submit-dir must be a directory that can be written \(it is not a")):
         args = build_parser().parse_args(argv)
         with pytest.raises(UsageError, match=text):
             args.func(args)

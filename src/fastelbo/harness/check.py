@@ -23,6 +23,7 @@ reference workers from itself, before anything touches CUDA.
 """
 from __future__ import annotations
 
+import hashlib
 import secrets
 import shutil
 import sys
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from ..problems import problem_path
 from . import handoff, refcache, sandbox
-from .files import candidate_path, syntax_error
+from .files import candidate_path, read_source, syntax_error
 from .judge import ENVELOPE_CATEGORIES, judge_trial, record_problem, regime_of, trial_from_dict
 from .options import CheckOptions
 from .placement import cuda_device_missing
@@ -47,7 +48,7 @@ from .report import (
     TrialReport,
     kernelbench_note,
 )
-from .scan import scan_file
+from .scan import scan_source
 from .task_specs import (
     build_candidate,
     check_candidate,
@@ -93,12 +94,15 @@ def run_check(problem: str | Path, candidate: str | Path, options: CheckOptions 
         prob, cand = problem_path(problem), candidate_path(candidate)
     except FileNotFoundError as exc:
         return report.error("import", str(exc))
-    bad = syntax_error(cand)
+    # read once: parsed, scanned and hashed as these bytes, and the worker runs only them
+    source = read_source(cand)
+    bad = source if isinstance(source, str) else syntax_error(cand, source)
     if bad is not None:
         report.timings["total_s"] = time.monotonic() - start
         return report.error("import", bad)
-    report.scan = scan_file(cand)
+    report.scan = scan_source(source.decode(errors="replace"))
     job = _Check(report, prob, cand, options, pool=pool, fork=pool is None and _prefork())
+    job.sha256 = hashlib.sha256(source).hexdigest()
     try:
         return job.run()
     finally:
@@ -132,12 +136,14 @@ class _Check:
         if self.tmp_root is None:
             refcache.seal(self.root)
         # a Session's pool reads the session's directory (sandbox.sessions_root): so do its
-        # checks, whatever the candidate's path, and its spares serve them
+        # checks (else the session_scope's), never one named by the candidate's path
         session = pool.confine.get("allow", []) if pool is not None and pool.confine else []
-        self.confine = sandbox.for_candidates(self.root, reads=[cand, prob, *session])
+        self.confine = sandbox.for_candidates(self.root, reads=[cand, prob],
+                                              session=session[0] if session else None)
         report.confinement = self.confine["kind"]
         report.notes.append(f"confinement: {self.confine['note']}")
         self.pool = pool
+        self.sha256: str | None = None  # of the bytes run_check parsed and scanned
         self.fork = fork  # fork the first workers from this process (run_check says when)
         self.workers: list[Worker] = []
         self.roles: list[str] = []  # what each of self.workers is for (report.workers)
@@ -267,7 +273,7 @@ class _Check:
             self.fork = False  # a later worker (an envelope's, a rerun's) comes after the probe
             build = threads.submit(cand_w.run, build_candidate,
                                    {"candidate": str(self.cand), "problem": str(self.prob),
-                                    "device": o.device, "seed": o.seed},
+                                    "device": o.device, "seed": o.seed, "sha256": self.sha256},
                                    timeout=o.build_timeout, build_timeout=o.build_timeout)
             ref = None if ref_w is None else threads.submit(self._reference, only, ref_w)
             # Only now, with every worker started: spawned ones import torch while this process
@@ -356,7 +362,7 @@ class _Check:
                              {"candidate": str(self.cand), "device": o.device, "seed": o.seed,
                               "eval_mode": o.eval_mode,
                               "init_file": self._hand(cand_w, self._init_file(), "init.pt"),
-                              "regimes": tasks},
+                              "regimes": tasks, "sha256": self.sha256},
                              timeout=o.timeout, forward_timeout=o.forward_timeout,
                              build_timeout=o.build_timeout, on_partial=judge)
             verdicts = {name: f.result() for name, f in verdicts.items()}

@@ -9,6 +9,7 @@ or of its installed packages), read with `cuobjdump`.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import sandbox
-from .files import candidate_path, syntax_error
+from .files import candidate_path, read_source, syntax_error
 from .task_specs import import_only
 from .worker import Worker, WorkerPool
 
@@ -182,7 +183,8 @@ def run_compile(candidate: str | Path, timeout: float = 600.0,
         report.reason = str(exc)
         return report
     report.candidate = str(path)
-    bad = syntax_error(path)
+    source = read_source(path)  # read once: parsed, and what the worker must find there
+    bad = source if isinstance(source, str) else syntax_error(path, source)
     if bad is not None:  # no worker needed to say so
         report.reason = bad
         return report
@@ -191,7 +193,9 @@ def run_compile(candidate: str | Path, timeout: float = 600.0,
         sandbox.for_candidates(reads=[path])
     worker = pool.take(confine) if pool is not None else Worker(confine=confine)
     try:
-        outcome = worker.run(import_only, {"candidate": str(path)}, timeout=timeout)
+        outcome = worker.run(import_only, {"candidate": str(path),
+                                               "sha256": hashlib.sha256(source).hexdigest()},
+                             timeout=timeout)
     finally:
         worker.close()
         if pool is not None:

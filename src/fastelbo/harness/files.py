@@ -29,11 +29,22 @@ def candidate_path(name: str | Path) -> Path:
     return path.resolve()
 
 
-def syntax_error(path: str | Path) -> str | None:
-    """`file:line: SyntaxError: ...` when the file does not parse (milliseconds, no worker),
-    else None."""
+def read_source(path: str | Path) -> bytes | str:
+    """The file's bytes, read once: what the harness parses, scans and hashes, and what the
+    worker must find there (its sha256 travels with the task); or the reason it cannot be read
+    (`file: cannot read it as Python: ...`)."""
     try:
-        source = Path(path).read_bytes()
+        return Path(path).read_bytes()
+    except OSError as exc:
+        return f"{path}: cannot read it as Python: {exc}"
+
+
+def syntax_error(path: str | Path, source: bytes | None = None) -> str | None:
+    """`file:line: SyntaxError: ...` when the file (or `source`, its bytes as read) does not
+    parse (milliseconds, no worker), else None."""
+    try:
+        if source is None:
+            source = Path(path).read_bytes()
         with _PARSE:
             compile(source, str(path), "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
     except SyntaxError as exc:

@@ -17,13 +17,25 @@ from .worker import TaskError, traceback_tail
 BUILD_LOG_CHARS = 20000
 
 
-def import_candidate(path: str | Path) -> ModuleType:
-    """Import a candidate file; failures become TaskError("import") naming file:line. In a
-    confined worker its compile caches are first narrowed to its own (sandbox.narrow_builds)."""
+def import_candidate(path: str | Path, sha256: str | None = None) -> ModuleType:
+    """Import a candidate file; failures become TaskError("import") naming file:line. Its bytes
+    are read once: those are what runs (never a .pyc), what names its compile caches in a
+    confined worker (sandbox.narrow_builds), and, given `sha256` (of the bytes the harness
+    parsed and scanned), what must hash to it: a file changed since is not run."""
+    import hashlib
+
     from .sandbox import narrow_builds
-    narrow_builds(path)
     try:
-        mod = load_module(path)
+        source = Path(path).read_bytes()
+    except OSError as exc:
+        raise TaskError("import", f"{path}: cannot read the candidate: {exc}") from None
+    digest = hashlib.sha256(source).hexdigest()
+    if sha256 is not None and digest != sha256:
+        raise TaskError("import", f"{path}: the file changed after the harness read it "
+                        f"(sha256 {digest[:12]}, read as {sha256[:12]}); not run")
+    narrow_builds(digest)
+    try:
+        mod = load_module(path, source=source)
     except SyntaxError as exc:
         raise TaskError("import", f"{exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}\n"
                         f"{(exc.text or '').rstrip()}") from None

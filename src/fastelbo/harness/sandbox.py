@@ -32,6 +32,8 @@ reports "none".
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import os
 import signal
@@ -141,27 +143,42 @@ def _plan(secrets: list[str | Path], reads: list[str | Path]) -> dict:
             "note": "no Landlock here: a candidate could read the reference's data"}
 
 
-def for_candidates(root: str | Path | None = None, reads=()) -> dict:
+def for_candidates(root: str | Path | None = None, reads=(),
+                   session: str | Path | None = None) -> dict:
     """A candidate's worker's confinement: it may read neither the reference cache (`root`,
     and the user's default one), nor the harness's private directory, nor the sessions' root
-    but for the session directories that hold one of `reads` (its own session's: the same
-    for every candidate of one session). The same for every check of a Session (whose spares
-    are born with it) and for compile and bench."""
+    but for one session's directory: `session`, else the one of the Session whose job this
+    thread runs (session_scope), else none. Never one derived from `reads` (the files it must
+    read, for the "user" kind's check): until 2026-12-06 a candidate's path inside another
+    session's directory opened that directory to the worker. The same for every check of a
+    Session (whose spares are born with it) and for compile and bench."""
     from .refcache import default_root
     sessions = sessions_root()
     return plan([root or default_root(), default_root(), private_root(), sessions],
-                reads=reads, allow=_sessions_read(sessions, reads))
+                reads=reads, allow=_own_session(sessions, session or _session.get()))
 
 
-def _sessions_read(sessions: Path, reads) -> list[str]:
-    """The directories of `sessions` (the sessions' root) that hold one of `reads`."""
-    root = sessions.resolve()
-    out = set()
-    for r in reads:
-        path = Path(r).resolve()
-        if root in path.parents:
-            out.add(str(root / path.relative_to(root).parts[0]))
-    return sorted(out)
+_session: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "fastelbo_session", default=None)
+
+
+@contextlib.contextmanager
+def session_scope(directory: str | Path):
+    """While inside, the candidates' confinement made in this thread (for_candidates) reads
+    `directory`, a Session's own, in the sessions' root: the session runs its jobs so."""
+    token = _session.set(Path(directory))
+    try:
+        yield
+    finally:
+        _session.reset(token)
+
+
+def _own_session(sessions: Path, session: str | Path | None) -> list[str]:
+    """[`session`] when it is a directory directly in `sessions` (the sessions' root), else []."""
+    if session is None:
+        return []
+    path = Path(session).resolve()
+    return [str(path)] if path.parent == sessions.resolve() else []
 
 
 def _unreadable_for_others(paths) -> list[str]:
@@ -238,9 +255,10 @@ def _drop_capabilities(libc) -> None:
 _entered: dict = {}  # this worker's: spec, scratch, builds root (enter); narrowed (its dir)
 
 
-def narrow_builds(candidate: str | Path) -> None:
+def narrow_builds(digest: str) -> None:
     """Before a candidate is imported in a confined worker: its compile caches become a
-    directory of its own under candidate_builds(), named by a hash of its file, and (under
+    directory of its own under candidate_builds(), named by `digest` (the sha256 of the very
+    bytes it will run: loader.import_candidate), and (under
     Landlock) a second ruleset lets the worker write nowhere else there (as `nobody`, every
     candidate is the same user: the directory is its own by name only). On 2026-12-05 a
     candidate built another's extension name from its own source in the shared caches, and that
@@ -250,9 +268,7 @@ def narrow_builds(candidate: str | Path) -> None:
     spec = _entered.get("spec")
     if not spec or spec.get("kind") == "none" or _entered.get("narrowed"):
         return
-    import hashlib
-    digest = hashlib.sha256(Path(candidate).read_bytes()).hexdigest()[:16]
-    base = Path(_entered["builds"]) / digest
+    base = Path(_entered["builds"]) / digest[:16]
     base.mkdir(mode=0o700, exist_ok=True)
     for var, name in _CACHE_VARS.items():
         path = base / name

@@ -33,6 +33,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -47,7 +48,7 @@ from .bench import run_bench
 from .check import run_check
 from .compile import CompileReport, run_compile
 from .files import BUILTIN_PREFIX
-from .options import BenchOptions, CheckOptions
+from .options import BenchOptions, CheckOptions, unwritable_dir
 from .worker import STARTUP_TIMEOUT, WorkerPool
 
 # A Python-level failure (SyntaxError, an import that raises) is reported by the loader as
@@ -126,6 +127,9 @@ class Session:
         self._key = _device_key(options.device)
         if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
             raise ValueError(f"spares must be an integer >= 0, got {spares!r}")
+        if submit_dir is not None and (why := unwritable_dir(submit_dir)):
+            raise ValueError(f"submit_dir must be a directory that can be written ({why}), "
+                             f"got {os.fspath(submit_dir)!r}")
         self.submit_dir = Path(submit_dir) if submit_dir is not None else None
         # Reached by name only (mode 0711, in a root of the same): a worker that runs as
         # `nobody` reads its candidate there, and no other session's candidate reads it.
@@ -135,7 +139,7 @@ class Session:
         # Started last, once every argument is known good: nothing to clean up before this.
         cache = options.cache
         root = None if cache is True or options.seed is None or cache is False else Path(cache)
-        confine = sandbox.for_candidates(root, reads=[self._dir])  # as each check's (check.py)
+        confine = sandbox.for_candidates(root, reads=[self._dir], session=self._dir)  # check.py
         self._pool = (WorkerPool(spares, device=self._key, confine=confine)
                       if spares else None)
         self._cleanup = weakref.finalize(self, _cleanup, self._dir, self._pool)
@@ -151,7 +155,7 @@ class Session:
         library with its kernels' registers, shared, local (spill) and stack bytes), `seconds`
         and the worker's `output_tail`."""
         cand = self._candidate(source)
-        with self._exclusive():
+        with self._job():
             start = time.perf_counter()
             report = run_compile(cand, timeout=self.options.build_timeout, pool=self._pool)
             return compile_report_dict(report, time.perf_counter() - start)
@@ -179,7 +183,7 @@ class Session:
             raise ValueError(f"device must be the session's {self.device!r} for its benchmark, "
                              f"got {options.device!r}")
         cand = self._candidate(source)
-        with self._exclusive():
+        with self._job():
             if self._pool is not None:  # a spare still importing torch would skew the timing
                 self._pool.wait_ready(STARTUP_TIMEOUT)
             rows, code = run_bench(self.problem, [cand], options)
@@ -189,28 +193,32 @@ class Session:
     def submit_kernel(self, source: str | os.PathLike) -> dict:
         """The session's full check, plus `solution`: {path, text, sha256, imports}.
 
-        The solution is the candidate file itself, one file KernelBench can take, read once
-        and checked and saved as read (a copy in the session's directory); for
-        `fastelbo:<backend>` it is `fastelbo export --kernelbench`'s file (the fastelbo
-        candidates import the package), and that file is what gets checked. `imports` lists
-        the modules it imports beyond the standard library (a single-file solution needs no
-        more than torch). An accepted solution (exit 0) is also copied into `submit_dir`."""
+        The solution is the candidate file itself, one file KernelBench can take: its bytes are
+        read once, and a copy of exactly those in the session's directory is what is checked,
+        hashed and saved (the file named may change meanwhile: on 2026-12-05 a candidate wrote
+        one to /dev/shm that rewrote itself at import, and its zeros were saved; an empty file
+        rewritten while the submission waited for the job lock had its new text checked and
+        its empty one saved). For `fastelbo:<backend>` it is `fastelbo export --kernelbench`'s
+        file (the fastelbo candidates import the package), and that file is what gets checked.
+        An empty source, a path that is not a readable file, or one the session refuses
+        (_refuse) is a ValueError naming `source`, before any check. `imports` lists the
+        modules it imports beyond the standard library (a single-file solution needs no more
+        than torch). An accepted solution (exit 0) is also copied into `submit_dir`."""
         if isinstance(source, str) and source.startswith(BUILTIN_PREFIX):
             from ..plugin import export_source
             source = export_source()
-        cand = self._candidate(source)
-        text = Path(cand).read_text() if Path(cand).is_file() else ""
-        if text:  # checked and saved as these bytes, from the session's own directory: the
-            # file named may change meanwhile (on 2026-12-05 a candidate checked before wrote
-            # one to /dev/shm that rewrote itself at import, and its zeros were saved)
-            cand = self._candidate(text if "\n" in text else text + "\n")
+        data = self._source_bytes(source)
+        if not data.strip():
+            raise ValueError(f"source {_named(source)} is empty: nothing to check or submit")
+        cand = self._write(data)
         result = self._check(cand, None)
-        digest = hashlib.sha256(text.encode()).hexdigest()
+        digest = hashlib.sha256(data).hexdigest()
+        text = data.decode(errors="replace")
         path = cand
         if result["exit_code"] == 0 and self.submit_dir is not None:
             self.submit_dir.mkdir(parents=True, exist_ok=True)
             dest = self.submit_dir / f"{self.problem.stem}_solution_{digest[:12]}.py"
-            dest.write_text(text)
+            dest.write_bytes(data)
             path = str(dest)
         result["solution"] = {"path": path, "text": text, "sha256": digest,
                               "imports": third_party_imports(text)}
@@ -225,23 +233,74 @@ class Session:
                              f"check, got {trials!r}: with one trial per regime, a candidate "
                              "that replays its first answer for each input shape passes")
         options = self.options if trials is None else replace(self.options, trials=trials)
-        with self._exclusive():
+        with self._job():
             report = run_check(self.problem, cand, options=options, pool=self._pool)
         return report.to_dict()
 
     def _candidate(self, source: str | os.PathLike) -> str:
-        """A path for `source`: text with a newline is written to the session's directory."""
-        if isinstance(source, os.PathLike):
-            return os.fspath(source)
-        if not isinstance(source, str):
-            raise TypeError("source must be Python source text or a path, got "
-                            f"{type(source).__name__}")
-        if "\n" not in source:
-            return source  # a path or fastelbo:<backend>; run_check says if it is neither
-        path = self._dir / hashlib.sha256(source.encode()).hexdigest()[:12] / "candidate.py"
+        """A path for `source`: text with a newline is written to the session's directory; a
+        path is taken as it is, unless the session refuses it (_refuse)."""
+        if isinstance(source, str) and "\n" in source:
+            return self._write(source.encode())
+        path = _as_path(source)
+        if path.startswith(BUILTIN_PREFIX):
+            return path
+        if os.path.exists(path):  # else run_check / run_compile say it is not a file
+            self._refuse(source, Path(path).resolve())
+        return path
+
+    def _source_bytes(self, source: str | os.PathLike) -> bytes:
+        """`source`'s bytes: text as UTF-8, a path's file read once, from the file that was
+        checked against _refuse (opened first, then named by the kernel: a link swapped
+        meanwhile changes nothing)."""
+        if isinstance(source, str) and "\n" in source:
+            return source.encode()
+        path = _as_path(source)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO: no wait
+        except OSError as exc:
+            raise ValueError(f"source {_named(source)} is not a readable file: "
+                             f"{exc.strerror}") from None
+        try:
+            proc = f"/proc/self/fd/{fd}"
+            self._refuse(source, Path(os.readlink(proc) if os.path.exists(proc)
+                                      else Path(path).resolve()))
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"source {_named(source)} is not a file")
+        except BaseException:
+            os.close(fd)
+            raise
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
+
+    def _refuse(self, source, real: Path) -> None:
+        """ValueError naming `source` when its file (`real`, links followed) lies where no
+        agent's source may come from: another session's directory (another agent's sources
+        and reports), the harness's private directory, or a reference cache. Listing those is
+        possible (a candidate can name what is there), reading them through a tool is not."""
+        from .refcache import default_root
+        sessions = sandbox.sessions_root().resolve()
+        if real == self._dir.resolve() or self._dir.resolve() in real.parents:
+            return
+        cache = self.options.cache
+        places = [(sessions, "the sessions' root (other agents' sessions)"),
+                  (sandbox.private_root().resolve(), "the harness's private directory"),
+                  (default_root().resolve(), "the reference cache")]
+        if isinstance(cache, (str, os.PathLike)):
+            places.append((Path(cache).resolve(), "the session's reference cache"))
+        for root, what in places:
+            if real == root or root in real.parents:
+                raise ValueError(f"source {_named(source)} resolves to {real}, in {what}: a "
+                                 "session takes only its caller's files and its own directory")
+
+    def _write(self, data: bytes) -> str:
+        """The path of `data` in the session's directory (by its hash), written once, whole."""
+        path = self._dir / hashlib.sha256(data).hexdigest()[:12] / "candidate.py"
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(source)
+            tmp = path.with_name(f".{threading.get_ident()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
         return str(path)
 
     @property
@@ -252,6 +311,13 @@ class Session:
 
     def _exclusive(self):
         return _gpu_exclusive(self._key) if self._key.startswith("cuda") else self._lock
+
+    @contextlib.contextmanager
+    def _job(self):
+        """One job at a time (_exclusive), its candidates' workers confined to read this
+        session's directory alone of the sessions' root (sandbox.session_scope)."""
+        with self._exclusive(), sandbox.session_scope(self._dir):
+            yield
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> bool:
         """Wait until the spare workers have finished starting (True at once with none)."""
@@ -266,6 +332,21 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _as_path(source) -> str:
+    if isinstance(source, os.PathLike):
+        return os.fspath(source)
+    if not isinstance(source, str):
+        raise TypeError("source must be Python source text or a path, got "
+                        f"{type(source).__name__}")
+    return source
+
+
+def _named(source) -> str:
+    """`source` as an error names it: a path as given, text by its first line."""
+    text = os.fspath(source) if isinstance(source, os.PathLike) else str(source)
+    return repr(text if "\n" not in text else text.splitlines()[0][:60] + "...")
 
 
 def _cleanup(directory: Path, pool: WorkerPool | None) -> None:

@@ -131,13 +131,15 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
 
 
 @declare(TASKS)
-def build_candidate(candidate: str, problem: str, device: str, seed: int) -> dict:
-    """Import the candidate and construct ModelNew once: the build phase of a check."""
+def build_candidate(candidate: str, problem: str, device: str, seed: int,
+                    sha256: str | None = None) -> dict:
+    """Import the candidate (its bytes must hash to `sha256`, the ones the check read) and
+    construct ModelNew once: the build phase of a check."""
 
 
 @declare(TASKS)
 def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, init_file: str,
-                    regimes: list[dict]) -> dict:
+                    regimes: list[dict], sha256: str | None = None) -> dict:
     """Replay each regime's inputs and seeds on ModelNew, each regime's result as it ends."""
 
 
@@ -155,8 +157,9 @@ def envelope_pass(problem: str, device: str, seed: int, eval_mode: bool, init_fi
 
 
 @declare(TASKS)
-def import_only(candidate: str) -> dict:
-    """Import the candidate (`fastelbo compile`) and list the extensions it loaded."""
+def import_only(candidate: str, sha256: str | None = None) -> dict:
+    """Import the candidate (`fastelbo compile`; its bytes must hash to `sha256`) and list the
+    extensions it loaded."""
 
 
 @declare(BENCH)

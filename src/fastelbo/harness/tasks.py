@@ -296,14 +296,15 @@ _built: dict = {}  # candidate path -> its module, imported by build_candidate
 
 
 @implements(specs.build_candidate)
-def build_candidate(candidate: str, problem: str, device: str, seed: int) -> dict:
+def build_candidate(candidate: str, problem: str, device: str, seed: int,
+                    sha256: str | None = None) -> dict:
     """Import the candidate (building what it compiles at import) and construct ModelNew once
     on the device (building what its constructor compiles), before any reference work ends."""
     dev = torch.device(device)
     _snapshot(dev)  # on a GPU this initialises CUDA: not the candidate's import time
     start = time.perf_counter()
     progress("build: importing the candidate (building its extensions)", BUILD)
-    module = loader.import_candidate(candidate)
+    module = loader.import_candidate(candidate, sha256)
     import_s = time.perf_counter() - start
     progress("build: loading the problem's get_init_inputs()", BUILD)
     init_inputs = loader.init_inputs(loader.problem_module(problem), seed)
@@ -323,7 +324,7 @@ def build_candidate(candidate: str, problem: str, device: str, seed: int) -> dic
 @implements(specs.check_candidate)
 @torch.no_grad()
 def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, init_file: str,
-                    regimes: list[dict]) -> dict:
+                    regimes: list[dict], sha256: str | None = None) -> dict:
     """Replay each regime ({name, scale, seeds, and inputs: a file, or shared_inputs: each
     trial's inputs shared by the reference's worker}) on ModelNew, handing over each regime's
     {name, weights, trials, error} as it ends; a regime with shared inputs is device-resident,
@@ -334,7 +335,7 @@ def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, ini
     if module is None:
         _snapshot(dev)
         progress("importing the candidate", BUILD)
-        module = loader.import_candidate(candidate)
+        module = loader.import_candidate(candidate, sha256)
     progress("candidate: loading the reference's weights")
     init = refcache.load(Path(init_file))
     weights, state = "", None
@@ -572,7 +573,7 @@ def _fold(op):
 
 
 @implements(specs.import_only)
-def import_only(candidate: str) -> dict:
+def import_only(candidate: str, sha256: str | None = None) -> dict:
     """Import the candidate (building any inline extension) and list the extensions it loaded:
     {"extensions": the candidate's own, "installed": those of Python and its packages}.
 
@@ -588,7 +589,7 @@ def import_only(candidate: str) -> dict:
 
     before, start = set(sys.modules), time.time()
     progress("importing the candidate")
-    mod = loader.import_candidate(candidate)
+    mod = loader.import_candidate(candidate, sha256)
     found = [getattr(sys.modules[m], "__file__", None) for m in set(sys.modules) - before]
     found += [getattr(v, "__file__", None) for v in vars(mod).values()
               if isinstance(v, ModuleType)]

@@ -1,6 +1,7 @@
 """Reference problems in KernelBench format: built-in by name, or any file by path."""
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
@@ -21,16 +22,38 @@ def problem_path(name_or_path: str | Path) -> Path:
     return path
 
 
-def load_module(path: str | Path, name: str | None = None) -> ModuleType:
-    """Import a Python file as a fresh module (not cached in sys.modules under its own name)."""
+class _SourceLoader(importlib.machinery.SourceFileLoader):
+    """Runs exactly `source`, the bytes its caller read (and hashed, and scanned): never a
+    cached .pyc beside the file, and it writes none. On 2026-12-05 a candidate's stale .pyc
+    (the source's size and mtime) ran other code than the file the harness had hashed."""
+
+    def __init__(self, fullname: str, path: str, source: bytes):
+        super().__init__(fullname, path)
+        self.source = source
+
+    def get_code(self, fullname: str):
+        return compile(self.source, self.path, "exec", dont_inherit=True)
+
+    def get_source(self, fullname: str) -> str:
+        return importlib.util.decode_source(self.source)
+
+
+def load_module(path: str | Path, name: str | None = None,
+                source: bytes | None = None) -> ModuleType:
+    """Import a Python file as a fresh module (not cached in sys.modules under its own name),
+    compiled from `source` (default: the file's bytes, read once here), never from __pycache__;
+    its __file__ is `path`."""
     path = Path(path).resolve()
     name = name or f"_fastelbo_loaded_{path.stem}_{abs(hash(str(path)))}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
+    if source is None:
+        source = path.read_bytes()
+    loader = _SourceLoader(name, str(path), source)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    if spec is None:
         raise ImportError(f"cannot import {path}")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    loader.exec_module(mod)
     return mod
 
 
