@@ -122,10 +122,13 @@ def test_a_row_that_looks_like_work_outside_the_window_runs_again(monkeypatch):
     much as the candidate's: not a flag."""
     eager = {bench.EAGER: {4: {"outside_ms": 0.05}}}
     suspect = {"candidate": "c.py", "batch_size": 4, "wall_ms": 0.01, "outside_ms": 0.40}
+    judged = [((1,), (torch.arange(4.0),))]  # the second run's judged call
     for second, eager_again, replaced in (
-            ({"wall_ms": 0.01, "outside_ms": 0.06, "checks": ["new"]}, 0.05, True),
+            ({"wall_ms": 0.01, "outside_ms": 0.06, "checks": judged}, 0.05, True),
             ({"wall_ms": 0.01, "outside_ms": 0.40}, 0.05, False),
-            ({"wall_ms": 0.01, "outside_ms": 0.40, "checks": ["new"]}, 0.38, True)):
+            ({"wall_ms": 0.01, "outside_ms": 0.40, "checks": judged}, 0.38, True),
+            # a forged second row (its worker impersonated) is not taken
+            ({"wall_ms": 0.01, "outside_ms": 0.06, "checks": torch.zeros(3)}, 0.05, False)):
         kinds = []
 
         def rows(sizes, *a, second=second, eager_again=eager_again, kinds=kinds, kind, **k):
@@ -139,7 +142,7 @@ def test_a_row_that_looks_like_work_outside_the_window_runs_again(monkeypatch):
         assert kinds == [bench.EAGER, "candidate"]
         row = timed[0][1]
         assert row["rerun"] is True
-        assert row["checks"] == ["new"] if replaced else row["outside_ms"] == 0.40
+        assert row["checks"] == judged if replaced else row["outside_ms"] == 0.40
         plain = {k: v for k, v in row.items() if k != "checks"}  # no judged calls here
         finished = bench._finish_row({**plain, "outputs": (torch.arange(4.0),), "device": "cpu"},
                                      _eager(outside_ms=0.05), 1e-4, 1e-4)

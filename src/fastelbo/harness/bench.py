@@ -440,7 +440,7 @@ def _rerun_outside(results: dict, timed: list, paths: dict, timeout: float, env,
         base = base[0] if base and "error" not in base[0] else eager.get(r["batch_size"])
         again, _ = _entry_rows([r["batch_size"]], timeout, env, confine, kind="candidate",
                                candidate=paths[r["candidate"]], **task)
-        if again and "error" not in again[0]:
+        if again and "error" not in again[0] and not _malformed(again[0]):
             new = {**r, **again[0], "rerun": True, "eager_gaps": {
                 g: (base or {}).get(g) for g in ("outside_ms", "wall_outside_ms")}}
             if not _outside(new, base):
