@@ -14,6 +14,7 @@ from fastelbo.cli import main
 from fastelbo.harness import bench
 from fastelbo.harness.results import git_commit
 from fastelbo.harness.timing import quantiles
+from fastelbo.harness.worker import WorkerOutcome
 
 HERE = Path(__file__).parent
 TINY = str(HERE / "problems" / "tiny_vae.py")
@@ -127,8 +128,8 @@ def test_a_row_that_looks_like_work_outside_the_window_runs_again(monkeypatch):
             ({"wall_ms": 0.01, "outside_ms": 0.06, "checks": judged}, 0.05, True),
             ({"wall_ms": 0.01, "outside_ms": 0.40}, 0.05, False),
             ({"wall_ms": 0.01, "outside_ms": 0.40, "checks": judged}, 0.38, True),
-            # a forged second row (its worker impersonated) is not taken
-            ({"wall_ms": 0.01, "outside_ms": 0.06, "checks": torch.zeros(3)}, 0.05, False)):
+            # a forged second result (its worker impersonated: _entry_rows's answer) is not taken
+            ({"error": "a forged result: ...", "category": "tampered"}, 0.05, False)):
         kinds = []
 
         def rows(sizes, *a, second=second, eager_again=eager_again, kinds=kinds, kind, **k):
@@ -508,15 +509,27 @@ def test_eager_is_timed_again_where_a_candidate_is_far_faster(monkeypatch):
     assert code == 0
 
 
-def test_a_forged_row_is_refused_before_bench_walks_it():
-    """A candidate that impersonates its worker can hand bench any row: its lists are checked
+def test_a_forged_row_is_refused_before_bench_walks_it(monkeypatch):
+    """A candidate that impersonates its worker can hand bench any result: its lists are checked
     for type and size before bench formats or walks them (a stride-0 tensor of 10^12 elements
-    where the findings belong would hold bench's own process), and a real row passes."""
+    where the findings belong would hold bench's own process), and a real result passes."""
     huge = torch.zeros(1, dtype=torch.int64).expand(10 ** 12)
     for forged in ({"tampered": huge}, {"threads": ["x" * 10 ** 6]}, {"checks": huge},
                    {"hygiene": list(range(3))}, {"checks": [((1,), ())] * (1 << 17)}, huge):
         assert bench._malformed(forged), forged
+        assert bench._forged({"batch_sizes": [3], "rows": [forged], "unfinished": []}, [3])
+    for result in (huge, {"batch_sizes": [3], "rows": huge, "unfinished": []},
+                   {"batch_sizes": [3], "rows": [], "unfinished": huge},
+                   {"batch_sizes": [3, 4], "rows": [], "unfinished": []}):
+        assert bench._forged(result, [3]), result
     honest = bench.bench_entry(TINY, "candidate", str(HERE / "candidates" /
                                                       "reference_as_candidate.py"), "cpu", [3],
                                1, True, 10)
     assert [bench._malformed(r) for r in honest["rows"]] == [None], honest["rows"]
+    assert bench._forged(honest, [3]) is None
+    # where a worker's result enters: a forged one is a TAMPERED row per size, read no further
+    # (a small tensor here, so that a regression fails instead of walking 10^12 rows)
+    forged = WorkerOutcome(result={"batch_sizes": [3], "rows": torch.zeros(3), "unfinished": []})
+    monkeypatch.setattr(bench, "run_task", lambda *a, **k: forged)
+    rows, _ = bench._entry_rows([3], 1.0, None, None, kind="candidate")
+    assert [(r["batch_size"], r["category"]) for r in rows] == [(3, "tampered")], rows

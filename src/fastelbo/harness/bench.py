@@ -33,7 +33,7 @@ from . import loader, sandbox
 from . import task_specs as specs
 from .compare import compare_outputs
 from .floor import count_flops, floors
-from .judge import capped
+from .judge import MAX_TAMPERED, capped, texts
 from .options import BenchOptions
 from .placement import placement
 from .pool import Pool, forward_seed, seed_all
@@ -260,8 +260,14 @@ def _entry_rows(sizes: list[int] | None, timeout: float, env: dict[str, str] | N
     Sizes left by a worker that died (crash, timeout) or lost its device are rerun one per
     fresh worker, so one bad size costs only its own row. An exception outside the per-size loop
     (import, build, construction) concerns every size alike: one ERROR row each, no rerun.
+    A candidate's result is checked before any of it is read (_forged): a forged one is a
+    TAMPERED row for each size.
     """
     outcome = run_task(bench_entry, timeout, env=env, confine=confine, batch_sizes=sizes, **task)
+    why = _forged(outcome.result, sizes) if outcome.ok and task["kind"] == "candidate" else None
+    if why:  # the candidate's worker wrote its own result: nothing of it is read further
+        return [{"batch_size": n, "error": f"a forged result: {why}", "category": "tampered"}
+                for n in (sizes or [None])], sizes
     if outcome.ok:
         rows = list(outcome.result["rows"])
         for n in outcome.result["unfinished"]:
@@ -319,10 +325,6 @@ def run_bench(problem: str, candidates: list[str] | None = None,
         batch_sizes = batch_sizes or sizes
         results[name] = {r["batch_size"]: r for r in got if "error" not in r}
         for r in got:
-            why = _malformed(r) if kind == "candidate" else None
-            if why:  # the candidate's worker wrote its own row: nothing of it is read further
-                r = {"batch_size": r.get("batch_size") if type(r.get("batch_size")) is int
-                     else None, "error": f"a forged row: {why}", "category": "tampered"}
             if "error" in r:  # could not run (2), unless what stopped it was tampering (1)
                 tampered = r["category"] == "tampered"
                 code = max(code, 1 if tampered else 2)
@@ -351,33 +353,44 @@ def run_bench(problem: str, candidates: list[str] | None = None,
     return rows, code
 
 
-# A row's lists that the harness formats or walks, and how long each may be (a worker writes
-# at most MAX_TAMPERED findings, a hygiene finding per input and output, a judged call's run
-# per timed call).
-_ROW_LISTS = {"tampered": 32, "threads": 4096, "hygiene": 4096, "checks": 1 << 16,
-              "graph_check": 1 << 16}
+# A row's lists of texts that the harness formats, and how many each may hold (a worker writes
+# at most MAX_TAMPERED findings, five threads' names and a count, a hygiene finding per input
+# and output), and how many judged calls' runs it may walk (one per timed call).
+_ROW_TEXTS = {"tampered": MAX_TAMPERED, "threads": 4096, "hygiene": 4096}
+_MOST_CHECKS, _MOST_SIZES = 1 << 16, 1 << 10
+
+
+def _forged(result, sizes: list[int] | None) -> str | None:
+    """Why a candidate's bench_entry result is not one the task could have written, else None:
+    a candidate that impersonates its worker could hand over a stride-0 tensor of 10^12
+    elements where a list belongs (rows, sizes to rerun, findings), and bench's own process
+    would walk it (as judge.record_problem checks check's records). Types and sizes only."""
+    if type(result) is not dict or set(result) != {"batch_sizes", "rows", "unfinished"}:
+        return "not a dict of batch_sizes, rows and unfinished"
+    done, rows, left = result["batch_sizes"], result["rows"], result["unfinished"]
+    if type(done) is not list or len(done) > _MOST_SIZES or (sizes and done != sizes) \
+            or not all(n is None or type(n) is int for n in done):
+        return "its batch sizes are not the ones asked for"
+    if type(left) is not list or len(left) > len(done) or not all(n in done for n in left):
+        return "its unfinished sizes are not among them"
+    if type(rows) is not list or len(rows) > len(done):
+        return "its rows are not a list of one per batch size"
+    return next(filter(None, map(_malformed, rows)), None)
 
 
 def _malformed(row) -> str | None:
-    """Why a row from a candidate's worker is not one the harness's task could have written
-    (its lists of the wrong type or size, their texts too long), else None: a candidate that
-    impersonates its worker could hand over a stride-0 tensor of 10^12 elements where a list
-    of findings belongs, and bench's own process would walk it (judge.py's records, likewise)."""
+    """Why a row of a candidate's bench_entry result is not one the task writes (_forged)."""
     if type(row) is not dict:
-        return f"a {type(row).__name__}, not a dict"
-    for key, most in _ROW_LISTS.items():
-        value = row.get(key)
-        if value is None:
-            continue
-        if type(value) is not list or len(value) > most:
-            return f"{key}: not a list of at most {most}"
-        if key in ("tampered", "threads", "hygiene") and not all(
-                type(t) is str and len(t) <= 2000 for t in value):
-            return f"{key}: not short strings"
-        if key in ("checks", "graph_check") and not all(
+        return f"a row is a {type(row).__name__}, not a dict"
+    for key, most in _ROW_TEXTS.items():
+        if row.get(key) is not None and not texts(row[key], most, 2000):
+            return f"its {key} is not a list of at most {most} short strings"
+    for key in ("checks", "graph_check"):
+        runs = row.get(key)
+        if runs is not None and not (type(runs) is list and len(runs) <= _MOST_CHECKS and all(
                 type(c) is tuple and len(c) == 2 and type(c[0]) is tuple
-                and len(c[0]) <= 1 << 16 for c in value):
-            return f"{key}: not (run, outputs) pairs"
+                and len(c[0]) <= _MOST_CHECKS for c in runs)):
+            return f"its {key} is not a list of (run, outputs) pairs"
     return None
 
 
@@ -440,7 +453,7 @@ def _rerun_outside(results: dict, timed: list, paths: dict, timeout: float, env,
         base = base[0] if base and "error" not in base[0] else eager.get(r["batch_size"])
         again, _ = _entry_rows([r["batch_size"]], timeout, env, confine, kind="candidate",
                                candidate=paths[r["candidate"]], **task)
-        if again and "error" not in again[0] and not _malformed(again[0]):
+        if again and "error" not in again[0]:
             new = {**r, **again[0], "rerun": True, "eager_gaps": {
                 g: (base or {}).get(g) for g in ("outside_ms", "wall_outside_ms")}}
             if not _outside(new, base):

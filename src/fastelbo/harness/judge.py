@@ -34,6 +34,13 @@ def capped(texts: list[str]) -> list[str]:
     return texts[:MAX_TAMPERED - 1] + [f"and {len(texts) - MAX_TAMPERED + 1} more"]
 
 
+def texts(value, most: int, chars: int = TEXT_CHARS) -> bool:
+    """Whether `value` is a list of at most `most` strings of at most `chars` characters (its
+    length checked before any item is looked at)."""
+    return type(value) is list and len(value) <= most and all(
+        type(t) is str and len(t) <= chars for t in value)
+
+
 def regime_of(record) -> str | None:
     """The regime a record from the candidate's worker names, when it is a dict naming one by a
     plain string (the key the check files it under); else None."""
@@ -47,7 +54,7 @@ def record_problem(record, ref_trials: list[dict], resident: bool) -> str | None
     the count of its inputs); `resident`: outputs are descriptions of shared tensors (opened by
     the reference's worker). Checks types and sizes only, touching no element: a list whose
     length the candidate chose, or a tensor in its place (Tensor.__iter__ unbinds each of its
-    rows), is never iterated here (2026-12-06, red team: a 1.5 KB record held the check's own
+    rows), is never iterated here (2026-12-05, red team: a 1.5 KB record held the check's own
     process two minutes and 4 GB, growing with a number the candidate picked)."""
     try:
         return _record_problem(record, ref_trials, resident)
@@ -102,9 +109,7 @@ def _trial_problem(trial, ref: dict, resident: bool) -> str | None:
         if type(idx) is not list or len(idx) > bound or len(set(idx)) != len(idx) \
                 or not all(type(i) is int and 0 <= i < bound for i in idx):
             return f"its {key} is not a list of distinct indices below {bound}"
-    tampered = trial["tampered"]
-    if type(tampered) is not list or len(tampered) > MAX_TAMPERED or not all(
-            type(w) is str and len(w) <= TEXT_CHARS for w in tampered):
+    if not texts(trial["tampered"], MAX_TAMPERED):
         return f"its tampered is not a list of at most {MAX_TAMPERED} strings of at most " \
                f"{TEXT_CHARS} characters"
     return None
