@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..problems import problem_path
 from . import handoff, refcache, sandbox
-from .files import candidate_path, read_source, syntax_error
+from .files import candidate_path, read_source
 from .judge import ENVELOPE_CATEGORIES, judge_trial, record_problem, regime_of, trial_from_dict
 from .options import CheckOptions
 from .placement import cuda_device_missing
@@ -95,8 +95,7 @@ def run_check(problem: str | Path, candidate: str | Path, options: CheckOptions 
     except FileNotFoundError as exc:
         return report.error("import", str(exc))
     # read once: parsed, scanned and hashed as these bytes, and the worker runs only them
-    source = read_source(cand)
-    bad = source if isinstance(source, str) else syntax_error(cand, source)
+    source, bad = read_source(cand)
     if bad is not None:
         report.timings["total_s"] = time.monotonic() - start
         return report.error("import", bad)

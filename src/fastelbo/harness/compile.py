@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import sandbox
-from .files import candidate_path, read_source, syntax_error
+from .files import candidate_path, read_source
 from .task_specs import import_only
 from .worker import Worker, WorkerPool
 
@@ -183,8 +183,7 @@ def run_compile(candidate: str | Path, timeout: float = 600.0,
         report.reason = str(exc)
         return report
     report.candidate = str(path)
-    source = read_source(path)  # read once: parsed, and what the worker must find there
-    bad = source if isinstance(source, str) else syntax_error(path, source)
+    source, bad = read_source(path)  # read once: parsed, and what the worker must find there
     if bad is not None:  # no worker needed to say so
         report.reason = bad
         return report

@@ -29,27 +29,21 @@ def candidate_path(name: str | Path) -> Path:
     return path.resolve()
 
 
-def read_source(path: str | Path) -> bytes | str:
-    """The file's bytes, read once: what the harness parses, scans and hashes, and what the
-    worker must find there (its sha256 travels with the task); or the reason it cannot be read
-    (`file: cannot read it as Python: ...`)."""
+def read_source(path: str | Path) -> tuple[bytes, str | None]:
+    """The file's bytes, read once (what the harness parses, scans and hashes, and what the
+    worker must find there: its sha256 travels with the task), and why they cannot run, or
+    None: `file:line: SyntaxError: ...` when they do not parse (milliseconds, no worker),
+    `file: cannot read it as Python: ...` when the file cannot be read."""
     try:
-        return Path(path).read_bytes()
+        source = Path(path).read_bytes()
     except OSError as exc:
-        return f"{path}: cannot read it as Python: {exc}"
-
-
-def syntax_error(path: str | Path, source: bytes | None = None) -> str | None:
-    """`file:line: SyntaxError: ...` when the file (or `source`, its bytes as read) does not
-    parse (milliseconds, no worker), else None."""
+        return b"", f"{path}: cannot read it as Python: {exc}"
     try:
-        if source is None:
-            source = Path(path).read_bytes()
         with _PARSE:
             compile(source, str(path), "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
     except SyntaxError as exc:
-        return (f"{exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}\n"
-                f"{(exc.text or '').rstrip()}")
-    except (OSError, ValueError) as exc:
-        return f"{path}: cannot read it as Python: {exc}"
-    return None
+        return source, (f"{exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}\n"
+                        f"{(exc.text or '').rstrip()}")
+    except ValueError as exc:  # a NUL byte
+        return source, f"{path}: cannot read it as Python: {exc}"
+    return source, None
