@@ -46,7 +46,7 @@ MISTAKES = [
     (["bench", TINY, "--seed", "-1"], "--seed must be >= 0, got -1"),
     (["bench", TINY, "--atol", "-1"], "--atol must be >= 0, got -1"),
     (["export", "--kernelbench", str(HERE)], "is a directory; give a file path"),
-    # before any work: on 2026-12-06 a bench ran, then lost every row to --out /tmp
+    # before any work: on 2026-12-05 a bench ran, then lost every row to --out /tmp
     (["bench", TINY, GOOD, "--out", str(HERE)],
      f"--out must be a file path that can be written (it is a directory), got {str(HERE)!r}"),
     (["bench", TINY, "--out", str(Path(GOOD) / "rows.jsonl")], f"(no directory {GOOD})"),

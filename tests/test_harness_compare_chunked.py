@@ -300,7 +300,7 @@ def _chunkings(monkeypatch, ref, got, runs=None):
 
 
 def test_complex_outputs_are_judged_on_both_parts(monkeypatch):
-    """Until 2026-12-06 `.to(float64)` dropped the imaginary part: a candidate right in its real
+    """Until 2026-12-05 `.to(float64)` dropped the imaginary part: a candidate right in its real
     part alone passed (candidates/exploit_complex_real_part_only.py)."""
     ref = _complex((6, 5), 1)
     got = torch.complex(ref.real, ref.imag + 1.0)
@@ -349,7 +349,7 @@ def test_complex_envelope_and_degenerate():
 
 
 def test_integer_outputs_are_compared_exactly(monkeypatch):
-    """Counts of ~32,768 off by 3 passed atol + rtol * |ref| (~3.3) until 2026-12-06
+    """Counts of ~32,768 off by 3 passed atol + rtol * |ref| (~3.3) until 2026-12-05
     (candidates/exploit_int_within_rtol.py); int64 above 2**53 lost its last bits in float64."""
     ref = torch.full((5, 7), 32768, dtype=torch.int64)
     got = ref.clone()

@@ -382,7 +382,7 @@ def test_an_agents_check_runs_at_least_two_trials():
 
 def test_a_session_refuses_another_sessions_files_and_the_harness_own(tmp_path):
     """An agent's candidate can list the sessions' root (directory names stay readable), so it
-    can name another agent's sources and reports. Until 2026-12-06 its Session then read them
+    can name another agent's sources and reports. Until 2026-12-05 its Session then read them
     (unconfined) and echoed them back as its solution, and a check widened its worker's
     confinement to the other session's directory: now every tool refuses such a path (links
     followed) before any work, as it refuses the harness's private directory and the reference
@@ -432,7 +432,7 @@ def test_a_candidates_path_never_opens_another_session_to_its_worker(tmp_path):
 
 
 def test_an_empty_submission_is_refused_before_it_waits_for_the_lock(tmp_path):
-    """Until 2026-12-06 an empty file was not copied: the check, queued behind another job,
+    """Until 2026-12-05 an empty file was not copied: the check, queued behind another job,
     ran on the live path (rewritten meanwhile) and the empty text was saved as accepted."""
     named = tmp_path / "mine.py"
     named.write_text("")

@@ -272,7 +272,7 @@ def test_submit_names_the_solution_without_its_text(served):
 
 
 def test_another_sessions_file_is_a_tool_error(served):
-    """Until 2026-12-06 submit_kernel read it and returned its text as the solution."""
+    """Until 2026-12-05 submit_kernel read it and returned its text as the solution."""
     for is_error, text in served["other_session"]:
         assert is_error is True and "ValueError: source '" in text, text
         assert "in the sessions' root" in text, text

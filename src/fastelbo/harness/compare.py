@@ -112,7 +112,7 @@ def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
 def _parts(t: torch.Tensor, dev, cplx: bool) -> torch.Tensor:
     """A flat chunk as float64 of shape (n, P) on dev: P = 2 (real and imaginary parts) where
     the comparison is complex, else P = 1. A complex tensor never goes through
-    `.to(torch.float64)`, which keeps its real part alone (until 2026-12-06 the imaginary part
+    `.to(torch.float64)`, which keeps its real part alone (until 2026-12-05 the imaginary part
     of a complex output was never compared: red team)."""
     out = _float64(t, dev, cplx)
     return out if cplx else out.unsqueeze(-1)
@@ -191,7 +191,7 @@ def _exact_stats(r: torch.Tensor, g: torch.Tensor) -> tuple[list[int], list[floa
 def _diff_exact(r_all: torch.Tensor, g_all: torch.Tensor, shape: torch.Size, index: int,
                 findings: list[Finding]) -> tuple[TensorDiff, list[Finding]]:
     """`diff_tensors` for integer and bool outputs: equal or wrong, no tolerance (an rtol let a
-    count of ~32,768 be off by 3: red team, 2026-12-06), chunk by chunk in their own dtype."""
+    count of ~32,768 be off by 3: red team, 2026-12-05), chunk by chunk in their own dtype."""
     name, numel, step, dev = f"output {index}", r_all.numel(), _step(), r_all.device
     dtype = torch.promote_types(r_all.dtype, g_all.dtype)
     n_bad, first, worst, max_abs, max_rel = 0, None, None, 0.0, 0.0

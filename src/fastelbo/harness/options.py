@@ -137,7 +137,7 @@ def _out(options, name: str) -> None:
 
 def unwritable_file(path: str | os.PathLike) -> str | None:
     """Why a file at `path` could not be written (or appended to), None when it could: told
-    before any work (on 2026-12-06 a bench ran, then lost every row to --out /tmp)."""
+    before any work (on 2026-12-05 a bench ran, then lost every row to --out /tmp)."""
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
     if os.path.isdir(path):

@@ -149,7 +149,7 @@ def for_candidates(root: str | Path | None = None, reads=(),
     and the user's default one), nor the harness's private directory, nor the sessions' root
     but for one session's directory: `session`, else the one of the Session whose job this
     thread runs (session_scope), else none. Never one derived from `reads` (the files it must
-    read, for the "user" kind's check): until 2026-12-06 a candidate's path inside another
+    read, for the "user" kind's check): until 2026-12-05 a candidate's path inside another
     session's directory opened that directory to the worker. The same for every check of a
     Session (whose spares are born with it) and for compile and bench."""
     from .refcache import default_root
