@@ -140,7 +140,12 @@ def _median_gap(ends: list[float], starts: list[float], waits: list[float] | Non
     spent waiting for the device or in the driver (synchronizes, the L2 flush and its reset),
     left out: on the H200 those made the cold loop's gaps 0.9-2.0 ms per worker for the same
     work (2026-12-05: honest fastelbo:cuda at B=128 flagged, 2.03 ms against eager's 0.94), and
-    device work moved outside the window is the profiler's to see (kernel_ms)."""
+    device work moved outside the window is the profiler's to see (kernel_ms); and the time the
+    harness spent keeping a judged call's outputs (Checks.keep: their copy where Checks.copy
+    made none, the hygiene compare), left out too: eager, slow, has its few calls all judged,
+    a fast candidate one in eight, so that work inflated eager's gaps alone (an 85 MB output:
+    33 ms a gap), room for a candidate's own work (2026-12-05). Every call's outputs are
+    still read in its gap (Checks.copy), so outputs that compute themselves when read are."""
     waits = waits or [0.0] * len(ends)
     gaps = [(s - e - w) * 1e3 for e, s, w in zip(ends, starts[1:], waits)]
     return statistics.median(gaps) if gaps else 0.0
@@ -195,8 +200,10 @@ def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Che
         judge = judged(k, reps)
         if flush is not None or judge:  # back to back: only where the harness reads outputs
             guard()
-        if judge:
+        if judge:  # the harness's own work on judged calls: not the call's gap (_median_gap)
+            kept = _perf()
             checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
+            waits[-1] += _perf() - kept
         del out, x, copied
     if outside is not None:
         outside.append(_median_gap(ends, starts, waits))
@@ -247,7 +254,7 @@ def single_calls(model, pool: Pool, reps: int, checks: Checks, guard=_nothing,
     """CPU: host time of single calls, each on a set drawn just before it (ms, median); the
     judged calls' outputs kept; `guard()` after each call; with `outside`, the median time per
     call spent outside the window (every call's outputs copied, the draw) appended there."""
-    order, ms, ends, starts = pool.order(reps), [], [], []
+    order, ms, ends, starts, waits = pool.order(reps), [], [], [], []
     for k, j in enumerate(order):
         x = pool.fresh(j)
         t0 = _perf()
@@ -257,11 +264,13 @@ def single_calls(model, pool: Pool, reps: int, checks: Checks, guard=_nothing,
         ms.append((ends[-1] - t0) * 1e3)
         copied = checks.copy(out)  # before `judged` is drawn
         guard()
-        if judged(k, reps):
+        kept = _perf()
+        if judged(k, reps):  # the harness's own work on judged calls: not the gap (_median_gap)
             checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
+        waits.append(_perf() - kept)
         del out, copied
     if outside is not None:
-        outside.append(_median_gap(ends, starts))
+        outside.append(_median_gap(ends, starts, waits))
     return statistics.median(ms)
 
 
