@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     # the run (the device's host is shared) lands on both sides.
     kb_ms = {(b, n): kernelbench_times(kb, cls, b) for b in batches for n, cls in modules.items()}
     ours, code = run_bench("vae_elbo", [str(solution)], device="cuda", batch_sizes=batches,
-                        compile_baseline=False)
+                           compile_baseline=False)
     here = placement.placement(torch.device("cuda"))  # KernelBench's loop: this process
     for batch in batches:
         mine = [r for r in ours if r["batch_size"] == batch]
