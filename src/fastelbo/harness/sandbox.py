@@ -455,13 +455,17 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def describe(pid: int) -> str:
+def describe(pid: int, width: int = 120) -> str:
+    """`pid` and its command line for a report. A long one keeps its head and its tail (the
+    end of a `-c` script says what it is), not a cut that depends on the interpreter's path."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         cmd = ""
-    return f"pid {pid}: {cmd[:120] or '?'}"
+    if len(cmd) > width:
+        cmd = cmd[:width // 2] + "..." + cmd[-(width // 2 - 3):]
+    return f"pid {pid}: {cmd or '?'}"
 
 
 def kill_tree(pid: int) -> list[str]:
