@@ -230,6 +230,45 @@ def test_a_reference_that_kills_its_device_costs_only_its_own_regime(tmp_path):
     assert [w["role"] for w in report.workers].count("reference") == 2
 
 
+def _linear_candidate(tmp_path: Path) -> Path:
+    cand = tmp_path / "linear.py"
+    cand.write_text("from torch import nn\n\n\nclass ModelNew(nn.Module):\n"
+                    "    def __init__(self, dim):\n        super().__init__()\n"
+                    "        self.lin = nn.Linear(dim, dim)\n\n"
+                    "    def forward(self, x):\n        return self.lin(x)\n")
+    return cand
+
+
+def test_a_reference_refused_memory_is_not_applicable_and_never_cached(tmp_path):
+    """A reference refused memory in a regime (problems/oom_reference.py: at 16x) makes that
+    regime N/A, and the entry that says so is not reused: it depends on what else held the
+    memory then, so the next check with the same seed computes that regime again (until
+    2026-12-05 the N/A was cached like a property of the problem)."""
+    cand, cache = _linear_candidate(tmp_path), tmp_path / "cache"
+    first, again = (run_check(HERE / "problems" / "oom_reference.py", cand, trials=1,
+                              batch_sizes=[], scales=(4.0, 16.0), seed=7, cache=cache)
+                    for _ in range(2))
+    for report in (first, again):
+        assert report.exit_code == 0, report.format()
+        regime = report.regime("scale=16")
+        assert regime.status == "N/A" and "OutOfMemoryError" in regime.note, report.format()
+        assert "not cached" in regime.note, regime.note
+    assert first.reference == "computed" and again.reference == "partly cached", (
+        first.reference, again.reference)
+
+
+def test_a_reference_starved_of_memory_others_held_is_no_pass(tmp_path):
+    """Where 4 GiB or more of the device were held outside the reference's worker when it was
+    refused memory (problems/starved_reference.py stands in for a candidate that takes the
+    device's memory at import, so the reference cannot run the regimes where it is wrong),
+    the regime cannot be judged: exit 2, not a pass that skipped it."""
+    report = run_check(HERE / "problems" / "starved_reference.py", _linear_candidate(tmp_path),
+                       trials=1, batch_sizes=[], scales=(4.0, 16.0), cache=False)
+    assert report.exit_code == 2 and report.categories == ["reference_starved"], report.format()
+    assert report.regime("scale=16").status == "ERROR"
+    assert "6.0 GiB" in report.reasons[0], report.reasons
+
+
 def test_a_perturbed_run_that_kills_its_device_is_left_out_of_the_envelope(tmp_path,
                                                                          monkeypatch):
     """A perturbed reference run that leaves its worker's device unusable: the envelope leaves

@@ -58,6 +58,11 @@ from .task_specs import (
 )
 from .worker import Worker, WorkerPool, fork_enabled, fork_safe
 
+# Device memory held outside the reference's worker (its own CUDA context included, about
+# 0.5 GiB; the candidate's worker's another) above which a reference refused memory may have
+# been starved on purpose: a candidate that takes the device's memory at import, while the
+# reference runs, would otherwise skip every regime too large for what is left (_starved).
+STARVED_BYTES = 4 << 30
 
 class DeviceUnavailable(ValueError):
     """`device` is cuda but this machine has none, or not that many (the message says which,
@@ -214,7 +219,7 @@ class _Check:
         return str(refcache.path(self.root, self.pkey, "init.pt"))
 
     def _entry(self, key: str):
-        return refcache.regime_entry(self.root, key, self.o.trials, verify=False)
+        return refcache.regime_entry(self.root, key, self.o.trials, verify=False, transient=True)
 
     def _reference(self, only: list[str] | None, worker: Worker | None = None):
         o = self.o
@@ -443,6 +448,8 @@ class _Check:
                               g.variant, envelope_runs=_runs(g))
         if not entry["applicable"]:
             regime.status, regime.note = "N/A", entry["reason"]
+            if entry.get("exhausted"):
+                self._starved(regime, entry.get("held_elsewhere"))
             return regime
         nondet = [t["determinism_note"] for t in entry["trials"] if not t["deterministic"]]
         if nondet:
@@ -481,6 +488,22 @@ class _Check:
         else:
             regime.status = "PASS" if all(t.passed for t in regime.trials) else "FAIL"
         return regime
+
+    def _starved(self, regime: RegimeReport, held: int | None) -> None:
+        """The reference was refused memory in `regime` (never cached: the next check tries
+        again). Where processes outside the reference's worker held STARVED_BYTES or more of
+        the device, that may be the candidate's doing (memory taken at import, while the
+        reference ran): the regime cannot be judged, and a check that skipped it is no pass."""
+        regime.note += "; not cached (it depends on what else held the memory)"
+        if held is None or held < STARVED_BYTES:
+            return
+        regime.status = "ERROR"
+        self.report.failures.append(Finding(
+            "reference_starved",
+            f"regime {regime.name}: the reference ran out of device memory while "
+            f"{held / 2**30:.1f} GiB of it were held outside its worker (the candidate's "
+            "worker among them): it cannot be judged there; rerun on a device no other "
+            "process uses"))
 
     def _envelopes(self, entries: dict) -> None:
         """Rejudge, against the perturbed-reference envelope, every trial of a scaled regime

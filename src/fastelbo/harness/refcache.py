@@ -143,10 +143,12 @@ def load_meta(root: str | Path, pkey: str, notes: list[str] | None = None) -> di
 
 
 def regime_entry(root: str | Path, rkey: str, trials: int, notes: list[str] | None = None,
-                 verify: bool = True) -> tuple[Path, Path] | None:
+                 verify: bool = True, transient: bool = False) -> tuple[Path, Path] | None:
     """(inputs file, reference file) of a regime entry holding at least `trials` trials. With
     `verify`, both files are checked against the checksums written with the entry: a damaged
-    entry is deleted (with a note in `notes`) and reads as absent."""
+    entry is deleted (with a note in `notes`) and reads as absent. A transient entry (one that
+    says the reference was refused memory: finish_entry) is read only with `transient`, by the
+    check that computed it; for any other it is absent, so it is computed again."""
     count = path(root, rkey, "count")
     try:
         record = json.loads(count.read_text())
@@ -156,17 +158,20 @@ def regime_entry(root: str | Path, rkey: str, trials: int, notes: list[str] | No
     except (ValueError, KeyError, TypeError):
         return _discard([count], notes, "its count file does not parse")
     files = regime_files(root, rkey, n)
-    if n < trials:
+    if n < trials or (record.get("transient") and not transient):
         return None
     if verify and [file_hash(f) for f in files] != sums:
         return _discard([count, *files], notes, "a file does not match its checksum")
     return files
 
 
-def finish_entry(root: str | Path, rkey: str, n: int) -> None:
-    """Mark the entry of `n` trials complete, with its files' checksums (written last)."""
+def finish_entry(root: str | Path, rkey: str, n: int, transient: bool = False) -> None:
+    """Mark the entry of `n` trials complete, with its files' checksums (written last).
+    `transient`: what it records depends on more than the problem and the seed (the reference
+    was refused memory that others may have held), so no later check reuses it."""
     sums = [file_hash(f) for f in regime_files(root, rkey, n)]
-    save(json.dumps({"n": n, "sha256": sums}), path(root, rkey, "count"))  # atomic, as all
+    record = {"n": n, "sha256": sums, **({"transient": True} if transient else {})}
+    save(json.dumps(record), path(root, rkey, "count"))  # atomic, as all
 
 
 def _discard(files: list[Path], notes: list[str] | None, why: str) -> None:

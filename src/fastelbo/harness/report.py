@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 # Finding categories. "Could not run" ones make `check` exit 2, the others exit 1.
 RUN_FAILURES = ("import", "build", "exception", "timeout", "crash", "reference",
-                "nondeterministic_reference")
+                "nondeterministic_reference", "reference_starved")
 WRONG = ("output_count", "output_type", "shape", "dtype", "nonfinite", "mismatch",
          "zero_output", "constant_output", "cached", "input_mutated", "rng", "output_aliased",
          "tampered", "unanswered", "malformed")

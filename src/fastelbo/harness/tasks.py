@@ -150,7 +150,7 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
             inputs_file, ref_file = refcache.regime_files(root, rkey, trials)
             refcache.save(inputs, inputs_file)
             refcache.save(entry, ref_file)
-            refcache.finish_entry(root, rkey, trials)
+            refcache.finish_entry(root, rkey, trials, transient=bool(entry.get("exhausted")))
         done.append(regime.name)
         if not lost:
             loader.release(dev)
@@ -233,6 +233,8 @@ def _reference_regime(mod, regime: Regime, dev, trials, seed, atol, rtol,
         entry.update(applicable=False, trials=[],
                      reason=f"the reference itself raised {type(exc).__name__}: "
                             f"{str(exc).strip().splitlines()[0][:300] if str(exc) else ''}")
+        if _out_of_memory(exc):
+            entry.update(exhausted=True, held_elsewhere=_held_elsewhere(dev))
         return entry, [], None
     bad = sum(_nonfinite(tr["outputs"]) for tr in (kept or entry)["trials"])
     if bad and regime.perturbed_reference:
@@ -244,6 +246,25 @@ def _reference_regime(mod, regime: Regime, dev, trials, seed, atol, rtol,
                      reason=f"reference gives {bad} non-finite output element(s)")
         return entry, [], None
     return entry, inputs_all, kept
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """The reference was refused memory: a fact about the machine at that moment (what other
+    processes held, the candidate's worker among them), not about the reference."""
+    return (isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+            or "out of memory" in str(exc).lower())
+
+
+def _held_elsewhere(dev: torch.device) -> int | None:
+    """Bytes of `dev` held outside this worker's allocator (other processes, and this one's
+    CUDA context); None on the CPU, where what others hold is not the device's to say."""
+    if dev.type != "cuda":
+        return None
+    try:
+        free, total = torch.cuda.mem_get_info(dev)
+        return max(0, total - free - torch.cuda.memory_reserved(dev))
+    except Exception:  # noqa: BLE001 - a device that cannot say: unknown
+        return None
 
 
 def _rng_equal(a: dict, b: dict) -> bool:
