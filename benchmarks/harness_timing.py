@@ -5,7 +5,8 @@ process and time it from spawn to exit (median of --repeats). "cold" gives every
 reference cache; "warm" fills the cache once, untimed, then times checks that read it. Cases:
 the VAE with fastelbo's plain-PyTorch candidate (cold and warm), the same job done the
 plain-PyTorch way (vae_torch_plain: the host's own cost, to compare hosts by), a candidate
-with a syntax error, one whose forward hangs (reported at --forward-timeout), and KernelBench-style level-1
+with a syntax error, one whose forward hangs (reported at --forward-timeout), and KernelBench-style
+level-1
 (ReLU) and level-2 (Gemm + BatchNorm in training mode) pairs from tests/; `--pair PROBLEM
 CANDIDATE` adds any other (a KernelBench problem at its current size, on the GPU), and with
 `--kernelbench DIR` (a KernelBench checkout) KernelBench's own eval of each pair is timed too,

@@ -90,8 +90,8 @@ def main() -> int:
     ap.add_argument("--dims", type=int, nargs=3, default=[784, 256, 32])
     ap.add_argument("--data", choices=("random", "binary", "mnist"), default="binary")
     ap.add_argument("--backend", default="cuda,triton",
-                    help="fastelbo.iwae_log_likelihood backends to time, comma-separated; the target verdict "
-                         "is the first's")
+                    help="fastelbo.iwae_log_likelihood backends to time, comma-separated; "
+                         "the target verdict is the first's")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--eager-images", type=int, default=20)
     ap.add_argument("--sweep", action="store_true")

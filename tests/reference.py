@@ -1,4 +1,5 @@
-"""Shared test helpers: the problem's reference Model, twin models with identical weights, inputs."""
+"""Shared test helpers: the problem's reference Model, twin models with identical weights,
+inputs."""
 from __future__ import annotations
 
 import math

@@ -37,7 +37,8 @@ def test_cpu_fallback_is_torch_adam(kw):
 
 def test_grad_scaler_unscales_for_it():
     """GradScaler must not hand this step() torch's fused-Adam keywords."""
-    assert Adam([torch.zeros(2, requires_grad=True)], fused=None)._step_supports_amp_scaling is False
+    adam = Adam([torch.zeros(2, requires_grad=True)], fused=None)
+    assert adam._step_supports_amp_scaling is False
 
 
 def test_state_dict_is_torch_adams():

@@ -22,7 +22,8 @@ crossings into the extension by design: the host prepares the call while the val
 on the GPU. One crossing would put that preparation before the check's launch and its round
 trip on the host's path (up to ~1.8 us at B=128 on the H200). Until 2026-12-05 the forward
 entered it twice (default_forward_options, then forward). CUDA_PATH holds these counts
-exactly, so the path can neither grow nor shrink unnoticed. Before that the ops asked backends/__init__.py twice (native
+exactly, so the path can neither grow nor shrink unnoticed. Before that the ops asked
+backends/__init__.py twice (native
 for the check's lane, resolve for the backend) where backends.start now does both, and waited
 for the value check themselves with eps given (three lanes.py entries, a fourth launch.py one)
 where the binding now waits; before that the lanes and the forward each called

@@ -480,7 +480,8 @@ def test_export_holds_every_binding_file_once():
     build but not to the export would leave the single file unable to build)."""
     texts = {"cuda": export.cuda_source(), "cpp": export.cpp_source()}
     where = {n: "cuda" for n in (*cuda_backend.HEADERS, *cuda_backend.KERNEL_SOURCES,
-                                 *cuda_backend.BINDING_SOURCES, "binding_check.h", "binding_common.h")}
+                                 *cuda_backend.BINDING_SOURCES, "binding_check.h",
+                                 "binding_common.h")}
     where.update({cuda_backend.BINDING_MODULE: "cpp"})
     assert set(where) | {"binding.h"} == {f.name for f in cuda_backend.source_files()}
     for name, part in where.items():

@@ -1,6 +1,7 @@
 """The cuda backend's IWAE kernel (iwae.cu) on a GPU: against the float64 estimator with the same
 noise (tf32x3 at the 1e-4 contract), both tiles (128 and 64 samples), odd dims (4-byte copies),
-ragged tiles and K-splits, logits on PyTorch's clamp boundaries, NaN images, Triton's noise stream, batch independence, memory flat in
+ragged tiles and K-splits, logits on PyTorch's clamp boundaries, NaN images, Triton's noise stream,
+batch independence, memory flat in
 K, validation and the `auto` choice. The Philox counters themselves are checked on the host
 (tests/test_cuda_compile.py)."""
 from __future__ import annotations
@@ -196,7 +197,8 @@ def test_validation_before_launch(ci):
     x = torch.rand(3, dims[0], device="cuda")
     with pytest.raises(TypeError, match="float32 only; x is torch.float64"):
         ci.iwae_log_likelihood(x.double(), p, 4)
-    with pytest.raises(TypeError, match="cuda backend computes in float32 only; x is torch.float64"):
+    with pytest.raises(TypeError,
+                       match="cuda backend computes in float32 only; x is torch.float64"):
         ci.iwae_log_likelihood(x.double(), VAEParams(*(t.double() for t in p)), 4)
     with pytest.raises(ValueError, match="x must have shape"):
         ci.iwae_log_likelihood(x[:, :-1], p, 4)

@@ -62,7 +62,8 @@ def test_models_forward_refuses_bad_x_through_the_fast_check(cuda):
     model = fastelbo.ModelNew(784, 256, 32, backend="cuda").cuda()
     x = torch.rand(128, 784, device="cuda")
     x[100, 700] = float("nan")
-    with torch.no_grad(), fastelbo.validation(True), pytest.raises(ValueError, match="x\\[100, 700\\]"):
+    with (torch.no_grad(), fastelbo.validation(True),
+          pytest.raises(ValueError, match="x\\[100, 700\\]")):
         model(x)
 
 

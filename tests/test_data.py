@@ -11,7 +11,8 @@ from fastelbo import data
 
 def write_idx(path, arr: np.ndarray, code=0x08, gz=False):
     raw = struct.pack(">BBBB", 0, 0, code, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
-    raw += arr.astype(arr.dtype.newbyteorder(">") if arr.dtype.itemsize > 1 else arr.dtype).tobytes()
+    big_endian = arr.dtype.newbyteorder(">") if arr.dtype.itemsize > 1 else arr.dtype
+    raw += arr.astype(big_endian).tobytes()
     path.write_bytes(gzip.compress(raw) if gz else raw)
     return path
 
@@ -27,7 +28,8 @@ def test_idx_directory(tmp_path, gz):
     ds = data.load(str(tmp_path))
     assert ds.train.shape == (7, 20) and ds.test.shape == (3, 20) and ds.dim == 20
     assert ds.train.dtype == torch.float32
-    np.testing.assert_array_equal(ds.train.numpy(), (train.reshape(7, 20) / 255.0).astype(np.float32))
+    np.testing.assert_array_equal(ds.train.numpy(),
+                                  (train.reshape(7, 20) / 255.0).astype(np.float32))
     np.testing.assert_array_equal(ds.test.numpy(), (test.reshape(3, 20) / 255.0).astype(np.float32))
 
 
@@ -66,7 +68,8 @@ def test_npz(tmp_path):
 
 @pytest.mark.parametrize("arrays, match", [
     ({"x_train": np.zeros((2, 4))}, r"missing array\(s\) \['x_test'\]"),
-    ({"x_train": np.zeros((2, 4)), "x_test": np.zeros((2, 5))}, "train rows have 4 values, test rows 5"),
+    ({"x_train": np.zeros((2, 4)), "x_test": np.zeros((2, 5))},
+     "train rows have 4 values, test rows 5"),
     ({"x_train": np.full((2, 4), 300.0), "x_test": np.zeros((2, 4))}, "x_train: values must lie"),
     ({"x_train": np.zeros((2, 4)), "x_test": np.full((2, 4), np.nan)}, "x_test: holds NaN"),
     ({"x_train": np.zeros(4), "x_test": np.zeros((2, 4))}, r"x_train must be .* shape \(4,\)"),

@@ -77,7 +77,8 @@ def test_a_run_that_did_not_finish_or_exited_nonzero_is_a_failure(gpu_rows, tmp_
     }, {"test_triton_gpu": 124, "test_cuda_pdl": 139, "memcheck": 139})
     got = {r["file"]: r for r in gpu_rows.rows(logdir, ENV)}
     assert got["test_triton_gpu"]["failed"] == 1 and got["test_triton_gpu"]["passed"] == 0
-    assert got["test_triton_gpu"]["summary"] == "no closing line in the log (rc=124, its time limit)"
+    assert (got["test_triton_gpu"]["summary"]
+            == "no closing line in the log (rc=124, its time limit)")
     assert got["test_cuda_pdl"]["failed"] == 1  # its log says passed, its exit code does not
     assert got["memcheck"]["failed"] == 1 and "rc=139" in got["memcheck"]["summary"]
     assert (got["test_adam"]["passed"], got["test_adam"]["failed"]) == (0, 1)

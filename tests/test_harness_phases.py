@@ -17,7 +17,8 @@ HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"
 CANDIDATES = HERE / "candidates"
 
-FAKE_BUILD_ERROR = '''"""Fails its build: torch's cpp_extension error, with a g++ line in its generated main.cpp."""
+FAKE_BUILD_ERROR = '''"""Fails its build: torch's cpp_extension error, with a g++ line in its
+generated main.cpp."""
 import os
 from pathlib import Path
 

@@ -333,7 +333,8 @@ def test_bad_arguments_raise_before_any_work(tmp_path):
     assert not tmp.exists()  # close() removes the session's directory
 
 
-SELF_REWRITING = '''"""Right answers; at import it rewrites its own file into a candidate of zeros."""
+SELF_REWRITING = '''"""Right answers; at import it rewrites its own file into a candidate of
+zeros."""
 from pathlib import Path
 
 from fastelbo.problems import load_problem

@@ -1,4 +1,5 @@
-"""ModelNew is a drop-in for the reference Model: names, state_dicts, initialisation, RNG contract."""
+"""ModelNew is a drop-in for the reference Model: names, state_dicts, initialisation, RNG
+contract."""
 import pytest
 import torch
 

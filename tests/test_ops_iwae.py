@@ -1,6 +1,7 @@
 """The IWAE estimator against a float64, all-K-at-once implementation of the same formula.
 
-The reference here is written independently of fastelbo's torch backend: the problem's Model supplies the
+The reference here is written independently of fastelbo's torch backend: the problem's Model
+supplies the
 encoder/decoder and the clamped BCE, torch.distributions supplies the Gaussian densities.
 """
 import math
@@ -62,7 +63,8 @@ def test_float32_error_is_rounding_sized():
     ref32, params32, x32, eps32 = setup(torch.float32, k=200)
     want = reference_iwae(ref64, x64, eps64)
     plain_err = (reference_iwae(ref32, x32, eps32).double() - want).abs().max()
-    got_err = (iwae_log_likelihood(x32, params32, 200, eps=eps32, chunk=9).double() - want).abs().max()
+    got = iwae_log_likelihood(x32, params32, 200, eps=eps32, chunk=9)
+    got_err = (got.double() - want).abs().max()
     assert got_err <= 2 * plain_err + 4 * torch.finfo(torch.float32).eps * want.abs().max()
 
 
@@ -92,7 +94,8 @@ def test_one_sample_likelihood_term_is_minus_recon():
 
 @torch.no_grad()
 def test_iwae_bound_tightens_above_the_elbo():
-    """E[IWAE_K] increases with K and starts at the ELBO (whose expectation uses the analytic KL)."""
+    """E[IWAE_K] increases with K and starts at the ELBO (whose expectation uses the analytic
+    KL)."""
     ref, params, x, _ = setup(batch=32, scale=2.0)
     reps = 400  # draws per image for the expectations, as one batch of 32 * reps rows
     xr = x.repeat(reps, 1)

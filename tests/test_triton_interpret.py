@@ -80,7 +80,8 @@ def test_matches_torch_reference(batch, dims, config):
     gen = torch.Generator().manual_seed(batch)
     x = torch.rand(batch, dims[0], generator=gen)
     eps = torch.randn(batch, dims[2], generator=gen)
-    assert_outputs_close(_run(x, p, eps, config), torch_ref.forward(x, p, eps), what=f"{dims} B={batch}")
+    assert_outputs_close(_run(x, p, eps, config), torch_ref.forward(x, p, eps),
+                         what=f"{dims} B={batch}")
 
 
 # The regimes below are per element (the interpreter's cost is per launch, hardly per row);

@@ -6,7 +6,8 @@ launched. The ops (fastelbo.ops) run it; a kernel backend that takes narrower in
 one CUDA device, contiguous, sizes in int32) states that with `check_kernel_tensors`, and its
 Python mirror of a C++ binding's checks is built from these functions, never written again.
 The file fastelbo.export writes carries check_kernel_tensors, check_param_tensors, check_x and
-check_positive_dims as text (with what they use: torch, this module's constants, params.param_shapes), and runs
+check_positive_dims as text (with what they use: torch, this module's constants,
+params.param_shapes), and runs
 them on a plain list of the ten tensors.
 
 The value check (x in [0, 1], no NaN: Bernoulli targets) needs the data: its predicate and its

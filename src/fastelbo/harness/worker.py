@@ -15,10 +15,10 @@ read back with `weights_only=True`, so a result cannot execute code in the harne
 
 A worker is a new interpreter (`python -m ...`), or a fork of the caller when `fork_safe()`:
 a process that has imported torch but never touched CUDA and runs no other Python thread (a
-new `fastelbo check`), so torch's import is paid once, not once per process. Either way it has its own
-session, pipes and log, and runs one candidate at most. It says when its own start-up (torch,
-the harness's tasks, a CUDA context) is done. `WorkerPool` keeps started spares so that a
-long-lived process (the server) never waits for an import.
+new `fastelbo check`), so torch's import is paid once, not once per process. Either way it
+has its own session, pipes and log, and runs one candidate at most. It says when its own
+start-up (torch, the harness's tasks, a CUDA context) is done. `WorkerPool` keeps started
+spares so that a long-lived process (the server) never waits for an import.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""One optimisation step: its batch and noise (`Batches`), and two ways to run it (eager, CUDA graph).
+"""One optimisation step: its batch and noise (`Batches`), and two ways to run it (eager, CUDA
+graph).
 
 Determinism contract: step s of a run with seed S uses
-    the rows perm_e[i*B:(i+1)*B] of the training set, e = s // steps_per_epoch, i = s % steps_per_epoch,
+    the rows perm_e[i*B:(i+1)*B] of the training set, e = s // steps_per_epoch, i = s %
+    steps_per_epoch,
     perm_e = randperm seeded by (S, e);
     noise from a generator on the training device seeded by (S, s): first u ~ U[0,1) of shape
     (B, D) when binarizing, then eps ~ N(0, I) of shape (B, L).

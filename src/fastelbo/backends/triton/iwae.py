@@ -180,7 +180,8 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *, see
 
     Noise: `eps` (samples, B, L) injected (tests), else drawn in the kernel from Philox keyed by
     `seed`, with row b using image index indices[b] (default b); noise and K-splits depend on
-    (seed, image index, K) only, so an image's estimate is bitwise the same in any batch. These streams are not
+    (seed, image index, K) only, so an image's estimate is bitwise the same in any batch. These
+    streams are not
     the torch backend's streams: same estimator, different noise. `config` overrides the tile
     choice (tests, sweeps). Peak memory: inputs + weight halves (2 x 1.7 MB at 784/256/32) +
     B * splits <= 32 B floats, independent of `samples`.
