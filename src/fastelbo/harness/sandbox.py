@@ -210,6 +210,8 @@ def enter(spec: dict | None, scratch: Path) -> None:
     seccomp.forbid_escapes()
     # the builds root as this process names it now, before TMPDIR moves to the scratch dir
     _entered.update(spec=spec, scratch=str(scratch), builds=str(candidate_builds()))
+    if spec is not None:  # a candidate's worker, confined or not
+        _first_for_the_oom_killer()
     if not spec or spec.get("kind") == "none":
         return
     caches = _compile_caches(scratch)
@@ -224,6 +226,19 @@ def enter(spec: dict | None, scratch: Path) -> None:
         return
     _landlock(libc, spec, scratch, caches)
     _drop_capabilities(libc)
+
+
+def _first_for_the_oom_killer() -> None:
+    """Make this worker, and all it starts, the OOM killer's first choice (oom_score_adj 1000):
+    a candidate that takes the host's memory is killed, not the harness's process (a server
+    with other agents' sessions), the reference's worker or a baseline. Written while a root
+    worker still holds CAP_SYS_RESOURCE, it also becomes the floor the process may not go
+    below without it, so the candidate cannot take it back; any user may raise its own."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass  # no /proc: nothing to prefer
 
 
 _PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
