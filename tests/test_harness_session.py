@@ -2,7 +2,9 @@
 a hanging candidate, and that the session carries on after a hang."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -454,3 +456,32 @@ def test_an_empty_submission_is_refused_before_it_waits_for_the_lock(tmp_path):
             s.submit_kernel(str(tmp_path))
     assert "result" not in out and out["error"].startswith(f"source {str(named)!r} is empty")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_path_is_read_as_the_call_comes_not_when_its_turn_does(tmp_path):
+    """A call waits for the job before it, whose candidate may write /dev/shm: until
+    2026-12-05 a path was checked (_refuse) as the call came and read as its turn came, so a
+    link swapped in meanwhile (exploit_swaps_a_queued_path.py) had the harness parse and scan
+    another agent's file and echo its lines. Now its bytes are read at once and a copy in the
+    session's directory, under the file's name, is all the job sees."""
+    with _session(spares=0) as theirs, _session(spares=0) as mine:
+        their_source = theirs._candidate("SECRET = 'their-private-line' +\n")
+        named = tmp_path / "mine.py"
+        job = mine._job
+
+        @contextlib.contextmanager
+        def swapped_then_job():  # what the job before this one did while this call waited
+            link = tmp_path / "link"
+            link.symlink_to(their_source)
+            os.replace(link, named)
+            with job():
+                yield
+
+        mine._job = swapped_then_job
+        for tool in (mine.compile_kernel, mine.run_correctness):
+            named.unlink(missing_ok=True)
+            named.write_text("MINE = 'my own line' +\n")  # a syntax error: no worker needed
+            text = json.dumps(tool(str(named)))
+            assert "their-private-line" not in text and str(their_source) not in text, text
+            assert "my own line" in text and "/mine.py:1: SyntaxError" in text, text
+            assert str(mine.directory) in text  # the session's copy was what it read

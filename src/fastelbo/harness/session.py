@@ -10,7 +10,8 @@
 `source` is Python source text of a module defining `ModelNew` (any text holding a newline), or
 a path to such a file, or `fastelbo:<backend>`. Source text is written to a file in the
 session's own temporary directory (never the user's tree), named by its hash, so errors name
-`.../<hash>/candidate.py:LINE`. Candidate code runs only in the harness's worker processes: a
+`.../<hash>/candidate.py:LINE`; a path's bytes are read once, as the call comes, and copied
+there the same way (under the file's own name): the harness runs, scans and reports the copy. Candidate code runs only in the harness's worker processes: a
 crash or hang comes back as a verdict and the session carries on. Jobs run one at a time: per
 session on the CPU, and per CUDA device across every session of the machine (a thread lock
 plus a lock file), so no two checks or timings share a GPU.
@@ -54,6 +55,9 @@ from .worker import STARTUP_TIMEOUT, WorkerPool
 # A Python-level failure (SyntaxError, an import that raises) is reported by the loader as
 # "FILE.py:LINE: message" on the reason's first line.
 _PY_LOCATION = re.compile(r"^(?P<file>\S+\.py):(?P<line>\d+): (?P<message>.*)$")
+
+# The name a path's copy keeps in the session's directory (else candidate.py).
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}\.py")
 
 _device_locks: dict[str, threading.Lock] = {}
 _device_locks_guard = threading.Lock()
@@ -238,16 +242,20 @@ class Session:
         return report.to_dict()
 
     def _candidate(self, source: str | os.PathLike) -> str:
-        """A path for `source`: text with a newline is written to the session's directory; a
-        path is taken as it is, unless the session refuses it (_refuse)."""
+        """A path for `source` in the session's directory: text with a newline, or the bytes
+        of the file a path names, read once as the call comes (_source_bytes: unless the
+        session refuses it) and written there under that file's name. A path is never read
+        again: until 2026-12-05 it was checked when the call came and read when its turn came,
+        after the job before it, whose candidate could swap a link there meanwhile, and the
+        report echoed another agent's file (its SyntaxError line, the lines its scan flagged)."""
         if isinstance(source, str) and "\n" in source:
             return self._write(source.encode())
         path = _as_path(source)
         if path.startswith(BUILTIN_PREFIX):
             return path
-        if os.path.exists(path):  # else run_check / run_compile say it is not a file
-            self._refuse(source, Path(path).resolve())
-        return path
+        name = Path(path).name
+        return self._write(self._source_bytes(source),
+                           name if _FILE_NAME.fullmatch(name) else "candidate.py")
 
     def _source_bytes(self, source: str | os.PathLike) -> bytes:
         """`source`'s bytes: text as UTF-8, a path's file read once, from the file that was
@@ -293,9 +301,10 @@ class Session:
                 raise ValueError(f"source {_named(source)} resolves to {real}, in {what}: a "
                                  "session takes only its caller's files and its own directory")
 
-    def _write(self, data: bytes) -> str:
-        """The path of `data` in the session's directory (by its hash), written once, whole."""
-        path = self._dir / hashlib.sha256(data).hexdigest()[:12] / "candidate.py"
+    def _write(self, data: bytes, name: str = "candidate.py") -> str:
+        """The path of `data` in the session's directory (by its hash, then `name`: errors
+        name the file the caller named), written once, whole."""
+        path = self._dir / hashlib.sha256(data).hexdigest()[:12] / name
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{threading.get_ident()}.tmp")
