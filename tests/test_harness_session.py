@@ -485,3 +485,24 @@ def test_a_path_is_read_as_the_call_comes_not_when_its_turn_does(tmp_path):
             assert "their-private-line" not in text and str(their_source) not in text, text
             assert "my own line" in text and "/mine.py:1: SyntaxError" in text, text
             assert str(mine.directory) in text  # the session's copy was what it read
+
+
+def test_a_huge_source_is_refused_unread(tmp_path):
+    """A sparse file costs nothing to make (a candidate can make one of a TiB in /dev/shm):
+    until 2026-12-05 a session read it whole and copied it, and the check read it again, so
+    naming one took the server's memory (1 GiB more for a 1 GiB file here). Now at most
+    MAX_SOURCE_BYTES + 1 bytes are read: over that, source text or a file is refused."""
+    from fastelbo.harness.files import MAX_SOURCE_BYTES, read_source
+    huge = tmp_path / "huge.py"
+    with open(huge, "wb") as f:
+        f.truncate(MAX_SOURCE_BYTES + 1)
+    source, bad = read_source(huge)  # `fastelbo check`'s read
+    assert source == b"" and bad.endswith("larger than 16 MiB, the most a candidate's source "
+                                          "may hold"), bad
+    with _session(spares=0, submit_dir=tmp_path / "out") as s:
+        for tool in (s.compile_kernel, s.run_correctness, s.submit_kernel, s.benchmark):
+            for source in (str(huge), "x = 1\n" + "#" * MAX_SOURCE_BYTES):
+                with pytest.raises(ValueError, match=r"source '.*' is larger than 16 MiB"):
+                    tool(source)
+        assert not any(s.directory.iterdir())  # nothing copied
+    assert not (tmp_path / "out").exists()

@@ -13,6 +13,12 @@ from ..plugin import PREFIX as BUILTIN_PREFIX
 # run from threads (a Session, the tests' pools) parse one at a time.
 _PARSE = threading.Lock()
 
+# The most bytes a candidate's source may hold (KernelBench files are kilobytes; one with a
+# kernel's binary inlined, a few megabytes). A source is read whole into the harness's own
+# process, and a Session's copied: until 2026-12-05 a sparse file that a candidate made in
+# /dev/shm for nothing (1 TiB of holes) was read in full, the server's memory with it.
+MAX_SOURCE_BYTES = 16 << 20
+
 
 def candidate_path(name: str | Path) -> Path:
     """`fastelbo:<backend>` names a built-in candidate; anything else is a file path."""
@@ -33,11 +39,15 @@ def read_source(path: str | Path) -> tuple[bytes, str | None]:
     """The file's bytes, read once (what the harness parses, scans and hashes, and what the
     worker must find there: its sha256 travels with the task), and why they cannot run, or
     None: `file:line: SyntaxError: ...` when they do not parse (milliseconds, no worker),
-    `file: cannot read it as Python: ...` when the file cannot be read."""
+    `file: cannot read it as Python: ...` when the file cannot be read or holds more than
+    MAX_SOURCE_BYTES (only that much more is read)."""
     try:
-        source = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            source = f.read(MAX_SOURCE_BYTES + 1)
     except OSError as exc:
         return b"", f"{path}: cannot read it as Python: {exc}"
+    if len(source) > MAX_SOURCE_BYTES:
+        return b"", f"{path}: cannot read it as Python: {too_large()}"
     try:
         with _PARSE:
             compile(source, str(path), "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
@@ -47,3 +57,7 @@ def read_source(path: str | Path) -> tuple[bytes, str | None]:
     except ValueError as exc:  # a NUL byte
         return source, f"{path}: cannot read it as Python: {exc}"
     return source, None
+
+
+def too_large() -> str:
+    return f"larger than {MAX_SOURCE_BYTES >> 20} MiB, the most a candidate's source may hold"

@@ -48,7 +48,7 @@ from . import sandbox
 from .bench import run_bench
 from .check import run_check
 from .compile import CompileReport, run_compile
-from .files import BUILTIN_PREFIX
+from .files import BUILTIN_PREFIX, MAX_SOURCE_BYTES, too_large
 from .options import BenchOptions, CheckOptions, unwritable_dir
 from .worker import STARTUP_TIMEOUT, WorkerPool
 
@@ -249,7 +249,7 @@ class Session:
         after the job before it, whose candidate could swap a link there meanwhile, and the
         report echoed another agent's file (its SyntaxError line, the lines its scan flagged)."""
         if isinstance(source, str) and "\n" in source:
-            return self._write(source.encode())
+            return self._write(self._source_bytes(source))
         path = _as_path(source)
         if path.startswith(BUILTIN_PREFIX):
             return path
@@ -262,7 +262,10 @@ class Session:
         checked against _refuse (opened first, then named by the kernel: a link swapped
         meanwhile changes nothing)."""
         if isinstance(source, str) and "\n" in source:
-            return source.encode()
+            data = source.encode()
+            if len(data) > MAX_SOURCE_BYTES:
+                raise ValueError(f"source {_named(source)} is {too_large()}")
+            return data
         path = _as_path(source)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO: no wait
@@ -279,7 +282,10 @@ class Session:
             os.close(fd)
             raise
         with os.fdopen(fd, "rb") as f:
-            return f.read()
+            data = f.read(MAX_SOURCE_BYTES + 1)  # never more: a sparse file of a TiB is cheap
+        if len(data) > MAX_SOURCE_BYTES:
+            raise ValueError(f"source {_named(source)} is {too_large()}")
+        return data
 
     def _refuse(self, source, real: Path) -> None:
         """ValueError naming `source` when its file (`real`, links followed) lies where no
