@@ -508,3 +508,18 @@ def test_a_huge_source_is_refused_unread(tmp_path):
                     tool(source)
         assert not any(s.directory.iterdir())  # nothing copied
     assert not (tmp_path / "out").exists()
+
+
+def test_a_failure_is_filed_under_a_category_of_the_schema():
+    """A worker's error names its category, and a candidate's worker can raise the harness's
+    TaskError with any string (exploit_forges_a_category.py): until 2026-12-05 the report
+    filed it as it was, and failed its own schema. Now it is an `exception`, naming it."""
+    import jsonschema
+
+    from fastelbo.harness.schema import CHECK_REPORT
+    with _session(spares=0) as s:
+        report = s.run_correctness(CANDIDATES / "exploit_forges_a_category.py")
+    jsonschema.validate(report, CHECK_REPORT)
+    assert report["exit_code"] == 2 and report["categories"] == ["exception"], report
+    assert report["reasons"][0].startswith("[exception] (a failure claimed as "
+                                           "'no_such_category') candidate worker: "), report

@@ -115,7 +115,12 @@ class CheckReport:
 
     def error(self, category: str, reason: str, output_tail: str = "") -> CheckReport:
         """Something could not run: exit 2 with the reason, unless a judged trial was wrong
-        (exit 1 stays, and the wrong answers' reasons come first)."""
+        (exit 1 stays, and the wrong answers' reasons come first). A category that is not a
+        run failure's is filed as "exception", naming it: a worker's error names its own
+        category, and a candidate's worker can raise TaskError with any string (until
+        2026-12-05 the report then held a category outside its schema)."""
+        if category not in RUN_FAILURES:
+            category, reason = "exception", f"(a failure claimed as {category!r}) {reason}"
         self.failures.append(Finding(category, reason))
         if output_tail:
             self.output_tail = output_tail
