@@ -134,8 +134,28 @@ def test_check_json_is_strict_json_of_the_documented_schema(capsys):
     text = capsys.readouterr().out
     data = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON: {c}"))
     jsonschema.validate(data, CHECK_REPORT)
-    assert code == 1 and data["schema"] == "fastelbo.check/3" and data["mode"] == "train"
+    assert code == 1 and data["schema"] == "fastelbo.check/4" and data["mode"] == "train"
     assert data["categories"] == ["shape"] and data["reference"] == "computed"
+
+
+def test_the_schema_id_changes_with_what_a_report_may_hold():
+    """A report's categories are its schema's: one that a consumer of the published schema
+    cannot know makes a report it rejects. `unanswered` and `malformed` were added on
+    2026-12-05 under fastelbo.check/3's id, so /3 named two schemas; adding one again means
+    a new id, and this list with it."""
+    from fastelbo.harness.report import SCHEMA_ID
+    from fastelbo.harness.schema import CHECK_REPORT
+    props = CHECK_REPORT["properties"]
+    run = ["import", "build", "exception", "timeout", "crash", "reference",
+           "nondeterministic_reference"]
+    assert (SCHEMA_ID, CHECK_REPORT["$id"], props["schema"]) == (
+        "fastelbo.check/4", "https://fastelbo.dev/schema/check-4.json",
+        {"const": "fastelbo.check/4"})
+    assert props["categories"]["items"]["enum"] == run + [
+        "output_count", "output_type", "shape", "dtype", "nonfinite", "mismatch",
+        "zero_output", "constant_output", "cached", "input_mutated", "rng", "output_aliased",
+        "tampered", "unanswered", "malformed"]
+    assert props["failures"]["items"]["properties"]["category"]["enum"] == run
 
 
 FAKE_WORKERS = f'''

@@ -107,7 +107,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "them from the cache (FASTELBO_CACHE_DIR, else ~/.cache/fastelbo); a "
                         "secret seed never uses it (default: %(default)s)")
     p.add_argument("--json", action="store_true",
-                   help="print the report as JSON (schema fastelbo.check/3, "
+                   help="print the report as JSON (schema fastelbo.check/4, "
                         "fastelbo.harness.schema) (default: %(default)s)")
     p.set_defaults(func=_check)
 

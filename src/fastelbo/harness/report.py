@@ -43,7 +43,7 @@ class TensorDiff:
 
 EXIT_PASS, EXIT_WRONG, EXIT_ERROR = 0, 1, 2
 MAX_FINDING_LINES = 3  # per regime in the table; the JSON report keeps every finding
-SCHEMA_ID = "fastelbo.check/3"
+SCHEMA_ID = "fastelbo.check/4"  # schema.py says what each version changed
 RESEEDING = ("the CPU and CUDA generators are reseeded identically before every forward of the "
              "reference and the candidate (KernelBench seeds only before building the inputs)")
 

@@ -5,7 +5,9 @@ reports against it. The output is strict JSON: a non-finite float (a difference 
 range) is written as the string "inf", "-inf" or "nan".
 
 Top level
-    schema        "fastelbo.check/3"
+    schema        "fastelbo.check/4" (/3 until 2026-12-05: /4 adds the categories
+                  `unanswered` and `malformed`, and a failure's category is a run failure's
+                  alone; a report of /4 can fail /3's schema, so the id changed with it)
     device        where the check ran: cpu, cuda or cuda:N (without a device given, cuda where
                   torch sees a GPU); "" when it stopped before choosing one (a syntax error)
     seed          the seed of weights, inputs and forwards; seed_source secret (drawn for this
@@ -40,13 +42,15 @@ Top level
 """
 from __future__ import annotations
 
-from .report import RUN_FAILURES, WRONG
+from .report import RUN_FAILURES, SCHEMA_ID, WRONG
 
 CATEGORIES = list(dict.fromkeys(RUN_FAILURES + WRONG))
 _NUMBER = {"oneOf": [{"type": "number"}, {"enum": ["inf", "-inf", "nan"]}]}
 _FINDING = {"type": "object", "additionalProperties": False,
             "required": ["category", "message"],
             "properties": {"category": {"enum": CATEGORIES}, "message": {"type": "string"}}}
+_FAILURE = {**_FINDING, "properties": {**_FINDING["properties"],
+                                      "category": {"enum": list(RUN_FAILURES)}}}
 _DIFF = {"type": "object", "additionalProperties": False,
          "required": ["index", "ok", "max_abs", "max_rel", "n_bad", "n_envelope", "message"],
          "properties": {"index": {"type": "integer"}, "ok": {"type": "boolean"},
@@ -99,7 +103,7 @@ _WORKER = {"type": "object", "additionalProperties": False,
 
 CHECK_REPORT = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "$id": "https://fastelbo.dev/schema/check-3.json",
+    "$id": "https://fastelbo.dev/schema/check-4.json",
     "title": "fastelbo check report",
     "type": "object",
     "additionalProperties": False,
@@ -109,7 +113,7 @@ CHECK_REPORT = {
                  "categories", "failures", "regimes", "skipped", "compile_errors", "reference",
                  "timings", "workers", "output_tail"],
     "properties": {
-        "schema": {"const": "fastelbo.check/3"},
+        "schema": {"const": SCHEMA_ID},
         "seed": {"type": "integer", "minimum": 0},
         "seed_source": {"enum": ["secret", "given"]},
         "confinement": {"enum": ["landlock", "user", "none"]},
@@ -125,7 +129,7 @@ CHECK_REPORT = {
         "exit_code": {"enum": [0, 1, 2]},
         "reasons": _STRINGS,
         "categories": {"type": "array", "items": {"enum": CATEGORIES}},
-        "failures": {"type": "array", "items": _FINDING},
+        "failures": {"type": "array", "items": _FAILURE},
         "regimes": {"type": "array", "items": _REGIME},
         "skipped": _STRINGS,
         "compile_errors": {"type": "array", "items": _COMPILE_ERROR},
