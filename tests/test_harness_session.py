@@ -523,3 +523,20 @@ def test_a_failure_is_filed_under_a_category_of_the_schema():
     assert report["exit_code"] == 2 and report["categories"] == ["exception"], report
     assert report["reasons"][0].startswith("[exception] (a failure claimed as "
                                            "'no_such_category') candidate worker: "), report
+
+
+def test_a_compile_lists_a_bounded_number_of_extensions():
+    """The extensions a compile lists are named by the candidate's worker (every new .so of
+    its build directory): until 2026-12-05 exploit_floods_extensions.py's 2,000 empty files
+    were each a line of compile_kernel's compact result (400 KB). Now the first
+    MAX_EXTENSIONS are listed, and how many more."""
+    from fastelbo.harness.server import _compile_result
+    from fastelbo.harness.tool_results import CompileResult
+    with _session(spares=0) as s:
+        full = s.compile_kernel(CANDIDATES / "exploit_floods_extensions.py")
+    assert full["exit_code"] == 0, full["reason"]
+    assert len(full["extensions"]) == session_mod.MAX_EXTENSIONS
+    assert full["more_extensions"] == 2000 - session_mod.MAX_EXTENSIONS
+    compact = CompileResult.model_validate(_compile_result(full) | {"report_path": "r.json"})
+    assert compact.more_extensions == full["more_extensions"]
+    assert len(compact.model_dump_json()) < 8192

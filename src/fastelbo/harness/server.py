@@ -145,6 +145,11 @@ class LazySession:
             session.close()
 
 
+def _compile_result(full: dict) -> dict:
+    """compile_kernel's compact result, with how many extensions the session left out."""
+    return {**summary.compile_result(full), "more_extensions": full["more_extensions"]}
+
+
 def build_server(lazy: LazySession) -> MCPServer:
     """An MCP server whose four tools call `lazy`'s Session."""
     server = MCPServer("fastelbo", instructions=INSTRUCTIONS.format(
@@ -157,7 +162,7 @@ def build_server(lazy: LazySession) -> MCPServer:
         {file, line, message}, compiler errors mapped to candidate lines), and per extension
         its kernels' registers, shared memory and local (spill) bytes."""
         return await lazy.run("compile_kernel", lambda s: s.compile_kernel(source),
-                              summary.compile_result, CompileResult, detail)
+                              _compile_result, CompileResult, detail)
 
     @server.tool()
     async def run_correctness(source: Source, trials: Annotated[int | None, Field(

@@ -92,6 +92,11 @@ def _gpu_exclusive(key: str):
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# The extensions a compile lists (the first; `more_extensions` counts the rest). The candidate's
+# worker names them (every new .so of its build root, a list it may write itself): until
+# 2026-12-05 one that made 5,000 empty .so files there had a compile result of 1 MB.
+MAX_EXTENSIONS = 16
+
 # An agent's checks (Session, the MCP server) run at least this many trials per regime: the
 # scale regimes replay the default's inputs, so with one trial each input shape is seen with
 # one set only, and a candidate that computes once per shape and replays it passed
@@ -372,7 +377,8 @@ def _cleanup(directory: Path, pool: WorkerPool | None) -> None:
 
 def compile_report_dict(report: CompileReport, seconds: float | None = None) -> dict:
     """`CompileReport` as JSON-able data, each error as {file, line, message}: the candidate's
-    line where it was found there, else the generated file's (`in_candidate` says which)."""
+    line where it was found there, else the generated file's (`in_candidate` says which), and
+    the first MAX_EXTENSIONS extensions (`more_extensions`: how many more were loaded)."""
     errors = []
     first = report.reason.splitlines()[0] if report.reason else ""
     if report.exit_code and (m := _PY_LOCATION.match(first)):
@@ -383,10 +389,12 @@ def compile_report_dict(report: CompileReport, seconds: float | None = None) -> 
         errors.append({"file": report.candidate if found else e.generated,
                        "line": e.candidate_line if found else e.generated_line,
                        "message": e.message, "in_candidate": found})
+    libs = list(report.extensions.items())
     return {"candidate": report.candidate, "status": "error" if report.exit_code else "ok",
             "exit_code": report.exit_code, "reason": report.reason, "errors": errors,
             "extensions": [{"library": lib, "note": note, "kernels": [asdict(k) for k in ks]}
-                           for lib, (ks, note) in report.extensions.items()],
+                           for lib, (ks, note) in libs[:MAX_EXTENSIONS]],
+            "more_extensions": max(len(libs) - MAX_EXTENSIONS, 0),
             "seconds": seconds, "output_tail": report.output_tail}
 
 

@@ -109,7 +109,9 @@ class CompileResult(BaseModel):
     exit_code: Literal[0, 2]
     reason: str
     errors: list[Located]
-    extensions: list[Extension]
+    extensions: list[Extension] = Field(description="the first 16 extensions loaded")
+    more_extensions: int = Field(description="extensions left out (the candidate's worker "
+                                 "names them: it may name thousands)")
     seconds: float | None
     report_path: ReportPath
     detail: Detail = None
