@@ -540,3 +540,18 @@ def test_a_compile_lists_a_bounded_number_of_extensions():
     compact = CompileResult.model_validate(_compile_result(full) | {"report_path": "r.json"})
     assert compact.more_extensions == full["more_extensions"]
     assert len(compact.model_dump_json()) < 8192
+
+
+def test_the_scan_reads_the_source_as_python_runs_it():
+    """The check scanned a candidate's bytes read as UTF-8: until 2026-12-05 a `# coding:
+    utf-7` file hid `import ctypes` in what UTF-8 reads as a comment, and Python ran it
+    (exploit_hides_from_the_scan.py); a file that began with a BOM did not parse as text and
+    had no flag at all. The scan is a report, not a verdict: both still pass."""
+    bom = "\ufeff" + CORRECT.read_text() + "import gc\n"
+    with _session(spares=0) as s:
+        hidden = s.run_correctness(CANDIDATES / "exploit_hides_from_the_scan.py")
+        marked = s.run_correctness(bom)
+    assert hidden["exit_code"] == 0 and marked["exit_code"] == 0, (hidden, marked)
+    assert [(f["line"], f["category"]) for f in hidden["scan"]] == [
+        (1, "source_encoding"), (13, "ctypes"), (14, "introspection")]
+    assert [f["category"] for f in marked["scan"]] == ["introspection"]

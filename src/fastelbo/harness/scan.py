@@ -5,13 +5,20 @@ read (never run) and each construct an honest kernel rarely needs is flagged wit
 threads and processes (affinity and priority too), ctypes, signals, file access and raw file
 descriptors, introspection of frames and the garbage collector, audit hooks, edits of
 sys.modules, assignments to torch's attributes, kernels registered on torch's own operators,
-CUDA streams, and imports of the harness's own modules. A flag is
+CUDA streams, imports of the harness's own modules, and a coding cookie naming a codec other
+than UTF-8 (the scan reads the text as Python does, by that codec and without a BOM: until
+2026-12-05 it read UTF-8, so a `# coding: utf-7` file ran an `import ctypes` that its scan saw
+as a comment, and a file that began with a BOM did not parse and had no flag at all).
+A flag is
 not a verdict (a candidate may use a stream well); it tells a reviewer where to look, and the
 confinement (sandbox.py) and the checks of outputs and timers are what reject a cheat.
 """
 from __future__ import annotations
 
 import ast
+import codecs
+import io
+import tokenize
 from pathlib import Path
 
 # module imported -> category
@@ -70,14 +77,38 @@ def _dotted(node: ast.AST) -> str:
     return ".".join(reversed(parts))
 
 
+def python_text(text: str) -> tuple[str, str | None]:
+    """`text` as Python runs it, and the codec its coding cookie names where that is not UTF-8
+    (else None). Python decodes a file's bytes by its cookie, and parsing a str ignores the
+    cookie: text read as UTF-8 is re-read by that codec (its bytes are ASCII where UTF-7 or
+    another codec hides code in a comment; where they are not, Python's text may differ)."""
+    data = text.encode("utf-8", "surrogateescape")
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError:  # a codec Python does not know: it refuses the file (the check says so)
+        return text, None
+    if encoding == "utf-8-sig":  # a BOM: Python drops it, and a str holding it does not parse
+        return text.removeprefix("\ufeff"), None
+    if codecs.lookup(encoding).name == "utf-8":
+        return text, None
+    try:
+        return data.decode(encoding), encoding
+    except (UnicodeDecodeError, LookupError):
+        return text, encoding
+
+
 def scan_source(text: str) -> list[dict]:
-    """Flags of `text`: [{line, category, text}], in line order; [] if it does not parse."""
+    """Flags of `text` as Python reads it (python_text): [{line, category, text}], in line
+    order; [] if it does not parse."""
+    text, codec = python_text(text)
     try:
         tree = ast.parse(text)
     except SyntaxError:
         return []
     lines = text.splitlines()
     flags: list[tuple[int, str]] = []
+    if codec is not None:  # the cookie is on line 1, or on line 2 below a comment
+        flags.append((1 if "coding" in (lines[:1] or [""])[0] else 2, "source_encoding"))
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             flags += [(node.lineno, _MODULES[a.name.split(".")[0]]) for a in node.names

@@ -50,6 +50,7 @@ from .check import run_check
 from .compile import CompileReport, run_compile
 from .files import BUILTIN_PREFIX, MAX_SOURCE_BYTES, too_large
 from .options import BenchOptions, CheckOptions, unwritable_dir
+from .scan import python_text
 from .worker import STARTUP_TIMEOUT, WorkerPool
 
 # A Python-level failure (SyntaxError, an import that raises) is reported by the loader as
@@ -230,7 +231,7 @@ class Session:
             dest.write_bytes(data)
             path = str(dest)
         result["solution"] = {"path": path, "text": text, "sha256": digest,
-                              "imports": third_party_imports(text)}
+                              "imports": third_party_imports(python_text(text)[0])}
         return result
 
     # -- plumbing ------------------------------------------------------------------------------
