@@ -555,3 +555,14 @@ def test_the_scan_reads_the_source_as_python_runs_it():
     assert [(f["line"], f["category"]) for f in hidden["scan"]] == [
         (1, "source_encoding"), (13, "ctypes"), (14, "introspection")]
     assert [f["category"] for f in marked["scan"]] == ["introspection"]
+
+
+def test_a_nul_byte_is_reported_at_the_file():
+    """Python (3.11.4+) reports a NUL byte as a SyntaxError of no file and no line: until
+    2026-12-05 the check's reason read "None:None: SyntaxError: ...", naming nothing."""
+    with _session(spares=0) as s:
+        report = s.run_correctness("x = 1\n\0\n")
+    [reason] = report["reasons"]
+    assert report["exit_code"] == 2 and "None" not in reason, reason
+    assert reason.startswith(f"[import] {s.directory}/") and "candidate.py: cannot read it as " \
+        "Python: source code string cannot contain null bytes" in reason, reason

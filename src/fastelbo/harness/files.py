@@ -52,6 +52,8 @@ def read_source(path: str | Path) -> tuple[bytes, str | None]:
         with _PARSE:
             compile(source, str(path), "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
     except SyntaxError as exc:
+        if exc.lineno is None:  # a NUL byte (Python 3.11.4+: before, a ValueError), or the like
+            return source, f"{path}: cannot read it as Python: {exc.msg}"
         return source, (f"{exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}\n"
                         f"{(exc.text or '').rstrip()}")
     except ValueError as exc:  # a NUL byte
