@@ -566,3 +566,22 @@ def test_a_nul_byte_is_reported_at_the_file():
     assert report["exit_code"] == 2 and "None" not in reason, reason
     assert reason.startswith(f"[import] {s.directory}/") and "candidate.py: cannot read it as " \
         "Python: source code string cannot contain null bytes" in reason, reason
+
+
+def test_a_solution_replaces_a_link_at_its_name_never_follows_it(tmp_path):
+    """A solution's name in submit_dir is known in advance (the problem's and its bytes'
+    hash), and a candidate may write where a submit_dir can be (/dev/shm): until 2026-12-05 a
+    link planted there had the accepted solution written over the file it named."""
+    import hashlib
+    out, victim = tmp_path / "out", tmp_path / "users_file.txt"
+    out.mkdir()
+    victim.write_text("the user's own file\n")
+    text = CORRECT.read_text()
+    planted = out / f"{TINY.stem}_solution_{hashlib.sha256(text.encode()).hexdigest()[:12]}.py"
+    planted.symlink_to(victim)
+    with _session(spares=0, submit_dir=out) as s:
+        result = s.submit_kernel(text)
+    assert result["exit_code"] == 0 and result["solution"]["path"] == str(planted), result
+    assert victim.read_text() == "the user's own file\n"
+    assert not planted.is_symlink() and planted.read_text() == text
+    assert sorted(p.name for p in out.iterdir()) == [planted.name]  # no temporary left

@@ -228,7 +228,7 @@ class Session:
         if result["exit_code"] == 0 and self.submit_dir is not None:
             self.submit_dir.mkdir(parents=True, exist_ok=True)
             dest = self.submit_dir / f"{self.problem.stem}_solution_{digest[:12]}.py"
-            dest.write_bytes(data)
+            _replace_file(dest, data)
             path = str(dest)
         result["solution"] = {"path": path, "text": text, "sha256": digest,
                               "imports": third_party_imports(python_text(text)[0])}
@@ -362,6 +362,23 @@ def _as_path(source) -> str:
         raise TypeError("source must be Python source text or a path, got "
                         f"{type(source).__name__}")
     return source
+
+
+def _replace_file(dest: Path, data: bytes) -> None:
+    """`dest` made a new file holding `data`, whatever was there: a link is replaced, never
+    followed. The name is known before the call (the problem's and the bytes' hash), and a
+    candidate may write where a submit_dir can be (/dev/shm): until 2026-12-05 a link planted
+    under it had an accepted solution written over the file it named (a user's file)."""
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _named(source) -> str:
