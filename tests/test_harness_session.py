@@ -499,12 +499,12 @@ def test_a_huge_source_is_refused_unread(tmp_path):
     with open(huge, "wb") as f:
         f.truncate(MAX_SOURCE_BYTES + 1)
     source, bad = read_source(huge)  # `fastelbo check`'s read
-    assert source == b"" and bad.endswith("larger than 16 MiB, the most a candidate's source "
-                                          "may hold"), bad
+    limit = f"larger than {MAX_SOURCE_BYTES >> 20} MiB"
+    assert source == b"" and bad.endswith(f"{limit}, the most a candidate's source may hold"), bad
     with _session(spares=0, submit_dir=tmp_path / "out") as s:
         for tool in (s.compile_kernel, s.run_correctness, s.submit_kernel, s.benchmark):
             for source in (str(huge), "x = 1\n" + "#" * MAX_SOURCE_BYTES):
-                with pytest.raises(ValueError, match=r"source '.*' is larger than 16 MiB"):
+                with pytest.raises(ValueError, match=f"source '.*' is {limit}"):
                     tool(source)
         assert not any(s.directory.iterdir())  # nothing copied
     assert not (tmp_path / "out").exists()
@@ -585,3 +585,18 @@ def test_a_solution_replaces_a_link_at_its_name_never_follows_it(tmp_path):
     assert victim.read_text() == "the user's own file\n"
     assert not planted.is_symlink() and planted.read_text() == text
     assert sorted(p.name for p in out.iterdir()) == [planted.name]  # no temporary left
+
+
+def test_a_report_lists_a_bounded_number_of_scan_flags():
+    """Every flag of the scan was listed: 400,000 `import gc` lines (4 MiB) made a report of
+    30 MB, written and held at every call. Now the first MAX_FLAGS, then one counting the
+    rest."""
+    from fastelbo.harness.scan import MAX_FLAGS
+    with _session(spares=0) as s:
+        report = s.run_correctness(CORRECT.read_text() + "import gc\n" * 300)
+    assert report["exit_code"] == 0, report["reasons"]
+    first = len(CORRECT.read_text().splitlines()) + 1
+    assert len(report["scan"]) == MAX_FLAGS + 1
+    assert report["scan"][0] == {"line": first, "category": "introspection", "text": "import gc"}
+    assert report["scan"][-1] == {"line": first + MAX_FLAGS, "category": "more_flags",
+                                  "text": f"{300 - MAX_FLAGS} more flag(s) from this line on"}

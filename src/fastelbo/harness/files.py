@@ -16,8 +16,10 @@ _PARSE = threading.Lock()
 # The most bytes a candidate's source may hold (KernelBench files are kilobytes; one with a
 # kernel's binary inlined, a few megabytes). A source is read whole into the harness's own
 # process, and a Session's copied: until 2026-12-05 a sparse file that a candidate made in
-# /dev/shm for nothing (1 TiB of holes) was read in full, the server's memory with it.
-MAX_SOURCE_BYTES = 16 << 20
+# /dev/shm for nothing (1 TiB of holes) was read in full, the server's memory with it. The
+# harness parses it too (the syntax check, the scan), at about 2 s and 250 MB a MiB of short
+# statements: 16 MiB of `import gc` lines took 85 s and 3.4 GB, inside the job's lock.
+MAX_SOURCE_BYTES = 4 << 20
 
 
 def candidate_path(name: str | Path) -> Path:

@@ -52,6 +52,9 @@ _CALLS = {
 _ATTRS = {"f_back": "introspection", "f_globals": "introspection", "f_locals": "introspection",
           "gi_frame": "introspection", "tb_frame": "introspection", "__code__": "introspection",
           "modules": "sys_modules"}
+# flags listed in a report; a last one counts the rest (a source of 400,000 `import gc` lines
+# made a report of 30 MB)
+MAX_FLAGS = 100
 # the harness's own modules: the worker that times a candidate runs them in its process, and
 # its result channel is a file descriptor there (what a candidate would impersonate)
 _HARNESS = "fastelbo.harness"
@@ -99,7 +102,8 @@ def python_text(text: str) -> tuple[str, str | None]:
 
 def scan_source(text: str) -> list[dict]:
     """Flags of `text` as Python reads it (python_text): [{line, category, text}], in line
-    order; [] if it does not parse."""
+    order, the first MAX_FLAGS and, past them, one of category `more_flags` counting the
+    rest; [] if it does not parse."""
     text, codec = python_text(text)
     try:
         tree = ast.parse(text)
@@ -150,12 +154,13 @@ def scan_source(text: str) -> list[dict]:
                 if name.startswith(("torch.", "time.", "sys.modules", "builtins.", "os.")) \
                         and not name.startswith(_TORCH_SETTINGS):
                     flags.append((t.lineno, "attribute_patch"))
-    seen, out = set(), []
-    for line, category in sorted(flags):
-        if (line, category) not in seen:
-            seen.add((line, category))
-            out.append({"line": line, "category": category,
-                        "text": lines[line - 1].strip()[:120] if line <= len(lines) else ""})
+    found = sorted(set(flags))
+    out = [{"line": line, "category": category,
+            "text": lines[line - 1].strip()[:120] if line <= len(lines) else ""}
+           for line, category in found[:MAX_FLAGS]]
+    if len(found) > MAX_FLAGS:
+        out.append({"line": found[MAX_FLAGS][0], "category": "more_flags",
+                    "text": f"{len(found) - MAX_FLAGS} more flag(s) from this line on"})
     return out
 
 
