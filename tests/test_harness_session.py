@@ -536,7 +536,9 @@ def test_a_compile_lists_a_bounded_number_of_extensions():
         full = s.compile_kernel(CANDIDATES / "exploit_floods_extensions.py")
     assert full["exit_code"] == 0, full["reason"]
     assert len(full["extensions"]) == session_mod.MAX_EXTENSIONS
-    assert full["more_extensions"] == 2000 - session_mod.MAX_EXTENSIONS
+    # each .so newer than the import's start (a file's mtime has the kernel's coarser clock:
+    # the first ones made can be older by a tick)
+    assert 1000 < full["more_extensions"] <= 2000 - session_mod.MAX_EXTENSIONS
     compact = CompileResult.model_validate(_compile_result(full) | {"report_path": "r.json"})
     assert compact.more_extensions == full["more_extensions"]
     assert len(compact.model_dump_json()) < 8192
