@@ -11,8 +11,9 @@
 a path to such a file, or `fastelbo:<backend>`. Source text is written to a file in the
 session's own temporary directory (never the user's tree), named by its hash, so errors name
 `.../<hash>/candidate.py:LINE`; a path's bytes are read once, as the call comes, and copied
-there the same way (under the file's own name): the harness runs, scans and reports the copy. Candidate code runs only in the harness's worker processes: a
-crash or hang comes back as a verdict and the session carries on. Jobs run one at a time: per
+there the same way (under the file's own name): the harness runs, scans and reports the copy.
+Candidate code runs only in the harness's worker processes: a crash or hang comes back as a
+verdict and the session carries on. Jobs run one at a time: per
 session on the CPU, and per CUDA device across every session of the machine (a thread lock
 plus a lock file), so no two checks or timings share a GPU.
 
