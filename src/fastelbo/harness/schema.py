@@ -6,8 +6,9 @@ range) is written as the string "inf", "-inf" or "nan".
 
 Top level
     schema        "fastelbo.check/4" (/3 until 2026-12-05: /4 adds the categories
-                  `unanswered` and `malformed`, and a failure's category is a run failure's
-                  alone; a report of /4 can fail /3's schema, so the id changed with it)
+                  `unanswered`, `malformed` and `reference_starved`, and a failure's category
+                  is a run failure's alone; a report of /4 can fail /3's schema, so the id
+                  changed with it)
     device        where the check ran: cpu, cuda or cuda:N (without a device given, cuda where
                   torch sees a GPU); "" when it stopped before choosing one (a syntax error)
     seed          the seed of weights, inputs and forwards; seed_source secret (drawn for this
