@@ -525,6 +525,22 @@ def test_a_failure_is_filed_under_a_category_of_the_schema():
                                            "'no_such_category') candidate worker: "), report
 
 
+@pytest.mark.parametrize("claim", ["reference", "reference_starved"])
+def test_a_candidate_cannot_file_its_failure_as_the_references(tmp_path, claim):
+    """A run failure that is the reference's (its worker's or the harness's finding) claimed
+    by the candidate's worker (exploit_forges_a_category.py, naming one) is filed as that
+    worker's `exception`: until 2026-12-05 it was filed as claimed, so a candidate could make
+    its failure read as the problem's, or as a device another process starved."""
+    source = (CANDIDATES / "exploit_forges_a_category.py").read_text()
+    cand = tmp_path / "claims.py"
+    cand.write_text(source.replace('CATEGORY = "no_such_category"', f"CATEGORY = {claim!r}"))
+    with _session(spares=0) as s:
+        report = s.run_correctness(cand)
+    assert report["exit_code"] == 2 and report["categories"] == ["exception"], report
+    assert report["reasons"][0].startswith(f"[exception] (a failure claimed as {claim!r}) "
+                                           "candidate worker: "), report
+
+
 def test_a_compile_lists_a_bounded_number_of_extensions():
     """The extensions a compile lists are named by the candidate's worker (every new .so of
     its build directory): until 2026-12-05 exploit_floods_extensions.py's 2,000 empty files

@@ -41,6 +41,7 @@ from .options import CheckOptions
 from .placement import cuda_device_missing
 from .regimes import plan
 from .report import (
+    CANDIDATE_FAILURES,
     CheckReport,
     CompileError,
     Finding,
@@ -320,7 +321,7 @@ class _Check:
                                              self.cand)]
         return self.report.error(built.category, f"build (import, extensions, ModelNew) failed "
                                  f"after {built.seconds:.1f} s: {built.reason}",
-                                 built.output_tail)
+                                 built.output_tail, allowed=CANDIDATE_FAILURES)
 
     def _judge(self, cand_w: Worker) -> CheckReport:
         o, report = self.o, self.report
@@ -406,7 +407,7 @@ class _Check:
             report.error("reference", f"regime {name}: {why}", tail)
         if not out.ok:
             return report.error(out.category, f"candidate worker: {out.reason}",
-                                out.output_tail)
+                                out.output_tail, allowed=CANDIDATE_FAILURES)
         return report.finish()
 
     def _malformed(self, partial, entries: dict) -> str | None:

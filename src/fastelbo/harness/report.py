@@ -12,8 +12,11 @@ import math
 from dataclasses import asdict, dataclass, field
 
 # Finding categories. "Could not run" ones make `check` exit 2, the others exit 1.
-RUN_FAILURES = ("import", "build", "exception", "timeout", "crash", "reference",
-                "nondeterministic_reference", "reference_starved")
+# What a candidate's worker may fail with: any other category it names is its claim, not a
+# fact (the reference's failures come from the reference's worker or the harness).
+CANDIDATE_FAILURES = ("import", "build", "exception", "timeout", "crash")
+RUN_FAILURES = CANDIDATE_FAILURES + ("reference", "nondeterministic_reference",
+                                     "reference_starved")
 WRONG = ("output_count", "output_type", "shape", "dtype", "nonfinite", "mismatch",
          "zero_output", "constant_output", "cached", "input_mutated", "rng", "output_aliased",
          "tampered", "unanswered", "malformed")
@@ -113,13 +116,15 @@ class CheckReport:
     scan: list[dict] = field(default_factory=list)  # scan.py: {line, category, text}, no verdict
     output_tail: str = ""
 
-    def error(self, category: str, reason: str, output_tail: str = "") -> CheckReport:
+    def error(self, category: str, reason: str, output_tail: str = "",
+              allowed: tuple[str, ...] = RUN_FAILURES) -> CheckReport:
         """Something could not run: exit 2 with the reason, unless a judged trial was wrong
-        (exit 1 stays, and the wrong answers' reasons come first). A category that is not a
-        run failure's is filed as "exception", naming it: a worker's error names its own
+        (exit 1 stays, and the wrong answers' reasons come first). A category that is not
+        `allowed` is filed as "exception", naming it: a worker's error names its own
         category, and a candidate's worker can raise TaskError with any string (until
-        2026-12-05 the report then held a category outside its schema)."""
-        if category not in RUN_FAILURES:
+        2026-12-05 the report then held a category outside its schema; with `allowed` =
+        CANDIDATE_FAILURES, it cannot file its failure as the reference's)."""
+        if category not in allowed:
             category, reason = "exception", f"(a failure claimed as {category!r}) {reason}"
         self.failures.append(Finding(category, reason))
         if output_tail:
