@@ -285,6 +285,65 @@ def test_an_output_too_large_to_copy_is_still_read_after_every_call(tmp_path):
     assert by["honest_rbf"]["status"] == "ok", by["honest_rbf"]
 
 
+class _RightOnlyLast(torch.nn.Module):
+    """Right only on the last of `reps` timed calls (every other judged call past the budget)."""
+
+    def __init__(self, model, reps: int):
+        super().__init__()
+        self.model, self.reps, self.calls = model, reps, 0
+
+    def forward(self, *x):
+        self.calls += 1
+        out = self.model(*x)
+        return out if self.calls == self.reps else tuple(torch.zeros_like(t) for t in out)
+
+
+@torch.no_grad()
+def test_a_judged_call_past_the_keep_budget_is_judged_on_a_sample(monkeypatch):
+    """Past pool.KEEP_BYTES a judged call's outputs were not kept at all (only each metric's
+    last was), so a candidate right only where a call would be kept (exploit_past_keep_budget)
+    was "ok" at thousands of x eager until 2026-12-05. Now each such call keeps a sample of its
+    elements, drawn after it returns, and the reference worker samples its outputs alike: the
+    wrong calls are INCORRECT; the honest model's sampled calls match the reference's."""
+    from fastelbo.harness import loader, timing
+    from fastelbo.harness import pool as pool_module
+    monkeypatch.setattr(pool_module, "KEEP_BYTES", 1)  # only each metric's last fits whole
+    mod = loader.problem_module(TINY)
+    model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, 5), 5)
+    for cand, status in ((_RightOnlyLast(model, 8), "INCORRECT"), (model, "ok")):
+        checks = timing.Checks()
+        timing.single_calls(cand, bench._pool(mod, 5, 4, torch.device("cpu"), True), 8, checks)
+        keys = {c[0] if len(c) == 2 else (c[0], c[2]) for c in checks}
+        refs = {4: dict(bench.bench_reference(TINY, "cpu", 5, False, {4: sorted(keys, key=repr)})
+                        [4])}
+        eager = {bench.EAGER: {4: {"outputs": checks[-1][1], "wall_ms": 1.0}}}
+        row = bench._finish_row({"batch_size": 4, "device": "cpu", "wall_ms": 1.0,
+                                 "outputs": checks[-1][1], "checks": list(checks)},
+                                eager, 1e-4, 1e-4, refs)
+        assert row["status"] == status, row["correct_detail"]
+        assert status == "ok" or "a sample of its elements" in row["correct_detail"]
+        assert len(checks) == 8 and checks.skipped == 7 and len(checks[-1]) == 2
+
+
+@pytest.mark.slow
+def test_a_candidate_right_only_where_kept_is_incorrect(tmp_path):
+    """exploit_past_keep_budget on a 553 MB output (over half of KEEP_BYTES): INCORRECT, exit
+    1; an honest copy of the model is ok."""
+    problem = HERE / "problems" / "outer_big.py"
+    honest = tmp_path / "honest_outer.py"
+    honest.write_text(f"from fastelbo.problems import load_module\n\n"
+                      f"class ModelNew(load_module({str(problem)!r}).Model):\n    pass\n")
+    rows, code = bench.run_bench(problem, [str(HERE / "candidates" /
+                                               "exploit_past_keep_budget.py"), str(honest)],
+                                 device="cpu", batch_sizes=[30000], compile_baseline=False,
+                                 quick=True, out=None)
+    by = {Path(r["candidate"]).stem: r for r in rows}
+    cheat = by["exploit_past_keep_budget"]
+    assert code == 1 and cheat["status"] == "INCORRECT", cheat
+    assert "a sample of its elements" in cheat["correct_detail"], cheat
+    assert by["honest_outer"]["status"] == "ok", by["honest_outer"]
+
+
 def test_default_candidates_on_cpu_are_auto_and_torch():
     assert bench.default_candidates("cpu")[:2] == ["fastelbo:auto", "fastelbo:torch"]
 

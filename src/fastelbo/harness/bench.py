@@ -36,7 +36,7 @@ from .floor import count_flops, floors
 from .judge import MAX_TAMPERED, capped, texts
 from .options import BenchOptions
 from .placement import placement
-from .pool import Pool, forward_seed, seed_all
+from .pool import Pool, forward_seed, sample, seed_all
 from .results import append_jsonl, environment, utc_now
 from .task_specs import implements
 from .timing import Budget, kernel_times, measure
@@ -147,7 +147,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
             check = metrics.pop("graph_check", None)
             row.update(metrics, pool=pool.count, pool_drawn=len(pool.sets),
                        checks_skipped=checks.skipped,
-                       checks=[(run, loader.to_host(o)) for run, o in checks],
+                       checks=[(c[0], loader.to_host(c[1]), *c[2:]) for c in checks],
                        graph_check=check and [(run, loader.to_host(o)) for run, o in check])
             row["hygiene"] = checks.hygiene()
             row["tampered"] = capped(snapshot.changed()) if snapshot is not None else []
@@ -204,7 +204,9 @@ def bench_reference(problem: str, device: str, seed: int, eval_mode: bool,
     {batch size: [(run, outputs)]}. A run (pool.py) is replayed: the generators seeded for its
     first set, then one forward per set key in order, each set drawn as the entry's pool drew
     it; the last forward's outputs are the run's. Runs that begin another (the judged calls
-    of one loop) are read on the way: a loop is replayed once."""
+    of one loop) are read on the way: a loop is replayed once. An entry of `keys` that is a
+    (run, seed) pair asks for the run's outputs sampled as a judged call past the budget kept
+    its own (pool.sample), given as ((run, seed), sampled outputs)."""
     dev = torch.device(device)
     mod = loader.problem_module(problem)
     model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, seed), seed)
@@ -214,7 +216,12 @@ def bench_reference(problem: str, device: str, seed: int, eval_mode: bool,
     out = {}
     for n, runs in keys.items():
         progress(f"reference for {len(runs)} timed call(s), batch {n}")
-        out[n], wanted = [], {tuple(r) for r in runs}
+        out[n], seeds = [], {}  # run: the seeds it is sampled with (None: whole)
+        for r in runs:
+            pair = len(r) == 2 and isinstance(r[0], (tuple, list))
+            seeds.setdefault(tuple(r[0]) if pair else tuple(r), set()).add(
+                r[1] if pair else None)
+        wanted = set(seeds)
         for run in sorted(wanted, key=len, reverse=True):
             if run in wanted:  # not yet computed on the way to a longer run
                 sets = {key: loader.to_device(set_inputs(mod, key, n), dev) for key in set(run)}
@@ -223,7 +230,10 @@ def bench_reference(problem: str, device: str, seed: int, eval_mode: bool,
                     outputs = model(*sets[key])
                     if run[:i + 1] in wanted:  # a judged call of the same loop on the way
                         wanted.discard(run[:i + 1])
-                        out[n].append((run[:i + 1], loader.to_host(outputs, strict=True)))
+                        out[n] += [(run[:i + 1], loader.to_host(outputs, strict=True))
+                                   if seed is None else ((run[:i + 1], seed), loader.to_host(
+                                       sample(outputs, seed), strict=True))
+                                   for seed in seeds[run[:i + 1]]]
                 del sets
         loader.release(dev)
     return out
@@ -388,9 +398,10 @@ def _malformed(row) -> str | None:
     for key in ("checks", "graph_check"):
         runs = row.get(key)
         if runs is not None and not (type(runs) is list and len(runs) <= _MOST_CHECKS and all(
-                type(c) is tuple and len(c) == 2 and type(c[0]) is tuple
-                and len(c[0]) <= _MOST_CHECKS for c in runs)):
-            return f"its {key} is not a list of (run, outputs) pairs"
+                type(c) is tuple and len(c) in (2, 3) and type(c[0]) is tuple
+                and len(c[0]) <= _MOST_CHECKS and (len(c) == 2 or type(c[2]) is int)
+                for c in runs)):
+            return f"its {key} is not a list of (run, outputs) pairs or (run, sample, seed)"
     return None
 
 
@@ -468,13 +479,13 @@ def _references(rows: list[dict], problem: str, device: str, seed: int, o: Bench
     check) ended, from one reference worker; and why not, where it could not run."""
     keys: dict = {}
     for r in rows:
-        for run, _ in [*r.get("checks", ()), *(r.get("graph_check") or ())]:
-            keys.setdefault(r["batch_size"], set()).add(run)
+        for c in [*r.get("checks", ()), *(r.get("graph_check") or ())]:
+            keys.setdefault(r["batch_size"], set()).add(_ref_key(c))
     if not keys:
         return {}, ""
     outcome = run_task(bench_reference, o.timeout, env=env, problem=problem, device=device,
                        seed=seed, eval_mode=o.eval_mode,
-                       keys={n: sorted(k) for n, k in keys.items()})
+                       keys={n: sorted(k, key=repr) for n, k in keys.items()})
     if not outcome.ok:
         return {}, f"the reference for the timed calls could not run: {outcome.reason}"
     return {n: dict(pairs) for n, pairs in outcome.result.items()}, ""
@@ -559,12 +570,14 @@ def _judge(outputs, checks: list, graph, eager: dict, atol: float, rtol: float,
     if not cmp.ok:
         return "INCORRECT", _detail("the seeded forward", cmp), 0
     refs = keyed or {}
-    for k, (run, outs) in enumerate(checks):
-        if run not in refs:
+    for k, check in enumerate(checks):
+        run, outs = check[:2]
+        if _ref_key(check) not in refs:
             return "UNCHECKED", why or f"no reference for timed call (kept {k})", k
-        cmp = compare_outputs(refs[run], outs, atol, rtol)
+        cmp = compare_outputs(refs[_ref_key(check)], outs, atol, rtol)
         if not cmp.ok:
-            return "INCORRECT", _detail(f"timed call (kept {k}, {_run_name(run)})", cmp), k
+            part = ", a sample of its elements" if len(check) == 3 else ""
+            return "INCORRECT", _detail(f"timed call (kept {k}, {_run_name(run)}{part})", cmp), k
     detail = ""
     own, graph = eager.get("graph_check") or [], graph or []
     if graph and own:
@@ -581,6 +594,12 @@ def _judge(outputs, checks: list, graph, eager: dict, atol: float, rtol: float,
             detail = ("graph outputs not judged: the reference's own graph replay differs from "
                       "its eager call (random draws inside a graph)")
     return "ok", detail, len(checks)
+
+
+def _ref_key(check: tuple):
+    """What a judged call's reference is found by: its run, or (run, seed) for one kept as a
+    sample (pool.Checks.keep), whose reference is sampled alike."""
+    return check[0] if len(check) == 2 else (check[0], check[2])
 
 
 def _run_name(run) -> str:

@@ -52,7 +52,8 @@ SAMPLE_EVERY = 8      # each timed call is judged with probability 1 / this (and
 JUDGE_ALL = 16        # up to this many timed calls, every one is judged
 POOL_BYTES = 1 << 29  # the pool's inputs at most (512 MiB)
 POOL_MAX = 2048       # sets: enough for one per timed call of a bench entry (64 quick)
-KEEP_BYTES = 1 << 30  # outputs kept for judging, at most (each metric's last always is)
+KEEP_BYTES = 1 << 30  # outputs kept whole for judging, at most (each metric's last always is)
+SAMPLE_ELEMENTS = 1 << 16  # of each output, kept for a judged call past KEEP_BYTES (sample)
 COPY_ALL_BYTES = 64 << 20  # outputs up to this are copied after every call, judged or not
 
 
@@ -178,10 +179,40 @@ def _read_all(out) -> None:
                 t.detach().clone()
 
 
+def sample(out, seed: int) -> tuple:
+    """A judged call's outputs, each tensor as SAMPLE_ELEMENTS of its elements (flattened, in
+    row-major order) at positions drawn from `seed` (sample_positions), as plain device copies;
+    anything else as loader.to_host(strict) takes it (a tensor subclass is not touched). The
+    reference's outputs for the same run are sampled alike (bench.bench_reference), so the two
+    compare element for element."""
+    from .compare import as_tuple
+    from .loader import to_host
+    picked = []
+    for t in as_tuple(out):
+        if type(t) is torch.Tensor and t.dim() and t.numel():
+            t = t.detach()[torch.unravel_index(
+                sample_positions(seed, t.numel()).to(t.device), t.shape)]
+        picked.append(t)
+    return to_host(tuple(picked), keep_device=True, strict=True)
+
+
+def sample_positions(seed: int, numel: int) -> torch.Tensor:
+    """SAMPLE_ELEMENTS flat positions (with repeats) below numel, from a generator of their own
+    seeded with `seed`: the same in every worker, and no draw from the candidate's."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(numel, (SAMPLE_ELEMENTS,), generator=gen)
+
+
 class Checks(list):
     """The timed calls' outputs kept for judging, [(run, outputs)], as device copies (no sync
-    inside a timing loop). Past KEEP_BYTES only each metric's last call is kept (a problem
-    whose outputs take GBs); `skipped` counts the judged calls left unkept so. With the call's
+    inside a timing loop). Past KEEP_BYTES (a problem whose outputs take GBs) a judged call
+    keeps a sample of each output instead, [(run, sampled outputs, seed)], its positions drawn
+    from the OS's random source after it returned (`sample`), except each metric's last call,
+    kept whole; `skipped` counts the judged calls kept as samples. Until 2026-12-05 those calls
+    were not kept at all: a candidate that read `bytes` in the loop's frame knew that every
+    judged call but the last was past the budget, was right only on the others and the last,
+    and returned a buffer at once on the rest: "ok" at 50,000x eager on the CPU (an output of
+    553 MB, `--quick`: 6 of its 8 timed calls unjudged so). With the call's
     `inputs` and the set they were copied from (`pristine`), a judged call is also held to
     check's hygiene (`hygiene()`): no output sharing an input's storage, no input changed (a
     forward that works in place saves the allocations eager pays, and clobbers its caller's
@@ -216,6 +247,8 @@ class Checks(list):
         size = output_bytes(out)
         if self.bytes + size > KEEP_BYTES and not last:
             self.skipped += 1
+            seed = secret_key()
+            self.append((run, sample(copied if copied is not None else out, seed), seed))
         else:
             self.bytes += size
             self.append((run, copied if copied is not None
