@@ -251,6 +251,7 @@ def test_bench_holds_timed_calls_to_checks_hygiene():
     relu = HERE / "problems" / "relu.py"
     cands = HERE / "candidates"
     rows, code = bench.run_bench(relu, [str(cands / "exploit_output_aliases_input.py"),
+                                        str(cands / "exploit_recasts_its_input.py"),
                                         str(cands / "relu_clamp.py")],
                                  device="cpu", batch_sizes=[16], compile_baseline=False,
                                  quick=True, out=None)
@@ -259,7 +260,52 @@ def test_bench_holds_timed_calls_to_checks_hygiene():
     assert cheat["status"] == "INCORRECT" and code == 1, cheat
     assert "output 0 shares storage with an input" in cheat["correct_detail"], cheat
     assert "input 0 was modified by a timed call" in cheat["correct_detail"], cheat
+    recast = by["exploit_recasts_its_input"]  # its input recast: skipped by both rules before
+    assert recast["status"] == "INCORRECT" and "input 0 came back of another class" in \
+        recast["correct_detail"], recast
     assert by["relu_clamp"]["status"] == "ok" and not by["relu_clamp"]["hygiene"], by["relu_clamp"]
+
+
+class _Unchanged(torch.Tensor):
+    """What exploit_recasts_its_input.py recasts its input to: an empty shape, and "unchanged"
+    from every comparison."""
+
+    @property
+    def shape(self):
+        return torch.Size([0])
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("ne", "any", "isnan", "__and__", "__invert__"):
+            return torch.zeros((), dtype=torch.bool)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _recast(x):
+    x.__class__ = _Unchanged
+
+
+def _moved_off(x):
+    x.set_()
+
+
+@pytest.mark.parametrize("after", [_recast, _moved_off])
+def test_an_input_recast_or_moved_off_its_storage_is_a_hygiene_finding(after):
+    """A ReLU in place in its input, returning a plain tensor over that storage, and then the
+    input recast to a class of its own or moved off its storage: the storage rule read only
+    plain tensors, the values rule only inputs shaped as the set, and bench said "ok" until
+    2026-12-05. An honest ReLU leaves nothing to report."""
+    from fastelbo.harness.pool import Checks
+    pristine = [torch.randn(4, 5)]
+    checks, x = Checks(), [pristine[0].clone()]
+    out = torch.relu_(x[0]).as_subclass(torch.Tensor)
+    after(x[0])
+    checks.keep((1,), out, True, x, pristine)
+    assert any("input 0 came back of another class, shape or dtype" in h
+               for h in checks.hygiene()), checks.hygiene()
+    honest, x = Checks(), [pristine[0].clone()]
+    honest.keep((1,), torch.relu(x[0]), True, x, pristine)
+    assert honest.hygiene() == []
 
 
 @pytest.mark.slow

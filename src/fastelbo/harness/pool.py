@@ -203,6 +203,9 @@ def sample_positions(seed: int, numel: int) -> torch.Tensor:
     return torch.randint(numel, (SAMPLE_ELEMENTS,), generator=gen)
 
 
+_TENSOR_SHAPE, _TENSOR_DTYPE = torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__  # C's own
+
+
 class Checks(list):
     """The timed calls' outputs kept for judging, [(run, outputs)], as device copies (no sync
     inside a timing loop). Past KEEP_BYTES (a problem whose outputs take GBs) a judged call
@@ -223,6 +226,7 @@ class Checks(list):
         self.bytes, self.skipped = 0, 0
         self.aliased: set[int] = set()
         self._changed: list = []  # (input index, a device bool: it differs), read at the end
+        self.recast: set[int] = set()  # inputs that came back of another class or shape
 
     @staticmethod
     def copy(out):
@@ -257,10 +261,22 @@ class Checks(list):
             self._hygiene(out, inputs, pristine)
 
     def _hygiene(self, out, inputs, pristine) -> None:
+        """An input must come back as it went in: of its class (plain, or the set's own), shape
+        and dtype, read before anything else of it (a subclass's own `shape` or torch functions
+        could say anything), then with its values, and with no output over its storage. Until
+        2026-12-05 the storage rule read only plain tensors and the values rule only inputs
+        shaped as the set: an in-place ReLU that recast its input (`x.__class__ = ...`, a
+        `shape` that read empty) or moved it off its storage (`x.set_()`) was "ok" in bench
+        (exploit_recasts_its_input.py)."""
         from .compare import aliased_outputs, as_tuple
         self.aliased.update(aliased_outputs(as_tuple(out), inputs))
         for i, (a, b) in enumerate(zip(inputs, pristine or ())):
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
+            if not isinstance(b, torch.Tensor):
+                continue
+            if type(a) is not torch.Tensor and type(a) is not type(b) or \
+                    _TENSOR_SHAPE(a) != b.shape or _TENSOR_DTYPE(a) != b.dtype:
+                self.recast.add(i)
+            else:
                 both_nan = a.isnan() & b.isnan() if a.is_floating_point() else False
                 self._changed.append((i, (a.ne(b) & ~both_nan).any()))  # no sync here
 
@@ -269,4 +285,6 @@ class Checks(list):
         out = [f"output {i} shares storage with an input (outputs must be tensors of their own)"
                for i in sorted(self.aliased)]
         changed = sorted({i for i, differs in self._changed if bool(differs)})
-        return out + [f"input {i} was modified by a timed call" for i in changed]
+        return out + [f"input {i} was modified by a timed call" for i in changed] + [
+            f"input {i} came back of another class, shape or dtype than it went in (recast "
+            f"or moved off its storage by a timed call)" for i in sorted(self.recast)]
