@@ -590,6 +590,23 @@ def test_table_on_a_terminal_is_the_same_plain_text(capsys, monkeypatch):
     assert outs[0] == outs[1] and "1.0346 (1.0300-1.0400)" in outs[1]
 
 
+def test_table_cells_print_control_characters_escaped(capsys):
+    """Text a candidate wrote (a thread's name in the notes, an exception's message) reaches a
+    cell: its terminal control sequences (erase the line, a forged "ok" row over it, as
+    exploit_paints_the_table.py named its thread) are printed escaped, never sent as they are."""
+    from fastelbo.harness import table
+
+    forged = "\x1b[2K\x1b[1Gcand.py  65536  ok  50.00x\x1b[8m"
+    rows = [_table_row("cand.py", speedup_eager_events=0.4, threads=[forged],
+                       notes=[f"Python threads the candidate started (seen: {forged})"]),
+            _table_row("cand.py", status="ERROR", error=f"Traceback\nRuntimeError: {forged}\t")]
+    table.print_rows(rows)
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\t" not in out, repr(out)
+    assert out.count("\\x1b[2K\\x1b[1Gcand.py  65536  ok  50.00x") == 2, out
+    assert "0.40x" in out
+
+
 def test_eager_is_timed_again_where_a_candidate_is_far_faster(monkeypatch):
     """A candidate over RETIME x eager has eager timed once more after it, and each eager time
     is the faster of the two runs (a busy host only slows a run): here every candidate

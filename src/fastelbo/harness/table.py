@@ -13,7 +13,20 @@ def _x(v) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _printable(text: str) -> str:
+    """`text` with every character that is not printable (an escape, a carriage return, a
+    tab) written as Python escapes it: a cell holds text the candidate wrote (an exception's
+    message, a thread's or an attribute's name), and until 2026-12-05 a thread named with
+    terminal control sequences erased its own row as it was printed and wrote another, "ok"
+    at 50x eager, over it (exploit_paints_the_table.py)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _cells(row: dict) -> list[str]:
+    return [_printable(c) for c in _raw_cells(row)]
+
+
+def _raw_cells(row: dict) -> list[str]:
     events = row.get("events_ms")
     ev = "-" if events is None else (f"{events:.4f} ({row['events_p20_ms']:.4f}-"
                                      f"{row['events_p80_ms']:.4f})")
