@@ -655,3 +655,29 @@ def test_a_forged_row_is_refused_before_bench_walks_it(monkeypatch):
     monkeypatch.setattr(bench, "run_task", lambda *a, **k: forged)
     rows, _ = bench._entry_rows([3], 1.0, None, None, kind="candidate")
     assert [(r["batch_size"], r["category"]) for r in rows] == [(3, "tampered")], rows
+
+
+def test_a_result_without_a_row_for_each_size_is_forged():
+    """A forged result with no row (or a row of another size) left bench with no verdict on the
+    candidate, and it exited 0 on eager's rows until 2026-12-05: one row per size not left
+    unfinished, of that size and in order, or the result is forged (TAMPERED rows)."""
+    row = {"batch_size": 3, "checks": []}
+    for rows, left in (([], []), ([{**row, "batch_size": 5}], []), ([row], [3]),
+                       ([row, row], [])):
+        assert bench._forged({"batch_sizes": [3], "rows": rows, "unfinished": left}, [3]), rows
+    assert bench._forged({"batch_sizes": [3, 4], "rows": [row], "unfinished": [3]}, [3, 4])
+    assert bench._forged({"batch_sizes": [3, 4], "rows": [row], "unfinished": [4]},
+                         [3, 4]) is None  # a lost device: the rest rerun elsewhere
+    assert bench._forged({"batch_sizes": [None], "rows": [{"batch_size": 7}],
+                          "unfinished": []}, None) is None  # the problem's own batch size
+
+
+@pytest.mark.slow
+def test_a_candidate_that_forges_a_result_without_rows_is_tampered():
+    """exploit_forges_no_rows: a TAMPERED row per size, exit 1."""
+    rows, code = bench.run_bench(TINY, [str(HERE / "candidates" / "exploit_forges_no_rows.py")],
+                                 device="cpu", batch_sizes=[3, 5], compile_baseline=False,
+                                 quick=True, out=None)
+    mine = [r for r in rows if r["candidate"] != bench.EAGER]
+    assert code == 1 and [(r["batch_size"], r["status"]) for r in mine] == [
+        (3, "TAMPERED"), (5, "TAMPERED")], rows

@@ -374,7 +374,10 @@ def _forged(result, sizes: list[int] | None) -> str | None:
     """Why a candidate's bench_entry result is not one the task could have written, else None:
     a candidate that impersonates its worker could hand over a stride-0 tensor of 10^12
     elements where a list belongs (rows, sizes to rerun, findings), and bench's own process
-    would walk it (as judge.record_problem checks check's records). Types and sizes only."""
+    would walk it (as judge.record_problem checks check's records). Types and sizes, and a
+    row for each batch size not left unfinished, as the task writes: until 2026-12-05 a
+    result with no row at all (exploit_forges_no_rows.py) left the candidate without a row,
+    and bench exited 0 on eager's alone."""
     if type(result) is not dict or set(result) != {"batch_sizes", "rows", "unfinished"}:
         return "not a dict of batch_sizes, rows and unfinished"
     done, rows, left = result["batch_sizes"], result["rows"], result["unfinished"]
@@ -383,9 +386,15 @@ def _forged(result, sizes: list[int] | None) -> str | None:
         return "its batch sizes are not the ones asked for"
     if type(left) is not list or len(left) > len(done) or not all(n in done for n in left):
         return "its unfinished sizes are not among them"
-    if type(rows) is not list or len(rows) > len(done):
-        return "its rows are not a list of one per batch size"
-    return next(filter(None, map(_malformed, rows)), None)
+    if type(rows) is not list or len(rows) + len(left) != len(done) \
+            or left != done[len(rows):]:
+        return "its rows are not a list of one per batch size it did not leave unfinished"
+    why = next(filter(None, map(_malformed, rows)), None)
+    if why is None and any(n is not None and (type(r.get("batch_size")) is not int
+                                              or r["batch_size"] != n)
+                           for n, r in zip(done, rows)):
+        return "its rows are not of the batch sizes asked for, in order"
+    return why
 
 
 def _malformed(row) -> str | None:
