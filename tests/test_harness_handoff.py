@@ -99,3 +99,38 @@ def test_a_forged_error_result_is_read_as_bounded_text(tmp_path):
         outcome = worker.WorkerOutcome(result=None)
         worker._read_result(outcome, path, tmp_path)
         assert (outcome.category, outcome.reason) == want
+
+
+def _archive(path, method: int) -> None:
+    """A torch.save archive of 64 MiB of zeros, its records written with zip's `method`."""
+    import io
+    import zipfile
+
+    import torch
+    buf = io.BytesIO()
+    torch.save({"pad": torch.zeros(64 << 20, dtype=torch.uint8)}, buf)
+    with zipfile.ZipFile(buf) as src, zipfile.ZipFile(path, "w") as out:
+        for info in src.infolist():
+            out.writestr(info.filename, src.read(info.filename), compress_type=method)
+
+
+def test_a_result_is_read_once_and_only_as_stored(tmp_path):
+    """What the harness loads from a worker holds no more than the bytes the worker wrote: a
+    deflated record (64 MiB from 64 KB here) is refused, and so is a name sent again (each
+    load was kept: 2026-12-05, red team, exploit_result_zip_bomb.py grew the check's process
+    by 1 GiB from 256 KB)."""
+    import zipfile
+
+    from fastelbo.harness.worker import _load
+    plain, bomb, text = tmp_path / "partial1.pt", tmp_path / "bomb.pt", tmp_path / "text.pt"
+    _archive(plain, zipfile.ZIP_STORED)
+    _archive(bomb, zipfile.ZIP_DEFLATED)
+    assert bomb.stat().st_size < (1 << 20) < plain.stat().st_size
+    assert _load(plain, tmp_path)["pad"].numel() == 64 << 20
+    with pytest.raises(handoff.NotAHandoff, match="cannot be opened"):
+        _load(plain, tmp_path)  # read once: the name is gone
+    with pytest.raises(handoff.NotAHandoff, match="is compressed"):
+        _load(bomb, tmp_path)
+    text.write_bytes(b"not an archive")
+    with pytest.raises(handoff.NotAHandoff, match="not an archive"):
+        _load(text, tmp_path)

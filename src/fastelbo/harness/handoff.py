@@ -12,6 +12,11 @@ named in a result message blocked the parent's read, and with it every time limi
   which fails on any existing entry and follows no link);
 - `open_regular` opens only a regular file with one link, directly inside the directory it
   must be in, without following a link or blocking on a FIFO or device.
+- `open_result` opens a worker's result so (a torch.save archive) once: it takes the file away
+  as it opens it, and refuses an archive with a record that is not stored as it is. On
+  2026-12-05 (red team) a candidate named one deflated archive of 256 KB four times on its
+  worker's channel, and the check's process, which loaded each and kept them, grew by 1 GiB
+  (a factor of the candidate's choosing); now the harness holds at most the bytes written.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import os
 import secrets
 import shutil
 import stat
+import zipfile
 from pathlib import Path
 
 _CHUNK = 1 << 20
@@ -64,6 +70,35 @@ def open_regular(path: str | Path, within: str | Path):
         raise NotAHandoff(f"{path} is {kind}")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
+
+
+def open_result(path: str | Path, within: str | Path):
+    """`path` as `open_regular` opens it, where it is a zip archive (what torch.save writes)
+    whose every record is stored as it is (never compressed) within the file's own size, so
+    that loading it takes no more memory than the file holds; the file is unlinked as it is
+    opened (read once: a name sent twice is not there the second time). NotAHandoff otherwise.
+    """
+    f = open_regular(path, within)
+    try:
+        os.unlink(path)  # the open file stays readable; the name is gone
+        size = os.fstat(f.fileno()).st_size
+        with zipfile.ZipFile(f) as archive:
+            infos = archive.infolist()
+        stored = sum(i.file_size for i in infos)
+        bad = next((i.filename for i in infos if i.compress_type != zipfile.ZIP_STORED
+                    or i.compress_size != i.file_size), None)
+        if bad is not None or stored > size:
+            what = f"its record {bad!r} is compressed" if bad is not None else \
+                f"its records claim {stored} bytes, more than its {size}"
+            raise NotAHandoff(f"{path} is not an archive as torch.save writes it ({what})")
+        f.seek(0)
+        return f
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError) as exc:
+        f.close()
+        if isinstance(exc, NotAHandoff):
+            raise
+        raise NotAHandoff(f"{path} is not an archive as torch.save writes it "
+                          f"({type(exc).__name__}: {exc})") from None
 
 
 def tail(path: str | Path, within: str | Path, chars: int) -> str:

@@ -409,9 +409,9 @@ def _step_reason(cls: str, forward_timeout, build_timeout, limit: float) -> str:
 
 
 def _load(path: Path, within: Path):
-    """What a worker saved at `path`, a plain file of its directory `within` (handoff.py)."""
+    """What a worker saved at `path`, a stored archive of its directory `within`, read once."""
     import torch
-    with handoff.open_regular(path, within) as f:
+    with handoff.open_result(path, within) as f:
         return torch.load(f, weights_only=True)
 
 
