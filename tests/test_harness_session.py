@@ -3,6 +3,7 @@ a hanging candidate, and that the session carries on after a hang."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import threading
@@ -19,6 +20,7 @@ from fastelbo.harness.session import Session, compile_report_dict, third_party_i
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"
+RELU = HERE / "problems" / "relu.py"
 CANDIDATES = HERE / "candidates"
 CORRECT = CANDIDATES / "reference_as_candidate.py"
 WRONG = CANDIDATES / "kl_sign_flipped.py"
@@ -373,6 +375,25 @@ def test_submit_checks_and_saves_the_same_bytes(tmp_path):
     saved = Path(result["solution"]["path"])
     assert saved.read_text() == result["solution"]["text"] == SELF_REWRITING
     assert result["candidate"] != str(named)  # the session's copy was checked
+
+
+def test_what_a_session_checks_is_what_it_saves_whatever_the_hash_prefix(tmp_path):
+    """exploit_hash_twin.py (a wrong ReLU) and hash_twin_honest.py (a right one) share the
+    first 12 hex digits of their sha256. A session named a source's file by those digits and
+    wrote it only where none was, so after the twin's check, submit_kernel of the exploit
+    checked the twin's file and saved the exploit as the accepted solution (red team,
+    2026-12-05). Each source is checked as itself."""
+    twin = (CANDIDATES / "hash_twin_honest.py").read_text()
+    wrong = (CANDIDATES / "exploit_hash_twin.py").read_text()
+    digests = [hashlib.sha256(t.encode()).hexdigest() for t in (twin, wrong)]
+    assert digests[0][:12] == digests[1][:12] and digests[0] != digests[1]
+    with Session(RELU, "cpu", spares=0, submit_dir=tmp_path, timeout=TIMEOUT,
+                 build_timeout=TIMEOUT, **OPTIONS) as s:
+        assert s.run_correctness(twin)["exit_code"] == 0
+        result = s.submit_kernel(wrong)
+        assert Path(result["candidate"]).read_text() == wrong  # the session's copy, checked
+    assert result["exit_code"] == 1 and "mismatch" in result["categories"], result["reasons"]
+    assert not list(tmp_path.iterdir())  # nothing accepted
 
 
 def test_an_agents_check_runs_at_least_two_trials():

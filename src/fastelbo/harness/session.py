@@ -9,7 +9,7 @@
 
 `source` is Python source text of a module defining `ModelNew` (any text holding a newline), or
 a path to such a file, or `fastelbo:<backend>`. Source text is written to a file in the
-session's own temporary directory (never the user's tree), named by its hash, so errors name
+session's own temporary directory (never the user's tree), named by its sha256, so errors name
 `.../<hash>/candidate.py:LINE`; a path's bytes are read once, as the call comes, and copied
 there the same way (under the file's own name): the harness runs, scans and reports the copy.
 Candidate code runs only in the harness's worker processes: a crash or hang comes back as a
@@ -315,10 +315,14 @@ class Session:
                                  "session takes only its caller's files and its own directory")
 
     def _write(self, data: bytes, name: str = "candidate.py") -> str:
-        """The path of `data` in the session's directory (by its hash, then `name`: errors
-        name the file the caller named), written once, whole."""
-        path = self._dir / hashlib.sha256(data).hexdigest()[:12] / name
-        if not path.is_file():
+        """The path of `data` in the session's directory (by its whole sha256, then `name`:
+        errors name the file the caller named), written whole unless the file there already
+        holds exactly `data`. Until 2026-12-05 it was named by 12 hex digits and written only
+        where no file was: two sources of one prefix (a birthday search, 2^24 hashes a side)
+        shared a file, and submit_kernel checked an honest twin and saved a wrong source as
+        the accepted solution (red team)."""
+        path = self._dir / hashlib.sha256(data).hexdigest() / name
+        if not (path.is_file() and path.read_bytes() == data):
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{threading.get_ident()}.tmp")
             tmp.write_bytes(data)
