@@ -151,3 +151,34 @@ Resource usage:
     k1, k2 = parse_resource_usage(text)
     assert k1.name.startswith("scale_kernel") and k1.registers == 16
     assert (k2.registers, k2.shared_bytes, k2.local_bytes, k2.stack_bytes) == (255, 16384, 48, 48)
+
+
+def test_a_listed_library_that_is_a_fifo_is_not_read(tmp_path, monkeypatch):
+    """exploit_compile_fifo.py lists a FIFO in /dev/shm as one of its libraries; the compile's
+    own process ran cuobjdump on it without a limit and waited forever (a stand-in here, which
+    reads the file it is given as cuobjdump does). Only regular files are read, each tool run
+    under a limit: the FIFO is noted and the compile ends (red team, 2026-12-05)."""
+    import glob
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import TimeoutError as Late
+
+    tool = tmp_path / "cuobjdump"
+    tool.write_text('#!/bin/sh\nexec cat "$2" > /dev/null\n')
+    tool.chmod(0o755)
+    monkeypatch.setattr(compile_mod, "cuobjdump", lambda: str(tool))
+    pool = ThreadPoolExecutor(1)
+    job = pool.submit(run_compile, CANDIDATES / "exploit_compile_fifo.py", timeout=240)
+    try:
+        report = job.result(timeout=400)  # loose: it ends in seconds, or never
+    except Late:
+        report = None
+    finally:
+        for fifo in glob.glob("/dev/shm/fastelbo-exploit-*.so"):
+            os.close(os.open(fifo, os.O_RDWR))  # a writer that leaves: a blocked reader ends
+            os.unlink(fifo)
+        pool.shutdown(wait=True)
+    assert report is not None, "the compile's process was still reading the FIFO"
+    assert report.exit_code == 0, report.format()
+    notes = [note for _, note in report.extensions.values()]
+    assert notes == ["not a regular file: not read"], report.extensions

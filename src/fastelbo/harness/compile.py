@@ -10,8 +10,10 @@ or of its installed packages), read with `cuobjdump`.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,20 +107,36 @@ def parse_resource_usage(text: str) -> list[KernelResources]:
             continue
         if name and "REG:" in line:
             vals = {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
-            kernels.append(KernelResources(_demangle(name), vals.get("REG"), vals.get("SHARED"),
+            kernels.append(KernelResources(name, vals.get("REG"), vals.get("SHARED"),
                                            vals.get("LOCAL"), vals.get("STACK")))
             name = None
+    for kernel, plain in zip(kernels, _demangle([k.name for k in kernels])):
+        kernel.name = plain
     return kernels
 
 
-def _demangle(name: str) -> str:
-    if shutil.which("c++filt") is None:
-        return name
-    res = subprocess.run(["c++filt", name], capture_output=True, text=True, check=False)
-    return res.stdout.strip() or name
+def _demangle(names: list[str]) -> list[str]:
+    """`names` demangled by one c++filt (one name a line on its stdin), under TOOL_TIMEOUT;
+    as they are where it is missing or fails. (A c++filt per kernel: a library of very many
+    kernels held the harness's process, red team 2026-12-05.)"""
+    if not names or shutil.which("c++filt") is None:
+        return names
+    try:
+        res = subprocess.run(["c++filt"], input="\n".join(names) + "\n", capture_output=True,
+                             text=True, check=False, timeout=TOOL_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return names
+    plain = res.stdout.splitlines()
+    return [p.strip() or n for p, n in zip(plain, names)] if len(plain) == len(names) else names
 
 
 NO_CUOBJDUMP = "cuobjdump not found on PATH: resource usage unavailable"
+# The libraries a candidate's worker lists are the candidate's to shape (a module's __file__,
+# any file under its build root): this process reads at most MAX_LIBRARIES of them, regular
+# files only, each tool run within TOOL_TIMEOUT. A FIFO listed so held `fastelbo compile`, and
+# a session's job lock with it, forever (red team 2026-12-05, exploit_compile_fifo.py).
+MAX_LIBRARIES = 64
+TOOL_TIMEOUT = 120.0
 
 
 def cuobjdump() -> str | None:
@@ -131,8 +149,17 @@ def resource_usage(library: str, tool: str | None = None) -> tuple[list[KernelRe
     tool = tool or cuobjdump()
     if tool is None:
         return [], NO_CUOBJDUMP
-    res = subprocess.run([tool, "--dump-resource-usage", library], capture_output=True,
-                         text=True, check=False)
+    try:
+        regular = stat.S_ISREG(os.stat(library).st_mode)
+    except OSError as exc:
+        return [], f"cannot be read: {exc.strerror}"
+    if not regular:  # a FIFO would hold cuobjdump (and this process) forever
+        return [], "not a regular file: not read"
+    try:
+        res = subprocess.run([tool, "--dump-resource-usage", library], capture_output=True,
+                             text=True, check=False, timeout=TOOL_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return [], f"cuobjdump did not finish within {TOOL_TIMEOUT:g} s"
     if res.returncode != 0:
         return [], f"cuobjdump failed: {res.stderr.strip()[-300:]}"
     kernels = parse_resource_usage(res.stdout)
@@ -207,6 +234,8 @@ def run_compile(candidate: str | Path, timeout: float = 600.0,
     report.exit_code = 0
     report.installed = outcome.result.get("installed", [])
     tool = cuobjdump()  # looked up once: without it, one note for every extension
-    for lib in outcome.result["extensions"]:
-        report.extensions[lib] = resource_usage(lib, tool) if tool else ([], NO_CUOBJDUMP)
+    listed = outcome.result.get("extensions")
+    for lib in listed[:MAX_LIBRARIES] if type(listed) is list else ():
+        if type(lib) is str:
+            report.extensions[lib] = resource_usage(lib, tool) if tool else ([], NO_CUOBJDUMP)
     return report
