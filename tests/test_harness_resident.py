@@ -271,3 +271,23 @@ def test_resident_cuda_regimes_pass_and_fail(tmp_path, monkeypatch):
     mutated = run_check(TINY, CANDIDATES / "input_mutation.py", device="cuda", trials=2,
                         batch_sizes=[], scales=(), cache=tmp_path / "mut")
     assert mutated.exit_code == 1, mutated.format()
+
+
+def test_a_regime_is_judged_once_whatever_its_worker_hands_over(tmp_path, monkeypatch):
+    """exploit_judge_queue.py hands over its default regime's record 200 times: the check
+    queued a judge of each on the reference's worker and waited for them all, past --timeout
+    (red team, 2026-12-05). A regime is judged once; a second record of it is forged."""
+    monkeypatch.setenv(RESIDENT_ENV, "0")
+    judged = []
+
+    class Counting(check.Worker):
+        def run(self, task, kwargs, **limits):
+            if task is judge_pass:
+                judged.append(kwargs["name"])
+            return super().run(task, kwargs, **limits)
+    monkeypatch.setattr(check, "Worker", Counting)
+    report = run_check(RELU, CANDIDATES / "exploit_judge_queue.py", trials=2,
+                       batch_sizes=[1], cache=tmp_path)
+    assert sorted(judged) == ["batch=1", "default"], judged
+    assert report.exit_code == 1 and "malformed" in report.categories, report.format()
+    assert any("second record of regime default" in r for r in report.reasons), report.reasons

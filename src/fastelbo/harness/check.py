@@ -354,7 +354,10 @@ class _Check:
 
         def judge(partial) -> None:  # a resident regime's result has arrived
             g = entries.get(regime_of(partial), (None,))[0]
-            if g is not None and g.name in self.resident \
+            # Once per regime: its task writes one record of it. Records handed over again
+            # queued a judge each, and the check waited for them all, past --timeout (red team,
+            # 2026-12-05: 200 copies, 50 s under a 20 s limit); a second one is malformed below.
+            if g is not None and g.name in self.resident and g.name not in verdicts \
                     and self._malformed(partial, entries) is None and partial["trials"]:
                 verdicts[g.name] = judging.submit(
                     self.ref_w.run, judge_pass,
@@ -377,6 +380,9 @@ class _Check:
         got, malformed = {}, {}
         for p in out.partials:  # the candidate's to forge: checked before anything reads them
             why = self._malformed(p, entries)
+            if why is None and p["name"] in got:
+                why = (f"the candidate's worker handed over a second record of regime "
+                       f"{p['name']}, which its task writes once: a forged record")
             if why is None:
                 got[p["name"]] = p
             else:
