@@ -58,6 +58,11 @@ HUGE = torch.zeros(1, dtype=torch.int64).expand(10 ** 12)  # one element of stor
     (_record([_trial(outputs=[torch.zeros(3)])]), "outputs"),
     (_record([_trial(outputs=(object,))]), "output"),
     (_record([_trial(outputs=({"__fastelbo_unsupported_output__": HUGE},))]), "output"),
+    # torch.Tensor all, which the comparison cannot read: it raised out of the check (red
+    # team, 2026-12-05, exploit_sparse_record.py)
+    (_record([_trial(outputs=(torch.zeros(3).to_sparse(),))]), "dense CPU tensor"),
+    (_record([_trial(outputs=(torch.empty(3, device="meta"),))]), "dense CPU tensor"),
+    (_record([_trial(rng={"cpu": torch.get_rng_state().to_sparse()})]), "rng"),
 ])
 def test_anything_else_is_named_without_being_iterated(record, text):
     start = time.monotonic()

@@ -96,12 +96,12 @@ def _trial_problem(trial, ref: dict, resident: bool) -> str | None:
     most = max(MAX_OUTPUTS, len(n_ref) if isinstance(n_ref, tuple) else 0)
     if type(outputs) is not tuple or len(outputs) > most:
         return f"its outputs are not a tuple of at most {most}"
-    if not resident and not all(type(o) is torch.Tensor or type(o) in PLAIN_OUTPUT_TYPES
+    if not resident and not all(_dense(o) or type(o) in PLAIN_OUTPUT_TYPES
                                 or _type_name(o) for o in outputs):
-        return "an output is neither a tensor, a plain Python value nor a type's name"
+        return "an output is neither a dense CPU tensor, a plain Python value nor a type's name"
     rng = trial["rng"]
     if type(rng) is not dict or not set(rng) <= {"cpu", "cuda"} or not all(
-            type(v) is torch.Tensor and v.dtype == torch.uint8 and v.dim() == 1
+            _dense(v) and v.dtype == torch.uint8 and v.dim() == 1
             and v.numel() <= RNG_BYTES for v in rng.values()):
         return "its rng is not a dict of generator states (cpu, cuda)"
     for key, bound in (("mutated", ref["inputs"]), ("aliased", len(outputs))):
@@ -163,6 +163,16 @@ def trial_to_dict(trial: TrialReport) -> dict:
 def trial_from_dict(data: dict) -> TrialReport:
     return TrialReport(**{**data, "diffs": [TensorDiff(**d) for d in data["diffs"]],
                           "findings": [Finding(**f) for f in data["findings"]]})
+
+
+def _dense(value) -> bool:
+    """A plain torch.Tensor as the worker's to_host leaves one: strided, in the CPU's memory,
+    neither quantized nor nested. A sparse or meta tensor is a torch.Tensor too, and one in a
+    forged record made the comparison raise out of the check (no verdict; red team,
+    2026-12-05)."""
+    import torch
+    return (type(value) is torch.Tensor and value.layout == torch.strided
+            and value.device.type == "cpu" and not value.is_quantized and not value.is_nested)
 
 
 def _type_name(value) -> bool:
