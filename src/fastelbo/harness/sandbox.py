@@ -280,11 +280,12 @@ def narrow_builds(digest: str) -> None:
     candidate built another's extension name from its own source in the shared caches, and that
     other candidate, wrong, then passed its check with the first one's code (a right one can
     be made to fail as easily). Layers of Landlock only narrow, and a worker runs one candidate,
-    so this is done once."""
+    so this is done once. The directory is named by the whole digest: two sources that share
+    its first 64 bits (about 2^32 hashes a side) would share a directory."""
     spec = _entered.get("spec")
     if not spec or spec.get("kind") == "none" or _entered.get("narrowed"):
         return
-    base = Path(_entered["builds"]) / digest[:16]
+    base = Path(_entered["builds"]) / digest
     base.mkdir(mode=0o700, exist_ok=True)
     for var, name in _CACHE_VARS.items():
         path = base / name
