@@ -252,6 +252,7 @@ def test_bench_holds_timed_calls_to_checks_hygiene():
     cands = HERE / "candidates"
     rows, code = bench.run_bench(relu, [str(cands / "exploit_output_aliases_input.py"),
                                         str(cands / "exploit_recasts_its_input.py"),
+                                        str(cands / "exploit_moves_its_input.py"),
                                         str(cands / "relu_clamp.py")],
                                  device="cpu", batch_sizes=[16], compile_baseline=False,
                                  quick=True, out=None)
@@ -263,6 +264,9 @@ def test_bench_holds_timed_calls_to_checks_hygiene():
     recast = by["exploit_recasts_its_input"]  # its input recast: skipped by both rules before
     assert recast["status"] == "INCORRECT" and "input 0 came back of another class" in \
         recast["correct_detail"], recast
+    moved = by["exploit_moves_its_input"]  # onto a copy of its values: its placement tells
+    assert moved["status"] == "INCORRECT" and "output 0 shares storage with an input" in \
+        moved["correct_detail"], moved
     assert by["relu_clamp"]["status"] == "ok" and not by["relu_clamp"]["hygiene"], by["relu_clamp"]
 
 
@@ -289,21 +293,28 @@ def _moved_off(x):
     x.set_()
 
 
-@pytest.mark.parametrize("after", [_recast, _moved_off])
+def _moved_onto_a_copy(x):
+    """exploit_moves_its_input.py's move: onto a copy of the values it had (they match the
+    set's after a ReLU of a nonnegative one), so its class, shape, dtype and values read as
+    the set's; only its placement when handed out tells."""
+    x.set_(x.abs())
+
+
+@pytest.mark.parametrize("after", [_recast, _moved_off, _moved_onto_a_copy])
 def test_an_input_recast_or_moved_off_its_storage_is_a_hygiene_finding(after):
     """A ReLU in place in its input, returning a plain tensor over that storage, and then the
     input recast to a class of its own or moved off its storage: the storage rule read only
     plain tensors, the values rule only inputs shaped as the set, and bench said "ok" until
     2026-12-05. An honest ReLU leaves nothing to report."""
-    from fastelbo.harness.pool import Checks
-    pristine = [torch.randn(4, 5)]
-    checks, x = Checks(), [pristine[0].clone()]
+    from fastelbo.harness.pool import Checks, Handed
+    pristine = [torch.rand(4, 5)]  # nonnegative: a ReLU leaves its values as they were
+    checks, x = Checks(), Handed([pristine[0].clone()])
     out = torch.relu_(x[0]).as_subclass(torch.Tensor)
     after(x[0])
     checks.keep((1,), out, True, x, pristine)
     assert any("input 0 came back of another class, shape or dtype" in h
                for h in checks.hygiene()), checks.hygiene()
-    honest, x = Checks(), [pristine[0].clone()]
+    honest, x = Checks(), Handed([pristine[0].clone()])
     honest.keep((1,), torch.relu(x[0]), True, x, pristine)
     assert honest.hygiene() == []
 

@@ -61,11 +61,35 @@ def as_tuple(out) -> tuple:
     return (out,)
 
 
-def aliased_outputs(outputs, inputs) -> list[int]:
+_SHAPE, _DTYPE = torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__  # C's own getters
+_STORAGE, _OFFSET, _STRIDE = (torch.Tensor.untyped_storage, torch.Tensor.storage_offset,
+                              torch.Tensor.stride)
+
+
+def placement(t) -> tuple | None:
+    """What an input is and where it lives: its class, shape, dtype, storage, offset and
+    strides, read by torch.Tensor's own functions with torch functions off (a candidate may
+    recast an input, `x.__class__ = ...`, or shadow its methods on the object); None for a
+    non-tensor. Taken before a forward and after it: an input whose placement changed was
+    recast or moved off its storage (`x.set_()`), which the values rule alone misses (an
+    in-place ReLU that then moved its input onto a copy of the set's values)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    with torch._C.DisableTorchFunction():
+        try:
+            return (type(t), tuple(_SHAPE(t)), _DTYPE(t), _STORAGE(t).data_ptr(), _OFFSET(t),
+                    tuple(_STRIDE(t)))
+        except RuntimeError:  # no storage to read (sparse, meta): its class and shape say it
+            return (type(t), tuple(_SHAPE(t)), _DTYPE(t))
+
+
+def aliased_outputs(outputs, inputs, placed=()) -> list[int]:
     """The indices of the plain tensors among `outputs` (a tuple) that share storage with a
-    plain tensor of `inputs`: check's and bench's hygiene rule (outputs of their own)."""
+    plain tensor of `inputs`, or with one where `placed` (their placements before the call)
+    says it was: check's and bench's hygiene rule (outputs of their own)."""
     storages = {t.untyped_storage().data_ptr() for t in inputs
                 if type(t) is torch.Tensor and t.numel()}
+    storages.update(p[3] for p in placed if p is not None and len(p) > 3 and math.prod(p[1]))
     return [i for i, o in enumerate(outputs) if type(o) is torch.Tensor and o.numel()
             and o.untyped_storage().data_ptr() in storages]
 

@@ -154,7 +154,18 @@ class Pool:
             self._prev = x
         if seed:
             self.seed(j)
-        return x
+        return Handed(x)
+
+
+class Handed(list):
+    """A call's inputs as the pool hands them out (the candidate gets them unpacked, never
+    this list), with their placements then (compare.placement): what Checks' hygiene compares
+    them with after the call."""
+
+    def __init__(self, x: list):
+        from .compare import placement
+        super().__init__(x)
+        self.placed = [placement(t) for t in x]
 
 
 def output_bytes(out) -> int:
@@ -268,13 +279,15 @@ class Checks(list):
         shaped as the set: an in-place ReLU that recast its input (`x.__class__ = ...`, a
         `shape` that read empty) or moved it off its storage (`x.set_()`) was "ok" in bench
         (exploit_recasts_its_input.py)."""
-        from .compare import aliased_outputs, as_tuple
-        self.aliased.update(aliased_outputs(as_tuple(out), inputs))
-        for i, (a, b) in enumerate(zip(inputs, pristine or ())):
+        from .compare import aliased_outputs, as_tuple, placement
+        placed = getattr(inputs, "placed", None) or [None] * len(inputs)
+        self.aliased.update(aliased_outputs(as_tuple(out), inputs, placed))
+        for i, (a, b, p) in enumerate(zip(inputs, pristine or (), placed)):
             if not isinstance(b, torch.Tensor):
                 continue
             if type(a) is not torch.Tensor and type(a) is not type(b) or \
-                    _TENSOR_SHAPE(a) != b.shape or _TENSOR_DTYPE(a) != b.dtype:
+                    _TENSOR_SHAPE(a) != b.shape or _TENSOR_DTYPE(a) != b.dtype or \
+                    p is not None and placement(a) != p:
                 self.recast.add(i)
             else:
                 both_nan = a.isnan() & b.isnan() if a.is_floating_point() else False

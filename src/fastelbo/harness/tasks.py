@@ -40,6 +40,7 @@ from .compare import (
     finiteness_differs,
     identical,
     perturbed,
+    placement,
     unsupported_type,
 )
 from .judge import ERROR_CHARS, TEXT_CHARS, capped, judge_trial, needs_envelope, trial_to_dict
@@ -416,16 +417,18 @@ def _candidate_trial(model, inputs: list, seed: int, dev, resident: bool = False
     candidate replaced, and any torch mode it left active (integrity.py)."""
     x = shared.open_all(inputs, dev) if resident else loader.to_device(inputs, dev)
     saved = [t.clone() if isinstance(t, torch.Tensor) else t for t in x]
+    placed = [placement(t) for t in x]
     torch.manual_seed(seed)
     raw = as_tuple(model(*x))
     tampered = capped(_snap[0].changed()) if _snap else []
-    aliased = aliased_outputs(raw, x)
+    aliased = aliased_outputs(raw, x, placed)
     outputs = loader.to_host(raw, keep_device=resident, strict=True)
     del raw
     loader.sync(dev)
     rng = loader.rng_state(dev)
-    mutated = [i for i, (a, b) in enumerate(zip(x, saved))
-               if isinstance(a, torch.Tensor) and not identical((a,), (b,))]
+    # recast or moved off its storage (placement), else changed in place
+    mutated = [i for i, (a, b, p) in enumerate(zip(x, saved, placed))
+               if p is not None and (placement(a) != p or not identical((a,), (b,)))]
     if resident:
         outputs = tuple(shared.share_all(outputs, scratch_dir()))
     return {"outputs": outputs, "rng": rng, "mutated": mutated, "aliased": aliased,
