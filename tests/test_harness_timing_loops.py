@@ -129,6 +129,36 @@ def test_the_wall_loop_keeps_runs_the_reference_replays(fake_cuda):
     _replayed(checks)
 
 
+class _OneBuffer(torch.nn.Module):
+    """An honest model that returns the same output tensors every call (as a CUDA graph's
+    replay returns its static outputs): each call's values are right when it returns."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.bufs = model, None
+
+    def forward(self, *x):
+        outs = self.model(*x)
+        if self.bufs is None:
+            self.bufs = tuple(torch.empty_like(o) for o in outs)
+        for b, o in zip(self.bufs, outs):
+            b.copy_(o)
+        return self.bufs
+
+
+@torch.no_grad()
+def test_the_wall_loop_judges_no_call_whose_outputs_a_later_one_overwrote(fake_cuda):
+    """Held to the round's end, one buffer returned by every call holds the last call's
+    values: until 2026-12-05 a judged earlier call was compared as it stood, so the honest
+    model here was INCORRECT on a GPU. Now only each round's last call is judged, and the
+    wall time, no call of which could be judged one by one, is not reported."""
+    pool, model = _setup()
+    checks = timing.Checks()
+    ms = timing.wall_per_call(_OneBuffer(model), pool, CPU, 6, checks, rounds=2)
+    _replayed(checks)  # what was kept is what those calls returned
+    assert ms is None and sorted(len(run) for run, _ in checks) == [6, 6]
+
+
 @torch.no_grad()
 def test_the_graph_keeps_runs_of_its_captured_forwards(fake_cuda):
     pool, model = _setup()

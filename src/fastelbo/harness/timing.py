@@ -21,8 +21,12 @@ Metrics, each answering its own question:
   leave the device idle), so the first call could see the others: it is the mean, in which
   their work counts wherever it was done, with p20 / p80 beside.
 - `wall_ms`: host time per call of N calls and one synchronize (launch overhead included),
-  median over rounds; the judged calls are drawn after each round. On the CPU, the
-  median of single calls' host times, each on a set drawn just before it.
+  median over rounds; the judged calls are drawn after each round. None where a call's
+  outputs share storage with a later call's (one buffer returned every call, as a CUDA
+  graph's replay does): held to the round's end, they hold the later call's values, so the
+  loop's calls cannot be judged one by one (only each round's last is), and a number no call
+  of which is judged is not reported. On the CPU, the median of single calls' host times,
+  each on a set drawn just before it.
 - `graph_ms`: one CUDA graph of `graph_reps` forwards, replayed; what a CUDA-graph user gets.
   Its captured forwards are judged as a loop's calls are, drawn after the replay, on a pool
   set copied into the captured inputs.
@@ -222,7 +226,7 @@ def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: C
     the judged ones are drawn: a judged call's run is the sets of the calls up to it. Every
     call's outputs are copied first (Checks.copy); with `outside`, the median over rounds of
     that copy's time per call is appended there (lazy outputs would be computed in it)."""
-    per, copying, calls = [], [], pool.ahead(calls)
+    per, copying, calls, reused = [], [], pool.ahead(calls), False
     for r in range(rounds):
         order = pool.order(calls)
         inputs = [pool.fresh(j, recycle=False, seed=False) for j in order]
@@ -239,14 +243,32 @@ def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: C
         _sync(device)
         copying.append((_perf() - t1) * 1e3 / calls)
         guard()
+        later = _overwritten(outs)
+        reused = reused or bool(later)
         for k in range(calls):
-            if judged(k, calls):
+            if judged(k, calls) and k not in later:
                 checks.keep(pool.run(order[:k + 1]), outs[k], r == rounds - 1 and k == calls - 1,
                             inputs[k], pool.get(order[k]), copies[k])
         del outs, inputs, copies
     if outside is not None:
         outside.append(statistics.median(copying))
-    return statistics.median(per)
+    return None if reused else statistics.median(per)
+
+
+def _overwritten(outs: list) -> set[int]:
+    """The calls of a round whose outputs share storage with a later call's: they hold that
+    call's values by the round's end. Until 2026-12-05 such a call, when judged, was compared
+    as it stood, so an honest candidate that returns one buffer every call (a CUDA graph's
+    static output) could be INCORRECT on a GPU (red team)."""
+    from .compare import as_tuple
+    seen, out = set(), set()
+    for k in range(len(outs) - 1, -1, -1):
+        mine = {t.untyped_storage().data_ptr() for t in as_tuple(outs[k])
+                if type(t) is torch.Tensor and t.numel()}
+        if mine & seen:
+            out.add(k)
+        seen |= mine
+    return out
 
 
 def single_calls(model, pool: Pool, reps: int, checks: Checks, guard=_nothing,
