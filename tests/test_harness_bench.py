@@ -270,23 +270,11 @@ def test_bench_holds_timed_calls_to_checks_hygiene():
     assert by["relu_clamp"]["status"] == "ok" and not by["relu_clamp"]["hygiene"], by["relu_clamp"]
 
 
-class _Unchanged(torch.Tensor):
-    """What exploit_recasts_its_input.py recasts its input to: an empty shape, and "unchanged"
-    from every comparison."""
-
-    @property
-    def shape(self):
-        return torch.Size([0])
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in ("ne", "any", "isnan", "__and__", "__invert__"):
-            return torch.zeros((), dtype=torch.bool)
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
 def _recast(x):
-    x.__class__ = _Unchanged
+    """As exploit_recasts_its_input.py does: to its class of an empty shape, "unchanged" from
+    every comparison."""
+    from fastelbo.problems import load_module
+    x.__class__ = load_module(HERE / "candidates" / "exploit_recasts_its_input.py")._Unchanged
 
 
 def _moved_off(x):
