@@ -239,6 +239,21 @@ def _linear_candidate(tmp_path: Path) -> Path:
     return cand
 
 
+@pytest.mark.parametrize("made", ["torch.relu(x).to_sparse()",
+                                  "torch.empty(x.shape, device='meta')"])
+def test_an_output_without_dense_elements_is_a_wrong_output_type(tmp_path, made):
+    """A sparse or meta output is a torch.Tensor the harness cannot read as one: until
+    2026-12-05 its reads raised in the candidate's worker, reported as the candidate raising
+    (exit 2). Now it is an `output_type` finding, exit 1, naming its layout."""
+    cand = tmp_path / "not_dense.py"
+    cand.write_text("import torch\nfrom torch import nn\n\n\nclass ModelNew(nn.Module):\n"
+                    f"    def forward(self, x):\n        return {made}\n")
+    report = run_check(HERE / "problems" / "relu.py", cand, trials=1, batch_sizes=[],
+                       scales=())
+    assert report.exit_code == 1 and report.categories == ["output_type"], report.format()
+    assert "outputs must be dense tensors" in report.reasons[0], report.reasons
+
+
 def test_a_reference_refused_memory_is_not_applicable_and_never_cached(tmp_path):
     """A reference refused memory in a regime (problems/oom_reference.py: at 16x) makes that
     regime N/A, and the entry that says so is not reused: it depends on what else held the

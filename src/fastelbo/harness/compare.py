@@ -32,9 +32,21 @@ def unsupported_output(value) -> dict:
     name = cls.__qualname__ if cls.__module__ == "builtins" else \
         f"{cls.__module__}.{cls.__qualname__}"
     name = name[:300]  # judge.TEXT_CHARS bounds what the check takes
-    if isinstance(value, torch.Tensor):  # type() and isinstance run none of its code
+    if isinstance(value, torch.Tensor) and cls is not torch.Tensor:  # runs none of its code
         name += " (a torch.Tensor subclass; outputs must be exactly torch.Tensor)"
+    elif isinstance(value, torch.Tensor):
+        name += (f" ({'meta' if value.is_meta else value.layout}; outputs must be dense "
+                 "tensors with elements of their own)")
     return {UNSUPPORTED_KEY: name}
+
+
+def dense(t: torch.Tensor) -> bool:
+    """A plain tensor whose elements the harness can read and compare: strided, with storage
+    (not sparse, meta, nested or quantized). Until 2026-12-05 a sparse or meta output made the
+    harness's own reads raise, reported as the candidate raising (exit 2), not as a wrong
+    output."""
+    return (t.layout == torch.strided and not t.is_meta and not t.is_quantized
+            and not t.is_nested)
 
 
 def unsupported_type(value) -> str | None:
@@ -79,7 +91,7 @@ def placement(t) -> tuple | None:
         try:
             return (type(t), tuple(_SHAPE(t)), _DTYPE(t), _STORAGE(t).data_ptr(), _OFFSET(t),
                     tuple(_STRIDE(t)))
-        except RuntimeError:  # no storage to read (sparse, meta): its class and shape say it
+        except (RuntimeError, NotImplementedError):  # no storage (sparse, meta): the rest
             return (type(t), tuple(_SHAPE(t)), _DTYPE(t))
 
 
@@ -88,10 +100,10 @@ def aliased_outputs(outputs, inputs, placed=()) -> list[int]:
     plain tensor of `inputs`, or with one where `placed` (their placements before the call)
     says it was: check's and bench's hygiene rule (outputs of their own)."""
     storages = {t.untyped_storage().data_ptr() for t in inputs
-                if type(t) is torch.Tensor and t.numel()}
+                if type(t) is torch.Tensor and dense(t) and t.numel()}
     storages.update(p[3] for p in placed if p is not None and len(p) > 3 and math.prod(p[1]))
-    return [i for i, o in enumerate(outputs) if type(o) is torch.Tensor and o.numel()
-            and o.untyped_storage().data_ptr() in storages]
+    return [i for i, o in enumerate(outputs) if type(o) is torch.Tensor and dense(o)
+            and o.numel() and o.untyped_storage().data_ptr() in storages]
 
 
 def _fmt_index(flat: int, shape: torch.Size) -> str:

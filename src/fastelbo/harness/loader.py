@@ -163,16 +163,17 @@ def to_host(out, *, keep_device: bool = False, strict: bool = False) -> tuple:
     or with `keep_device` as plain copies where they are (a device-resident regime's). With
     `strict` (a candidate's outputs) a tensor subclass is not taken at all: it could run its
     own code when copied (a lazy output); it becomes an unsupported output, found by type()
-    alone, without touching it.
+    alone, without touching it; so does a plain tensor that is not dense (compare.dense).
 
     Any other output that is not a plain Python number / string / None (a numpy array, a custom
     object, a lambda) is replaced by `compare.unsupported_output(value)`: the harness could not
     unpickle it, and compare_outputs reports it as an `output_type` finding.
     """
-    from .compare import as_tuple, unsupported_output, unsupported_type
-    if strict:
+    from .compare import as_tuple, dense, unsupported_output, unsupported_type
+    if strict:  # a subclass is not touched; a plain tensor without dense elements not read
         out = tuple(unsupported_output(t) if isinstance(t, torch.Tensor)
-                    and type(t) is not torch.Tensor else t for t in as_tuple(out))
+                    and (type(t) is not torch.Tensor or not dense(t)) else t
+                    for t in as_tuple(out))
     return tuple((t.detach().as_subclass(torch.Tensor).clone() if keep_device else
                   t.detach().as_subclass(torch.Tensor).cpu().clone())
                  if isinstance(t, torch.Tensor)
