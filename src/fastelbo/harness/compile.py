@@ -176,6 +176,7 @@ class CompileReport:
     # extensions of Python and its installed packages the import loaded too (not inspected)
     installed: list[str] = field(default_factory=list)
     output_tail: str = ""
+    unread: int = 0  # extensions the worker listed past MAX_LIBRARIES: counted, not read
 
     def format(self) -> str:
         if self.exit_code:
@@ -194,6 +195,9 @@ class CompileReport:
             for k in kernels:
                 lines.append(f"  {k.name}: {k.registers} registers, {k.shared_bytes} B shared, "
                              f"{k.local_bytes} B local (spills), {k.stack_bytes} B stack")
+        if self.unread:
+            lines.append(f"({self.unread} more extensions listed, not read: at most "
+                         f"{MAX_LIBRARIES} are)")
         if any(note == NO_CUOBJDUMP for _, note in self.extensions.values()):
             lines.append(f"({NO_CUOBJDUMP})")
         return "\n".join(lines)
@@ -235,7 +239,9 @@ def run_compile(candidate: str | Path, timeout: float = 600.0,
     report.installed = outcome.result.get("installed", [])
     tool = cuobjdump()  # looked up once: without it, one note for every extension
     listed = outcome.result.get("extensions")
-    for lib in listed[:MAX_LIBRARIES] if type(listed) is list else ():
+    listed = listed if type(listed) is list else []
+    report.unread = max(len(listed) - MAX_LIBRARIES, 0)
+    for lib in listed[:MAX_LIBRARIES]:
         if type(lib) is str:
             report.extensions[lib] = resource_usage(lib, tool) if tool else ([], NO_CUOBJDUMP)
     return report

@@ -417,7 +417,7 @@ def compile_report_dict(report: CompileReport, seconds: float | None = None) -> 
             "exit_code": report.exit_code, "reason": report.reason, "errors": errors,
             "extensions": [{"library": lib, "note": note, "kernels": [asdict(k) for k in ks]}
                            for lib, (ks, note) in libs[:MAX_EXTENSIONS]],
-            "more_extensions": max(len(libs) - MAX_EXTENSIONS, 0),
+            "more_extensions": max(len(libs) - MAX_EXTENSIONS, 0) + report.unread,
             "seconds": seconds, "output_tail": report.output_tail}
 
 
