@@ -65,6 +65,7 @@ from .worker import Worker, WorkerPool, fork_enabled, fork_safe
 # reference runs, would otherwise skip every regime too large for what is left (_starved).
 STARVED_BYTES = 4 << 30
 
+
 class DeviceUnavailable(ValueError):
     """`device` is cuda but this machine has none, or not that many (the message says which,
     for "device X, but ..."). Raised once the workers are started (CUDA is

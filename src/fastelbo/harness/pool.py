@@ -214,9 +214,6 @@ def sample_positions(seed: int, numel: int) -> torch.Tensor:
     return torch.randint(numel, (SAMPLE_ELEMENTS,), generator=gen)
 
 
-_TENSOR_SHAPE, _TENSOR_DTYPE = torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__  # C's own
-
-
 class Checks(list):
     """The timed calls' outputs kept for judging, [(run, outputs)], as device copies (no sync
     inside a timing loop). Past KEEP_BYTES (a problem whose outputs take GBs) a judged call
@@ -285,9 +282,10 @@ class Checks(list):
         for i, (a, b, p) in enumerate(zip(inputs, pristine or (), placed)):
             if not isinstance(b, torch.Tensor):
                 continue
-            if type(a) is not torch.Tensor and type(a) is not type(b) or \
-                    _TENSOR_SHAPE(a) != b.shape or _TENSOR_DTYPE(a) != b.dtype or \
-                    p is not None and placement(a) != p:
+            now = placement(a)  # class, shape, dtype, ...: read by torch.Tensor's own getters
+            if now != p if p is not None else (
+                    now is None or now[0] not in (torch.Tensor, type(b))
+                    or now[1:3] != (tuple(b.shape), b.dtype)):
                 self.recast.add(i)
             else:
                 both_nan = a.isnan() & b.isnan() if a.is_floating_point() else False
