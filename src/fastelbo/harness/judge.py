@@ -167,9 +167,9 @@ def trial_from_dict(data: dict) -> TrialReport:
 
 def _dense(value) -> bool:
     """A plain torch.Tensor as the worker's to_host leaves one: in the CPU's memory and dense
-    (compare.dense: strided, neither quantized nor nested). A sparse or meta tensor is a torch.Tensor too, and one in a
-    forged record made the comparison raise out of the check (no verdict; red team,
-    2026-12-05)."""
+    (compare.dense: strided, neither quantized nor nested). A sparse or meta tensor is a
+    torch.Tensor too, and one in a forged record made the comparison raise out of the check
+    (no verdict; red team, 2026-12-05)."""
     import torch
 
     from .compare import dense
