@@ -4,6 +4,8 @@ call is replayed exactly by the reference (bench_reference), with its run's leng
 from __future__ import annotations
 
 import contextlib
+import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -87,10 +89,22 @@ def fake_cuda(monkeypatch):
 
 
 class _Flush:
-    reset = None
+    """timing.L2Flush without a device: a buffer, no reset, nothing written."""
+
+    def __init__(self):
+        self.buf, self.reset = torch.zeros(4, dtype=torch.int32), None
 
     def __call__(self):
         pass
+
+    watched = timing.L2Flush.watched
+
+
+def _cold(model, pool, reps, checks=None, flush=None):
+    checks = timing.Checks() if checks is None else checks
+    flush = flush or _Flush()
+    return timing.cold_times(model, pool, reps, flush, checks,
+                             timing.loop_watch(pool, checks, flush)), checks
 
 
 def _setup():
@@ -108,14 +122,11 @@ def _replayed(checks) -> None:
 
 
 @torch.no_grad()
-def test_cold_and_warm_event_loops_keep_what_the_reference_replays(fake_cuda):
+def test_the_cold_loop_keeps_what_the_reference_replays(fake_cuda):
     pool, model = _setup()
-    checks, synced = timing.Checks(), []
-    cold = timing.event_times(model, pool, 12, _Flush(), checks, synced)
-    warm = timing.event_times(model, pool, 12, None, checks)
-    assert len(cold) == len(warm) == 3 and len(synced) == 12
-    assert warm[1] <= warm[2]  # mean, p20, p80
-    assert len(checks) == 24 and {len(run) for run, _ in checks} == {1}
+    got, checks = _cold(model, pool, 12)
+    assert got["events_p20_ms"] <= got["events_p80_ms"] and len(got["events_blocks"]) == 1
+    assert len(checks) == 12 and {len(run) for run, _ in checks} == {1}
     _replayed(checks)
 
 
@@ -187,3 +198,126 @@ def test_a_loop_prepares_no_more_sets_than_the_pool_holds(fake_cuda):
     timing.wall_per_call(model, pool, CPU, 10, checks, rounds=1)
     assert max(len(run) for run, _ in checks) == 4
     assert pool.ahead(10) == 4 and pool_module.Pool(pool._draw, 1, count=2).ahead(10) == 3
+
+
+@torch.no_grad()
+def test_the_cold_loop_draws_a_block_of_sets_before_the_block(fake_cuda):
+    """A block's sets are drawn before its first call, and no later set before its block: a
+    draw just before a call slowed that call's launches 1.8x on an H100 (timing.py)."""
+    pool, model = _setup()
+    seen = []
+
+    def counting(*x):
+        seen.append(len(pool.sets))
+        return model(*x)
+
+    drawn = len(pool.sets)
+    _cold(counting, pool, timing.BLOCK + 3)
+    first = drawn + timing.BLOCK
+    assert seen[:timing.BLOCK] == [first] * timing.BLOCK
+    assert seen[timing.BLOCK:] == [first + 3] * 3
+
+
+def test_the_cold_number_counts_work_done_early_in_its_block():
+    """A candidate that reads its block's later sets and answers them all in one call has one
+    slow call and fast others: the calls' median hides that work, the blocks' means do not."""
+    ms = ([17.0] + [0.05] * 15) * 4
+    number, means = timing.block_means(ms)
+    assert statistics.median(ms) == 0.05 and number == pytest.approx(17.75 / 16)
+    assert means == [number] * 4
+
+
+def _caller_local(name):
+    frame = sys._getframe(1)
+    while frame is not None and name not in frame.f_locals:
+        frame = frame.f_back
+    return frame.f_locals[name]
+
+
+def _shrink_flush():
+    _caller_local("flush").buf = torch.zeros(1, dtype=torch.int32)
+
+
+def _point_keys_back():
+    pool = _caller_local("pool")
+    first = next(iter(pool.keys.values()))
+    for j in pool.keys:
+        pool.keys[j] = first
+
+
+def _clear_kept():
+    _caller_local("checks").clear()
+
+
+def _trim_times():
+    _caller_local("waits")[:] = [0.0] * len(_caller_local("waits"))
+
+
+@pytest.mark.parametrize("change, field", [
+    (_shrink_flush, "the L2 flush's buffer"),
+    (_point_keys_back, "the pool's keys"),
+    (_clear_kept, "the kept outputs"),
+    (_trim_times, "the cold loop's waits"),
+])
+@torch.no_grad()
+def test_a_call_that_changes_the_loops_state_is_tampered(fake_cuda, change, field):
+    """What the cold loop depends on (the flush's buffer, the pool's keys, the kept outputs,
+    its own lists) read before and after each call: a change is TAMPERED, named (issue #52:
+    until 2026-12-07 only functions replaced were seen)."""
+    from fastelbo.harness.worker import TaskError
+    pool, model = _setup()
+    calls = []
+
+    def changing(*x):
+        calls.append(1)
+        if len(calls) == 5:
+            change()
+        return model(*x)
+
+    with pytest.raises(TaskError, match=field) as err:
+        _cold(changing, pool, 8)
+    assert err.value.category == "tampered"
+
+
+@torch.no_grad()
+def test_the_cpu_loop_sees_a_state_change_too():
+    from fastelbo.harness.worker import TaskError
+    pool, model = _setup()
+    checks = timing.Checks()
+
+    def changing(*x):
+        if len(checks) == 3:
+            _point_keys_back()
+        return model(*x)
+
+    with pytest.raises(TaskError, match="the pool's keys"):
+        timing.single_calls(changing, pool, 8, checks, timing.loop_watch(pool, checks))
+
+
+@torch.no_grad()
+def test_an_event_recorded_again_reads_out_of_order(fake_cuda):
+    """A call that records an earlier call's start event again (its window then ends before
+    it starts) is TAMPERED."""
+    from fastelbo.harness.worker import TaskError
+    pool, model = _setup()
+
+    def rerecording(*x):
+        pairs = _caller_local("pairs")
+        if pairs:
+            pairs[0][0].record()
+        return model(*x)
+
+    with pytest.raises(TaskError, match="out of order"):
+        _cold(rerecording, pool, 4)
+
+
+def test_every_draw_differs_when_the_os_random_source_is_rewritten(monkeypatch):
+    """os.urandom rewritten in place (ctypes: the same object, so the name tripwire and the
+    harness's bound copy both see it) to return zeros: keys and the judged choice still come
+    from the secret drawn at import and a counter (issue #52: every set was one set, a memo
+    answered, "ok" at 6.6x eager)."""
+    monkeypatch.setattr(pool_module, "_urandom", lambda n: bytes(n))
+    keys = {pool_module.secret_key() for _ in range(64)}
+    assert len(keys) == 64
+    picks = [pool_module.judged(k, 1000) for k in range(400)]
+    assert 10 < sum(picks) < 120  # about 1 in 8

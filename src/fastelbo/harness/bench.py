@@ -31,37 +31,16 @@ import torch
 from .. import plugin
 from . import loader, sandbox
 from . import task_specs as specs
-from .compare import compare_outputs
-from .floor import count_flops, floors
+from .bench_rows import COMPILED, EAGER, METRICS, RETIME, finish_row, outside, ref_key
+from .floor import count_flops
 from .judge import MAX_TAMPERED, capped, texts
 from .options import BenchOptions
 from .placement import placement
-from .pool import Pool, forward_seed, sample, seed_all
+from .pool import Pool, forward_seed, sample, seed_all, use_secret
 from .results import append_jsonl, environment, utc_now
 from .task_specs import implements
-from .timing import Budget, kernel_times, measure
+from .timing import Budget, kernel_times, loop_marks, measure
 from .worker import TaskError, progress, run_task, traceback_tail
-
-EAGER, COMPILED = "eager", "torch.compile"
-IMPLAUSIBLE = 100.0   # x eager; faster than this is more likely skipped work than a kernel
-RETIME = 10.0         # x eager; a candidate this fast has eager timed again (_retime_eager)
-METRICS = ("events_ms", "events_warm_ms", "graph_ms", "wall_ms")
-# Kernel time per call (the profiler, every stream) beyond this multiple of the event window
-# (the current stream) plus this many ms is work the window did not see.
-ESCAPE_KERNEL_FACTOR, ESCAPE_KERNEL_MS = 1.5, 0.02
-# A cold call's host time from its start event to an idle device (a synchronize waits for every
-# stream) beyond this multiple of its event time plus this many ms: work on another stream. On
-# the current stream the events see launch gaps too, so the two differ by a synchronize's cost.
-ESCAPE_SYNC_FACTOR, ESCAPE_SYNC_MS = 3.0, 0.01
-# Work moved out of the timed window (code the harness runs between calls: a hook computing each
-# drawn set before its call, or lazy outputs filled when read): flagged where the candidate's
-# host time per call outside the window (median) exceeds eager's (the same copies, draws and
-# flushes) by more than OUTSIDE_FACTOR times its own time inside the window, and by
-# OUTSIDE_MIN_MS. On a GPU the factor leaves room for a call's wait for its own kernels, which
-# falls outside its host window and is at most its device time; on a CPU there is no such wait,
-# and a factor of 2 let a candidate move up to 2/3 of its work out (2026-12-05, red team: 2.1-
-# 4.7x "ok" with half a VAE forward run in the harness's draw): 0.5 there.
-OUTSIDE_FACTOR, OUTSIDE_MIN_MS = {"cuda": 2.0, "cpu": 0.5}, 0.05
 
 
 def default_candidates(device: str) -> list[str]:
@@ -94,14 +73,16 @@ def _unavailable(candidate: str, dev: torch.device) -> str | None:
 @torch.no_grad()
 def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                 batch_sizes: list[int] | None, seed: int, quick: bool, graph_reps: int,
-                eval_mode: bool = False) -> dict:
+                eval_mode: bool = False, secret: bytes = b"") -> dict:
     """Worker side: per batch size, outputs of one seeded forward, the metrics (timing.py) and
     the timed calls' outputs (`checks`); eager also returns the problem's FLOPs and bytes.
 
     A batch size that raises gives a row with "error"; if the device is unusable afterwards,
     the sizes not yet run are returned as "unfinished" for the parent to retry elsewhere.
+    `secret`, the parent's: every set key and judged-call choice is drawn under it (pool.py).
     """
     from .integrity import hooks_now
+    use_secret(secret)  # before the candidate's import: nothing of its can run before it
     dev = torch.device(device)
     mod = loader.problem_module(problem)
     init = loader.init_inputs(mod, seed)
@@ -143,7 +124,8 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                 row["io_bytes"] = loader.nbytes(pool.get(0)) + loader.nbytes(row["outputs"])
             metrics, checks = measure(model, pool, dev, budget, reps,
                                       observe=snapshot and snapshot.observe_threads,
-                                      guard=snapshot.guard if snapshot else hooks_now)
+                                      guard=snapshot.guard if snapshot else hooks_now,
+                                      label=f"batch {row['batch_size']}")
             check = metrics.pop("graph_check", None)
             row.update(metrics, pool=pool.count, pool_drawn=len(pool.sets),
                        checks_skipped=checks.skipped,
@@ -273,13 +255,15 @@ def _entry_rows(sizes: list[int] | None, timeout: float, env: dict[str, str] | N
     A candidate's result is checked before any of it is read (_forged): a forged one is a
     TAMPERED row for each size.
     """
-    outcome = run_task(bench_entry, timeout, env=env, confine=confine, batch_sizes=sizes, **task)
+    outcome = run_task(bench_entry, timeout, env=env, confine=confine, batch_sizes=sizes,
+                       secret=secrets.token_bytes(32), **task)
     why = _forged(outcome.result, sizes) if outcome.ok and task["kind"] == "candidate" else None
     if why:  # the candidate's worker wrote its own result: nothing of it is read further
         return [{"batch_size": n, "error": f"a forged result: {why}", "category": "tampered"}
                 for n in (sizes or [None])], sizes
     if outcome.ok:
         rows = list(outcome.result["rows"])
+        _parent_clock(rows, outcome.steps)
         for n in outcome.result["unfinished"]:
             rows += _entry_rows([n], timeout, env, confine, **task)[0]
         return rows, outcome.result["batch_sizes"]
@@ -291,14 +275,17 @@ def _entry_rows(sizes: list[int] | None, timeout: float, env: dict[str, str] | N
 
 
 def run_bench(problem: str, candidates: list[str] | None = None,
-              options: BenchOptions | None = None, **keywords) -> tuple[list[dict], int]:
+              options: BenchOptions | None = None, progress=None,
+              **keywords) -> tuple[list[dict], int]:
     """Rows (one per entry and batch size) and an exit code: 0 all correct, 1 some row
     INCORRECT, TAMPERED, IMPLAUSIBLE or flagged, 2 some entry could not run.
 
     `options`: the bench's settings (BenchOptions: device, batch_sizes, out, timing, seed,
     tolerance, ...); or its fields as `keywords`, which, given with `options`, replace those
     fields. A bad one is a ValueError naming it (TypeError for a keyword that is none of them)
-    before any worker starts. A seed of None draws a secret one (the rows record it)."""
+    before any worker starts. A seed of None draws a secret one (the rows record it).
+    `progress(line)`, where given, hears of each entry's batch sizes as they are timed (its
+    timings before the judging, which comes once every entry has run)."""
     if options is None:
         options = BenchOptions(**keywords)
     elif keywords:
@@ -334,6 +321,9 @@ def run_bench(problem: str, candidates: list[str] | None = None,
                                  quick=o.quick, graph_reps=o.graph_reps, eval_mode=o.eval_mode)
         batch_sizes = batch_sizes or sizes
         results[name] = {r["batch_size"]: r for r in got if "error" not in r}
+        if progress is not None:
+            for r in got:
+                progress(_timed_line(name, r))
         for r in got:
             if "error" in r:  # could not run (2), unless what stopped it was tampering (1)
                 tampered = r["category"] == "tampered"
@@ -354,7 +344,7 @@ def run_bench(problem: str, candidates: list[str] | None = None,
                    o.timeout, env, confine, **task)
     keyed, why = _references([r for _, r in timed], prob, device, seed, o, env)
     for i, r in timed:
-        rows[i] = _finish_row(r, results, o.atol, o.rtol, keyed, why)
+        rows[i] = finish_row(r, results, o.atol, o.rtol, keyed, why)
         unchecked = rows[i]["status"] == "UNCHECKED"  # the harness's failure, not the row's
         code = max(code, 2 if unchecked else 1 if rows[i]["status"] != "ok" or rows[i]["flags"]
                    else 0)
@@ -368,6 +358,17 @@ def run_bench(problem: str, candidates: list[str] | None = None,
 # and output), and how many judged calls' runs it may walk (one per timed call).
 _ROW_TEXTS = {"tampered": MAX_TAMPERED, "threads": 4096, "hygiene": 4096}
 _MOST_CHECKS, _MOST_SIZES = 1 << 16, 1 << 10
+
+
+def _timed_line(name: str, row: dict) -> str:
+    """What bench says of one entry's batch size as soon as its worker returns."""
+    from .table import _printable
+    head = f"{_printable(str(name))} batch {row.get('batch_size')}: "
+    if "error" in row:
+        return head + f"could not run ({_printable(str(row.get('category')))})"
+    cold = row.get("events_ms") if row.get("events_ms") is not None else row.get("wall_ms")
+    return head + (f"timed, {cold:.4f} ms cold" if type(cold) is float else "timed") + \
+        " (judged once every entry has run)"
 
 
 def _forged(result, sizes: list[int] | None) -> str | None:
@@ -439,24 +440,9 @@ def _retime_eager(results: dict, timed: list, timeout: float, env, **task) -> No
             target.update({m: min(t) for m, t in runs.items()}, eager_runs=runs)
 
 
-def _outside(row: dict, eager: dict | None) -> list[tuple[str, float, float, float]]:
-    """(metric, the row's, eager's, the row's in-window time) where a candidate's host time
-    outside the timed window exceeds eager's beyond OUTSIDE_FACTOR / OUTSIDE_MIN_MS; eager's
-    from the run beside the row's own where it was run again (`eager_gaps`, _rerun_outside)."""
-    out = []
-    factor = OUTSIDE_FACTOR.get(str(row.get("device", "")).split(":")[0], 2.0)
-    for gap, inside in (("outside_ms", row.get("events_ms") or row.get("wall_ms")),
-                        ("wall_outside_ms", row.get("wall_ms"))):
-        mine, theirs = row.get(gap), (row.get("eager_gaps") or eager or {}).get(gap)
-        if (row.get("candidate") not in (EAGER, COMPILED) and None not in (mine, theirs, inside)
-                and mine - theirs > max(factor * inside, OUTSIDE_MIN_MS)):
-            out.append((gap, mine, theirs, inside))
-    return out
-
-
 def _rerun_outside(results: dict, timed: list, paths: dict, timeout: float, env, confine,
                    **task) -> None:
-    """A candidate whose row looks like work outside the timed window (_outside) runs once more
+    """A candidate whose row looks like work outside the timed window (outside) runs once more
     at that size, in a new worker, just after eager does (its gaps then measured under the same
     load); where the second run does not look so against that eager, its row replaces the first
     (every metric and its judged calls: a load on the host during one run is noise, work moved
@@ -466,7 +452,7 @@ def _rerun_outside(results: dict, timed: list, paths: dict, timeout: float, env,
     eager = results.get(EAGER, {})
     for i, row in enumerate(timed):
         _, r = row
-        if r["candidate"] not in paths or not _outside(r, eager.get(r["batch_size"])):
+        if r["candidate"] not in paths or not outside(r, eager.get(r["batch_size"])):
             continue
         base, _ = _entry_rows([r["batch_size"]], timeout, env, None, kind=EAGER,
                               candidate=None, **task)
@@ -476,7 +462,7 @@ def _rerun_outside(results: dict, timed: list, paths: dict, timeout: float, env,
         if again and "error" not in again[0]:
             new = {**r, **again[0], "rerun": True, "eager_gaps": {
                 g: (base or {}).get(g) for g in ("outside_ms", "wall_outside_ms")}}
-            if not _outside(new, base):
+            if not outside(new, base):
                 timed[i] = (row[0], new)
                 continue
         r["rerun"] = True
@@ -489,7 +475,7 @@ def _references(rows: list[dict], problem: str, device: str, seed: int, o: Bench
     keys: dict = {}
     for r in rows:
         for c in [*r.get("checks", ()), *(r.get("graph_check") or ())]:
-            keys.setdefault(r["batch_size"], set()).add(_ref_key(c))
+            keys.setdefault(r["batch_size"], set()).add(ref_key(c))
     if not keys:
         return {}, ""
     outcome = run_task(bench_reference, o.timeout, env=env, problem=problem, device=device,
@@ -500,140 +486,16 @@ def _references(rows: list[dict], problem: str, device: str, seed: int, o: Bench
     return {n: dict(pairs) for n, pairs in outcome.result.items()}, ""
 
 
-def _finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict | None = None,
-                why: str = "") -> dict:
-    """Correctness against the reference (eager's seeded forward, then every timed call kept
-    against `keyed` {batch size: {set: outputs}}, the reference worker's; `why` they are
-    missing), the floor, speedups vs eager and torch.compile, flags. The tensors leave the row
-    here."""
-    n, outputs = row["batch_size"], row.pop("outputs")
-    checks, graph = row.pop("checks", []), row.pop("graph_check", None)
-    eager = results[EAGER].get(n)
-    row["flags"] = []
-    if eager is None:  # eager failed at this size: speed without a correctness check
-        row.update(correct=None, status="UNCHECKED", correct_detail="eager failed at this size",
-                   flags=["UNCHECKED"])
-    else:
-        row["status"], row["correct_detail"], row["timed_checked"] = _judge(
-            outputs, checks, graph, eager, atol, rtol, (keyed or {}).get(n, {}), why)
-        row["correct"] = row["status"] == "ok" or (None if row["status"] == "UNCHECKED"
-                                                     else False)
-        if row["status"] != "ok":
-            row["flags"].append(row["status"])  # INCORRECT, or UNCHECKED
-        if eager.get("io_bytes") is not None:
-            row.update(floors(eager.get("flops"), eager["io_bytes"], row["device"].split(":")[0],
-                              row.get("device_name", "")))
-    if row.get("hygiene") and row["status"] == "ok":  # check's input and output hygiene
-        row["status"], row["correct"] = "INCORRECT", False
-        row["correct_detail"] = "; ".join(row["hygiene"])
-        row["flags"].append("INCORRECT")
-    if row.get("tampered"):
-        row["status"] = "TAMPERED"
-        row["flags"].append("tampered: " + "; ".join(row["tampered"]))
-    for base_name, tag in ((EAGER, "eager"), (COMPILED, "compile")):
-        base = results.get(base_name, {}).get(n)
-        for metric in METRICS:
-            key = f"speedup_{tag}_{metric[:-3]}"
-            mine, theirs = row.get(metric), base.get(metric) if base else None
-            row[key] = theirs / mine if mine and theirs else None
-    _floor(row)
-    # A note, not a verdict: a loaded host can slow eager's calls that much; the physical
-    # floor (_floor) and the judged timed calls are what reject a cheat.
-    row["notes"] = [f"speedup over {IMPLAUSIBLE:g}x eager: look twice"] if any(
-        (row.get(f"speedup_eager_{m[:-3]}") or 0) > IMPLAUSIBLE for m in METRICS) else []
-    if row.get("eager_runs"):
-        row["notes"].append(f"eager timed again after a candidate over {RETIME:g}x: each time "
-                            f"is the faster of its two runs (eager_runs)")
-    if row.get("threads"):
-        row["notes"].append(f"Python threads the candidate started ran beside the timed calls "
-                            f"(seen: {', '.join(row['threads'][:3])}): a thread can work "
-                            f"between them, outside the timed window")
-    if row.get("stream_escape"):
-        row["flags"].append("work escaped the timed stream (synced wall >> event time)")
-    event, synced = row.get("events_ms"), row.get("events_synced_ms")
-    if event is not None and synced is not None and synced > ESCAPE_SYNC_FACTOR * event + \
-            ESCAPE_SYNC_MS:
-        row["flags"].append(f"work outside the timed stream: a cold call took {event * 1e3:.1f} us "
-                            f"by its events but {synced * 1e3:.1f} us until the device was idle")
-    for gap, mine, theirs, inside in _outside(row, eager):
-        row["flags"].append(
-            f"work outside the timed window: {mine * 1e3:.1f} us per call between the timed "
-            f"calls ({gap}: the copies, draw and flush take {theirs * 1e3:.1f} us for eager), "
-            f"{inside * 1e3:.1f} us inside" + (" (in both of its runs)" if row.get("rerun")
-                                              else ""))
-    kernels, window = row.get("kernel_ms"), row.get("events_warm_ms")
-    if kernels and window and kernels > ESCAPE_KERNEL_FACTOR * window + ESCAPE_KERNEL_MS:
-        row["flags"].append(f"device time outside the timed window: the profiler saw "
-                            f"{kernels * 1e3:.1f} us of kernels per call, the events "
-                            f"{window * 1e3:.1f} us (a side stream?)")
-    return row
+def _parent_clock(rows: list[dict], steps: list) -> None:
+    """Each timed row's `clock_parent_s`: this process's clock from the first line its worker
+    sent as the row's timed loops began to the last it sent as they ended (timing.loop_marks;
+    worker.WorkerOutcome.steps): a line the candidate forged can only lengthen it. None where
+    either line never came."""
+    for r in rows:
+        if type(r) is not dict or "clock_s" not in r:
+            continue
+        begin, end = loop_marks(f"batch {r.get('batch_size')}")
+        began = [t for t, text in steps if text == begin]
+        ended = [t for t, text in steps if text == end]
+        r["clock_parent_s"] = max(ended) - min(began) if began and ended else None
 
-
-def _judge(outputs, checks: list, graph, eager: dict, atol: float, rtol: float,
-           keyed: dict | None = None, why: str = "") -> tuple[str, str, int]:
-    """(status, detail, timed calls judged): the seeded forward against eager's, each kept
-    timed call against the reference's outputs for its run (a tuple of set keys; `keyed`;
-    `why` they are missing: UNCHECKED), and the CUDA graph's judged forwards where eager's own
-    graph reproduces the reference's outputs (random draws inside a graph may not)."""
-    cmp = compare_outputs(eager["outputs"], outputs, atol, rtol)
-    if not cmp.ok:
-        return "INCORRECT", _detail("the seeded forward", cmp), 0
-    refs = keyed or {}
-    for k, check in enumerate(checks):
-        run, outs = check[:2]
-        if _ref_key(check) not in refs:
-            return "UNCHECKED", why or f"no reference for timed call (kept {k})", k
-        cmp = compare_outputs(refs[_ref_key(check)], outs, atol, rtol)
-        if not cmp.ok:
-            part = ", a sample of its elements" if len(check) == 3 else ""
-            return "INCORRECT", _detail(f"timed call (kept {k}, {_run_name(run)}{part})", cmp), k
-    detail = ""
-    own, graph = eager.get("graph_check") or [], graph or []
-    if graph and own:
-        if all(run in refs and compare_outputs(refs[run], o, atol, rtol).ok for run, o in own):
-            for run, outs in graph:
-                if run not in refs:
-                    return "UNCHECKED", why or "no reference for the CUDA graph's input set", \
-                        len(checks)
-                cmp = compare_outputs(refs[run], outs, atol, rtol)
-                if not cmp.ok:
-                    return "INCORRECT", _detail(f"the CUDA graph's forward {len(run)} "
-                                                f"({_run_name(run[-1:])})", cmp), len(checks)
-        else:
-            detail = ("graph outputs not judged: the reference's own graph replay differs from "
-                      "its eager call (random draws inside a graph)")
-    return "ok", detail, len(checks)
-
-
-def _ref_key(check: tuple):
-    """What a judged call's reference is found by: its run, or (run, seed) for one kept as a
-    sample (pool.Checks.keep), whose reference is sampled alike."""
-    return check[0] if len(check) == 2 else (check[0], check[2])
-
-
-def _run_name(run) -> str:
-    """How a report names a judged call's inputs: the set's key (set_inputs redraws it), and
-    for a call inside a loop timed as a whole, its place in the loop."""
-    if len(run) == 1:
-        return f"input set key {run[0]}"
-    return f"call {len(run)} of a loop from set key {run[0]}, its own set key {run[-1]}"
-
-
-def _detail(what: str, cmp) -> str:
-    return f"{what}: " + "; ".join(f"[{f.category}] {f.message}" for f in cmp.findings[:3])
-
-
-def _floor(row: dict) -> None:
-    """floor_fraction (floor / cold time) and, below the floor, status IMPLAUSIBLE."""
-    if row.get("floor_ms") is None:
-        return
-    cold = row.get("events_ms") or row.get("wall_ms")
-    row["floor_fraction"] = row["floor_ms"] / cold if cold else None
-    below = [m for m, floor in (("events_ms", row["floor_ms"]), ("wall_ms", row["floor_warm_ms"]),
-                                ("events_warm_ms", row["floor_warm_ms"]),
-                                ("graph_ms", row["floor_warm_ms"]))
-             if row.get(m) is not None and row[m] < floor]
-    if below and row["status"] == "ok":
-        row["status"] = "IMPLAUSIBLE"
-        row["flags"].append(f"faster than the physical floor ({row['floor_ms'] * 1e3:.3g} us "
-                            f"cold, {row['floor_source']}) in {', '.join(below)}")

@@ -325,7 +325,9 @@ def _bench(args) -> int:
         _candidate(c)
     _cuda_available(options.device)
     from .bench import run_bench
-    rows, code = run_bench(args.problem, args.candidates or None, options)
+    rows, code = run_bench(args.problem, args.candidates or None, options,
+                           progress=lambda line: print(f"bench: {line}", file=sys.stderr,
+                                                       flush=True))
     from .table import print_rows
     print_rows(rows)
     if args.out:

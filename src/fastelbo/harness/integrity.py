@@ -80,7 +80,7 @@ _READ_BY_THE_GUARD = {("threading", "_profile_hook"), ("threading", "_trace_hook
 # defaults and closure (a function's __code__ swapped keeps its identity). Not the names their
 # own code rebinds (`global`; tests/test_harness_integrity.py holds this list to the source).
 _HARNESS = ("loader", "compare", "worker", "timing", "pool", "integrity", "tasks", "handoff",
-            "orphans", "shared")
+            "orphans", "shared", "watch")
 _OWN_STATE = {"fastelbo.harness.worker": {"_emitted", "_channel", "_tmp"},
               "fastelbo.harness.orphans": {"_adopts", "_open", "_set_by_us"},
               "problem": {"batch_size"}}  # loader.batch_size_set sets and restores it

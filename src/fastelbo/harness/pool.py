@@ -3,13 +3,16 @@
 The candidate shares its process with the timing loop, so it can read anything the loop holds
 (gc, frame walking). Two rules keep what it can read useless:
 
-- **A set does not exist before its call.** `Pool` draws each input set when a timed call first
-  needs it, by the problem's own get_inputs (so any structure it builds is kept), under a key
-  from the OS's random source (`secret_key`). A candidate that reads the pool finds only sets
-  it has already been called on; precomputing the next call's answer is impossible, and a memo
-  of past answers never hits while the pool holds a set per timed call. (A loop that prepares
-  its inputs ahead, as wall_ms and the warm events do, shows them to its first call; work done
-  there for the others is timed in that loop's window, or counted in the warm column's mean.)
+- **A set does not exist before its block.** `Pool` draws each input set when a timed loop
+  first needs it (the cold loop: before the block of timed.BLOCK calls it belongs to), by the
+  problem's own get_inputs (so any structure it builds is kept), under a key nothing in the
+  candidate's process predicts (`secret_key`). A candidate that reads the pool finds only the
+  sets of its current block and those it has been called on; work done early for a later set
+  of its block is timed in the window it was done in, and the cold number, a median of the
+  blocks' mean times, counts it there (timing.py). Precomputing a later block's answers is
+  impossible, and a memo of past answers never hits while the pool holds a set per timed call.
+  (A loop that prepares its inputs ahead, as wall_ms does, shows them to its first call;
+  work done there for the others is timed in that loop's window.)
 - **Whether a call is judged is decided after it returns** (`judged`), by the same source: no
   state the candidate can read says which calls will be compared, so an answer skipped on a
   call it hopes is unjudged is caught at the rate of the sample, a certainty over a bench.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable
+from hashlib import blake2b as _blake2b
 
 import torch
 
@@ -57,9 +61,31 @@ SAMPLE_ELEMENTS = 1 << 16  # of each output, kept for a judged call past KEEP_BY
 COPY_ALL_BYTES = 64 << 20  # outputs up to this are copied after every call, judged or not
 
 
+# The secret every key and judged-call choice is drawn under: the OS's random source read at
+# import (before any candidate), mixed with the parent's secret where a task hands one over
+# (`use_secret`), and a counter. A candidate that later rewrites os.urandom in place (ctypes on
+# the function object: its identity kept, so the name tripwires saw nothing) made every draw
+# the same and every timed set one set, so a memo answered: "ok" at 6.6x eager (red team,
+# 2026-12-07). Its bytes still enter each draw, but can no longer make two draws alike.
+_secret = [_urandom(32)]
+_drawn = [0]
+
+
+def use_secret(parent: bytes) -> None:
+    """Mix the parent's secret (a task's argument) into every later draw of this process."""
+    _secret[0] = _blake2b(_secret[0] + bytes(parent), digest_size=32).digest()
+
+
+def _random_bytes(n: int) -> bytes:
+    """n unpredictable bytes: the secret, a counter and the OS's random source, hashed."""
+    _drawn[0] += 1
+    return _blake2b(_drawn[0].to_bytes(8, "little") + _urandom(16), key=_secret[0],
+                    digest_size=n).digest()
+
+
 def secret_key() -> int:
-    """A set key (63 bits) from the OS's random source: nothing in this process predicts it."""
-    return int.from_bytes(_urandom(8), "little") >> 1
+    """A set key (63 bits) that nothing in this process predicts (_random_bytes)."""
+    return int.from_bytes(_random_bytes(8), "little") >> 1
 
 
 def forward_seed(key: int) -> int:
@@ -71,7 +97,7 @@ def judged(k: int, n: int) -> bool:
     """Whether timed call k of n is judged, asked after it returned: every one of up to
     JUDGE_ALL, the last always, else each with probability 1 / SAMPLE_EVERY, independently (a
     rule that guaranteed a count would tell the candidate, near the end, which calls are not)."""
-    return n <= JUDGE_ALL or k == n - 1 or _urandom(1)[0] < 256 // SAMPLE_EVERY
+    return n <= JUDGE_ALL or k == n - 1 or _random_bytes(1)[0] < 256 // SAMPLE_EVERY
 
 
 def pool_size(set_bytes: int, quick: bool = False) -> int:

@@ -23,7 +23,7 @@ MAX_KERNELS = 10       # per extension; the full report lists them all
 LINE_CHARS = 300       # one reason, flag or message: a line to read, not a traceback
 BASELINES = ("eager", "torch.compile")
 BENCH_STATUS = {0: "ok", 1: "flagged", 2: "error"}
-METRICS = ("events", "events_warm", "graph", "wall")  # bench.METRICS without "_ms"
+METRICS = ("events", "graph", "wall")  # bench_rows.METRICS without "_ms"
 
 # compare.diff_tensors: "output I: N/M element(s) outside ...; first [..]: candidate G, reference
 # E; worst |diff| D at [..]"; a NaN/inf mismatch: "output I: NaN positions differ at N

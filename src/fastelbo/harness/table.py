@@ -38,7 +38,7 @@ def _raw_cells(row: dict) -> list[str]:
         if row.get(key):
             notes.append(str(row[key]).splitlines()[-1][:120])
     return [str(row["candidate"]), str(row["batch_size"]), row.get("status", ""), ev,
-            _ms(row.get("events_warm_ms")), _ms(row.get("wall_ms")), graph,
+            _ms(row.get("wall_ms")), graph,
             "-" if frac is None else f"{frac:.1%}", "-" if mem is None else f"{mem / 2**20:.2f}",
             _x(row.get("speedup_eager_events") or row.get("speedup_eager_wall")),
             _x(row.get("speedup_eager_graph")), _x(row.get("speedup_compile_events")
@@ -46,7 +46,7 @@ def _raw_cells(row: dict) -> list[str]:
             "; ".join(notes)]
 
 
-HEADERS = ["candidate", "batch", "status", "cold ms (p20-p80)", "warm ms (mean)", "wall ms",
+HEADERS = ["candidate", "batch", "status", "cold ms (p20-p80)", "wall ms",
            "graph ms", "floor", "peak MiB", "x eager", "x eager (graph)", "x compile", "notes"]
 
 
@@ -58,8 +58,9 @@ def print_rows(rows: list[dict]) -> None:
     if rows[0]["device"] == "cpu":
         title += " -- CPU timings: wall clock of single calls on fresh inputs"
     else:
-        title += (" -- cold: events around one call after an L2 flush (KernelBench's way); "
-                  "warm: back to back, the mean; floor: the physical floor / cold time")
+        title += (" -- cold: events around one call after an L2 flush (KernelBench's way), "
+                  "the median of 16-call blocks' means; graph: a CUDA graph's replay per "
+                  "forward (warm L2, launches hidden); floor: the physical floor / cold time")
     if rows[0].get("validate") is False:
         title += " -- FASTELBO_VALIDATE=0 (no per-call value check)"
     cells = [_cells(r) for r in rows]

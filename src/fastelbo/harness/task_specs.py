@@ -170,7 +170,7 @@ def available_candidates(device: str) -> dict:
 @declare(BENCH)
 def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                 batch_sizes: list[int] | None, seed: int, quick: bool, graph_reps: int,
-                eval_mode: bool = False) -> dict:
+                eval_mode: bool = False, secret: bytes = b"") -> dict:
     """One bench entry's rows: correctness outputs and timings per batch size."""
 
 

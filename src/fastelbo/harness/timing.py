@@ -1,8 +1,9 @@
 """Time a forward on fresh inputs, keeping what it returned so that the timed calls are judged.
 
-Every timed call gets inputs of its own from `pool.Pool`: a set drawn when first needed, under a
-key the candidate's process cannot predict, copied into new storage every other call and into
-the previous call's storage otherwise, with the generators seeded for that set. Whether a call
+Every timed call gets inputs of its own from `pool.Pool`: a set drawn before the block of calls
+it belongs to (the cold loop's, below) or when first needed, under a key the candidate's process
+cannot predict, copied into new storage every other call and into the previous call's storage
+otherwise, with the generators seeded for that set. Whether a call
 is judged is decided after it returns (`pool.judged`: all of up to 16, else each with
 probability 1/8, and always the last); the kept outputs come back as `checks`, [(run,
 outputs)], for the parent to compare with the reference's outputs for that run: a candidate
@@ -10,34 +11,49 @@ whose behaviour depends on call count, spacing, input identity or on what it can
 loop shows up wrong, not fast.
 
 Metrics, each answering its own question:
-- `events_ms` (GPU; the default, as KernelBench times): device time of one call with a cold L2,
-  flushed before the call and outside the timed window (a write of twice the L2's size and at
-  least KernelBench's 256 MiB, and a reset of persisting L2 lines), the device idle before the
-  flush (a synchronize, as KernelBench does: the host queues the call while the write runs, so
-  launch latency counts only where it exceeds the write); median and p20 / p80. Each call's
-  set is drawn just before it, ahead of the flush.
-- `events_warm_ms`: the same without the flush, back to back (a warm L2: small problems' weights
-  stay in it; a best case). Its sets are drawn before the loop (a draw between calls would
-  leave the device idle), so the first call could see the others: it is the mean, in which
-  their work counts wherever it was done, with p20 / p80 beside.
+- `events_ms` (GPU; the default, cold, as KernelBench times): device time of one call, by CUDA
+  events around it, after a synchronize and an L2 flush (a write of twice the L2's size and at
+  least KernelBench's 256 MiB, and a reset of persisting L2 lines) left in flight, as
+  KernelBench's loop does. The calls run in blocks of BLOCK, a block's sets drawn before its
+  first call, not each just before its own: a draw (the problem's get_inputs on the host, and
+  its copy to the device) just before a call slowed that call's launches 1.8x (H100,
+  2026-12-07: the exported solution at B=1,024 took 70 us in KernelBench's loop and 126 us
+  with a draw before each of its calls), and the cold column read 1.4-3.6x KernelBench's. A
+  block's later sets exist during its earlier calls, so work for them could be done early, in
+  one call: the number is the median over blocks of each block's mean call time, which
+  counts such work wherever in its block it was done (and is KernelBench's mean where the
+  host is quiet, while a block slowed by a load on the host drops out). `events_p20_ms` /
+  `events_p80_ms`: the calls' spread; `events_blocks`: each block's mean (their spread says
+  how far a rerun may move the number).
+- `graph_ms`: one CUDA graph of `graph_reps` forwards, replayed; what a CUDA-graph user gets
+  (a warm L2, the launches hidden). Its captured forwards are judged as a loop's calls are,
+  drawn after the replay, on a pool set copied into the captured inputs.
 - `wall_ms`: host time per call of N calls and one synchronize (launch overhead included),
   median over rounds; the judged calls are drawn after each round. None where a call's
   outputs share storage with a later call's (one buffer returned every call, as a CUDA
   graph's replay does): held to the round's end, they hold the later call's values, so the
   loop's calls cannot be judged one by one (only each round's last is), and a number no call
-  of which is judged is not reported. On the CPU, the median of single calls' host times,
-  each on a set drawn just before it.
-- `graph_ms`: one CUDA graph of `graph_reps` forwards, replayed; what a CUDA-graph user gets.
-  Its captured forwards are judged as a loop's calls are, drawn after the replay, on a pool
-  set copied into the captured inputs.
+  of which is judged is not reported. On the CPU, single calls' host times, in blocks as the
+  cold column's, and the same number of them: the median of the blocks' means.
 - `kernels` (GPU; `kernel_times`, which bench runs once every size is timed: a torch.profiler
   session leaves CUPTI attached to the process, and every later launch pays for it): device
   time per call of each kernel: a kernel that runs elsewhere or on a side stream shows up there.
 - `outside_ms`: median host time per call outside the window in the default column's loop
-  (every call's outputs copied, the guard, the next draw; not the waits for the device, nor
-  the flush): the harness's own work, the same for every entry, unless code of the
-  candidate's runs there (bench compares it with eager's); `wall_outside_ms` (GPU): the wall
-  rounds' copy of every output, per call.
+  (every call's outputs copied, the guard, the next set's copy; not the waits for the device,
+  the flush, nor a block's draws): the harness's own work, the same for every entry, unless
+  code of the candidate's runs there (bench compares it with eager's); `wall_outside_ms`
+  (GPU): the wall rounds' copy of every output, per call.
+- What the cold loop's accounting says (GPU): `flush_ms`, the device time from an event before
+  the flush to the call's start event (median), against `flush_alone_ms`, the flush timed
+  alone before the loop: a start event recorded again later by the candidate shows as a late
+  start; `unaccounted_ms`, the median over calls of the host time from the call's start to an
+  idle device, less the call's events and the flush it waited behind: work that ran outside
+  the current stream after the call returned (a side stream). Both hold whatever the call
+  itself waits for (a value check's synchronize waits for the flush: the old rule, host time to
+  an idle device against three times the events, flagged the honest exported solution at
+  B=128, 25 us by its events and 110 us with the flush it waited for). Events that read out of
+  order (a window that ends before it starts, a call that starts before the previous one
+  ended) raise TaskError("tampered").
 After the calls, `guard()` (integrity.Snapshot.guard) asks whether a hook the harness would run
 between calls is left set, so one that sees the next draw or fills outputs as they are read is
 TAMPERED even if removed before the loop ends.
@@ -46,6 +62,7 @@ The timers are bound here at import, before any candidate: patching `time.perf_c
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -54,6 +71,8 @@ import torch
 from torch.autograd import DeviceType
 
 from .pool import KEEP_BYTES, Checks, Pool, judged, output_bytes
+from .watch import Watch, function_state, mapping_state, object_state, sequence_state, tensor_state
+from .worker import TaskError, progress
 
 _perf = time.perf_counter
 _Event = torch.cuda.Event
@@ -72,9 +91,9 @@ TOP_KERNELS = 8
 class Budget:
     """Repetitions; `quick` keeps tests and smoke runs to a few calls."""
     warmup: int = 10
-    reps: int = 100
+    reps: int = 128           # cold calls: 8 blocks of BLOCK
     calls: int = 100          # N calls between two synchronizations for wall time
-    target_s: float = 0.25    # aim per metric; reps shrink for slow forwards
+    target_s: float = 0.3     # aim per metric; reps shrink for slow forwards
 
     @classmethod
     def quick(cls) -> Budget:
@@ -100,14 +119,17 @@ def _sync(device: torch.device) -> None:
 
 
 FLUSH_MIN_BYTES = 256 << 20  # KernelBench's write (32 Mi int64): same head start for the host
+BLOCK = 16  # cold calls per block of sets drawn ahead (the module docstring)
+ORDER_SLACK_MS = 0.002  # events of one stream read out of order by more than this: re-recorded
 
 
 class L2Flush:
     """Evicts the L2 before a timed call, as KernelBench and GPU MODE do: a write of twice the
     L2's size and at least FLUSH_MIN_BYTES, then a reset of persisting L2 lines
-    (cudaCtxResetPersistingL2Cache). The write's size also sets how long the host has to queue
-    the call before the device reaches it: 2x the H200's 60 MB (~40 us) left launch-bound calls
-    1.3-1.8x slower than KernelBench's 256 MB gives them (PERF.md)."""
+    (cudaCtxResetPersistingL2Cache: `reset`, a foreign function or None). The write's size also
+    sets how long the host has to queue the call before the device reaches it: 2x the H200's
+    60 MB (~40 us) left launch-bound calls 1.3-1.8x slower than KernelBench's 256 MB gives
+    them (PERF.md)."""
 
     def __init__(self, device: torch.device):
         size = torch.cuda.get_device_properties(device).L2_cache_size or (64 << 20)
@@ -121,15 +143,20 @@ class L2Flush:
         the host) before its synchronize."""
         self.buf.fill_(1)
 
+    def watched(self) -> dict:
+        """What a timed call must leave as it is (watch.Watch): the buffer and the reset."""
+        return {"the L2 flush's buffer": lambda: tensor_state(self.buf),
+                "the persisting-L2 reset": lambda: function_state(self.reset),
+                "the L2 flush": lambda: object_state(self, ("buf", "reset"))}
+
 
 def _persisting_reset():
     import ctypes
     for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so"):
         try:
-            fn = ctypes.CDLL(name).cudaCtxResetPersistingL2Cache
+            return ctypes.CDLL(name).cudaCtxResetPersistingL2Cache
         except (OSError, AttributeError):
             continue
-        return lambda: fn()
     return None
 
 
@@ -139,17 +166,18 @@ def _nothing() -> None:
 
 def _median_gap(ends: list[float], starts: list[float], waits: list[float] | None = None) -> float:
     """The median host time (ms) from one call's window closing to the next call's start: what
-    the harness does between calls (its outputs copied, the guard, the next draw), per call.
-    `ends[k]`, `starts[k]`: call k's window's end and start; `waits[k]`: the time after call k
-    spent waiting for the device or in the driver (synchronizes, the L2 flush and its reset),
-    left out: on the H200 those made the cold loop's gaps 0.9-2.0 ms per worker for the same
-    work (2026-12-05: honest fastelbo:cuda at B=128 flagged, 2.03 ms against eager's 0.94), and
-    device work moved outside the window is the profiler's to see (kernel_ms); and the time the
-    harness spent keeping a judged call's outputs (Checks.keep: their copy where Checks.copy
-    made none, the hygiene compare), left out too: eager, slow, has its few calls all judged,
-    a fast candidate one in eight, so that work inflated eager's gaps alone (an 85 MB output:
-    33 ms a gap), room for a candidate's own work (2026-12-05). Every call's outputs are
-    still read in its gap (Checks.copy), so outputs that compute themselves when read are."""
+    the harness does between calls (its outputs copied, the guard, the next set's copy), per
+    call. `ends[k]`, `starts[k]`: call k's window's end and start; `waits[k]`: the time after
+    call k spent waiting for the device or in the driver (synchronizes, the L2 flush and its
+    reset), left out: on the H200 those made the cold loop's gaps 0.9-2.0 ms per worker for
+    the same work (2026-12-05: honest fastelbo:cuda at B=128 flagged, 2.03 ms against eager's
+    0.94), and device work moved outside the window is the profiler's to see (kernel_ms); and
+    the time the harness spent keeping a judged call's outputs (Checks.keep: their copy where
+    Checks.copy made none, the hygiene compare), and drawing a block's sets, left out too:
+    eager, slow, has its few calls all judged, a fast candidate one in eight, so that work
+    inflated eager's gaps alone (an 85 MB output: 33 ms a gap), room for a candidate's own work
+    (2026-12-05). Every call's outputs are still read in its gap (Checks.copy), so outputs that
+    compute themselves when read are."""
     waits = waits or [0.0] * len(ends)
     gaps = [(s - e - w) * 1e3 for e, s, w in zip(ends, starts[1:], waits)]
     return statistics.median(gaps) if gaps else 0.0
@@ -162,60 +190,120 @@ def _timed(fn) -> float:
     return _perf() - t0
 
 
-def event_times(model, pool: Pool, reps: int, flush: L2Flush | None, checks: Checks,
-                synced: list | None = None, guard=_nothing,
-                outside: list | None = None) -> tuple[float, float, float]:
-    """Device time of single calls (ms), each on fresh inputs, with the L2 flushed before each
-    when `flush` (cold: each set drawn just before its call, the median); else back to back
-    (warm: the sets drawn before the loop, the mean). Events around the call only; the judged
-    calls' outputs go to `checks`. With `synced`, each call is followed by a synchronize (as
-    KernelBench's are), and the host time from its start event to that synchronize goes
-    there: work on another stream is in it, not in the events. `guard()` is called after each
-    call where a set is drawn or an output read (cold: every call; warm: the judged ones, so
-    that the loop stays back to back); with `outside`, the median host time per call spent
-    outside the window (every call's outputs copied, the guard, the draw: _median_gap) is
-    appended there."""
-    order, pairs = pool.order(reps), []
-    if flush is None:
-        for j in order:
-            pool.get(j)
-    ends, starts, waits = [], [], []
-    for k, j in enumerate(order):
-        x = pool.fresh(j)
-        if flush is not None:  # as KernelBench: idle device, then the flush, then the call
-            wait = _timed(flush.reset or _nothing) + _timed(_sync_all) + _timed(flush)
-            if waits:  # the previous call's gap
-                waits[-1] += wait
-        start, end = _Event(enable_timing=True), _Event(enable_timing=True)
-        t0 = _perf()
-        starts.append(t0)
-        _record(start)
-        out = model(*x)
-        _record(end)
-        ends.append(_perf())
-        waits.append(0.0)
-        if synced is not None:
+def blocks(order: list[int], size: int = BLOCK) -> list[list[int]]:
+    """`order` cut into consecutive blocks of at most `size` calls."""
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def block_means(ms: list[float], size: int = BLOCK) -> tuple[float, list[float]]:
+    """(the median of the blocks' means, each block's mean) of per-call times in loop order:
+    the cold number (module docstring)."""
+    means = [statistics.fmean(b) for b in blocks(ms, size)]
+    return statistics.median(means), means
+
+
+def _draw_block(pool: Pool, block: list[int]) -> float:
+    """Draw a block's sets now (those not yet drawn); the seconds it took."""
+    t0 = _perf()
+    for j in block:
+        pool.get(j)
+    return _perf() - t0
+
+
+def flush_alone(flush: L2Flush, times: int = 5) -> float:
+    """The flush's own device time (ms, median of `times`), from an idle device, as the cold
+    loop runs it: an event, the write, an event. Before the loop, no candidate code between."""
+    ms = []
+    for _ in range(times):
+        a, b = _Event(enable_timing=True), _Event(enable_timing=True)
+        _sync_all()
+        _record(a)
+        flush()
+        _record(b)
+        _sync_all()
+        ms.append(_elapsed(a, b))
+    return statistics.median(ms)
+
+
+def _in_order(pres: list, pairs: list) -> bool:
+    """Whether every cold call's events read in the order the loop recorded them: the flush's
+    event, the call's start, its end, then the next call's flush event."""
+    seq = [e for pre, (start, end) in zip(pres, pairs) for e in (pre, start, end)]
+    return all(_elapsed(a, b) > -ORDER_SLACK_MS for a, b in itertools.pairwise(seq))
+
+
+def cold_times(model, pool: Pool, reps: int, flush: L2Flush, checks: Checks, watch=None,
+               guard=_nothing) -> dict:
+    """The cold column (module docstring): device time of single calls on fresh inputs, each
+    after a synchronize and an L2 flush, in blocks of BLOCK calls whose sets are drawn before
+    the block; events around the call only, as KernelBench's loop; the judged calls' outputs
+    go to `checks`. `watch` (watch.Watch; loop_watch's if None) is sealed before each call
+    and verified after it; `guard()` after each call. Returns {events_ms, events_p20_ms,
+    events_p80_ms, events_blocks, outside_ms, flush_ms, flush_alone_ms, unaccounted_ms}."""
+    watch = watch or loop_watch(pool, checks, flush)
+    alone = flush_alone(flush)
+    reset = flush.reset or _nothing
+    pres, pairs, synced, ends, starts, waits = [], [], [], [], [], []
+    for name, seq in (("pres", pres), ("pairs", pairs), ("synced", synced), ("ends", ends),
+                      ("starts", starts), ("waits", waits)):
+        watch.add(f"the cold loop's {name}", lambda seq=seq: _seq(seq))
+    k, reps = 0, max(1, reps)
+    for block in blocks(pool.order(reps)):
+        drawn = _draw_block(pool, block)
+        if waits:
+            waits[-1] += drawn
+        for j in block:
+            x = pool.fresh(j)
+            watch.seal()  # nothing but the harness's own calls runs from here to verify()
+            wait = _timed(reset) + _timed(_sync_all)
+            pre = _Event(enable_timing=True)
+            start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+            _record(pre)
+            wait += _timed(flush)
+            t0 = _perf()
+            _record(start)
+            out = model(*x)
+            _record(end)
+            t1 = _perf()
             _sync_all()
             now = _perf()
+            watch.verify()
+            if waits:  # the previous call's gap
+                waits[-1] += wait
+            starts.append(t0)
+            ends.append(t1)
             synced.append((now - t0) * 1e3)
-            waits[-1] += now - ends[-1]
-        pairs.append((start, end))
-        copied = checks.copy(out)  # every call's, before `judged` is drawn
-        judge = judged(k, reps)
-        if flush is not None or judge:  # back to back: only where the harness reads outputs
+            waits.append(now - t1)
+            pres.append(pre)
+            pairs.append((start, end))
+            copied = checks.copy(out)  # every call's, before `judged` is drawn
             guard()
-        if judge:  # the harness's own work on judged calls: not the call's gap (_median_gap)
-            kept = _perf()
-            checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
-            waits[-1] += _perf() - kept
-        del out, x, copied
-    if outside is not None:
-        outside.append(_median_gap(ends, starts, waits))
+            if judged(k, reps):  # the harness's own work on judged calls: not the gap
+                kept = _perf()
+                checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
+                waits[-1] += _perf() - kept
+            del out, x, copied
+            k += 1
     _sync_all()
+    if not _in_order(pres, pairs):
+        raise TaskError("tampered", "the cold loop's CUDA events read out of order (an event "
+                                    "the harness recorded was recorded again)")
     ms = [_elapsed(s, e) for s, e in pairs]
-    if flush is None:
-        return statistics.fmean(ms), *quantiles(ms)[1:]
-    return quantiles(ms)
+    flushes = [_elapsed(p, s) for p, (s, _) in zip(pres, pairs)]
+    _, p20, p80 = quantiles(ms)
+    number, means = block_means(ms)
+    return {"events_ms": number, "events_p20_ms": p20, "events_p80_ms": p80,
+            "events_blocks": means,
+            "outside_ms": _median_gap(ends, starts, waits),
+            "flush_ms": statistics.median(flushes), "flush_alone_ms": alone,
+            "unaccounted_ms": statistics.median(
+                s - m - f for s, m, f in zip(synced, ms, flushes))}
+
+
+def _seq(seq: list) -> tuple:
+    """A loop list's state (watch.sequence_state), a list of event pairs flattened."""
+    flat = [e for item in seq for e in (item if type(item) is tuple else (item,))]
+    return (id(seq), sequence_state(flat)[1:])
 
 
 def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: Checks,
@@ -271,29 +359,43 @@ def _overwritten(outs: list) -> set[int]:
     return out
 
 
-def single_calls(model, pool: Pool, reps: int, checks: Checks, guard=_nothing,
-                 outside: list | None = None) -> float:
-    """CPU: host time of single calls, each on a set drawn just before it (ms, median); the
-    judged calls' outputs kept; `guard()` after each call; with `outside`, the median time per
-    call spent outside the window (every call's outputs copied, the draw) appended there."""
-    order, ms, ends, starts, waits = pool.order(reps), [], [], [], []
-    for k, j in enumerate(order):
-        x = pool.fresh(j)
-        t0 = _perf()
-        starts.append(t0)
-        out = model(*x)
-        ends.append(_perf())
-        ms.append((ends[-1] - t0) * 1e3)
-        copied = checks.copy(out)  # before `judged` is drawn
-        guard()
-        kept = _perf()
-        if judged(k, reps):  # the harness's own work on judged calls: not the gap (_median_gap)
-            checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
-        waits.append(_perf() - kept)
-        del out, copied
-    if outside is not None:
-        outside.append(_median_gap(ends, starts, waits))
-    return statistics.median(ms)
+def single_calls(model, pool: Pool, reps: int, checks: Checks, watch=None,
+                 guard=_nothing) -> dict:
+    """CPU: host time of single calls, in blocks as the cold column's (a block's sets drawn
+    before its first call), the judged calls' outputs kept; `watch` (loop_watch's if None)
+    sealed before each call and verified after it, `guard()` after each call. {wall_ms (the
+    median of the blocks' means), wall_blocks (each block's mean), outside_ms (_median_gap:
+    every call's outputs copied, the next set's copy)}."""
+    watch = watch or loop_watch(pool, checks)
+    ms, ends, starts, waits = [], [], [], []
+    for name, seq in (("times", ms), ("ends", ends), ("starts", starts), ("waits", waits)):
+        watch.add(f"the loop's {name}", lambda seq=seq: _seq(seq))
+    k, reps = 0, max(1, reps)
+    for block in blocks(pool.order(reps)):
+        drawn = _draw_block(pool, block)
+        if waits:
+            waits[-1] += drawn
+        for j in block:
+            x = pool.fresh(j)
+            watch.seal()
+            t0 = _perf()
+            out = model(*x)
+            t1 = _perf()
+            watch.verify()
+            starts.append(t0)
+            ends.append(t1)
+            ms.append((t1 - t0) * 1e3)
+            copied = checks.copy(out)  # before `judged` is drawn
+            guard()
+            kept = _perf()
+            if judged(k, reps):  # the harness's own work on judged calls: not the gap
+                checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
+            waits.append(_perf() - kept)
+            del out, copied
+            k += 1
+    number, means = block_means(ms)
+    return {"wall_ms": number, "wall_blocks": means,
+            "outside_ms": _median_gap(ends, starts, waits)}
 
 
 def escape_check(model, pool: Pool, calls: int) -> tuple[float, float, bool]:
@@ -417,10 +519,35 @@ def kernel_times(model, pool: Pool, calls: int = 5) -> dict:
                         for n, v in top]}
 
 
+def loop_marks(label: str) -> tuple[str, str]:
+    """The progress lines a worker sends as its timed loops begin and end (`measure`)."""
+    return f"timing {label}: the timed loops", f"timing {label}: done"
+
+
+def loop_watch(pool: Pool, checks: Checks, flush: L2Flush | None = None):
+    """The Watch (watch.py) of what the timing loops depend on: the pool's draws, keys and
+    sets, the kept outputs and their counts, and the flush."""
+    fields = {
+        "the pool": lambda: object_state(pool, ("_draw", "sets", "keys", "count")),
+        "the pool's keys": lambda: mapping_state(pool.keys),
+        "the pool's sets": lambda: mapping_state(pool.sets),
+        "the kept outputs": lambda: sequence_state(checks),
+        "the kept outputs' counts": lambda: object_state(
+            checks, ("bytes", "skipped", "aliased", "_changed", "recast")),
+        "the hygiene findings": lambda: (len(checks.aliased), len(checks._changed),
+                                         len(checks.recast)),
+    }
+    if flush is not None:
+        fields.update(flush.watched())
+    return Watch(fields)
+
+
 def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps: int,
-            observe=None, guard=None) -> tuple[dict, Checks]:
+            observe=None, guard=None, label: str = "") -> tuple[dict, Checks]:
     """(every metric but `kernels`, checks): see the module docstring (`outside_ms` too). On
-    the CPU only host time exists.
+    the CPU only host time exists. `clock_s`: this process's clock over the timed loops, for
+    the parent to hold against its own clock between the progress lines `loop_marks(label)`
+    (bench.py: a clock rewritten to run slow).
     `observe()` is called after each metric (integrity.Snapshot.observe_threads: a thread the
     candidate starts per call is alive just after its calls); `guard()` after every call
     (integrity.Snapshot.guard: a hook left set between calls)."""
@@ -438,23 +565,24 @@ def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps:
     _sync(device)
     reps, calls = budget.scaled((_perf() - t0) / 3)
     guard()
-    checks, outside = Checks(), []
+    checks = Checks()
+    begin_mark, end_mark = loop_marks(label)
+    progress(begin_mark)
+    began = _perf()
     if device.type != "cuda":
-        m = {"wall_ms": single_calls(model, pool, reps, checks, guard, outside),
-             "outside_ms": outside[0]}
+        m = single_calls(model, pool, reps, checks, guard=guard)
+        m["clock_s"] = _perf() - began
+        progress(end_mark)
         observe()
         return m, checks
     # Events, streams and synchronize() act on the current device: make it the measured one
     # (cuda:1 timed with cuda:0's stream would time nothing).
     with torch.cuda.device(device):
-        m, synced = {}, []
-        m["events_ms"], m["events_p20_ms"], m["events_p80_ms"] = event_times(
-            model, pool, reps, L2Flush(device), checks, synced, guard, outside)
-        m["events_synced_ms"], m["outside_ms"] = statistics.median(synced), outside[0]
+        flush = L2Flush(device)
+        m = cold_times(model, pool, reps, flush, checks, guard=guard)
+        del flush
         observe()
-        m["events_warm_ms"], m["events_warm_p20_ms"], m["events_warm_p80_ms"] = event_times(
-            model, pool, reps, None, checks, guard=guard)
-        observe()
+        outside = []
         m["wall_ms"] = wall_per_call(model, pool, device, calls, checks, guard=guard,
                                      outside=outside)
         m["wall_outside_ms"] = outside[-1]
@@ -462,6 +590,8 @@ def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps:
         m["bracket_event_ms"], m["synced_wall_ms"], m["stream_escape"] = escape_check(
             model, pool, calls)
         guard()
+        m["clock_s"] = _perf() - began
+        progress(end_mark)
         m["peak_mem_bytes"] = peak_memory(model, pool, device)
         m.update(graph_time(model, pool, graph_reps))
         guard()

@@ -119,7 +119,7 @@ class CompileResult(BaseModel):
 
 class BenchRow(BaseModel):
     """One entry (eager, torch.compile, candidate) at one batch size. Metrics: events (cold
-    L2, CUDA events, the median), events_warm (back to back, the mean), graph (CUDA graph
+    L2, CUDA events, the median), graph (CUDA graph
     replay), wall (host clock; the CPU's)."""
     entry: str
     batch_size: int | None

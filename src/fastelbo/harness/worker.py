@@ -55,7 +55,7 @@ BUILD_MACHINERY = (f"{os.sep}torch{os.sep}utils{os.sep}cpp_extension.py",
 TOTAL, BUILD, FORWARD = "t", "b", "f"
 READY = "W"  # a worker's first line: its start-up (imports, CUDA context) is done
 MAX_LINE = 1 << 20  # bytes: the longest line a worker's channel may carry (_next_line)
-FLOODED = object()  # _next_line's answer past MAX_LINE
+FLOODED, MAX_STEPS = object(), 4096  # _next_line's past MAX_LINE; step lines an outcome keeps
 
 
 @dataclass
@@ -70,6 +70,7 @@ class WorkerOutcome:
     partials: list = field(default_factory=list)
     seconds: float = 0.0
     startup_s: float | None = None  # from sending the task to its first step (None: never)
+    steps: list = field(default_factory=list)  # (parent's monotonic time, text) per step line
 
     @property
     def ok(self) -> bool:
@@ -217,6 +218,8 @@ class Worker:
                 total_end, total_why = now + timeout, f"timeout after {timeout:g} s"
             if kind == "P":
                 step_cls, _, self.progress = rest.partition(" ")
+                last = min(len(outcome.steps), MAX_STEPS - 1)  # a flood: the newest stays
+                outcome.steps[last:] = [(now, self.progress[:200])]
                 step_start = now
                 limit = {BUILD: build_timeout, FORWARD: forward_timeout}.get(step_cls)
                 step_end = now + limit if limit else None
@@ -318,17 +321,14 @@ class Worker:
 
 
 def fork_enabled() -> bool:
-    """Forking workers is on, unless FASTELBO_FORK_WORKERS=0 (then every worker is a new
-    interpreter, which imports torch itself), and there is os.fork."""
+    """Forking is on, unless FASTELBO_FORK_WORKERS=0 (a new interpreter each), and os.fork is."""
     return hasattr(os, "fork") and os.environ.get(FORK_ENV, "1") != "0"
 
 
 def fork_safe() -> bool:
     """Whether this process may fork its workers now: fork_enabled(), torch imported, CUDA never
-    initialised (a context does not survive a fork; the caller knows it never probed the driver
-    either), and no Python thread but this one (a fork copies none, whatever locks it held; the
-    native pools of OpenBLAS and torch reset themselves at a fork, as DataLoader workers rely
-    on)."""
+    initialised (a context does not survive a fork), and no Python thread but this one (a fork
+    copies none, whatever locks it held; OpenBLAS's and torch's pools reset at a fork)."""
     torch = sys.modules.get("torch")
     return (fork_enabled() and torch is not None and not torch.cuda.is_initialized()
             and threading.active_count() == 1)
@@ -579,8 +579,8 @@ def scratch_dir() -> Path:
 
 
 def progress(message: str, limit: str = TOTAL) -> None:
-    """Say what the worker is doing (a timeout or crash names it) and start a step under
-    `limit`: TOTAL (the task's limit only), BUILD or FORWARD."""
+    """Say what the worker does (a timeout or crash names it): a step under TOTAL, BUILD or
+    FORWARD `limit`."""
     _send(f"P {limit} {message}")
 
 
