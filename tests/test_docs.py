@@ -3,8 +3,8 @@ reader looks something up (issue 53).
 
 - README.md at most README_LINES lines of at most LINE_CHARS characters, benchmarks/PERF.md at
   most PERF_LINES (a record, not a log: history lives in git and benchmarks/results/);
-- every relative link in README.md and docs/*.md reaches a file (and, into a Markdown file, a
-  heading of it);
+- every relative link in README.md, docs/*.md and benchmarks/{README,PERF}.md reaches a file (and,
+  into a Markdown file, a heading of it);
 - every exploit candidate (tests/candidates/exploit_*.py) is named in docs/threat-model.md;
 - the commands README.md shows are ones the CLI and dev.sh accept.
 No torch: parsing the command line imports none.
@@ -27,7 +27,7 @@ _CODE_SPAN = re.compile(r"`[^`]*`")
 
 
 def _pages() -> list[Path]:
-    return [README, *sorted(DOCS.glob("*.md"))]
+    return [README, *sorted(DOCS.glob("*.md")), PERF, ROOT / "benchmarks" / "README.md"]
 
 
 def slug(heading: str) -> str:
