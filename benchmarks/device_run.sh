@@ -2,12 +2,12 @@
 # The benchmarks of record and the GPU checks, on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...        (benchmarks/README.md says what each stage runs)
 # Stages: build env tests memcheck racecheck check bench profile train iwae crossover multi jobs
-# harness.
+# harness kbtiming honest.
 # Each stage's log lands in $LOGS; $OUT gets summary.txt (one line per run: rc and seconds) and
 # results.tgz (every log and .jsonl), refreshed after every run so that a kill loses nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness kbtiming "
+STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness kbtiming honest "
 for stage in "$@"; do  # refuse a typo before any stage spends device time
   [[ $STAGES == *" $stage "* ]] || { echo "device_run.sh: unknown stage '$stage' (stages:$STAGES)" >&2; exit 2; }
 done
@@ -92,9 +92,12 @@ for stage in "$@"; do case $stage in
   jobs) run jobs "${T_JOBS:-450}" python3 benchmarks/jobs.py --device cuda --out "$LOGS/jobs.jsonl" ;;
   harness) run harness "${T_HARNESS:-300}" python3 benchmarks/harness_timing.py --device cuda \
              --out "$LOGS/harness_timing.jsonl" ;;
-  kbtiming)  # bench's cold column against KernelBench's own timing (its timing.py in $KB_TIMING)
-    run kbtiming "${T_KB:-300}" python3 benchmarks/kernelbench_timing.py --kb "${KB_TIMING:-.kb/timing.py}" \
-      --out "$LOGS/kernelbench_timing.jsonl" ;;
+  kbtiming)  # bench's cold column against KernelBench's own timing (its timing.py in $KB_TIMING),
+    # over KB_RUNS bench runs of the exported solution, eager and a torch.compile candidate
+    run kbtiming "${T_KB:-540}" python3 benchmarks/kernelbench_timing.py --kb "${KB_TIMING:-.kb/timing.py}" \
+      --runs "${KB_RUNS:-3}" --out "$LOGS/kernelbench_timing.jsonl" ;;
+  honest)  # every honest candidate under bench: no flag, exit 0 (vae_elbo at B = 1 to 65,536)
+    run honest "${T_HONEST:-480}" python3 benchmarks/honest_bench.py --out "$LOGS/honest_bench.jsonl" ;;
 esac; done
 # The correctness record: a gpu_tests.jsonl row per test file, sanitizer run and check logged so
 # far (benchmarks/gpu_rows.py), into $LOGS and so into results.tgz.
