@@ -66,6 +66,10 @@ from .worker import Worker, WorkerPool, fork_enabled, fork_safe
 STARVED_BYTES = 4 << 30
 
 
+class _NoRoom(Exception):
+    """The candidate worker's own directory could not take a file the harness hands it."""
+
+
 class DeviceUnavailable(ValueError):
     """`device` is cuda but this machine has none, or not that many (the message says which,
     for "device X, but ..."). Raised once the workers are started (CUDA is
@@ -253,6 +257,37 @@ class _Check:
         self.ref_w.kill()
         return not left or self._adopt(self._reference(left))
 
+    def _alone(self, cand_w: Worker, failed, only: list[str] | None):
+        """(candidate worker, its build or None, the reference's outcome) after a reference
+        pass that failed while the candidate's code ran beside it. Whatever the candidate took
+        that the reference needed (the disk that holds both their directories, filled at its
+        import and freed after: exit 2 "the reference could not run" until 2026-12-07, where a
+        wrong answer is exit 1; device memory; processes) goes with its worker: that worker is
+        ended, its scratch directory removed (and, where the reference's file system is nearly
+        full, its build directory: what else it may write outlives it), and the reference runs
+        again with no candidate code alive. Only a reference that fails alone could not run;
+        one that runs gets a fresh candidate worker, built again, for the trials."""
+        cand_w.close()
+        if self.ref_w is not None:
+            self.ref_w.kill()
+        forgot = bool(self.sha256) and sandbox.forget_builds(self.sha256, self.root)
+        self.report.notes.append(
+            f"the reference failed while the candidate's code ran beside it "
+            f"({_last_line(failed.reason) or failed.category}): "
+            "it ran again alone, after the candidate's worker was ended"
+            + (" and its build directory removed (the disk was nearly full)" if forgot else ""))
+        again = self._reference(only, self._worker("reference"))
+        if not again.ok:
+            return cand_w, None, again
+        fresh = self._worker("candidate")
+        o = self.o
+        built = fresh.run(build_candidate,
+                          {"candidate": str(self.cand), "problem": str(self.prob),
+                           "device": o.device, "seed": o.seed, "sha256": self.sha256},
+                          timeout=o.build_timeout, build_timeout=o.build_timeout)
+        self.report.timings["build_s"] = built.result["build_s"] if built.ok else built.seconds
+        return fresh, built, again
+
     # ---- the check ----
 
     def run(self) -> CheckReport:
@@ -294,7 +329,12 @@ class _Check:
                 for w in self.workers[1:]:
                     w.kill()  # fail fast: the reference's work is moot
                 return self._build_failed(built)
-            if ref is not None and not self._adopt(ref.result()):
+            first = None if ref is None else ref.result()
+            if first is not None and not first.ok:  # beside the candidate's code: again alone
+                cand_w, built, first = self._alone(cand_w, first, only)
+                if built is not None and not built.ok:
+                    return self._build_failed(built)
+            if first is not None and not self._adopt(first):
                 return report
             report.reference = ("cached" if ref is None else "computed" if only is None
                                 else "partly cached")
@@ -310,7 +350,10 @@ class _Check:
             raise
         finally:
             threads.shutdown(wait=True)
-        return self._judge(cand_w)
+        try:
+            return self._judge(cand_w)
+        except _NoRoom as exc:  # the candidate's own directory: its worker's lot, never the
+            return report.error("exception", str(exc), allowed=CANDIDATE_FAILURES)  # reference's
 
     def _build_failed(self, built) -> CheckReport:
         from .compile import map_compiler_errors
@@ -431,8 +474,13 @@ class _Check:
     def _hand(worker: Worker, source, name: str) -> str:
         """A copy of the reference's file `source` in the candidate worker's own directory: the
         only place it may read the reference's inputs from (never the cache itself), as a new
-        file: never written through anything the candidate put there (handoff.py)."""
-        return str(handoff.write_new(worker.tmp, name, source=source))
+        file: never written through anything the candidate put there (handoff.py). _NoRoom
+        where that directory cannot take it (its file system full)."""
+        try:
+            return str(handoff.write_new(worker.tmp, name, source=source))
+        except OSError as exc:
+            raise _NoRoom(f"the candidate's worker could not be handed its inputs ({name}) in "
+                          f"its own directory: {exc.strerror or exc}") from None
 
     def _hand_shared(self, worker: Worker, desc):
         """A device-resident input as the candidate's worker can open it: CUDA IPC handles as
@@ -585,6 +633,12 @@ def available_device() -> str:
 
 
 PERTURB_RUNS = 16  # compare.PERTURB_RUNS (compare imports torch; tests hold the two equal)
+
+
+def _last_line(text: str, chars: int = 200) -> str:
+    """The last line of `text` that holds anything (a traceback's: the exception), cut."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:chars] if lines else ""
 
 
 def _unanswered(t: int, entry: dict) -> TrialReport:
