@@ -607,3 +607,58 @@ def test_a_candidates_build_directory_goes_only_where_the_disk_is_nearly_full(tm
     free["f_bavail"] = 4
     assert sandbox.forget_builds(digest, tmp_path)
     assert not (tmp_path / "builds" / digest).exists()
+
+
+# ---- a reference refused device memory: decided from what it was denied (issue #52) ----
+
+_MiB, _GiB = 1 << 20, 1 << 30
+
+
+@pytest.mark.parametrize("requested, free, held, starved", [
+    # the 80 GB H100's refusal (2026-12-07): 512 MiB asked, 238.56 MiB free, the rest held
+    (512 * _MiB, int(238.56 * _MiB), int(79.18 * _GiB - 240.56 * _MiB), True),
+    # a 141 GB H200 whose memory the candidate held: batch 5 of problems/starvable.py
+    (int(1.25 * _GiB), _GiB // 2, 139 * _GiB, True),
+    # a reference too large for the card, whatever else holds it: its own limit (N/A)
+    (200 * _GiB, 139 * _GiB, _GiB // 2, False),
+    (79 * _GiB, 78 * _GiB, _GiB // 2, False),  # within its own context of the whole card
+    # a refusal that does not say its size: what others held, against STARVED_BYTES
+    (None, None, 6 * _GiB, True), (None, None, _GiB, False),
+    (512 * _MiB, None, None, False),  # a CPU: nothing held elsewhere is the device's to say
+])
+def test_starvation_is_decided_from_what_the_reference_was_denied(requested, free, held,
+                                                                  starved):
+    from fastelbo.harness.judge import denied_by_others
+    assert denied_by_others(requested, free, held) is starved
+
+
+def test_a_default_regime_refused_memory_others_held_is_reference_starved(tmp_path):
+    """As on the 80 GB H100 (problems/starved_default.py stands in with its numbers): the
+    default regime refused memory another process held is `reference_starved`, not "the
+    reference could not run" (category `reference`, until 2026-12-07), after a run alone."""
+    report = run_check(HERE / "problems" / "starved_default.py", _doubling(tmp_path),
+                       trials=1, batch_sizes=[], scales=(), cache=False)
+    assert report.exit_code == 2 and report.categories == ["reference_starved"], report.format()
+    assert "asked for 0.50 GiB with 0.23 GiB free" in report.reasons[0], report.reasons
+    assert any("it ran again alone" in n for n in report.notes), report.notes
+
+
+def test_a_regime_refused_memory_beside_the_candidate_is_judged_alone(tmp_path, monkeypatch):
+    """As on a 141 GB H200 (problems/starved_once.py): the reference refused memory at batch 5,
+    which the candidate's worker held, runs again alone, and the candidate wrong there
+    (exploit_starves_reference.py's forward) is INCORRECT (exit 1), not `reference_starved`."""
+    monkeypatch.setenv("FASTELBO_TEST_WAITED", str(tmp_path / "starved-once"))
+    report = run_check(HERE / "problems" / "starved_once.py",
+                       CANDIDATES / "exploit_starves_reference.py", trials=1, batch_sizes=[1, 5],
+                       scales=(), cache=False)
+    assert (tmp_path / "starved-once").exists()
+    assert report.exit_code == 1 and report.categories == ["mismatch"], report.format()
+    assert any("refused device memory others held in batch=5" in n for n in report.notes), \
+        report.notes
+
+
+def _doubling(tmp_path: Path) -> Path:
+    cand = tmp_path / "doubling.py"
+    cand.write_text("from torch import nn\n\n\nclass ModelNew(nn.Module):\n"
+                    "    def forward(self, x):\n        return x * 2\n")
+    return cand
