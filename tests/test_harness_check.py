@@ -488,3 +488,177 @@ def test_every_corpus_report_is_strict_json_of_the_documented_schema(reports):
         data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
         jsonschema.validate(data, CHECK_REPORT)
         assert data["exit_code"] == CORPUS[name][0], name
+
+
+# ---- resource exhaustion: the candidate's failure, never the reference's (issue #52) ----
+
+def test_a_result_with_no_room_even_for_its_error_comes_back_over_the_channel():
+    """A worker whose result, and then the error saying so, could not be written (its
+    directory's file system full; torch.save refused here): the error comes back as a line on
+    its channel, not as a crash with an empty log."""
+    from fastelbo.harness.worker import run_task
+    outcome = run_task(worker_tasks.no_room_for_a_result, 60, env=worker_tasks.ENV)
+    assert not outcome.ok and outcome.category == "exception", outcome
+    assert "result could not be saved" in outcome.reason, outcome.reason
+    assert "the task's own error" in outcome.reason, outcome.reason
+
+
+def test_a_task_that_cannot_be_handed_over_is_an_outcome(monkeypatch):
+    """The worker's directory could not take the task (ENOSPC): the worker's outcome says so;
+    nothing raises into the caller (a check's thread)."""
+    import errno
+
+    from fastelbo.harness import worker
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    w = worker.Worker(worker_tasks.ENV)
+    try:
+        monkeypatch.setattr(worker.handoff, "write_new", full)
+        outcome = w.run(worker_tasks.fine, {}, timeout=60)
+    finally:
+        w.close()
+    assert not outcome.ok and outcome.category == "exception"
+    assert "could not be handed to the worker" in outcome.reason, outcome.reason
+    assert "No space left on device" in outcome.reason, outcome.reason
+
+
+def test_a_forked_worker_never_returns_into_its_callers_stack(monkeypatch, tmp_path):
+    """The child of a fork whose worker raises, and whose error print raises too (its log on a
+    full disk), exits: it never runs the caller's code after the fork (until 2026-12-07 it ran
+    the check's error handling there, which killed the candidate's worker)."""
+    import errno
+
+    from fastelbo.harness import forking
+
+    def no_room():
+        raise OSError(errno.ENOSPC, "No space left on device (the log)")
+
+    def worker_raises():
+        raise RuntimeError("the worker raised")
+    monkeypatch.setattr(forking.traceback, "print_exc", no_room)
+    ends = os.pipe()
+    parent = os.getpid()
+    try:
+        child = forking.fork_worker(ends, tmp_path / "log", {}, worker_raises)
+    finally:
+        if os.getpid() != parent:  # the child, back in this test: the bug
+            os._exit(99)
+    for fd in ends:
+        os.close(fd)
+    assert child.wait() == forking.CHILD_FAILED
+
+
+def test_inputs_the_candidates_directory_cannot_take_are_its_failure(monkeypatch):
+    """The copy of the reference's inputs into the candidate worker's own directory failed (its
+    file system full): a failure of the candidate's (exit 2, its category), not a traceback
+    out of the check, nor the reference's."""
+    import errno
+
+    from fastelbo.harness import check
+    write_new = check.handoff.write_new
+
+    def full(directory, name, data=None, *, source=None):
+        if source is not None:  # the inputs handed to the candidate (_Check._hand)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_new(directory, name, data, source=source)
+    monkeypatch.setattr(check.handoff, "write_new", full)
+    report = run_check(TINY, CANDIDATES / "reference_as_candidate.py", trials=1,
+                       batch_sizes=[], scales=())
+    assert report.exit_code == 2 and report.categories == ["exception"], report.format()
+    assert "could not be handed its inputs" in report.reasons[0], report.reasons
+    assert "No space left on device" in report.reasons[0], report.reasons
+
+
+def test_a_reference_that_failed_beside_the_candidate_runs_again_alone(tmp_path, monkeypatch):
+    """problems/reference_fails_once.py fails its first construction with ENOSPC, as when a
+    candidate's import held the disk full (tests/test_harness_exploits.py does it for real
+    where a small file system can be mounted): the reference runs again, alone, and the wrong
+    candidate is INCORRECT (exit 1), not "the reference could not run" (exit 2)."""
+    monkeypatch.setenv("FASTELBO_TEST_WAITED", str(tmp_path / "failed-once"))
+    cand = tmp_path / "thrice.py"
+    cand.write_text("from torch import nn\n\n\nclass ModelNew(nn.Module):\n"
+                    "    def forward(self, x):\n        return x * 3\n")
+    report = run_check(HERE / "problems" / "reference_fails_once.py", cand, trials=1,
+                       batch_sizes=[], scales=(), cache=False)
+    assert (tmp_path / "failed-once").exists()
+    assert report.exit_code == 1 and report.categories == ["mismatch"], report.format()
+    assert any("it ran again alone" in n and "No space left on device" in n
+               for n in report.notes), report.notes
+    assert [w["role"] for w in report.workers].count("candidate") == 2, report.workers
+
+
+def test_a_candidates_build_directory_goes_only_where_the_disk_is_nearly_full(tmp_path,
+                                                                              monkeypatch):
+    """What a candidate wrote in its build directory outlives its worker: removed before the
+    reference runs again alone where the file system the two share is nearly full, else kept
+    (a rebuild costs minutes)."""
+    from types import SimpleNamespace
+
+    from fastelbo.harness import sandbox
+    monkeypatch.setenv(sandbox.BUILDS_ENV, str(tmp_path / "builds"))
+    digest = "ab" * 32
+    (tmp_path / "builds" / digest).mkdir(parents=True)
+    (tmp_path / "builds" / digest / "ballast").write_bytes(b"x")
+    free = {"f_bavail": 50, "f_blocks": 100}
+    monkeypatch.setattr(sandbox.os, "statvfs", lambda p: SimpleNamespace(**free))
+    assert not sandbox.forget_builds(digest, tmp_path)
+    assert (tmp_path / "builds" / digest).is_dir()
+    free["f_bavail"] = 4
+    assert sandbox.forget_builds(digest, tmp_path)
+    assert not (tmp_path / "builds" / digest).exists()
+
+
+# ---- a reference refused device memory: decided from what it was denied (issue #52) ----
+
+_MiB, _GiB = 1 << 20, 1 << 30
+
+
+@pytest.mark.parametrize("requested, free, held, starved", [
+    # the 80 GB H100's refusal (2026-12-07): 512 MiB asked, 238.56 MiB free, the rest held
+    (512 * _MiB, int(238.56 * _MiB), int(79.18 * _GiB - 240.56 * _MiB), True),
+    # a 141 GB H200 whose memory the candidate held: batch 5 of problems/starvable.py
+    (int(1.25 * _GiB), _GiB // 2, 139 * _GiB, True),
+    # a reference too large for the card, whatever else holds it: its own limit (N/A)
+    (200 * _GiB, 139 * _GiB, _GiB // 2, False),
+    (79 * _GiB, 78 * _GiB, _GiB // 2, False),  # within its own context of the whole card
+    # a refusal that does not say its size: what others held, against STARVED_BYTES
+    (None, None, 6 * _GiB, True), (None, None, _GiB, False),
+    (512 * _MiB, None, None, False),  # a CPU: nothing held elsewhere is the device's to say
+])
+def test_starvation_is_decided_from_what_the_reference_was_denied(requested, free, held,
+                                                                  starved):
+    from fastelbo.harness.judge import denied_by_others
+    assert denied_by_others(requested, free, held) is starved
+
+
+def test_a_default_regime_refused_memory_others_held_is_reference_starved(tmp_path):
+    """As on the 80 GB H100 (problems/starved_default.py stands in with its numbers): the
+    default regime refused memory another process held is `reference_starved`, not "the
+    reference could not run" (category `reference`, until 2026-12-07), after a run alone."""
+    report = run_check(HERE / "problems" / "starved_default.py", _doubling(tmp_path),
+                       trials=1, batch_sizes=[], scales=(), cache=False)
+    assert report.exit_code == 2 and report.categories == ["reference_starved"], report.format()
+    assert "asked for 0.50 GiB with 0.23 GiB free" in report.reasons[0], report.reasons
+    assert any("it ran again alone" in n for n in report.notes), report.notes
+
+
+def test_a_regime_refused_memory_beside_the_candidate_is_judged_alone(tmp_path, monkeypatch):
+    """As on a 141 GB H200 (problems/starved_once.py): the reference refused memory at batch 5,
+    which the candidate's worker held, runs again alone, and the candidate wrong there
+    (exploit_starves_reference.py's forward) is INCORRECT (exit 1), not `reference_starved`."""
+    monkeypatch.setenv("FASTELBO_TEST_WAITED", str(tmp_path / "starved-once"))
+    report = run_check(HERE / "problems" / "starved_once.py",
+                       CANDIDATES / "exploit_starves_reference.py", trials=1, batch_sizes=[1, 5],
+                       scales=(), cache=False)
+    assert (tmp_path / "starved-once").exists()
+    assert report.exit_code == 1 and report.categories == ["mismatch"], report.format()
+    assert any("refused device memory others held in batch=5" in n for n in report.notes), \
+        report.notes
+
+
+def _doubling(tmp_path: Path) -> Path:
+    cand = tmp_path / "doubling.py"
+    cand.write_text("from torch import nn\n\n\nclass ModelNew(nn.Module):\n"
+                    "    def forward(self, x):\n        return x * 2\n")
+    return cand

@@ -321,3 +321,82 @@ def test_own_state_is_every_global_the_harness_rebinds():
             found[mod.__name__] = names
     own = {k: v for k, v in integrity._OWN_STATE.items() if k != "problem"}
     assert found == own
+
+
+_HEAD, _PTR = object.__basicsize__, __import__("ctypes").sizeof(__import__("ctypes").c_void_p)
+
+
+def _word(obj, at: int):
+    import ctypes
+    return ctypes.c_void_p.from_address(id(obj) + at)
+
+
+def test_cpythons_layout_is_read_on_every_version_ci_runs():
+    """3.11 and 3.12 (CI), 3.13: builtin_function_or_method and the C method descriptors have
+    the layout integrity._CFields reads; were it not so, nothing would be watched in place."""
+    assert set(integrity._LAYOUTS) == {types.BuiltinFunctionType, types.MethodDescriptorType,
+                                       types.ClassMethodDescriptorType}
+
+
+def _zeros(module, n):
+    return bytes(n)
+
+
+def _two(*args):
+    return 2
+
+
+@pytest.mark.parametrize("name, field", [
+    ("time.perf_counter", "m_ml"), ("os.urandom", "ml_meth"),
+    ("torch.get_num_threads", "vectorcall"), ("torch._C.TensorBase.clone", "d_method")])
+def test_a_builtin_rewritten_in_place_is_named(snap, name, field):
+    """Its identity kept, its C fields pointed elsewhere through ctypes (as
+    tests/candidates/exploit_rewrites_*_inplace.py do): changed() names it, and the guard does
+    too for what the timing loops call (the timers, the OS's random source, the thread count).
+    Restored, nothing is named."""
+    import ctypes
+    if field == "vectorcall":  # PyObject *(*)(callable, args, nargsf, kwnames)
+        callback = ctypes.CFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_size_t, ctypes.c_void_p)(_two)
+    else:  # METH_O: PyObject *(*)(module, arg)
+        callback = ctypes.CFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.py_object)(_zeros)
+    target = {"time.perf_counter": time.perf_counter, "os.urandom": os.urandom,
+              "torch.get_num_threads": torch.get_num_threads,
+              "torch._C.TensorBase.clone": vars(torch._C.TensorBase)["clone"]}[name]
+    if field == "ml_meth":  # the definition itself, shared by every object made from it
+        where = ctypes.c_void_p.from_address(_word(target, _HEAD).value + _PTR)
+    else:
+        where = _word(target, _HEAD + {"m_ml": 0, "vectorcall": 4, "d_method": 3}[field] * _PTR)
+    other = {"m_ml": _word(time.thread_time, _HEAD).value,
+             "d_method": _word(vars(torch._C.TensorBase)["detach"], _HEAD + 3 * _PTR).value}
+    saved = where.value
+    assert snap.changed() == [] and snap.hooks_left() == []
+    where.value = other.get(field, ctypes.cast(callback, ctypes.c_void_p).value)
+    try:
+        changed, left = snap.changed(), snap.hooks_left()
+    finally:
+        where.value = saved
+    assert f"{name} was rewritten in place ({field} changed)" in changed, changed
+    per_call = name != "torch._C.TensorBase.clone"
+    assert (f"{name} was rewritten in place ({field} changed)" in left) == per_call, left
+    assert snap.changed() == [] and snap.hooks_left() == []
+
+
+def test_a_builtins_machine_code_rewritten_is_named():
+    """A jump written over the start of its C function (mprotect, then a write) leaves every
+    field as it was: the first bytes at ml_meth are kept too. Here a built-in made on a
+    PyMethodDef whose ml_meth is a buffer of the test's own (never called)."""
+    import ctypes
+    code = ctypes.create_string_buffer(b"\x55\x48\x89\xe5" * 8)
+    method = (ctypes.c_void_p * 4)(ctypes.cast(ctypes.c_char_p(b"made"), ctypes.c_void_p),
+                                   ctypes.addressof(code), 0x0004, None)  # METH_NOARGS
+    new = ctypes.pythonapi.PyCFunction_NewEx
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.py_object,
+                                                    ctypes.py_object]
+    made = new(ctypes.addressof(method), None, None)
+    fields = integrity._CFields("made", made, integrity._layout_of(made))
+    assert fields.rewritten(code=True) == []
+    code[4] = b"\xe9"
+    assert fields.rewritten() == []  # per call, only the fields are read
+    assert fields.rewritten(code=True) == [
+        "made was rewritten in place (its machine code changed)"]

@@ -38,3 +38,14 @@ def numpy_result() -> dict:
 @task
 def lambda_result() -> dict:
     return {"value": lambda: 0}
+
+
+@task
+def no_room_for_a_result() -> dict:
+    """Raise where not even the error can be saved (torch.save refused, as on a full disk)."""
+    import torch
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+    torch.save = refused
+    raise ValueError("the task's own error")

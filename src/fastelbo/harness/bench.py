@@ -38,6 +38,7 @@ from .options import BenchOptions
 from .placement import placement
 from .pool import Pool, forward_seed, sample, seed_all, use_secret
 from .results import append_jsonl, environment, utc_now
+from .scan import scan_rows
 from .task_specs import implements
 from .timing import Budget, kernel_times, loop_marks, measure
 from .worker import TaskError, progress, run_task, traceback_tail
@@ -348,6 +349,7 @@ def run_bench(problem: str, candidates: list[str] | None = None,
         unchecked = rows[i]["status"] == "UNCHECKED"  # the harness's failure, not the row's
         code = max(code, 2 if unchecked else 1 if rows[i]["status"] != "ok" or rows[i]["flags"]
                    else 0)
+    scan_rows(rows, {n: p for n, k, p in entries if k == "candidate"})  # reported, not judged
     if o.out is not None:
         append_jsonl(o.out, rows)
     return rows, code

@@ -16,7 +16,10 @@ Phases and their limits: the candidate file is parsed here first (a syntax error
 process). A worker then imports it and constructs ModelNew (the build, `build_timeout`) while
 the reference's outputs come from the cache (refcache.py) or from a reference worker running
 meanwhile (`timeout`); a failed build is reported as soon as it ends, with file:line and its
-time. The same candidate worker then replays every regime (`timeout` in all; each forward
+time. A reference pass that fails beside the candidate's build, or is refused device memory
+that others held, runs again alone, the candidate's worker ended and then built again
+(`_Check._alone`): what a candidate exhausts is its failure, never the reference's. The same
+candidate worker then replays every regime (`timeout` in all; each forward
 `forward_timeout`, or up to `build_timeout` while it compiles). Envelopes come last. A process
 that has not imported torch (a new `fastelbo check`) imports it once and forks the candidate and
 reference workers from itself, before anything touches CUDA.
@@ -36,7 +39,15 @@ from pathlib import Path
 from ..problems import problem_path
 from . import handoff, refcache, sandbox
 from .files import candidate_path, read_source
-from .judge import ENVELOPE_CATEGORIES, judge_trial, record_problem, regime_of, trial_from_dict
+from .judge import (
+    ENVELOPE_CATEGORIES,
+    denial,
+    denied_by_others,
+    judge_trial,
+    record_problem,
+    regime_of,
+    trial_from_dict,
+)
 from .options import CheckOptions
 from .placement import cuda_device_missing
 from .regimes import plan
@@ -59,11 +70,9 @@ from .task_specs import (
 )
 from .worker import Worker, WorkerPool, fork_enabled, fork_safe
 
-# Device memory held outside the reference's worker (its own CUDA context included, about
-# 0.5 GiB; the candidate's worker's another) above which a reference refused memory may have
-# been starved on purpose: a candidate that takes the device's memory at import, while the
-# reference runs, would otherwise skip every regime too large for what is left (_starved).
-STARVED_BYTES = 4 << 30
+
+class _NoRoom(Exception):
+    """The candidate worker's own directory could not take a file the harness hands it."""
 
 
 class DeviceUnavailable(ValueError):
@@ -235,8 +244,10 @@ class _Check:
             timeout=o.timeout)
 
     def _adopt(self, outcome) -> bool:
-        if not outcome.ok:
-            self.report.error("reference", f"the reference could not run: {outcome.reason}",
+        if not outcome.ok:  # starved (tasks._reference_regime says so), or it could not run
+            category = "reference_starved" if outcome.category == "reference_starved" \
+                else "reference"
+            self.report.error(category, f"the reference could not run: {outcome.reason}",
                               outcome.output_tail)
             return False
         self.pkey, self.meta = outcome.result["pkey"], outcome.result["meta"]
@@ -252,6 +263,38 @@ class _Check:
             f"{', '.join(left) if left else 'nothing more'}")
         self.ref_w.kill()
         return not left or self._adopt(self._reference(left))
+
+    def _alone(self, cand_w: Worker, why: str, only: list[str] | None):
+        """(candidate worker, its build or None, the reference's outcome) after a reference
+        pass that failed while the candidate's code ran beside it, or was refused device memory
+        others held (`why`: _shortfall). Whatever the candidate took that the reference needed
+        (the disk that holds both their directories, filled at its import and freed after:
+        exit 2 "the reference could not run" until 2026-12-07, where a wrong answer is exit 1;
+        device memory; processes) goes with its worker: that worker is ended, its scratch
+        directory removed (and, where the reference's file system is nearly full, its build
+        directory: what else it may write outlives it), and the reference runs again, whole,
+        with no candidate code alive. Only a reference that fails alone could not run (or was
+        starved, by another process then); one that runs gets a fresh candidate worker, built
+        again, for the trials."""
+        cand_w.close()
+        if self.ref_w is not None:
+            self.ref_w.kill()
+        forgot = bool(self.sha256) and sandbox.forget_builds(self.sha256, self.root)
+        self.report.notes.append(
+            f"the reference {why} while the candidate's code ran beside it: it ran again "
+            "alone, after the candidate's worker was ended"
+            + (" and its build directory removed (the disk was nearly full)" if forgot else ""))
+        again = self._reference(only, self._worker("reference"))
+        if not again.ok:
+            return cand_w, None, again
+        fresh = self._worker("candidate")
+        o = self.o
+        built = fresh.run(build_candidate,
+                          {"candidate": str(self.cand), "problem": str(self.prob),
+                           "device": o.device, "seed": o.seed, "sha256": self.sha256},
+                          timeout=o.build_timeout, build_timeout=o.build_timeout)
+        self.report.timings["build_s"] = built.result["build_s"] if built.ok else built.seconds
+        return fresh, built, again
 
     # ---- the check ----
 
@@ -294,7 +337,13 @@ class _Check:
                 for w in self.workers[1:]:
                     w.kill()  # fail fast: the reference's work is moot
                 return self._build_failed(built)
-            if ref is not None and not self._adopt(ref.result()):
+            first = None if ref is None else ref.result()
+            short = first is not None and _shortfall(first)
+            if short:  # beside the candidate's code: again alone
+                cand_w, built, first = self._alone(cand_w, short, only)
+                if built is not None and not built.ok:
+                    return self._build_failed(built)
+            if first is not None and not self._adopt(first):
                 return report
             report.reference = ("cached" if ref is None else "computed" if only is None
                                 else "partly cached")
@@ -310,7 +359,10 @@ class _Check:
             raise
         finally:
             threads.shutdown(wait=True)
-        return self._judge(cand_w)
+        try:
+            return self._judge(cand_w)
+        except _NoRoom as exc:  # the candidate's own directory: its worker's lot, never the
+            return report.error("exception", str(exc), allowed=CANDIDATE_FAILURES)  # reference's
 
     def _build_failed(self, built) -> CheckReport:
         from .compile import map_compiler_errors
@@ -431,8 +483,13 @@ class _Check:
     def _hand(worker: Worker, source, name: str) -> str:
         """A copy of the reference's file `source` in the candidate worker's own directory: the
         only place it may read the reference's inputs from (never the cache itself), as a new
-        file: never written through anything the candidate put there (handoff.py)."""
-        return str(handoff.write_new(worker.tmp, name, source=source))
+        file: never written through anything the candidate put there (handoff.py). _NoRoom
+        where that directory cannot take it (its file system full)."""
+        try:
+            return str(handoff.write_new(worker.tmp, name, source=source))
+        except OSError as exc:
+            raise _NoRoom(f"the candidate's worker could not be handed its inputs ({name}) in "
+                          f"its own directory: {exc.strerror or exc}") from None
 
     def _hand_shared(self, worker: Worker, desc):
         """A device-resident input as the candidate's worker can open it: CUDA IPC handles as
@@ -457,7 +514,7 @@ class _Check:
         if not entry["applicable"]:
             regime.status, regime.note = "N/A", entry["reason"]
             if entry.get("exhausted"):
-                self._starved(regime, entry.get("held_elsewhere"))
+                self._starved(regime, entry)
             return regime
         nondet = [t["determinism_note"] for t in entry["trials"] if not t["deterministic"]]
         if nondet:
@@ -497,21 +554,20 @@ class _Check:
             regime.status = "PASS" if all(t.passed for t in regime.trials) else "FAIL"
         return regime
 
-    def _starved(self, regime: RegimeReport, held: int | None) -> None:
+    def _starved(self, regime: RegimeReport, entry: dict) -> None:
         """The reference was refused memory in `regime` (never cached: the next check tries
-        again). Where processes outside the reference's worker held STARVED_BYTES or more of
-        the device, that may be the candidate's doing (memory taken at import, while the
-        reference ran): the regime cannot be judged, and a check that skipped it is no pass."""
+        again). Where that was for memory held outside the reference's worker (the refusal's
+        own numbers: judge.denied_by_others), even with the candidate's worker ended
+        (_alone), that is another process's doing: the regime cannot be judged, and a check
+        that skipped it is no pass."""
         regime.note += "; not cached (it depends on what else held the memory)"
-        if held is None or held < STARVED_BYTES:
+        denied = (entry.get("requested"), entry.get("free"), entry.get("held_elsewhere"))
+        if not denied_by_others(*denied):
             return
         regime.status = "ERROR"
         self.report.failures.append(Finding(
-            "reference_starved",
-            f"regime {regime.name}: the reference ran out of device memory while "
-            f"{held / 2**30:.1f} GiB of it were held outside its worker (the candidate's "
-            "worker among them): it cannot be judged there; rerun on a device no other "
-            "process uses"))
+            "reference_starved", f"regime {regime.name}: {denial(*denied)}: it cannot be "
+                                 "judged there; rerun on a device no other process uses"))
 
     def _envelopes(self, entries: dict) -> None:
         """Rejudge, against the perturbed-reference envelope, every trial of a scaled regime
@@ -585,6 +641,21 @@ def available_device() -> str:
 
 
 PERTURB_RUNS = 16  # compare.PERTURB_RUNS (compare imports torch; tests hold the two equal)
+
+
+def _shortfall(outcome) -> str:
+    """What went short in a reference pass ("" where nothing did): it failed (the reason's last
+    line), or regimes were refused device memory that others held."""
+    if not outcome.ok:
+        return f"failed ({_last_line(outcome.reason) or outcome.category})"
+    starved = outcome.result.get("starved") or []
+    return f"was refused device memory others held in {', '.join(starved)}" if starved else ""
+
+
+def _last_line(text: str, chars: int = 200) -> str:
+    """The last line of `text` that holds anything (a traceback's: the exception), cut."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:chars] if lines else ""
 
 
 def _unanswered(t: int, entry: dict) -> TrialReport:

@@ -21,12 +21,26 @@ each new set before its timed call, or filled lazy outputs when they were read (
 to 16x "ok" on the CPU). `hooks_left()` names each one left set when a call returns, and the
 timing loops ask after every call (`guard`), so one removed before the end is still seen.
 
+Built-ins rewritten in place keep their identity: through ctypes a candidate can point a
+built-in function's C fields elsewhere (os.urandom answering zeros, time.perf_counter reading a
+thread's CPU clock, torch.get_num_threads lying: each "ok" at up to 22x on the CPU, 2026-12-07).
+So every watched built-in (a `builtin_function_or_method`, CPython's PyCFunctionObject, or a C
+method descriptor, PyMethodDescrObject) also keeps its C-level fields (`_CFields`): its type,
+its PyMethodDef pointer and that definition's ml_name, ml_meth and ml_flags, m_self and m_module
+(the descriptor's d_type and d_name), its vectorcall entry, and the first bytes of machine code
+at ml_meth and vectorcall; changed() names one changed ("rewritten in place"), and the guard
+asks after every call of those the timing loops and the guard themselves call (`_PER_CALL`).
+Where the interpreter's layout is not CPython's as 3.11-3.13 lay it out, nothing is read. Not
+seen: code rewritten past those first bytes or in what the function calls (clock_gettime in the
+vDSO), a type's slots and getset descriptors (Tensor.data): out of these tripwires' reach.
+
 These are tripwires, not walls: code that deliberately edits the harness's own state in its
 worker (the snapshot itself) can evade them; the static scan (scan.py) flags such code, and the
 confinement (sandbox.py) keeps the answers out of its reach whatever it patches.
 """
 from __future__ import annotations
 
+import ctypes
 import signal
 import sys
 import types
@@ -85,6 +99,10 @@ _OWN_STATE = {"fastelbo.harness.worker": {"_emitted", "_channel", "_tmp"},
               "fastelbo.harness.orphans": {"_adopts", "_open", "_set_by_us"},
               "problem": {"batch_size"}}  # loader.batch_size_set sets and restores it
 _PYTHON_STATE = {"__warningregistry__"}  # the warnings module's, in any module that warned
+# Built-ins the guard checks by their C-level fields after every call (_CFields), beyond the
+# builtins among _WATCHED and the harness's own module globals (pool._urandom, timing._perf, the
+# generators' seeding methods): what the guard reads the threads with.
+_PER_CALL = {("torch", "get_num_threads"), ("torch", "get_num_interop_threads")}
 
 
 def _owner(path: str):
@@ -157,6 +175,7 @@ class Snapshot:
                         self._keep_code(f"{label}.{name}", attr, member)
         for key in _READ_BY_THE_GUARD:  # state of the setters the guard reads (hooks_left)
             self.bound.pop(key, None)
+        self.cfields, self.per_call = _c_watch(self.bound, self.globals, self.whole)
         for (path, name), (_, value) in self.bound.items():
             self._keep_code(path, name, value)
         self.types = {label: (mod, type(mod)) for label, mod in (modules or {}).items()}
@@ -191,6 +210,7 @@ class Snapshot:
                     if name not in names and name not in own]
         out += [f"the code of {label}.{name} was replaced" for (label, name), (fn, code)
                 in self.codes.items() if not _same_parts(_code_of(fn), code)]
+        out += [what for c in self.cfields for what in c.rewritten(code=True)]
         return out + active_modes()
 
     def hooks_left(self) -> list[str]:
@@ -202,6 +222,7 @@ class Snapshot:
                for what, value in now.items() if not _same_hook(value, self.hooks.get(what))]
         out += [f"the class of {label} was replaced ({type(mod).__name__})"
                 for label, (mod, klass) in self.types.items() if type(mod) is not klass]
+        out += [what for c in self.per_call for what in c.rewritten()]
         if self.audit_hooks_added:
             out.append(f"an audit hook was added (sys.addaudithook, from {self.audit_hooks_added})"
                        ": it runs at events inside the harness's own calls")
@@ -258,6 +279,17 @@ def hooks_now() -> None:
     candidate (eager, torch.compile) pays after each call, so that the time between calls
     compares alike."""
     _hooks()
+    if not _PER_CALL_NOW:  # once per process: the built-ins a snapshot would check per call
+        bound = {(p, n): (o, _raw(o, n)) for p, n in [*_WATCHED, *_PER_CALL]
+                 if (o := _owner(p)) is not None}
+        harness = {name: (mod, dict(vars(mod))) for name in
+                   (f"fastelbo.harness.{m}" for m in _HARNESS) if (mod := sys.modules.get(name))}
+        _PER_CALL_NOW.extend(_c_watch(bound, harness, {})[1])
+    for c in _PER_CALL_NOW:
+        c.rewritten()
+
+
+_PER_CALL_NOW: list = []
 
 
 def _hooks() -> dict:
@@ -311,6 +343,112 @@ def _code_of(fn: types.FunctionType) -> tuple:
 
 
 _EMPTY = object()
+
+_P, _H = ctypes.sizeof(ctypes.c_void_p), object.__basicsize__  # a pointer; PyObject's header
+_CODE_BYTES = 16  # of machine code at a C entry point: a jump written over its start shows
+
+
+def _layouts() -> dict:
+    """{type: (its pointer-sized fields from ob_type on, named, None for one that changes by
+    itself; the index of its PyMethodDef pointer; of its vectorcall)}: CPython's
+    PyCFunctionObject and PyMethodDescrObject (Include/cpython/methodobject.h and
+    descrobject.h, alike in 3.11, 3.12 and 3.13), where the sizes say this interpreter lays
+    them out so; else {} (nothing read)."""
+    if sys.implementation.name != "cpython":
+        return {}
+    out = {}
+    if types.BuiltinFunctionType.__basicsize__ == _H + 5 * _P:  # m_weakreflist: weakref.ref's
+        out[types.BuiltinFunctionType] = (
+            ("its type", "m_ml", "m_self", "m_module", None, "vectorcall"), 1, 5)
+    for kind in (types.MethodDescriptorType, types.ClassMethodDescriptorType):
+        if kind.__basicsize__ == _H + 5 * _P:  # d_qualname: set when __qualname__ is first read
+            out[kind] = (("its type", "d_type", "d_name", None, "d_method", "vectorcall"), 4, 5)
+    return out
+
+
+_LAYOUTS = _layouts()
+
+
+def _layout_of(value):
+    """`value`'s entry in _LAYOUTS; a PyCMethodObject (a bound METH_METHOD built-in, a subtype
+    of builtin_function_or_method) adds mm_class."""
+    kind = type(value)
+    if kind in _LAYOUTS:
+        return _LAYOUTS[kind]
+    base = _LAYOUTS.get(types.BuiltinFunctionType)
+    if base and kind.__base__ is types.BuiltinFunctionType and \
+            kind.__basicsize__ == _H + 6 * _P:
+        return (base[0] + ("mm_class",), *base[1:])
+    return None
+
+
+class _CFields:
+    """A built-in's C-level fields as at the snapshot (module docstring), read through views of
+    its memory. It holds the objects its pointers name, so that none is freed and its address
+    given to another."""
+
+    def __init__(self, label: str, value, layout):
+        names, ml, vc = layout
+        self.label, self.names = label, names
+        self.held = (value, *(getattr(value, a, None) for a in (
+            "__self__", "__module__", "__objclass__", "__name__")))
+        words = (ctypes.c_void_p * len(names)).from_address(id(value) + _H - _P)[:]
+        # the named fields, as two spans of bytes around the one that changes by itself
+        skip = names.index(None)
+        self.spans = [(ctypes.c_char * (_P * n)).from_address(id(value) + _H - _P + _P * at)
+                      for at, n in ((0, skip), (skip + 1, len(names) - skip - 1))]
+        # ml_name, ml_meth and ml_flags (the third word: the int and, on 64 bits, padding)
+        self.spans.append((ctypes.c_char * (3 * _P)).from_address(words[ml]))
+        self.then = [s.raw for s in self.spans]
+        self.code = [(ctypes.c_char * _CODE_BYTES).from_address(at)
+                     for at in (int.from_bytes(self.then[-1][_P:2 * _P], sys.byteorder),
+                                words[vc]) if at]
+        self.code_then = [c.raw for c in self.code]
+
+    def rewritten(self, code: bool = False) -> list[str]:
+        """['os.urandom was rewritten in place (ml_meth changed)'] if a field differs now;
+        with `code`, its machine code's first bytes too. (The definition is read where it was
+        at the snapshot, whatever the pointer to it reads now: a static, or held through
+        m_self, so always readable.)"""
+        now = [s.raw for s in self.spans]
+        if now == self.then and not (code and [c.raw for c in self.code] != self.code_then):
+            return []
+        names = [n for n in self.names if n] + ["ml_name", "ml_meth", "ml_flags"]
+        words = [b[i:i + _P] for b in now for i in range(0, len(b), _P)]
+        then = [b[i:i + _P] for b in self.then for i in range(0, len(b), _P)]
+        which = ", ".join(n for n, a, b in zip(names, words, then) if a != b)
+        return [f"{self.label} was rewritten in place ({which or 'its machine code'} changed)"]
+
+
+def _c_watch(bound: dict, modules: dict, whole: dict) -> tuple[list, list]:
+    """(_CFields of every built-in among `bound` {(path, name): (owner, value)}, the globals
+    of `modules` {label: (module, names)} and the C bases of the classes in `whole`; those the
+    guard checks after every call: _WATCHED's, _PER_CALL's and the harness's own globals).
+    A built-in bound under several names is read once, under its first."""
+    seen, every, per_call = {}, [], []
+    watched = set(_WATCHED) | _PER_CALL
+
+    def add(label: str, value, each_call: bool) -> None:
+        layout = _layout_of(value)
+        if layout is None:
+            return
+        fields = seen.get(id(value))
+        if fields is None:
+            fields = seen[id(value)] = _CFields(label, value, layout)
+            every.append(fields)
+        if each_call and fields not in per_call:
+            per_call.append(fields)
+
+    for (path, name), (_, value) in bound.items():
+        add(f"{path}.{name}", value, (path, name) in watched)
+    for label, (_, names) in modules.items():
+        for name, value in names.items():
+            add(f"{label}.{name}", value, label.startswith("fastelbo.harness."))
+    for owner, _ in whole.values():  # torch._C.TensorBase's methods (clone, copy_, ...)
+        for klass in owner.__mro__[1:-1] if isinstance(owner, type) else ():
+            for name, value in list(vars(klass).items()):
+                add(f"{klass.__module__}.{klass.__qualname__}.{name}", value, False)
+    return every, per_call
 
 
 def _same_parts(now: tuple, then: tuple) -> bool:

@@ -26,6 +26,36 @@ RECORD_KEYS = {"name", "weights", "trials", "error"}
 TRIAL_KEYS = {"outputs", "rng", "mutated", "aliased", "tampered"}
 
 
+# A reference refused device memory (torch.OutOfMemoryError) was denied it by what others held
+# where its request would have fit in the memory free then plus the memory held outside its own
+# allocator, less CONTEXT_BYTES for its own CUDA context (counted in what is held outside; about
+# 0.5 GiB on an H100): a fact about that moment, on any card. Where the refusal does not say its
+# size, where others held STARVED_BYTES or more. (Until 2026-12-07 the threshold alone, checked
+# only for regimes after the default: on an 80 GB H100 the exploit's starvation hit the default
+# regime, and read as "the reference could not run".)
+CONTEXT_BYTES, STARVED_BYTES = 1 << 30, 4 << 30
+
+
+def denied_by_others(requested: int | None, free: int | None, held: int | None) -> bool:
+    """Whether the reference was refused `requested` bytes (None: not said) because of the
+    `held` bytes outside its allocator (None: unknown, as on a CPU: never), `free` bytes being
+    free (None: unknown)."""
+    if held is None:
+        return False
+    if requested is None or free is None:
+        return held >= STARVED_BYTES
+    return requested <= free + held - CONTEXT_BYTES
+
+
+def denial(requested: int | None, free: int | None, held: int | None) -> str:
+    """What the reference was denied, in words, for a report."""
+    asked = "" if requested is None else f"asked for {requested / 2**30:.2f} GiB" + (
+        "" if free is None else f" with {free / 2**30:.2f} GiB free")
+    return (f"the reference ran out of device memory{f' ({asked})' if asked else ''} while "
+            f"{(held or 0) / 2**30:.1f} GiB of it were held outside its worker (the candidate's "
+            "worker among them)")
+
+
 def capped(texts: list[str]) -> list[str]:
     """At most MAX_TAMPERED strings of at most TEXT_CHARS: the last one says how many more."""
     texts = [t[:TEXT_CHARS] for t in texts]

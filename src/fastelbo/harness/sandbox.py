@@ -316,6 +316,34 @@ def candidate_builds() -> Path:
                 or Path(tempfile.gettempdir()) / f"fastelbo-candidate-builds-{os.getuid()}")
 
 
+def nearly_full(path: str | Path) -> bool:
+    """Whether the file system holding `path` has less than a twentieth of its space free
+    (False where that cannot be read)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * 20 < st.f_blocks
+
+
+def forget_builds(digest: str, filling: str | Path) -> bool:
+    """Remove the build directory of the candidate whose source hashes to `digest` (narrow_builds
+    named it) where it is on the file system of `filling` and that is nearly full: what the
+    candidate wrote there outlives its worker (a disk filled so, and not freed, would starve
+    the reference it ran beside, and the one run after it alone). Its next worker builds again.
+    Whether it was removed."""
+    import shutil
+    path = candidate_builds() / digest
+    try:
+        same = os.stat(path).st_dev == os.stat(filling).st_dev
+    except OSError:
+        return False
+    if same and nearly_full(filling) and len(digest) == 64 and digest.isalnum():
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    return False
+
+
 def _compile_caches(scratch: Path) -> list[Path]:
     """Where a confined candidate may build: the candidates' root (candidate_builds()), in
     which narrow_builds gives each candidate a directory of its own before its import (its

@@ -12,6 +12,9 @@ as a comment, and a file that began with a BOM did not parse and had no flag at 
 A flag is
 not a verdict (a candidate may use a stream well); it tells a reviewer where to look, and the
 confinement (sandbox.py) and the checks of outputs and timers are what reject a cheat.
+
+check reports the flags of the bytes it runs (CheckReport.scan); bench reports them on each of
+a candidate's rows (`scan_rows`: `scan`, and a note), read as check reads a candidate.
 """
 from __future__ import annotations
 
@@ -162,6 +165,30 @@ def scan_source(text: str) -> list[dict]:
         out.append({"line": found[MAX_FLAGS][0], "category": "more_flags",
                     "text": f"{len(found) - MAX_FLAGS} more flag(s) from this line on"})
     return out
+
+
+def summary(flags: list[dict]) -> str:
+    """One line for a report: how many flags, and the first six's lines and categories."""
+    return f"scan (reported, not judged): {len(flags)} flag(s): " + "; ".join(
+        f"line {f['line']} {f['category']}" for f in flags[:6])
+
+
+def scan_rows(rows: list[dict], paths: dict[str, str]) -> None:
+    """bench's rows of each candidate in `paths` {row label: its file} get the file's scan:
+    `scan` (its flags, [] for none) and, where it has flags, a note (`summary`). Each file is
+    read once, as check reads a candidate (files.read_source: at most MAX_SOURCE_BYTES; one
+    that cannot be read or does not parse has no flags, as in check, which runs none)."""
+    from .files import read_source
+    flags = {}
+    for label, path in paths.items():
+        source, bad = read_source(path)
+        flags[label] = scan_source(source.decode(errors="replace")) if bad is None else []
+    for row in rows:
+        found = flags.get(row.get("candidate"))
+        if found is not None:
+            row["scan"] = found
+            if found:
+                row.setdefault("notes", []).append(summary(found))
 
 
 def scan_file(path: str | Path) -> list[dict]:

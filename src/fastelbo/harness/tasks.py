@@ -43,7 +43,16 @@ from .compare import (
     placement,
     unsupported_type,
 )
-from .judge import ERROR_CHARS, TEXT_CHARS, capped, judge_trial, needs_envelope, trial_to_dict
+from .judge import (
+    ERROR_CHARS,
+    TEXT_CHARS,
+    capped,
+    denial,
+    denied_by_others,
+    judge_trial,
+    needs_envelope,
+    trial_to_dict,
+)
 from .regimes import Regime, plan
 from .task_specs import implements
 from .worker import BUILD, FORWARD, TaskError, emit, progress, scratch_dir, traceback_tail
@@ -153,11 +162,14 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
             refcache.save(entry, ref_file)
             refcache.finish_entry(root, rkey, trials, transient=bool(entry.get("exhausted")))
         done.append(regime.name)
+        if entry.get("starved"):
+            starved.append(regime.name)
         if not lost:
             loader.release(dev)
         return inputs
 
     lost: list[str] = []
+    starved: list[str] = []  # regimes refused memory that others held (judge.denied_by_others)
     if only is None or "default" in only:
         first = run(Regime("default"))
         if first and meta["default_batch"]:
@@ -172,8 +184,9 @@ def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: 
     if lost:  # what this worker can no longer do: the rest, and its device-resident regimes
         remaining = [n for n in todo if n not in done] + list(resident)
         return {"pkey": pkey, "meta": meta, "computed": [n for n in done if n not in resident],
-                "resident": {}, "lost": lost[0], "remaining": remaining}
-    return {"pkey": pkey, "meta": meta, "computed": done, "resident": resident}
+                "resident": {}, "lost": lost[0], "remaining": remaining, "starved": starved}
+    return {"pkey": pkey, "meta": meta, "computed": done, "resident": resident,
+            "starved": starved}
 
 
 def _reference_model() -> torch.nn.Module:
@@ -228,14 +241,19 @@ def _reference_regime(mod, regime: Regime, dev, trials, seed, atol, rtol,
     except TaskError:
         raise
     except Exception as exc:  # noqa: BLE001 - a reference that raises makes the regime moot
+        denied = _denied(exc, dev) if _out_of_memory(exc) else None
+        if default and denied and denied_by_others(*denied):
+            raise TaskError("reference_starved", f"{denial(*denied)}: it cannot be judged; rerun "
+                                                 "on a device no other process uses") from None
         if default:
             raise TaskError("reference", f"the reference raised on get_inputs():\n"
                                          f"{traceback_tail(exc)}") from None
         entry.update(applicable=False, trials=[],
                      reason=f"the reference itself raised {type(exc).__name__}: "
                             f"{str(exc).strip().splitlines()[0][:300] if str(exc) else ''}")
-        if _out_of_memory(exc):
-            entry.update(exhausted=True, held_elsewhere=_held_elsewhere(dev))
+        if denied is not None:
+            entry.update(exhausted=True, requested=denied[0], free=denied[1],
+                         held_elsewhere=denied[2], starved=denied_by_others(*denied))
         return entry, [], None
     bad = sum(_nonfinite(tr["outputs"]) for tr in (kept or entry)["trials"])
     if bad and regime.perturbed_reference:
@@ -254,6 +272,26 @@ def _out_of_memory(exc: BaseException) -> bool:
     processes held, the candidate's worker among them), not about the reference."""
     return (isinstance(exc, (MemoryError, torch.OutOfMemoryError))
             or "out of memory" in str(exc).lower())
+
+
+def _denied(exc: BaseException, dev: torch.device) -> tuple:
+    """(bytes the refused allocation asked for, bytes free, bytes held outside this worker's
+    allocator), each None where not known: what judge.denied_by_others decides from."""
+    import re
+    found = re.search(r"Tried to allocate ([0-9.]+) (bytes|KiB|MiB|GiB|TiB)", str(exc))
+    units = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+    requested = int(float(found[1]) * units[found[2]]) if found else None
+    return requested, _free(dev), _held_elsewhere(dev)
+
+
+def _free(dev: torch.device) -> int | None:
+    """Free bytes of `dev` now; None on the CPU."""
+    if dev.type != "cuda":
+        return None
+    try:
+        return torch.cuda.mem_get_info(dev)[0]
+    except Exception:  # noqa: BLE001 - a device that cannot say: unknown
+        return None
 
 
 def _held_elsewhere(dev: torch.device) -> int | None:

@@ -34,12 +34,12 @@ import tempfile
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import handoff, orphans, sandbox, task_specs
+from .forking import fork_worker
 from .task_specs import Task
 
 TAIL_CHARS = 4000
@@ -106,7 +106,9 @@ class Worker:
         # orphan, and it may die the moment it exists.
         with orphans.birth() as register:
             if self.forked:
-                self.proc = _fork(cmd_r, msg_w, self.tmp, self._log_path, confine)
+                self.proc = fork_worker(
+                    (cmd_r, msg_w), self._log_path, {CONFINE_ENV: json.dumps(confine)},
+                    lambda: main([str(cmd_r), str(msg_w), str(self.tmp)]))
             else:
                 extra = {**(env or {}), CONFINE_ENV: json.dumps(confine)}
                 with open(self._log_path, "wb") as log:
@@ -151,11 +153,17 @@ class Worker:
         spec.bind(kwargs)
         self._on_partial = on_partial
         self._tasks += 1
-        path = handoff.write_new(self.tmp, f"task{self._tasks}.pkl",
-                                 pickle.dumps({"task": (spec.module, spec.name),
-                                               "kwargs": kwargs}))
         start = time.monotonic()
         outcome = WorkerOutcome(None)
+        try:
+            path = handoff.write_new(self.tmp, f"task{self._tasks}.pkl",
+                                     pickle.dumps({"task": (spec.module, spec.name),
+                                                   "kwargs": kwargs}))
+        except OSError as exc:  # its directory's file system full (ENOSPC): the worker's lot
+            self.kill()
+            outcome.category = "exception"
+            outcome.reason = f"the task could not be handed to the worker: {_first_line(exc)}"
+            return outcome
         try:
             if self.warm is None:  # its first task
                 self.warm = self.poll_ready()
@@ -240,6 +248,10 @@ class Worker:
                     self._on_partial(outcome.partials[-1])
             elif kind == "D":
                 return _read_result(outcome, Path(rest), self.tmp)
+            elif kind == "E":  # an error result its directory had no room for (_run_one)
+                category, _, reason = rest.partition(" ")
+                outcome.category, outcome.reason = category[:40] or "exception", reason
+                return
 
     def _next_line(self, wait: float) -> str | None:
         """The next message line; None when none came within `wait` s; "" at end of file;
@@ -316,6 +328,7 @@ class Worker:
                 os.close(fd)
             except OSError:
                 pass
+        self._cmd = self._msg = -1  # closed again (a check's end): never a number reused since
         import shutil
         shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -336,63 +349,6 @@ def fork_safe() -> bool:
 
 FORK_ENV = "FASTELBO_FORK_WORKERS"
 CONFINE_ENV = "FASTELBO_WORKER_CONFINE"  # the confinement, handed to a new worker
-
-
-class _Forked:
-    """What Worker uses of Popen (pid, poll, wait, returncode), for a child of os.fork."""
-
-    def __init__(self, pid: int):
-        self.pid, self.returncode = pid, None
-        self._lock = threading.Lock()
-
-    def poll(self) -> int | None:
-        return self._reap(os.WNOHANG)
-
-    def wait(self) -> int:
-        return self._reap(0)
-
-    def _reap(self, flags: int) -> int | None:
-        with self._lock:
-            if self.returncode is None:
-                try:
-                    pid, status = os.waitpid(self.pid, flags)
-                except ChildProcessError:  # reaped by someone else: its status is lost
-                    pid, status = self.pid, 255 << 8
-                if pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
-            return self.returncode
-
-
-def _fork(cmd_r: int, msg_w: int, tmp: Path, log_path: Path, confine: dict | None) -> _Forked:
-    """Fork a worker. The child keeps no descriptor of the parent's but its own two pipe ends:
-    not the parent's ends of any worker's pipes (the command pipe's EOF is how a worker learns
-    that its parent is gone), nor any file the parent had open (the reference's data, say)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with warnings.catch_warnings():
-        # Python 3.12+ counts OpenBLAS's idle native threads and warns; they reset at a fork.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid:
-        return _Forked(pid)
-    try:  # the child: a worker, as if started by `python -m fastelbo.harness.worker`
-        os.setsid()
-        null = os.open(os.devnull, os.O_RDONLY)
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        top = max(os.sysconf("SC_OPEN_MAX"), cmd_r + 1, msg_w + 1)
-        low, high = sorted((cmd_r, msg_w))
-        os.closerange(3, low)  # everything else from 3 up: null and log too, after the dup2s
-        os.closerange(low + 1, high)
-        os.closerange(high + 1, top)
-        os.environ[CONFINE_ENV] = json.dumps(confine)
-        main([str(cmd_r), str(msg_w), str(tmp)])
-    except BaseException:  # noqa: BLE001 - into the log, which the parent reports
-        traceback.print_exc()
-        sys.stderr.flush()
-    os._exit(70)  # never back into the caller's stack
 
 
 def _select(fds, wait):
@@ -636,12 +592,19 @@ def _save(out, path: Path) -> Path:
         out = {"worker_error": "the task's result could not be saved: "
                                f"{type(exc).__name__}: {_first_line(exc)}",
                "category": "exception"}
-        torch.save(out, tmp)
+        try:
+            torch.save(out, tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # what it wrote of it: the space is another's to use
+            raise
     os.replace(tmp, path)
     return path
 
 
-def _run_one(task_path: Path) -> Path:
+def _run_one(task_path: Path) -> str:
+    """Run the task at `task_path`; the line that answers it: "D <result file>", or where not
+    even an error result could be saved (its directory's file system full: ENOSPC), "E
+    <category> <reason>", the error itself, over the channel."""
     task = pickle.loads(task_path.read_bytes())  # written by the harness itself
     module, name = task["task"]
     progress(f"starting {module}.{name}")  # the task's own limits start here
@@ -657,9 +620,18 @@ def _run_one(task_path: Path) -> Path:
         out = {"worker_error": traceback_tail(exc), "category": "exception"}
     finally:
         _busy.clear()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    return _save(out, task_path.with_suffix(".result.pt"))
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the log's disk full: the result goes all the same
+            pass
+    try:
+        return f"D {_save(out, task_path.with_suffix('.result.pt'))}"
+    except Exception as exc:  # noqa: BLE001 - torch.save's writer raises RuntimeError there
+        why = out.get("worker_error") if isinstance(out, dict) else None
+        return (f"E {out.get('category', 'exception') if why else 'exception'} the task's "
+                f"result could not be saved: {type(exc).__name__}: {_first_line(exc)}"
+                + (f"; the task's own error: {why}" if why else ""))
 
 
 def main(argv: list[str]) -> int:
@@ -686,8 +658,7 @@ def main(argv: list[str]) -> int:
             path = line.strip()
             if not path:
                 break
-            result = _run_one(Path(path))
-            _send(f"D {result}")
+            _send(_run_one(Path(path)))
     # Skip interpreter teardown: a candidate's atexit hooks or CUDA context must not change
     # the verdict once the result is on disk.
     os._exit(0)
