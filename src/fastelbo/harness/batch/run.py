@@ -188,7 +188,7 @@ class Run:
         for pair, key in zip(self.pairs, self.keys):
             if key not in todo and self.store.get(key) is None:
                 todo[key] = pair
-        self.outcome.reused = len(self.pairs) - sum(k in todo for k in self.keys)
+        self.outcome.reused = sum(k not in todo for k in self.keys)  # found in the store
         ranks = {p: i for i, p in enumerate(dict.fromkeys(p.problem for p in self.pairs))}
         waiting = {p: 0 for p in ranks}  # checks of each problem not back yet
         for pair in todo.values():
