@@ -17,7 +17,7 @@ _lock = threading.Lock()
 
 
 def _mark(text: str, name: str, default: str) -> str:
-    m = re.search(rf"^# {name}: (\S+)", text, re.M)
+    m = re.search(rf"^# {name}: (\S+)", text, re.MULTILINE)
     return m[1] if m else default
 
 
@@ -68,8 +68,7 @@ def write_run(root: Path, marks: dict[tuple[int, int], str]) -> tuple[Path, Path
     probs, run = root / "problems", root / "run"
     probs.mkdir(parents=True, exist_ok=True)
     run.mkdir(parents=True, exist_ok=True)
-    for pid, sid in marks:
+    for (pid, sid), text in marks.items():
         (probs / f"{pid}_P{pid}.py").write_text(f"# problem {pid}\n")
-        (run / f"level_1_problem_{pid}_sample_{sid}_kernel.py").write_text(
-            f"{marks[pid, sid]}\n")
+        (run / f"level_1_problem_{pid}_sample_{sid}_kernel.py").write_text(f"{text}\n")
     return probs, run
