@@ -13,6 +13,7 @@ from pathlib import Path
 
 EAGER_MS, COMPILE_MS = 5.0, 4.0
 CALLS: list[tuple[str, str, str]] = []  # (kind, device, candidate name), in call order
+SESSIONS: list = []  # every FakeSession made
 _lock = threading.Lock()
 
 
@@ -27,6 +28,8 @@ class FakeSession:
     def __init__(self, problem, *, options, spares=1):
         self.problem, self.options, self.device = str(problem), options, options.device
         self.closed = False
+        with _lock:
+            SESSIONS.append(self)
 
     def run_correctness(self, source, trials=None, *, problem=None):
         text = Path(source).read_text()
