@@ -78,6 +78,10 @@ def register(sub: argparse._SubParsersAction, device_count) -> None:
     p.add_argument("--timing", choices=("full", "quick", "off"), default="full",
                    help="time the correct candidates (fast_p): full, quick (few repetitions) "
                         "or off (default: %(default)s)")
+    p.add_argument("--spares", type=int, default=2,
+                   help="worker processes each pool keeps started, of each kind (candidate, "
+                        "reference): a check that follows another finds them ready "
+                        "(default: %(default)s)")
     p.add_argument("--no-compile", action="store_true",
                    help="time no torch.compile baseline: fast_p against eager only "
                         "(default: %(default)s)")
@@ -137,7 +141,7 @@ def judge_command(args) -> int:
     except LayoutError as exc:
         raise UsageError(str(exc)) from None
     for flag, value in (("--limit", args.limit), ("--workers", args.workers),
-                        ("--build-jobs", args.build_jobs)):
+                        ("--build-jobs", args.build_jobs), ("--spares", args.spares)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     settings = _settings(args, out)
@@ -175,7 +179,8 @@ def _settings(args, out: Path):
         raise UsageError("--scheduler needs --engine dask")
     return Settings(out=out, check=check, seed=args.seed, timing=args.timing, engine=engine,
                     devices=_devices(args), scheduler=args.scheduler,
-                    build_jobs=args.build_jobs, compile_baseline=not args.no_compile)
+                    build_jobs=args.build_jobs, compile_baseline=not args.no_compile,
+                    spares=args.spares)
 
 
 def _has_dask() -> bool:

@@ -60,7 +60,7 @@ class Settings:
     engine: str = "local"
     devices: tuple[str, ...] = ("cpu",)
     scheduler: str | None = None
-    spares: int = 1
+    spares: int = 2  # per kind and pool: a check that follows another finds one started
     build_jobs: int | None = None
     compile_baseline: bool = True
 
