@@ -4,16 +4,19 @@ in advance and the same every time (no worker, no torch).
 
     # verdict: pass | incorrect | error | raise      (default pass; raise: the harness fails)
     # ms: 2.5                                        (its bench time; eager's is 5.0)
+    # sleep: 0.1                                     (its check takes that long)
 """
 from __future__ import annotations
 
 import re
 import threading
+import time
 from pathlib import Path
 
 EAGER_MS, COMPILE_MS = 5.0, 4.0
 CALLS: list[tuple[str, str, str]] = []  # (kind, device, candidate name), in call order
 SESSIONS: list = []  # every FakeSession made
+SPANS: list = []  # [problem, start, end] of each check, in start order
 _lock = threading.Lock()
 
 
@@ -35,6 +38,10 @@ class FakeSession:
         text = Path(source).read_text()
         with _lock:
             CALLS.append(("check", self.device, Path(source).name))
+            SPANS.append([str(problem), time.monotonic(), None])
+            span = SPANS[-1]
+        time.sleep(float(_mark(text, "sleep", "0")))
+        span[2] = time.monotonic()
         verdict = _mark(text, "verdict", "pass")
         if verdict == "raise":
             raise RuntimeError("the harness broke")
@@ -46,7 +53,8 @@ class FakeSession:
                 "device": self.device, "status": verdict, "exit_code": code,
                 "categories": cats, "reasons": [f"[{c}] it says so" for c in cats],
                 "failures": [{"category": "crash", "message": "crashed"}] if code == 2 else [],
-                "regimes": regimes, "seed": self.options.seed}
+                "regimes": regimes, "seed": self.options.seed,
+                "reference": "" if verdict == "error" else "computed"}
 
     def benchmark(self, source, options=None, *, problem=None, **changes):
         with _lock:

@@ -179,3 +179,22 @@ def test_a_harness_failure_keeps_no_verdict_and_the_next_run_judges_it(tmp_path)
         "# sample 1/0\n# verdict: pass\n# ms: 2.0 \n")
     second = _run(tmp_path / "r", tmp_path / "out", marks={(1, 1): "# ms: 2.0"})
     assert second.checked == 1 and not second.failed
+
+
+def test_the_first_check_of_a_problem_runs_alone(tmp_path):
+    """Its reference is computed then, and cached for the others: two pools starting one
+    problem at once would both compute it. A first check that stops before its reference
+    (an error) hands the lead to the next."""
+    marks = {(1, 0): "# verdict: error\n# sleep: 0.2", (1, 1): "# sleep: 0.2",
+             **{(1, s): f"# sleep: 0.05\n# ms: 1.{s}" for s in range(2, 6)},
+             (2, 0): "# sleep: 0.2", (2, 1): "# sleep: 0.05"}
+    batch_fakes.SPANS.clear()
+    assert _run(tmp_path / "r", tmp_path / "out", marks=marks, devices=("cpu",) * 3).checked == 8
+    spans = {}
+    for problem, start, end in batch_fakes.SPANS:
+        spans.setdefault(Path(problem).name, []).append((start, end))
+    one, two = spans["1_P1.py"], spans["2_P2.py"]
+    assert len(one) == 6 and len(two) == 2
+    assert one[1][0] >= one[0][1]  # the error ran alone, then the next led alone
+    assert all(start >= one[1][1] for start, _ in one[2:]), one
+    assert two[1][0] >= two[0][1], two

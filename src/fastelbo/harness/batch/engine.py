@@ -37,6 +37,7 @@ class LocalEngine:
         self._done: queue.Queue = queue.Queue()
         self._order = itertools.count()
         self._pending = 0
+        self._aborted = False
         self._threads = [threading.Thread(target=self._serve, args=(s,), daemon=True,
                                           name=f"judge-{s.device}-{i}")
                          for i, s in enumerate(self.slots)]
@@ -48,7 +49,8 @@ class LocalEngine:
             _, _, job = self._jobs.get()
             if job is None:
                 return
-            self._done.put((job, slot.run(job)))
+            if not self._aborted:  # a job taken as the run was stopped: not started
+                self._done.put((job, slot.run(job)))
 
     def submit(self, job: Job, priority: tuple) -> None:
         self._pending += 1
@@ -73,6 +75,7 @@ class LocalEngine:
         """Drop the queued jobs and kill the workers in flight (their jobs end as crashes,
         which the caller does not keep)."""
         from ..worker import kill_all
+        self._aborted = True
         while True:
             try:
                 self._jobs.get_nowait()

@@ -119,6 +119,8 @@ class Run:
         self._checks: dict[int, Key] = {}        # a check job's index -> its pair's key
         self._benches: dict[int, list[Key]] = {}  # a bench job's index -> its pairs' keys
         self._base_jobs: set[int] = set()  # the benches whose baselines the store keeps
+        self._held: dict[Path, list] = {}  # problem -> checks held while its first one runs
+        self._opened: set[Path] = set()    # problems whose first check is back
 
     # -- keys ------------------------------------------------------------------------------------
 
@@ -195,8 +197,7 @@ class Run:
             waiting[pair.problem] += 1
         if self.progress:
             self.progress("start", total=len(todo), engine=engine)
-        ready = Prebuild(todo, lambda key: self._submit_check(engine, todo[key], key, ranks),
-                         self.s)
+        ready = Prebuild(todo, lambda key: self._gate(engine, todo[key], key, ranks), self.s)
         for problem, n in waiting.items():
             if n == 0:  # all its pairs in the store: their timing may still be missing
                 self._submit_benches(engine, problem, ranks)
@@ -211,12 +212,38 @@ class Run:
             if job.kind == CHECK:
                 self._checked(job, result, self._checks.pop(job.index))
                 problem = Path(job.problem)
+                self._release(engine, problem, result, ranks)
                 waiting[problem] -= 1
                 if waiting[problem] == 0:
                     self._submit_benches(engine, problem, ranks)
             else:
                 self._benched(job, result, self._benches.pop(job.index))
         ready.close()
+
+    def _gate(self, engine, pair: Pair, key: Key, ranks: dict) -> None:
+        """Queue a check; but while the first check of its problem runs (computing the
+        reference, which the run's cache then serves), hold the others: two pools starting
+        one problem at once would both compute it."""
+        if pair.problem in self._opened:
+            self._submit_check(engine, pair, key, ranks)
+        elif pair.problem in self._held:
+            self._held[pair.problem].append((pair, key))
+        else:
+            self._held[pair.problem] = []
+            self._submit_check(engine, pair, key, ranks)
+
+    def _release(self, engine, problem: Path, result: dict, ranks: dict) -> None:
+        """A check of `problem` is back: where its reference ran (now cached), the problem's
+        held checks go; where it stopped before (a syntax error), the next one leads."""
+        held = self._held.get(problem, [])
+        if result.get("report", {}).get("reference"):
+            self._opened.add(problem)
+            self._held.pop(problem, None)
+        else:
+            held = held[:1]
+            del self._held.get(problem, [])[:1]
+        for pair, key in held:
+            self._submit_check(engine, pair, key, ranks)
 
     def _submit_check(self, engine, pair: Pair, key: Key, ranks: dict) -> None:
         index = next(self._index)
@@ -259,8 +286,8 @@ class Run:
             return
         batch = default_batch(todo[0][2]["report"])
         key0 = todo[0][0]
-        need_base = self.store.baseline(key0.problem, key0.device, key0.torch, self.s.timing,
-                                        batch) is None
+        base = self.store.baseline(key0.problem, key0.device, key0.torch, self.s.timing, batch)
+        need_base = base is None or (self.s.compile_baseline and "torch.compile" not in base)
         for i in range(0, len(todo), BENCH_CHUNK):
             chunk = todo[i:i + BENCH_CHUNK]
             index = next(self._index)
