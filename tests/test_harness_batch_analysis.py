@@ -173,3 +173,14 @@ def test_a_run_directory_without_its_problems_is_a_usage_error(tmp_path, capsys)
     _, run = write_run(tmp_path, {(1, 0): "# ms: 1.0"})
     assert main(["judge", str(run), "--device", "cpu"]) == 2
     assert "give the directory of its problems too" in capsys.readouterr().err
+
+
+def test_parsing_judge_imports_neither_torch_nor_dask():
+    probe = ("import sys\nfrom fastelbo.cli import build_parser\n"
+             "args = build_parser().parse_args(['judge', 'run', 'problems', '--workers', '2'])\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('torch', 'dask', 'distributed', 'tqdm')))\n")
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=env, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
