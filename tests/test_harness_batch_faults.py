@@ -204,3 +204,55 @@ def test_a_sample_that_takes_all_device_memory_costs_its_own_verdict(tmp_path):
     reports = stored(tmp_path)
     assert (reports["honest"]["exit_code"], reports["wrong"]["exit_code"]) == (0, 1)
     assert reports["hog"]["exit_code"] in (0, 2), reports["hog"]["reasons"]
+
+
+def _count(out: Path) -> int:
+    path = out / "fastelbo-judge" / "results.sqlite"
+    if not path.is_file():
+        return 0
+    try:
+        store = Store(path, warn=lambda line: None)
+    except Exception:  # noqa: BLE001 - being made by the run: look again
+        return 0
+    try:
+        return store.count()
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_run_killed_midway_resumes_to_the_same_verdicts(tmp_path, sig):
+    """Killed once its first verdict is stored (SIGKILL: no clean-up at all; SIGTERM: it stops
+    its workers, exit 130), then run again: the pairs stored are not judged again, the rest
+    are, the verdicts are the expected ones, and nothing is left running either time."""
+    samples = {f"{kind}{i}": SAMPLES[kind] + f"# {i}\n" for i in range(3)
+               for kind in ("honest", "wrong")}
+    manifest = write_manifest(tmp_path, samples)
+    tag = uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "fastelbo.cli", "judge", str(manifest), "--device", "cpu",
+           "--timing", "off", "--engine", "local", *SETTINGS]
+    proc = subprocess.Popen(cmd, env=_env(tag), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 600
+        while _count(tmp_path) == 0 and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.2)
+        proc.send_signal(getattr(__import__("signal"), sig))
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    kept = _count(tmp_path)
+    assert 1 <= kept < len(samples)
+    if sig == "SIGTERM":
+        assert proc.returncode == 130 and "fastelbo: interrupted:" in err, err[-2000:]
+    assert wait_untagged(tag, 120) == []
+    again = judge(manifest, tag)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{len(samples) - kept} checked now, {kept} from the store" in again.stdout
+    assert wait_untagged(tag) == []
+    reports = stored(tmp_path)
+    assert {n: reports[n]["exit_code"] for n in samples} == {
+        n: 0 if n.startswith("honest") else 1 for n in samples}
