@@ -184,3 +184,57 @@ def test_parsing_judge_imports_neither_torch_nor_dask():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          env=env, timeout=300, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+class _Engine:
+    name = "local"
+
+    def lines(self):
+        return ["cpu: check a.py", "cpu: idle"]
+
+
+@pytest.mark.parametrize("bars", [True, False])
+def test_progress_shows_a_bar_and_a_line_per_pool_or_a_line_per_pair(bars):
+    import io
+
+    from fastelbo.harness.batch.progress import Progress
+    from fastelbo.harness.batch.slot import CHECK, Job
+    stream = io.StringIO()
+    progress = Progress(2, stream=stream, bars=bars)
+    progress("start", total=2, engine=_Engine())
+    progress("tick", engine=_Engine())
+    job = Job(CHECK, "p.py", ("/x/a.py",))
+    progress("checked", job=job, result={"report": {"status": "incorrect", "exit_code": 1}})
+    progress("checked", job=job, result={"error": "boom"})
+    progress("end")
+    text = stream.getvalue()
+    if bars:  # tqdm's: the count, the rate and the ETA, and each pool's job
+        assert "pairs checked" in text and "2/2" in text and "cpu: check a.py" in text
+    else:
+        assert "[1/2] a.py: INCORRECT (exit 1)" in text
+        assert "[2/2] a.py: no verdict (harness failure)" in text
+
+
+@pytest.mark.slow
+def test_a_session_judges_a_whole_run_for_an_agent(tmp_path):
+    """Session.judge_batch: the summary and the paths of the full results, with the session's
+    settings (here a given seed and two trials, no extra regimes)."""
+    from fastelbo.harness.session import Session
+    probs, run = tmp_path / "problems", tmp_path / "run"
+    probs.mkdir()
+    run.mkdir()
+    (probs / "1_ReLU.py").write_text((HERE / "problems" / "relu.py").read_text())
+    head = "import torch\nfrom torch import nn\n\n\nclass ModelNew(nn.Module):\n"
+    (run / "level_1_problem_1_sample_0_kernel.py").write_text(
+        head + "    def forward(self, x):\n        return torch.relu(x)\n")
+    (run / "level_1_problem_1_sample_1_kernel.py").write_text(
+        head + "    def forward(self, x):\n        return x\n")
+    with Session("vae_elbo", "cpu", spares=0, trials=2, batch_sizes=(), scales=(),
+                 seed=4) as s:
+        got = s.judge_batch(run, probs, out=tmp_path / "out")
+    assert got["summary"]["judged"] == 2 and got["summary"]["correct"] == 1
+    assert got["summary"]["seed"] == 4 and got["checked"] == 2 and not got["failed"]
+    assert "correct        1    50.0%" in got["table"]
+    pairs = json.loads(Path(got["results"]).read_text())["pairs"]
+    assert [(p["sample_id"], p["status"]) for p in pairs] == [(0, "pass"), (1, "incorrect")]
+    assert Path(got["eval_results"]).is_file() and Path(got["store"]).is_file()

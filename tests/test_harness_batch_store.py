@@ -4,7 +4,9 @@ moved aside with one line. The sessions are batch_fakes' (verdicts read from the
 text): no worker runs here."""
 from __future__ import annotations
 
+import os
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -198,3 +200,34 @@ def test_the_first_check_of_a_problem_runs_alone(tmp_path):
     assert one[1][0] >= one[0][1]  # the error ran alone, then the next led alone
     assert all(start >= one[1][1] for start, _ in one[2:]), one
     assert two[1][0] >= two[0][1], two
+
+
+def test_a_candidate_that_builds_is_built_ahead_then_checked(tmp_path, monkeypatch):
+    """Candidates that build an extension at import (load_inline, cpp_extension) are built on
+    the CPU first (as `fastelbo compile` would, here a stand-in), and each is checked only once
+    its build is done; the others are checked meanwhile."""
+    from fastelbo.harness.batch import run as run_mod
+    built = []
+
+    def build(path, timeout):
+        time.sleep(0.2)
+        with batch_fakes._lock:
+            batch_fakes.CALLS.append(("build", "", Path(path).name))
+        built.append(Path(path).name)
+
+    monkeypatch.setattr(run_mod, "_build", build)
+    marks = {(1, 0): "# ms: 1.0\n# load_inline", (1, 1): "# ms: 2.0",
+             (2, 0): "# ms: 3.0\n# cpp_extension", (2, 1): "# ms: 4.0"}
+    batch_fakes.CALLS.clear()
+    assert _run(tmp_path / "r", tmp_path / "out", marks=marks).checked == 4
+    calls = [(kind, name) for kind, _, name in batch_fakes.CALLS]
+    for name in ("level_1_problem_1_sample_0_kernel.py", "level_1_problem_2_sample_0_kernel.py"):
+        assert calls.index(("build", name)) < calls.index(("check", name)), calls
+    assert sorted(built) == ["level_1_problem_1_sample_0_kernel.py",
+                             "level_1_problem_2_sample_0_kernel.py"]
+
+
+def test_builds_at_once_are_bounded_by_cores_and_memory():
+    from fastelbo.harness.batch.run import build_jobs
+    assert build_jobs(3) == 3
+    assert 1 <= build_jobs(None) <= (os.cpu_count() or 1)
