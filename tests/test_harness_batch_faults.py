@@ -256,3 +256,36 @@ def test_a_run_killed_midway_resumes_to_the_same_verdicts(tmp_path, sig):
     reports = stored(tmp_path)
     assert {n: reports[n]["exit_code"] for n in samples} == {
         n: 0 if n.startswith("honest") else 1 for n in samples}
+
+
+@pytest.mark.slow
+def test_correct_pairs_are_timed_in_one_bench_per_problem(tmp_path):
+    """--timing quick: the correct candidates of a problem in one bench (Session.benchmark of
+    them all, against that problem): each gets its row, eager's baseline is kept; a wrong
+    candidate is not timed."""
+    samples = {"honest": SAMPLES["honest"], "honest2": SAMPLES["orphan"].replace(
+        DAEMON, ""), "wrong": SAMPLES["wrong"]}
+    manifest = write_manifest(tmp_path, samples)
+    tag = uuid.uuid4().hex
+    proc = subprocess.run([sys.executable, "-m", "fastelbo.cli", "judge", str(manifest),
+                           "--device", "cpu", "--timing", "quick", "--no-compile", *SETTINGS],
+                          env=_env(tag), capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[timing] relu.py: 2 candidate(s) timed" in proc.stderr
+    assert wait_untagged(tag) == []
+    recs = {Path(r["candidate"]).stem: r for r in stored(tmp_path)["_records"]}
+    for name in ("honest", "honest2"):
+        timing = recs[name]["timing"]
+        assert (timing["mode"], timing["metric"], timing["batch_size"]) == ("quick", "wall_ms",
+                                                                            16), timing
+        assert timing["ms"] > 0 and timing["eager_ms"] > 0
+    assert recs["wrong"]["timing"] is None
+    store = Store(tmp_path / "fastelbo-judge" / "results.sqlite")
+    try:
+        meta = store.meta()
+        problem = store.pairs()[0][6]
+        base = store.baseline(problem, meta["device"], meta["torch"], "quick", 16)
+    finally:
+        store.close()
+    assert set(base) == {"eager"} and base["eager"]["ms"] > 0
