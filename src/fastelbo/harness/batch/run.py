@@ -284,7 +284,7 @@ class Run:
         todo = self._to_time(problem)
         if not todo:
             return
-        batch = default_batch(todo[0][2]["report"])
+        batch = default_batch(todo[0][2]["report"]) or 0  # 0: none known, bench's own sizes
         key0 = todo[0][0]
         base = self.store.baseline(key0.problem, key0.device, key0.torch, self.s.timing, batch)
         need_base = base is None or (self.s.compile_baseline and "torch.compile" not in base)
@@ -294,7 +294,8 @@ class Run:
             self._benches[index] = [k for k, _, _ in chunk]
             if need_base and i == 0:  # its eager (and torch.compile) rows: the baseline
                 self._base_jobs.add(index)
-            bench = {"batch_sizes": (batch,), "quick": self.s.timing == "quick",
+            bench = {"batch_sizes": (batch,) if batch else None,
+                     "quick": self.s.timing == "quick",
                      "compile_baseline": self.s.compile_baseline and need_base and i == 0}
             engine.submit(Job(BENCH, str(problem), tuple(str(p.candidate) for _, p, _ in chunk),
                               index, bench), (ranks[problem], 0, index))
@@ -312,7 +313,7 @@ class Run:
         if job.index in self._base_jobs and base:
             k = keys[0]
             self.store.put_baseline(k.problem, k.device, k.torch, self.s.timing,
-                                    job.bench["batch_sizes"][0], base)
+                                    (job.bench["batch_sizes"] or (0,))[0], base)
         for key, cand in zip(keys, job.candidates):
             row = by_name.get(cand)
             timing = _timing(row, metric, self.s.timing) if row else {
