@@ -157,6 +157,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     _register_serve(sub)
 
+    # judge: every pair of a run, on warm sessions (harness/batch/; imports no torch to parse)
+    from .batch.cli import register as register_judge
+    register_judge(sub, cuda_device_count)
+
 
 def _regime_options(p: argparse.ArgumentParser) -> None:
     """The regimes beyond get_inputs(), for check and serve (parsed by _numbers)."""

@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from ..problems import problem_path
@@ -171,13 +171,16 @@ class Session:
             report = run_compile(cand, timeout=self.options.build_timeout, pool=self._pool)
             return compile_report_dict(report, time.perf_counter() - start)
 
-    def run_correctness(self, source: str | os.PathLike, trials: int | None = None) -> dict:
+    def run_correctness(self, source: str | os.PathLike, trials: int | None = None, *,
+                        problem: str | os.PathLike | None = None) -> dict:
         """`fastelbo check --json`'s dict for this candidate: verdict, exit code, reasons and
-        per regime and trial the findings and per-output max abs / rel differences."""
-        return self._check(self._candidate(source), trials)
+        per regime and trial the findings and per-output max abs / rel differences.
+        `problem`: judge against this problem instead of the session's, with the session's
+        settings and warm workers (`fastelbo judge` keeps one session per device for a run)."""
+        return self._check(self._candidate(source), trials, self._other(problem))
 
-    def benchmark(self, source: str | os.PathLike, options: BenchOptions | None = None,
-                  **changes) -> dict:
+    def benchmark(self, source: str | os.PathLike | list, options: BenchOptions | None = None,
+                  *, problem: str | os.PathLike | None = None, **changes) -> dict:
         """`fastelbo bench` for this candidate (rows for eager, torch.compile and the candidate;
         nothing written to disk unless `options.out` says): {problem, candidate, device,
         exit_code, rows}. exit_code is bench's: 0 all rows correct, 1 a row INCORRECT or
@@ -186,20 +189,23 @@ class Session:
         `options`: the bench's settings (default: `bench_options`, the session's device,
         tolerances and seed); `changes`: fields of it to replace (batch_sizes, quick,
         compile_baseline, ...), checked as the changed copy is made, before any worker. Its
-        device must be the session's (the one it holds exclusively)."""
+        device must be the session's (the one it holds exclusively). `source` may be a list:
+        one bench of them all (eager and torch.compile timed once), `candidate` then a list.
+        `problem`: time against this problem instead of the session's."""
         options = self.bench_options if options is None else options
         if changes:
             options = replace(options, **changes)
         if options.device != self.device:
             raise ValueError(f"device must be the session's {self.device!r} for its benchmark, "
                              f"got {options.device!r}")
-        cand = self._candidate(source)
+        prob = self._other(problem)
+        cands = [self._candidate(s) for s in (source if isinstance(source, list) else [source])]
         with self._job():
             if self._pool is not None:  # a spare still importing torch would skew the timing
                 self._pool.wait_ready(STARTUP_TIMEOUT)
-            rows, code = run_bench(self.problem, [cand], options)
-        return {"problem": str(self.problem), "candidate": cand, "device": self.device,
-                "exit_code": code, "rows": rows}
+            rows, code = run_bench(prob, cands, options)
+        return {"problem": str(prob), "candidate": cands if isinstance(source, list)
+                else cands[0], "device": self.device, "exit_code": code, "rows": rows}
 
     def submit_kernel(self, source: str | os.PathLike) -> dict:
         """The session's full check, plus `solution`: {path, text, sha256, imports}.
@@ -235,9 +241,27 @@ class Session:
                               "imports": third_party_imports(python_text(text)[0])}
         return result
 
+    def judge_batch(self, run: str | os.PathLike, problem_dir: str | os.PathLike | None = None,
+                    **options) -> dict:
+        """Judge every pair of a run, as `fastelbo judge RUN [PROBLEM_DIR]` (harness/batch/):
+        each candidate of KernelBench's layout (or a manifest's) against its own problem, with
+        this session's check settings on its device, in a session of its own, resumable.
+        `options`: batch.api.judge_run's (out, timing, problems, samples, limit, level, seed,
+        workers). Returns the summary (compile and correct rates, fast_p) and the paths of
+        the full results (`results`: every pair's verdict; `store`: every full report)."""
+        from .batch.api import judge_run
+        check = {f.name: getattr(self.options, f.name) for f in fields(self.options)
+                 if f.name not in ("device", "seed", "cache")}
+        return judge_run(run, problem_dir, factory=type(self), device=self.device,
+                         check=check, **{"seed": self.options.seed, **options})
+
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _check(self, cand: str, trials: int | None) -> dict:
+    def _other(self, problem: str | os.PathLike | None) -> Path:
+        """The session's problem, or `problem`'s file (FileNotFoundError naming it)."""
+        return self.problem if problem is None else problem_path(problem)
+
+    def _check(self, cand: str, trials: int | None, problem: Path | None = None) -> dict:
         if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int)
                                    or trials < MIN_TRIALS):
             raise ValueError(f"trials must be an int of at least {MIN_TRIALS} for a session's "
@@ -245,7 +269,8 @@ class Session:
                              "that replays its first answer for each input shape passes")
         options = self.options if trials is None else replace(self.options, trials=trials)
         with self._job():
-            report = run_check(self.problem, cand, options=options, pool=self._pool)
+            report = run_check(problem or self.problem, cand, options=options,
+                               pool=self._pool)
         return report.to_dict()
 
     def _candidate(self, source: str | os.PathLike) -> str:
