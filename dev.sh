@@ -11,7 +11,7 @@ py=$venv/bin/python
 TORCH=2.13.0
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 say() { echo "dev.sh: $*" >&2; }
-if ! "$py" -c "import fastelbo, pytest, xdist, hypothesis, triton, mlxtend, safetensors, tqdm, ruff, mcp" \
+if ! "$py" -c "import fastelbo, pytest, xdist, hypothesis, triton, mlxtend, safetensors, tqdm, ruff, mcp, dask, distributed" \
     2>/dev/null; then
   if [ ! -x "$py" ]; then
     say "creating $venv with $("${PYTHON:-python3}" --version) ..."
