@@ -253,7 +253,8 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
 
 
 # Each source's kernels: the cluster kernel's two register-tile variants (elbo_kernel<2,2>,
-# <4,4>), the rows path's two with the noise check's and the value check's, the backward's five,
+# <4,4>), the rows path's two with the noise check's, the value check's and the deferred
+# check's two (its record's take, the rows path's poison), the backward's five,
 # the optimizer's one, the IWAE kernel's two tiles (iwae_kernel<4> for 128 samples, <2> for 64),
 # the tensor-core GEMM's epilogues (tc_gemm_kernel<kTcStore, 128> with A split for finite W or
 # not, <kTcBce, 112 or 128 columns>)
@@ -262,7 +263,7 @@ EXPECTED_KERNELS = {
     "elbo_fast.cu": {"elbo_fast_kernel": 1},
     "elbo.cu": {"elbo_kernel": 2},
     "rows.cu": {"reparam_kl_kernel": 1, "bce_kernel": 1, "randn_fill_kernel": 1,
-                "range_flags_kernel": 1},
+                "range_flags_kernel": 1, "deferred_take_kernel": 1, "deferred_poison_kernel": 1},
     "backward.cu": {"prep_kernel": 1, "bce_grad_kernel": 1, "latent_bwd_kernel": 1,
                     "colsum_kernel": 1, "colsum_finish_kernel": 1},
     "adam.cu": {"adam_kernel": 1},

@@ -125,7 +125,8 @@ bool tc_applies(const at::Tensor& x, const at::Tensor& enc_w, const at::Tensor& 
 }
 
 void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& p,
-                     std::vector<at::Tensor>& out, cudaStream_t stream) {
+                     std::vector<at::Tensor>& out, cudaStream_t stream,
+                     fastelbo::DeferredRecord* err) {
   const at::Tensor &enc_w = p.enc_w, &enc_b = p.enc_b, &mu_w = p.mu_w, &mu_b = p.mu_b;
   const at::Tensor &lv_w = p.lv_w, &lv_b = p.lv_b, &dec_w1 = p.dec_w1, &dec_b1 = p.dec_b1;
   const at::Tensor &dec_w2 = p.dec_w2, &dec_b2 = p.dec_b2;
@@ -143,7 +144,14 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensor
   const auto opts = x.options();
   at::Tensor hbuf = at::empty({chunk, H}, opts), z = at::empty({chunk, L}, opts);
   at::Tensor part = at::empty({chunk, tiles}, opts);
-  at::Tensor bad = at::empty({chunk, tiles}, opts.dtype(at::kByte));
+  // The tiles' bad-x flags, and after them (4-byte aligned) the deferred check's call flag:
+  // zeroed by the first chunk's reparam_kl, set by the output layer's kernels, read by the
+  // finish kernels (the last one also NaNs the earlier chunks' rows).
+  const int64_t flag_at = (chunk * tiles + 3) / 4 * 4;
+  at::Tensor badbuf = at::empty({flag_at + 4}, opts.dtype(at::kByte));
+  at::Tensor bad = badbuf.narrow(0, 0, chunk * tiles).view({chunk, tiles});
+  int* flag = err != nullptr ? reinterpret_cast<int*>(badbuf.data_ptr<uint8_t>() + flag_at)
+                             : nullptr;
   for (int64_t s = 0; s < B; s += chunk) {
     const int64_t n = std::min(chunk, B - s);
     const at::Tensor xs = x.narrow(0, s, n);
@@ -161,7 +169,7 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensor
     tc_store(e, opts, stream, "tc encoder kernel");  // small chunks: K split
     const at::Tensor ml = at::linear(h, ml_w, ml_b);
     reparam(ml.narrow(1, 0, L), ml.narrow(1, L, L), eps.data_ptr<float>() + s * L, zs,
-            out[2].data_ptr<float>() + s, stream);
+            out[2].data_ptr<float>() + s, stream, s == 0 ? flag : nullptr);
     at::addmm_out(h, dec_b1, zs, dec_w1.t());  // d before its ReLU (the kernel applies it)
     fastelbo::TcGemmParams d{};
     d.bias = dec_b2.data_ptr<float>();
@@ -175,13 +183,22 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensor
     d.mode = fastelbo::kTcBce;
     d.relu_a = 1;
     d.w_finite = 1;  // dec_w2
+    d.any_bad = flag;
     check_launch(fastelbo::tc_gemm_launch(d, h.data_ptr<float>(), static_cast<int>(H),
                                           dec.t[0].data_ptr<float>(),
                                           dec.t[1].data_ptr<float>(), stream),
                  "tc decoder kernel");
-    const fastelbo::TcFinishParams f{part.data_ptr<float>(), bad.data_ptr<uint8_t>(),
-                                     out[0].data_ptr<float>() + s, out[1].data_ptr<float>() + s,
-                                     out[2].data_ptr<float>() + s, static_cast<int>(n), tiles};
+    fastelbo::TcFinishParams f{part.data_ptr<float>(), bad.data_ptr<uint8_t>(),
+                               out[0].data_ptr<float>() + s, out[1].data_ptr<float>() + s,
+                               out[2].data_ptr<float>() + s, static_cast<int>(n), tiles};
+    if (err != nullptr) {
+      f.err = err;
+      f.flag = flag;
+      f.x = xs.data_ptr<float>();
+      f.D = static_cast<int>(D);
+      f.row0 = static_cast<int>(s);
+      f.prior = s + n == B ? static_cast<int>(s) : 0;
+    }
     check_launch(fastelbo::tc_bce_finish_launch(f, stream), "tc finish kernel");
   }
 }

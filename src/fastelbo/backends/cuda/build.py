@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 # (binding_check.cpp), binding_common.h what the other binding files share.
 KERNEL_SOURCES = ("elbo_fast.cu", "elbo.cu", "rows.cu", "backward.cu", "adam.cu", "iwae.cu",
                   "tc_gemm.cu")
-HEADERS = ("elbo.h", "elbo_math.cuh", "cluster.cuh", "philox.cuh")
+HEADERS = ("elbo.h", "elbo_math.cuh", "cluster.cuh", "philox.cuh", "deferred.cuh")
 BINDING_SOURCES = ("binding_check.cpp", "binding_forward.cpp", "binding_backward.cpp",
                    "binding_iwae.cpp", "binding_tc.cpp")
 BINDING_MODULE = "binding_module.cpp"

@@ -55,6 +55,7 @@
 //   rank 0 reads the partials and writes the outputs; no block touches another's smem after S4.
 #include "elbo.h"
 #include "cluster.cuh"
+#include "deferred.cuh"
 #include "elbo_math.cuh"
 #include "philox.cuh"
 
@@ -271,6 +272,10 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
     stage_rows(wd2s, ldh, [&](int c) { return p.wd2 + static_cast<size_t>(n0d + c) * H; },
                ncol_d, H, v4);
   cp_async_commit();
+  // The deferred value check (p.err): this block's share of ALL of x, while the copies fly;
+  // folded into every row's bad flag at the BCE, so a bad value anywhere NaNs the whole call.
+  const long long nx = static_cast<long long>(B) * D;
+  const bool x_bad = p.err != nullptr && deferred_scan(p.x, nx, rank, C);
   FE_TRACE(1);
 
   cp_async_wait<3>();  // own copies of group 0 landed; the barrier publishes everyone's
@@ -368,7 +373,7 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
         if (kk == 0) ob[r * ldo + c] = v + __ldg(p.bd2 + n0d + c);
       });
   FE_TRACE(9);
-  __syncthreads();
+  const bool call_bad = deferred_block_or(p.err != nullptr, x_bad);  // and a __syncthreads
   // BCE (bce_term), one warp per row, fixed order: deterministic. Bad x -> NaN + row flag.
   const int warp = tid >> 5, lane = tid & 31;
   for (int r = warp; r < R; r += kClusterWarps) {
@@ -378,7 +383,7 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
     for (int c = lane; c < ncol_d; c += 32) s += bce_term(ob[r * ldo + c], __ldg(xr + c), &bad);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    bad = __any_sync(0xffffffffu, bad);
+    bad = __any_sync(0xffffffffu, bad) || call_bad;
     if (lane == 0) {
       cluster.map_shared_rank(rec_part, 0)[rank * R + r] = s;
       cluster.map_shared_rank(bad_part, 0)[rank * R + r] = bad ? 1.0f : 0.0f;
@@ -389,6 +394,9 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
   FE_TRACE(11);
 
   if (rank == 0) write_rows(p, row0, R, C, R, rec_part, kl_part, bad_part);
+  // The deferred check's slow path: cluster 0's blocks, whose shares cover x once, note it.
+  if (call_bad && blockIdx.x < static_cast<unsigned>(C))
+    deferred_note_share(p.err, p.x, nx, D, rank, C);
   FE_TRACE(12);
 }
 

@@ -35,6 +35,31 @@ struct TorchRandn {
   int captured;
 };
 
+// ---- the deferred value check (binding ForwardOptions::deferred) ----
+// Per device, one record of the x values outside [0, 1] (or NaN) that forwards launched with the
+// deferred check met: how many, and the earliest position (row-major over each call's x) with
+// its value. A module global of rows.cu, zero when the module loads: kernels get its address in
+// their params (`err`), note into it only where they found a bad value (deferred.cuh), and the
+// binding moves it out when Python asks (fastelbo.check_errors; deferred_take).
+struct __align__(16) DeferredFirst {
+  unsigned long long key;    // ~(row << 32 | col): the largest key is the earliest; 0: none
+  unsigned long long value;  // that element's float bits
+};
+struct __align__(16) DeferredRecord {
+  DeferredFirst first;       // updated by a 16-byte atomicCAS (sm_90)
+  unsigned long long count;  // bad values noted
+  unsigned long long unused;
+};
+// This device's record (the caller's current device): its address, for the kernels' params.
+cudaError_t deferred_record(DeferredRecord** out) noexcept;
+// Moves this device's record into *host and zeroes it (one kernel on `stream`, each field
+// atomically, then a copy), waiting for both.
+cudaError_t deferred_take(DeferredRecord* host, cudaStream_t stream) noexcept;
+// The rows path's last step with the deferred check: where *flag != 0 (a bad x anywhere in the
+// call), elbo, recon and kl [0, n) become NaN. One small launch.
+cudaError_t deferred_poison_launch(const int* flag, float* elbo, float* recon, float* kl, int n,
+                                   cudaStream_t stream) noexcept;
+
 // One forward's tensors and dims, the common part of both cluster kernels' params (the binding
 // fills it once). Shapes (nn.Linear layout, out x in), all row-major contiguous float32:
 //   x (B, D), eps (B, L), w1 (H, D), wmu/wlv (L, H), wd1 (H, L), wd2 (D, H); biases (out).
@@ -65,7 +90,10 @@ struct ForwardArgs {
   // griddepcontrol.wait the kernel reads only weights and biases; x, eps, the RNG state and
   // every global write come after it, and so does its griddepcontrol.launch_dependents
   // (cluster.cuh pdl_wait: the only early trigger of any kernel here).
-  int pdl;
+  int pdl;  // err != nullptr: the deferred value check. Every cluster also scans all of x (a 1/C share
+  // per block, deferred.cuh deferred_scan), so that a bad value anywhere makes every row of the
+  // call NaN; cluster 0 notes the bad values in *err.
+  DeferredRecord* err;
 };
 
 struct ElboParams : ForwardArgs {
@@ -170,6 +198,7 @@ struct ReparamParams {
   float* z;           // (n, L)
   float* kl;          // (n,) or nullptr
   int n, L, ld;
+  int* zero;          // or nullptr: set to 0 first (the deferred check's per-call flag)
 };
 
 // bce_kernel: recon = sum_c BCE(sigmoid(logits), x), elbo = -(recon + kl); rows whose x holds a
@@ -182,6 +211,11 @@ struct BceParams {
   float* kl;            // in: from reparam_kl_kernel; out: NaN on bad rows
   int n, D;
   int vec;              // 1: D % 4 == 0 and logits, x 16-byte aligned
+  // The deferred check (err != nullptr): a bad row sets *flag (deferred_poison_launch then
+  // poisons the call) and notes its bad values in *err, at row row0 + its row.
+  DeferredRecord* err;
+  int* flag;
+  int row0;
 };
 
 cudaError_t reparam_launch(const ReparamParams& p, cudaStream_t stream) noexcept;
@@ -346,6 +380,7 @@ struct TcGemmParams {
                                       // tf32_split_act, else tf32_split_inf; kTcBce needs 1
   int splits;                         // kTcStore: K split this many ways (tc_gemm_splits)
   float* ws;                          // kTcStore, splits > 1: (splits, M, N) partial sums
+  int* any_bad;                       // kTcBce: set to 1 where a tile saw a bad x (or nullptr)
 };
 int tc_gemm_tiles_n(int N) noexcept;  // the kTcBce partials' tiles per row
 // kTcStore's K split for a GPU of `sms` multiprocessors: enough blocks for about one wave where
@@ -360,6 +395,14 @@ struct TcFinishParams {
   const unsigned char* partial_bad;
   float *elbo, *recon, *kl;  // kl: in (from reparam_kl_kernel) and out (NaN rows)
   int n, tiles;
+  // The deferred check (err != nullptr): bad rows note their values of x (n rows of D, the
+  // call's rows row0 + ...) in *err; where *flag != 0 (the output-layer kernels saw a bad x in
+  // this chunk or an earlier one) every row is NaN, and so are the `prior` rows before elbo,
+  // recon and kl (the call's earlier chunks: the last chunk's finish passes them).
+  DeferredRecord* err;
+  const int* flag;
+  const float* x;
+  int D, row0, prior;
 };
 cudaError_t tc_bce_finish_launch(const TcFinishParams& p, cudaStream_t stream) noexcept;
 // Up to kTcSplitMax jobs in one launch: src (rows x cols, row stride lds) into hi / lo (hi =

@@ -18,7 +18,7 @@ import torch
 from ...params import VAEParams
 from .. import Verdict
 from . import build, launch, status
-from .lanes import RangeCheck
+from .lanes import DeferredCheck, RangeCheck
 
 
 def _int_option(name: str, value, lo: int, hi: int, meaning: str) -> int:
@@ -106,7 +106,7 @@ def check_tc_path(x: torch.Tensor, params: VAEParams, what: str = "path='tc'") -
 
 def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
             cluster: int = 0, staged: int = -1, path: str = "auto", draw: bool = False,
-            _poison: bool = False):
+            deferred: bool = False, _poison: bool = False):
     """(elbo, recon, kl), each (B,) float32, on the current stream; every input checked.
 
     path: "auto" (a cluster kernel for small batches, the rows path for large ones), "fast"
@@ -116,8 +116,9 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     tests/test_cuda_backend.py and benchmarks/cuda_sanitize.py run every plan); draw=True
     overwrites eps with one torch.randn(B, latent_dim) draw from the default generator of x's
     device and computes with it (inside the cluster kernels where they run; noise.py says when
-    that is exact); _poison fills the outputs with NaN first, so tests can prove every element
-    is written.
+    that is exact); deferred=True runs the deferred value check in the kernels (a bad x: every
+    output NaN, and fastelbo.check_errors raises); _poison fills the outputs with NaN first, so
+    tests can prove every element is written.
     """
     check_options(rows, cluster, staged, path)
     ext = build.extension()
@@ -127,7 +128,8 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     elif path == "tc":
         check_tc_path(x, params)
     options = launch.forward_options(ext, rows=rows, cluster=cluster, staged=staged,
-                                     poison=bool(_poison), path=path, draw=bool(draw))
+                                     poison=bool(_poison), path=path, draw=bool(draw),
+                                     deferred=bool(deferred))
     out = launch.forward(ext, x=x, eps=eps, params=params, options=options)
     if not out:
         raise status.error(launch.last_status(ext), {"x": x, "eps": eps, "params": params})
@@ -144,13 +146,16 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
     forward's (noise.forward_drawing). verdict: the ops' value check on x, waited for just
     before anything is drawn or launched (its error raised then), so that this preparation
     overlaps the value check: inside the binding where the check is this backend's own, still
-    in flight (a lanes.RangeCheck), else by verdict.wait() before the call.
+    in flight (a lanes.RangeCheck), else by verdict.wait() before the call. A
+    lanes.DeferredCheck is left to the kernels (the deferred option): nothing waits.
     """
     awaits = isinstance(verdict, RangeCheck)  # this backend's own check, in flight
-    if verdict is not None and verdict.in_flight and not awaits:
+    deferred = isinstance(verdict, DeferredCheck)  # its kernels' own check
+    if verdict is not None and verdict.in_flight and not (awaits or deferred):
         verdict.wait()
     ext = build.RUNS_ON.get(x.device) or build.extension()  # the ops resolved x's device
-    out = launch.forward_default(ext, x=x, eps=eps, params=params, draw=draw, awaits=awaits)
+    out = launch.forward_default(ext, x=x, eps=eps, params=params, draw=draw, awaits=awaits,
+                                 deferred=deferred)
     if not out:  # a check failed: nothing was drawn or launched
         code = launch.last_status(ext)
         if awaits and status.decode(code)[0] == status.VALUE:
