@@ -13,14 +13,19 @@
 
 namespace fastelbo {
 
+// The record's key of position (row, col) (both < 2^32): the earlier the position, the larger
+// the key, and never 0 (the record's "none"); the binding reads the position back as ~key.
+__host__ __device__ __forceinline__ unsigned long long deferred_key(long long row, long long col) {
+  return ~((static_cast<unsigned long long>(row) << 32) | static_cast<unsigned long long>(col));
+}
+
 // Notes `count` bad values, the earliest of them at (row, col) holding v: the count added, and
 // the record's first position replaced where this one is earlier (a 16-byte compare-and-swap
 // loop, so the position and its value always belong together).
 __device__ __forceinline__ void deferred_note(DeferredRecord* rec, unsigned long long count,
                                               long long row, long long col, float v) {
   atomicAdd(&rec->count, count);
-  const unsigned long long key =
-      ~((static_cast<unsigned long long>(row) << 32) | static_cast<unsigned long long>(col));
+  const unsigned long long key = deferred_key(row, col);
   const DeferredFirst mine = {key, static_cast<unsigned long long>(__float_as_uint(v))};
   // A torn first read only costs a failed swap, which returns the current value.
   DeferredFirst cur;
@@ -52,13 +57,14 @@ __device__ __forceinline__ void deferred_note_row(DeferredRecord* rec, const flo
 // `parts` (a block's rank in its cluster), strided over the block's threads. Where x is 16-byte
 // aligned, the parts split its float4s and the last part also takes the n % 4 tail; else they
 // split the elements. Each thread visits its elements in increasing order.
+// (Host and device: tests/test_cuda_deferred.py runs the share arithmetic on the CPU.)
 struct DeferredShare {
   long long lo4, hi4;  // float4 indices [lo4, hi4) (vec), or elements [lo4, hi4) (not vec)
   long long tail;      // vec and the last part: elements [tail, n), else tail = n
   bool vec;
 };
-__device__ __forceinline__ DeferredShare deferred_share(const float* x, long long n, int part,
-                                                        int parts) {
+__host__ __device__ __forceinline__ DeferredShare deferred_share(const float* x, long long n,
+                                                                 int part, int parts) {
   DeferredShare s;
   s.vec = reinterpret_cast<uintptr_t>(x) % 16 == 0;
   const long long units = s.vec ? n / 4 : n;
@@ -66,6 +72,19 @@ __device__ __forceinline__ DeferredShare deferred_share(const float* x, long lon
   s.hi4 = units * (part + 1) / parts;
   s.tail = s.vec && part == parts - 1 ? units * 4 : n;
   return s;
+}
+
+// Calls f(e) for each element e of share s that thread t of `threads` visits, in increasing
+// order: deferred_scan's loads and deferred_note_share's reads, element by element. (f is a
+// device lambda in the kernels and a host one in the CPU test: no execution-space check.)
+#pragma nv_exec_check_disable
+template <class F>
+__host__ __device__ __forceinline__ void deferred_visit(const DeferredShare& s, long long n,
+                                                        long long t, long long threads, F f) {
+  const int w = s.vec ? 4 : 1;
+  for (long long i = s.lo4 + t; i < s.hi4; i += threads)
+    for (int j = 0; j < w; ++j) f(i * w + j);
+  for (long long i = s.tail + t; i < n; i += threads) f(i);
 }
 
 // Whether any of this thread's elements of its block's share lies outside [0, 1] or is NaN.
@@ -95,20 +114,15 @@ __device__ __forceinline__ bool deferred_scan(const float* x, long long n, int p
 // cover x once, so that every bad value is counted once.
 __device__ __forceinline__ void deferred_note_share(DeferredRecord* rec, const float* x,
                                                     long long n, int D, int part, int parts) {
-  const DeferredShare s = deferred_share(x, n, part, parts);
-  const long long step = blockDim.x;
   unsigned long long count = 0;
   long long first = -1;
-  auto visit = [&](long long e) {
-    if (outside_unit(x[e])) {
-      if (first < 0 || e < first) first = e;
-      ++count;
-    }
-  };
-  const int w = s.vec ? 4 : 1;
-  for (long long i = s.lo4 + threadIdx.x; i < s.hi4; i += step)
-    for (int j = 0; j < w; ++j) visit(i * w + j);
-  for (long long i = s.tail + threadIdx.x; i < n; i += step) visit(i);
+  deferred_visit(deferred_share(x, n, part, parts), n, threadIdx.x, blockDim.x,
+                 [&](long long e) {
+                   if (outside_unit(x[e])) {
+                     if (first < 0) first = e;  // visited in increasing order
+                     ++count;
+                   }
+                 });
   if (count) deferred_note(rec, count, first / D, first % D, x[first]);
 }
 
