@@ -2,12 +2,12 @@
 # The benchmarks of record and the GPU checks, on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...        (benchmarks/README.md says what each stage runs)
 # Stages: build env tests memcheck racecheck check bench profile train iwae crossover multi jobs
-# harness.
+# harness kbtiming deferred.
 # Each stage's log lands in $LOGS; $OUT gets summary.txt (one line per run: rc and seconds) and
 # results.tgz (every log and .jsonl), refreshed after every run so that a kill loses nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness kbtiming "
+STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness kbtiming deferred "
 for stage in "$@"; do  # refuse a typo before any stage spends device time
   [[ $STAGES == *" $stage "* ]] || { echo "device_run.sh: unknown stage '$stage' (stages:$STAGES)" >&2; exit 2; }
 done
@@ -95,10 +95,18 @@ for stage in "$@"; do case $stage in
   kbtiming)  # bench's cold column against KernelBench's own timing (its timing.py in $KB_TIMING)
     run kbtiming "${T_KB:-300}" python3 benchmarks/kernelbench_timing.py --kb "${KB_TIMING:-.kb/timing.py}" \
       --out "$LOGS/kernelbench_timing.jsonl" ;;
+  deferred)  # issue #56 item 1's acceptance, one call (~6 min on an H100): the deferred value
+    # check (FASTELBO_DEFERRED_CHECK=1): the build, its GPU tests, check of fastelbo:cuda with it
+    # on, memcheck of its every path, and the exported file's per-call rows without and with it
+    run deferred_build "${T_BUILD:-300}" python3 -c "from fastelbo.backends.cuda import extension; extension()"
+    run test_cuda_deferred "${T_TEST:-300}" python3 -m pytest -q -m "gpu and not multi_gpu" -p no:cacheprovider -rfEs tests/test_cuda_deferred.py
+    run check_deferred_cuda 300 env FASTELBO_DEFERRED_CHECK=1 $FE check vae_elbo fastelbo:cuda --device cuda --batch-sizes "$CHECK_BATCHES" --trials "$CHECK_TRIALS"
+    run memcheck_deferred "${T_MEMCHECK:-180}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/deferred_check.py --sanitize
+    run deferred_timing "${T_KB:-300}" python3 benchmarks/deferred_check.py --timing --out "$LOGS/deferred_check.jsonl" ;;
 esac; done
 # The correctness record: a gpu_tests.jsonl row per test file, sanitizer run and check logged so
 # far (benchmarks/gpu_rows.py), into $LOGS and so into results.tgz.
-if [[ " $* " =~ \ (tests|memcheck|racecheck|check|multi)\  ]]; then
+if [[ " $* " =~ \ (tests|memcheck|racecheck|check|multi|deferred)\  ]]; then
   python3 benchmarks/gpu_rows.py "$LOGS" || echo "gpu_rows.py failed: no gpu_tests.jsonl rows"
   tar -czf "$OUT/results.tgz" -C "$LOGS" .
 fi

@@ -473,7 +473,8 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at
 
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
-  fastelbo::DeferredRecord* const err = deferred ? deferred_arm(dev.index(), stream) : nullptr;
+  fastelbo::DeferredRecord* const record =
+      deferred ? deferred_arm(dev.index(), stream) : nullptr;
   const auto opts = x.options();
   std::vector<at::Tensor> out;
   for (int i = 0; i < 3; ++i)
@@ -482,7 +483,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at
   if (auto_fast || path == kPathFast) {
     fastelbo::FastParams f{};
     fill_forward(f, x, eps, p, out);
-    f.err = err;
+    f.err = record;
     cudaError_t ferr = cudaSuccess;
     const auto fst = fastelbo::elbo_fast_plan(f, dev.index(), 0, false, &ferr);
     FE_CHECK(fst != fastelbo::kElboCudaError, "planning the fast launch failed: ",
@@ -503,7 +504,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at
     if (value_check_failed()) return {};
     if (draw) eps.normal_(0.0, 1.0);  // the default generator of eps's device, as torch.randn
     const bool tc = path == kPathTc || (path == kPathAuto && tc_applies(x, p.enc_w, p.dec_w2));
-    (tc ? tc_rows_forward : rows_forward)(x, eps, p, out, stream, err);
+    (tc ? tc_rows_forward : rows_forward)(x, eps, p, out, stream, record);
     return out;
   };
   const int64_t cluster_max = auto_fast ? kClusterFallbackMax : kClusterMaxBatch;
@@ -512,7 +513,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at
 
   fastelbo::ElboParams k{};
   fill_forward(k, x, eps, p, out);
-  k.err = err;
+  k.err = record;
   k.vec = ((D % 4 == 0 && aligned16(k.x) && aligned16(k.w1)) ? 1u : 0u) |
           ((H % 4 == 0 && aligned16(k.wmu) && aligned16(k.wlv)) ? 2u : 0u) |
           ((L % 4 == 0 && aligned16(k.wd1)) ? 4u : 0u) |
