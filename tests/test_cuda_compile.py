@@ -261,7 +261,7 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
 # the optimizer's one, the IWAE kernel's two tiles (iwae_kernel<4> for 128 samples, <2> for 64),
 # the tensor-core GEMM's epilogues (tc_gemm_kernel<kTcStore, 128> with A split for finite W or
 # not, <kTcBce, 112 or 128 columns>)
-# and its three helpers.
+# and its three helpers, and the fused latent block's one.
 EXPECTED_KERNELS = {
     "elbo_fast.cu": {"elbo_fast_kernel": 1},
     "elbo.cu": {"elbo_kernel": 2},
@@ -273,6 +273,7 @@ EXPECTED_KERNELS = {
     "iwae.cu": {"iwae_kernel": 2},
     "tc_gemm.cu": {"tc_gemm_kernel": 4, "tc_bce_finish_kernel": 1, "tc_split_t_kernel": 1,
                    "tc_splitk_kernel": 1},
+    "latent.cu": {"latent_kernel": 1},
 }
 # One block per SM by their shared memory: these may use all 255 registers (tc_gemm_kernel's
 # launch bounds give the count its setmaxnreg split starts from: 168).

@@ -121,8 +121,8 @@ def test_option_structs_are_bound_and_built_by_every_field(struct, builder):
         pass
 
     built = builder(type("Ext", (), {struct: Options}),
-                    **{f: {"path": "fast", "gemm": "tc", "deferred": True}.get(f, (f == "rows") * 3)
-                       for f in fields})
+                    **{f: {"path": "fast", "gemm": "tc", "deferred": True,
+                           "latent": "fused"}.get(f, (f == "rows") * 3) for f in fields})
     assert set(vars(built)) == set(fields)
 
 
@@ -135,6 +135,7 @@ def test_the_deferred_option_is_set_only_where_asked():
 
     ext = type("Ext", (), {"ForwardOptions": Options})
     assert "deferred" not in vars(launch.forward_options(ext))
+    assert "latent" not in vars(launch.forward_options(ext))
     assert launch.forward_options(ext, deferred=True).deferred is True
     assert "deferred" not in vars(launch.default_forward_options(ext, draw=True, awaits=True))
     for draw in (False, True):
@@ -147,6 +148,15 @@ def test_paths_are_the_bindings():
     enum = re.search(r"enum Path : int64_t \{(.*?)\};", BINDING_H).group(1)
     numbered = {name.lower(): int(v) for name, v in re.findall(r"kPath(\w+) = (\d+)", enum)}
     assert numbered == launch.PATHS
+
+
+def test_latents_are_the_bindings():
+    enum = re.search(r"enum Latent : int64_t \{(.*?)\};", BINDING_H).group(1)
+    numbered = {name.lower(): int(v) for name, v in re.findall(r"kLatent(\w+) = (\d+)", enum)}
+    assert numbered == launch.LATENTS
+    opt = launch.forward_options(type("Ext", (), {"ForwardOptions": type("O", (), {})}),
+                                 latent="fused")
+    assert opt.latent == launch.LATENTS["fused"]
 
 
 def test_gemms_are_the_bindings():

@@ -23,6 +23,10 @@ namespace fastelbo::binding {
 // The forward's path (ForwardOptions::path); launch.py's PATHS names them.
 enum Path : int64_t { kPathAuto = 0, kPathCluster = 1, kPathRows = 2, kPathFast = 3, kPathTc = 4 };
 
+// The rows and tc paths' latent block (ForwardOptions::latent): auto (fused where
+// FASTELBO_FUSED_LATENT=1, until a GPU run accepts it), fused (latent.cu, one launch), cublas.
+enum Latent : int64_t { kLatentAuto = 0, kLatentFused = 1, kLatentCublas = 2 };
+
 // How one forward launches. The defaults are the product's call; launch.py pre-builds the four
 // default objects (draw, awaits) once per extension, so the hot path parses no options.
 struct ForwardOptions {
@@ -37,6 +41,7 @@ struct ForwardOptions {
   bool deferred = false; // the value check on x done by the forward's own kernels, no wait:
                          // a bad x makes every output NaN and is noted in the device's
                          // record (elbo.h DeferredRecord), which take_deferred reads
+  int64_t latent = kLatentAuto;  // the rows / tc paths' latent block (Latent)
 };
 
 // The ten parameters by name, as views of the list every entry takes (VAEParams order). Only

@@ -157,9 +157,16 @@ struct TcStore {
 };
 void tc_store(const TcStore& s, const at::TensorOptions& opts, cudaStream_t stream,
               const char* what);
-// err != nullptr: the deferred check (elbo.h TcFinishParams).
+// err != nullptr: the deferred check (elbo.h TcFinishParams); latent: the latent block fused.
 void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& p,
                      std::vector<at::Tensor>& out, cudaStream_t stream,
-                     fastelbo::DeferredRecord* err);
+                     fastelbo::DeferredRecord* err, bool latent);
+
+// The latent block fused (latent.cu) over the rows of h (2-D, unit column stride): d = the
+// decoder's hidden layer (relu'd where relu) written over h, kl from eps's rows; zero as
+// reparam's. False, with nothing launched, where it does not fit (the caller runs the unfused
+// path; at the reference dims it always fits), unless `required` (then an error).
+bool latent_fused(const at::Tensor& h, const VaeTensors& p, const float* eps, float* kl,
+                  int* zero, bool relu, bool required, cudaStream_t stream);
 
 }  // namespace fastelbo::binding

@@ -89,7 +89,7 @@ void fill_forward(fastelbo::ForwardArgs& a, const at::Tensor& x, const at::Tenso
 // check (bce_kernel notes and flags bad rows, then one poison launch NaNs the call if any).
 void rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& p,
                   std::vector<at::Tensor>& out, cudaStream_t stream,
-                  fastelbo::DeferredRecord* err) {
+                  fastelbo::DeferredRecord* err, bool latent) {
   const int64_t B = x.size(0), D = x.size(1), L = p.mu_w.size(0);
   const int64_t chunk = std::min(B, kRowsChunk);
   // z, and after it the deferred check's call flag (zeroed by the first chunk's reparam_kl).
@@ -100,13 +100,18 @@ void rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& 
   for (int64_t s = 0; s < B; s += chunk) {
     const int64_t n = std::min(chunk, B - s);
     const at::Tensor xs = x.narrow(0, s, n);
-    const at::Tensor h = relu_linear(xs, p.enc_w, p.enc_b);
-    const at::Tensor mu = at::linear(h, p.mu_w, p.mu_b), lv = at::linear(h, p.lv_w, p.lv_b);
-    at::Tensor zs = z.narrow(0, 0, n);
-    reparam(mu, lv, eps.data_ptr<float>() + s * L, zs, out[2].data_ptr<float>() + s, stream,
-            s == 0 ? flag : nullptr);
-    const at::Tensor logits =
-        at::linear(relu_linear(zs, p.dec_w1, p.dec_b1), p.dec_w2, p.dec_b2);
+    at::Tensor h = relu_linear(xs, p.enc_w, p.enc_b);
+    at::Tensor d = h;  // the fused latent block writes d over h
+    if (!latent || !latent_fused(h, p, eps.data_ptr<float>() + s * L,
+                                 out[2].data_ptr<float>() + s, s == 0 ? flag : nullptr, true,
+                                 false, stream)) {
+      const at::Tensor mu = at::linear(h, p.mu_w, p.mu_b), lv = at::linear(h, p.lv_w, p.lv_b);
+      at::Tensor zs = z.narrow(0, 0, n);
+      reparam(mu, lv, eps.data_ptr<float>() + s * L, zs, out[2].data_ptr<float>() + s, stream,
+              s == 0 ? flag : nullptr);
+      d = relu_linear(zs, p.dec_w1, p.dec_b1);
+    }
+    const at::Tensor logits = at::linear(d, p.dec_w2, p.dec_b2);
     FE_CHECK(logits.is_contiguous(), "unexpected decoder output");
     fastelbo::BceParams bp{};
     bp.logits = logits.data_ptr<float>();
@@ -128,6 +133,15 @@ void rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& 
                                                   out[2].data_ptr<float>(),
                                                   static_cast<int>(B), stream),
                  "deferred poison kernel");
+}
+
+// FASTELBO_FUSED_LATENT=1: `auto` fuses the latent block (latent.cu) where it applies.
+bool latent_by_env() {
+  static const bool on = [] {
+    const char* v = std::getenv("FASTELBO_FUSED_LATENT");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
 }
 
 // The ops' value check on x (every element in [0, 1], NaN not; fastelbo.contract) in two steps, so
@@ -337,6 +351,39 @@ fastelbo::DeferredRecord* deferred_arm(c10::DeviceIndex dev, cudaStream_t stream
 
 }  // namespace
 
+bool latent_fused(const at::Tensor& h, const VaeTensors& p, const float* eps, float* kl,
+                  int* zero, bool relu, bool required, cudaStream_t stream) {
+  FE_CHECK(h.dim() == 2 && h.stride(1) == 1, "latent block: h must be 2-D, unit column stride");
+  fastelbo::LatentParams lp{};
+  lp.h = h.data_ptr<float>();
+  lp.wmu = p.mu_w.data_ptr<float>();
+  lp.bmu = p.mu_b.data_ptr<float>();
+  lp.wlv = p.lv_w.data_ptr<float>();
+  lp.blv = p.lv_b.data_ptr<float>();
+  lp.eps = eps;
+  lp.wd1 = p.dec_w1.data_ptr<float>();
+  lp.bd1 = p.dec_b1.data_ptr<float>();
+  lp.d = h.data_ptr<float>();
+  lp.kl = kl;
+  lp.zero = zero;
+  lp.n = static_cast<int>(h.size(0));
+  lp.H = static_cast<int>(h.size(1));
+  lp.L = static_cast<int>(p.mu_w.size(0));
+  lp.ldh = static_cast<int>(h.stride(0));
+  lp.relu = relu ? 1 : 0;
+  cudaError_t err = cudaSuccess;
+  const fastelbo::ElboStatus st = fastelbo::latent_plan(lp, h.device().index(), &err);
+  FE_CHECK(st != fastelbo::kElboCudaError, "planning the latent block failed: ",
+           cudaGetErrorString(err));
+  if (st != fastelbo::kElboOk) {
+    FE_CHECK(!required, "latent=fused: hidden_dim=", lp.H, " does not fit the fused latent "
+             "block's shared memory; use latent='auto'");
+    return false;
+  }
+  check_launch(fastelbo::latent_launch(lp, stream), "latent kernel");
+  return true;
+}
+
 std::vector<int64_t> take_deferred(int64_t device) {
   FE_CHECK(device >= 0 && device < kMaxDevices, "device must be in 0..", kMaxDevices - 1,
            ", got ", device);
@@ -469,6 +516,9 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at
   FE_CHECK(path != kPathTc || tc_applies(x, p.enc_w, p.dec_w2),
            "path=tc does not apply here; fastelbo.backends.cuda checks this before the call");
   FE_CHECK(!(deferred && await_check), "deferred and awaits exclude each other");
+  FE_CHECK(opt.latent >= kLatentAuto && opt.latent <= kLatentCublas,
+           "latent must be 0 (auto), 1 (fused) or 2 (cublas), got ", opt.latent);
+  const bool latent = opt.latent == kLatentFused || (opt.latent == kLatentAuto && latent_by_env());
   if (forced_plan) path = kPathCluster;
 
   const c10::cuda::CUDAGuard guard(dev);
@@ -504,7 +554,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at
     if (value_check_failed()) return {};
     if (draw) eps.normal_(0.0, 1.0);  // the default generator of eps's device, as torch.randn
     const bool tc = path == kPathTc || (path == kPathAuto && tc_applies(x, p.enc_w, p.dec_w2));
-    (tc ? tc_rows_forward : rows_forward)(x, eps, p, out, stream, record);
+    (tc ? tc_rows_forward : rows_forward)(x, eps, p, out, stream, record, latent);
     return out;
   };
   const int64_t cluster_max = auto_fast ? kClusterFallbackMax : kClusterMaxBatch;

@@ -126,7 +126,7 @@ bool tc_applies(const at::Tensor& x, const at::Tensor& enc_w, const at::Tensor& 
 
 void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& p,
                      std::vector<at::Tensor>& out, cudaStream_t stream,
-                     fastelbo::DeferredRecord* err) {
+                     fastelbo::DeferredRecord* err, bool latent) {
   const at::Tensor &enc_w = p.enc_w, &enc_b = p.enc_b, &mu_w = p.mu_w, &mu_b = p.mu_b;
   const at::Tensor &lv_w = p.lv_w, &lv_b = p.lv_b, &dec_w1 = p.dec_w1, &dec_b1 = p.dec_b1;
   const at::Tensor &dec_w2 = p.dec_w2, &dec_b2 = p.dec_b2;
@@ -134,11 +134,13 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensor
   // One launch makes the weight operands: the two large layers' halves, and mu's and logvar's
   // weights stacked as one (2L, H) matrix (ld = H: tc_applies has H % 4 == 0), so that mu and
   // logvar are one (n, 2L) GEMM (h read once, one launch per chunk instead of two).
+  // (With the latent block fused none of that stacking is needed: latent.cu reads them as
+  // they are.)
   TcSplits splits;
   const TcHalves enc = splits.add(enc_w, false, true), dec = splits.add(dec_w2, false, true);
-  const at::Tensor ml_w = splits.add_rows({mu_w, lv_w}).t[0];
+  const at::Tensor ml_w = latent ? at::Tensor() : splits.add_rows({mu_w, lv_w}).t[0];
   splits.launch(stream);
-  const at::Tensor ml_b = at::cat({mu_b, lv_b});
+  const at::Tensor ml_b = latent ? at::Tensor() : at::cat({mu_b, lv_b});
   const int64_t chunk = std::min(B, kTcChunk);
   const int tiles = fastelbo::tc_gemm_tiles_n(static_cast<int>(D));
   const auto opts = x.options();
@@ -167,10 +169,14 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensor
     e.relu = true;
     e.w_finite = true;  // enc_w (an x outside [0, 1], e.g. inf, makes its row NaN anyway)
     tc_store(e, opts, stream, "tc encoder kernel");  // small chunks: K split
-    const at::Tensor ml = at::linear(h, ml_w, ml_b);
-    reparam(ml.narrow(1, 0, L), ml.narrow(1, L, L), eps.data_ptr<float>() + s * L, zs,
-            out[2].data_ptr<float>() + s, stream, s == 0 ? flag : nullptr);
-    at::addmm_out(h, dec_b1, zs, dec_w1.t());  // d before its ReLU (the kernel applies it)
+    if (!latent || !latent_fused(h, p, eps.data_ptr<float>() + s * L,
+                                 out[2].data_ptr<float>() + s, s == 0 ? flag : nullptr, false,
+                                 false, stream)) {
+      const at::Tensor ml = at::linear(h, ml_w, ml_b);
+      reparam(ml.narrow(1, 0, L), ml.narrow(1, L, L), eps.data_ptr<float>() + s * L, zs,
+              out[2].data_ptr<float>() + s, stream, s == 0 ? flag : nullptr);
+      at::addmm_out(h, dec_b1, zs, dec_w1.t());  // d before its ReLU (the kernel applies it)
+    }
     fastelbo::TcGemmParams d{};
     d.bias = dec_b2.data_ptr<float>();
     d.x = xs.data_ptr<float>();

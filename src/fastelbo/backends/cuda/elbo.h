@@ -90,7 +90,8 @@ struct ForwardArgs {
   // griddepcontrol.wait the kernel reads only weights and biases; x, eps, the RNG state and
   // every global write come after it, and so does its griddepcontrol.launch_dependents
   // (cluster.cuh pdl_wait: the only early trigger of any kernel here).
-  int pdl;  // err != nullptr: the deferred value check. Every cluster also scans all of x (a 1/C share
+  int pdl;
+  // err != nullptr: the deferred value check. Every cluster also scans all of x (a 1/C share
   // per block, deferred.cuh deferred_scan), so that a bad value anywhere makes every row of the
   // call NaN; cluster 0 notes the bad values in *err.
   DeferredRecord* err;
@@ -217,6 +218,38 @@ struct BceParams {
   int* flag;
   int row0;
 };
+
+// ---- the latent block fused (latent.cu; off the default path: binding ForwardOptions::latent) --
+// Between the rows / tc paths' encoder and output layers, per tile of R rows, one block:
+//   mu | logvar = h [wmu; wlv]^T + [bmu; blv],  z = mu + exp(0.5 logvar) eps,
+//   kl = -0.5 sum_j (1 + logvar - mu^2 - exp(logvar)),  d = z wd1^T + bd1 (relu'd where relu)
+// where the unfused path runs two cuBLAS GEMMs (or one on the stacked weights and a cat of the
+// biases), reparam_kl_kernel and a third GEMM. d may be written over h (each block stages its
+// rows of h before it writes any d).
+struct LatentParams {
+  const float* h;     // (n, H), row stride ldh: the encoder's hidden layer (relu'd)
+  const float* wmu;   // (L, H)
+  const float* bmu;   // (L)
+  const float* wlv;   // (L, H)
+  const float* blv;   // (L)
+  const float* eps;   // (n, L)
+  const float* wd1;   // (H, L)
+  const float* bd1;   // (H)
+  float* d;           // (n, H), row stride ldh
+  float* kl;          // (n,)
+  int* zero;          // or nullptr: set to 0 first (ReparamParams::zero)
+  int n, H, L, ldh;
+  int relu;           // 1: d = relu(...) (rows path); 0: before its ReLU (tc's output layer)
+  // Filled by latent_plan():
+  int R;              // rows per block
+  int vec_h, vec_l;   // float4 over H (h, wmu, wlv rows) / over L (wd1 rows)
+  int ldw, ldm, ldz;  // shared-memory row strides (floats): h rows, mu | logvar rows, z rows
+  int off_m, off_z, smem_bytes;
+};
+// Plans a launch for this device: kElboOk, or kElboTooLarge where even one row of h does not
+// fit a block's shared memory (the caller keeps the unfused path), kElboCudaError. Host only.
+ElboStatus latent_plan(LatentParams& p, int device, cudaError_t* cuda_err) noexcept;
+cudaError_t latent_launch(const LatentParams& p, cudaStream_t stream) noexcept;
 
 cudaError_t reparam_launch(const ReparamParams& p, cudaStream_t stream) noexcept;
 cudaError_t bce_launch(const BceParams& p, cudaStream_t stream) noexcept;

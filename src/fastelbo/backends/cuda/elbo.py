@@ -30,13 +30,15 @@ def _int_option(name: str, value, lo: int, hi: int, meaning: str) -> int:
 
 
 def check_options(rows: int = 0, cluster: int = 0, staged: int = -1,
-                  path: str = "auto") -> None:
+                  path: str = "auto", latent: str = "auto") -> None:
     """The launch options (binding.h ForwardOptions, which the binding checks again)."""
     _int_option("rows", rows, 0, 64, "0 (auto) or 1..64")
     _int_option("cluster", cluster, 0, 16, "0 (auto) or 1..16")
     _int_option("staged", staged, -1, 1, "-1 (auto), 0 or 1")
     if not isinstance(path, str) or path not in launch.PATHS:
         raise ValueError(f"path must be one of {tuple(launch.PATHS)}, got {path!r}")
+    if not isinstance(latent, str) or latent not in launch.LATENTS:
+        raise ValueError(f"latent must be one of {tuple(launch.LATENTS)}, got {latent!r}")
     if (rows > 0 or cluster > 0 or staged >= 0) and path in ("rows", "fast", "tc"):
         raise ValueError(f"rows / cluster / staged force the cluster path; they conflict with "
                          f"path={path!r} (got rows={rows}, cluster={cluster}, staged={staged})")
@@ -106,7 +108,7 @@ def check_tc_path(x: torch.Tensor, params: VAEParams, what: str = "path='tc'") -
 
 def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
             cluster: int = 0, staged: int = -1, path: str = "auto", draw: bool = False,
-            deferred: bool = False, _poison: bool = False):
+            deferred: bool = False, latent: str = "auto", _poison: bool = False):
     """(elbo, recon, kl), each (B,) float32, on the current stream; every input checked.
 
     path: "auto" (a cluster kernel for small batches, the rows path for large ones), "fast"
@@ -117,10 +119,12 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     overwrites eps with one torch.randn(B, latent_dim) draw from the default generator of x's
     device and computes with it (inside the cluster kernels where they run; noise.py says when
     that is exact); deferred=True runs the deferred value check in the kernels (a bad x: every
-    output NaN, and fastelbo.check_errors raises); _poison fills the outputs with NaN first, so
-    tests can prove every element is written.
+    output NaN, and fastelbo.check_errors raises); latent: the rows and tc paths' latent
+    block, "fused" (latent.cu, one launch), "cublas" or "auto" (fused where
+    FASTELBO_FUSED_LATENT=1); _poison fills the outputs with NaN first, so tests can prove every
+    element is written.
     """
-    check_options(rows, cluster, staged, path)
+    check_options(rows, cluster, staged, path, latent)
     ext = build.extension()
     params = status.check_call(ext, x, params, eps)
     if path == "fast":
@@ -129,7 +133,7 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
         check_tc_path(x, params)
     options = launch.forward_options(ext, rows=rows, cluster=cluster, staged=staged,
                                      poison=bool(_poison), path=path, draw=bool(draw),
-                                     deferred=bool(deferred))
+                                     deferred=bool(deferred), latent=latent)
     out = launch.forward(ext, x=x, eps=eps, params=params, options=options)
     if not out:
         raise status.error(launch.last_status(ext), {"x": x, "eps": eps, "params": params})

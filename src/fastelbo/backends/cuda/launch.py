@@ -14,17 +14,21 @@ from __future__ import annotations
 
 # The forward's paths, as binding.h's Path enum numbers them.
 PATHS = {"auto": 0, "cluster": 1, "rows": 2, "fast": 3, "tc": 4}
+# The rows and tc paths' latent block, as binding.h's Latent enum numbers them.
+LATENTS = {"auto": 0, "fused": 1, "cublas": 2}
 
 
 def forward_options(ext, *, rows=0, cluster=0, staged=-1, poison=False, path="auto",
-                    draw=False, awaits=False, deferred=False):
-    """A new ext.ForwardOptions (binding.h says what each field does); path by name. deferred
-    is set only where asked (the struct's default is off)."""
+                    draw=False, awaits=False, deferred=False, latent="auto"):
+    """A new ext.ForwardOptions (binding.h says what each field does); path and latent by
+    name. deferred and latent are set only where not their defaults (the struct's)."""
     opt = ext.ForwardOptions()
     opt.rows, opt.cluster, opt.staged = rows, cluster, staged
     opt.poison, opt.path, opt.draw, opt.awaits = poison, PATHS[path], draw, awaits
     if deferred:
         opt.deferred = True
+    if latent != "auto":
+        opt.latent = LATENTS[latent]
     return opt
 
 
