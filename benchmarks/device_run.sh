@@ -2,12 +2,12 @@
 # The benchmarks of record and the GPU checks, on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...        (benchmarks/README.md says what each stage runs)
 # Stages: build env tests memcheck racecheck check bench profile train iwae crossover multi jobs
-# harness kbtiming honest.
+# harness kbtiming honest deferred latent.
 # Each stage's log lands in $LOGS; $OUT gets summary.txt (one line per run: rc and seconds) and
 # results.tgz (every log and .jsonl), refreshed after every run so that a kill loses nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness kbtiming honest "
+STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness kbtiming honest deferred latent "
 for stage in "$@"; do  # refuse a typo before any stage spends device time
   [[ $STAGES == *" $stage "* ]] || { echo "device_run.sh: unknown stage '$stage' (stages:$STAGES)" >&2; exit 2; }
 done
@@ -98,10 +98,27 @@ for stage in "$@"; do case $stage in
       --runs "${KB_RUNS:-3}" --out "$LOGS/kernelbench_timing.jsonl" ;;
   honest)  # every honest candidate under bench: no flag, exit 0 (vae_elbo at B = 1 to 65,536)
     run honest "${T_HONEST:-480}" python3 benchmarks/honest_bench.py --out "$LOGS/honest_bench.jsonl" ;;
+  deferred)  # issue #56 item 1's acceptance, one call (~6 min on an H100): the deferred value
+    # check (FASTELBO_DEFERRED_CHECK=1): the build, its GPU tests, check of fastelbo:cuda with it
+    # on, memcheck of its every path, and the exported file's per-call rows without and with it
+    run deferred_build "${T_BUILD:-300}" python3 -c "from fastelbo.backends.cuda import extension; extension()"
+    run test_cuda_deferred "${T_TEST:-300}" python3 -m pytest -q -m "gpu and not multi_gpu" -p no:cacheprovider -rfEs tests/test_cuda_deferred.py
+    run check_deferred_cuda 300 env FASTELBO_DEFERRED_CHECK=1 $FE check vae_elbo fastelbo:cuda --device cuda --batch-sizes "$CHECK_BATCHES" --trials "$CHECK_TRIALS"
+    run memcheck_deferred "${T_MEMCHECK:-180}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/deferred_check.py --sanitize
+    run deferred_timing "${T_KB:-300}" python3 benchmarks/deferred_check.py --timing --out "$LOGS/deferred_check.jsonl" ;;
+  latent)  # issue #56 item 2's acceptance, one call (~5 min): the latent block fused
+    # (latent.cu, FASTELBO_FUSED_LATENT=1): the build, its GPU tests, check of fastelbo:cuda
+    # with it on, memcheck of its paths, and its rows against the cuBLAS block
+    run latent_build "${T_BUILD:-300}" python3 -c "from fastelbo.backends.cuda import extension; extension()"
+    run test_cuda_latent "${T_TEST:-300}" python3 -m pytest -q -m "gpu and not multi_gpu" -p no:cacheprovider -rfEs tests/test_cuda_latent.py
+    run check_latent_cuda 300 env FASTELBO_FUSED_LATENT=1 $FE check vae_elbo fastelbo:cuda --device cuda --batch-sizes "$CHECK_BATCHES" --trials "$CHECK_TRIALS"
+    run check_latent_odd_cuda 200 env FASTELBO_FUSED_LATENT=1 $FE check benchmarks/problems/vae_elbo_odd.py fastelbo:cuda --device cuda --batch-sizes 1,7,1000
+    run memcheck_latent "${T_MEMCHECK:-180}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/latent_block.py --sanitize
+    run latent_timing 200 python3 benchmarks/latent_block.py --timing --out "$LOGS/latent_block.jsonl" ;;
 esac; done
 # The correctness record: a gpu_tests.jsonl row per test file, sanitizer run and check logged so
 # far (benchmarks/gpu_rows.py), into $LOGS and so into results.tgz.
-if [[ " $* " =~ \ (tests|memcheck|racecheck|check|multi)\  ]]; then
+if [[ " $* " =~ \ (tests|memcheck|racecheck|check|multi|deferred|latent)\  ]]; then
   python3 benchmarks/gpu_rows.py "$LOGS" || echo "gpu_rows.py failed: no gpu_tests.jsonl rows"
   tar -czf "$OUT/results.tgz" -C "$LOGS" .
 fi

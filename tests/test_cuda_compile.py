@@ -196,6 +196,9 @@ def _jobs_of(test: str) -> dict[str, tuple[list[str], dict[str, str]]]:
                                                    ", ".join(f"{o}ULL" for o in PHILOX_OFFSETS)))}
     if test == "test_philox_known_answers":
         return {"kat": _exe_job(_KAT_MAIN)}
+    if test == "test_deferred_shares_cover_x_once_in_order":
+        return {"deferred": _exe_job(_DEFERRED_MAIN, *(f for f in cuda_backend.NVCC_FLAGS
+                                                        if "sm_90a" in f))}
     if test == "test_torch_randn_words_follow_curand":
         try:
             include = _curand_include()
@@ -253,22 +256,24 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
 
 
 # Each source's kernels: the cluster kernel's two register-tile variants (elbo_kernel<2,2>,
-# <4,4>), the rows path's two with the noise check's and the value check's, the backward's five,
+# <4,4>), the rows path's two with the noise check's, the value check's and the deferred
+# check's two (its record's take, the rows path's poison), the backward's five,
 # the optimizer's one, the IWAE kernel's two tiles (iwae_kernel<4> for 128 samples, <2> for 64),
 # the tensor-core GEMM's epilogues (tc_gemm_kernel<kTcStore, 128> with A split for finite W or
 # not, <kTcBce, 112 or 128 columns>)
-# and its three helpers.
+# and its three helpers, and the fused latent block's one.
 EXPECTED_KERNELS = {
     "elbo_fast.cu": {"elbo_fast_kernel": 1},
     "elbo.cu": {"elbo_kernel": 2},
     "rows.cu": {"reparam_kl_kernel": 1, "bce_kernel": 1, "randn_fill_kernel": 1,
-                "range_flags_kernel": 1},
+                "range_flags_kernel": 1, "deferred_take_kernel": 1, "deferred_poison_kernel": 1},
     "backward.cu": {"prep_kernel": 1, "bce_grad_kernel": 1, "latent_bwd_kernel": 1,
                     "colsum_kernel": 1, "colsum_finish_kernel": 1},
     "adam.cu": {"adam_kernel": 1},
     "iwae.cu": {"iwae_kernel": 2},
     "tc_gemm.cu": {"tc_gemm_kernel": 4, "tc_bce_finish_kernel": 1, "tc_split_t_kernel": 1,
                    "tc_splitk_kernel": 1},
+    "latent.cu": {"latent_kernel": 1},
 }
 # One block per SM by their shared memory: these may use all 255 registers (tc_gemm_kernel's
 # launch bounds give the count its setmaxnreg split starts from: 168).
@@ -600,6 +605,64 @@ _KAT_OUT = ["6627e8d5 e169c58d bc57ac4c 9b00dbd8", "408f276d 41c83b0e a20bc7c6 6
 
 def test_philox_known_answers(builds):
     assert _run([str(builds.out("kat")[1] / "exe")]).split("\n")[:3] == _KAT_OUT
+
+
+# The deferred value check's index arithmetic (deferred.cuh), run on the host: the shares of
+# `parts` blocks of `threads` threads each, for x 16-byte aligned or not, visit every element of
+# x exactly once, each thread in increasing order (so a thread's first bad element is its
+# earliest), and the per-thread counts and firsts combine into the whole x's; the record's key
+# orders positions and reads back.
+_DEFERRED_MAIN = r"""
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+#include "deferred.cuh"
+int main() {
+  const long long ns[] = {1, 2, 3, 4, 5, 7, 31, 784, 785, 4 * 781 + 3, 1000 * 781, 128 * 784};
+  const int parts_list[] = {1, 2, 3, 7, 16}, threads_list[] = {1, 32, 256};
+  long cases = 0, bad = 0;
+  for (long long n : ns) for (int parts : parts_list) for (int threads : threads_list)
+  for (int off = 0; off < 2; ++off) {
+    // Only the address decides the layout: a fake one, aligned or one float past.
+    const float* x = reinterpret_cast<const float*>(uintptr_t{1} << 20) + off;
+    std::vector<char> mask(n), seen(n, 0);
+    for (long long e = 0; e < n; ++e) mask[e] = (e * 2654435761LL) % 97 == 3 || e == n - 1;
+    long long want_count = 0, want_first = -1, count = 0, first = -1;
+    for (long long e = 0; e < n; ++e)
+      if (mask[e]) { ++want_count; if (want_first < 0) want_first = e; }
+    for (int part = 0; part < parts; ++part) {
+      const fastelbo::DeferredShare s = fastelbo::deferred_share(x, n, part, parts);
+      for (int t = 0; t < threads; ++t) {
+        long long last = -1, tc = 0, tf = -1;
+        fastelbo::deferred_visit(s, n, t, threads, [&](long long e) {
+          if (e < 0 || e >= n || e <= last) ++bad;
+          else { ++seen[e]; last = e; if (mask[e]) { ++tc; if (tf < 0) tf = e; } }
+        });
+        count += tc;
+        if (tf >= 0 && (first < 0 || tf < first)) first = tf;
+      }
+    }
+    for (long long e = 0; e < n; ++e) bad += seen[e] != 1;
+    bad += count != want_count || first != want_first;
+    ++cases;
+  }
+  const long long pos[][2] = {{0, 0}, {0, 1}, {1, 0}, {5, 783}, {5, 784}, {2147483646, 7},
+                              {3, 2147483646}};
+  for (auto& a : pos) for (auto& b : pos) {
+    const unsigned long long ka = fastelbo::deferred_key(a[0], a[1]);
+    const unsigned long long kb = fastelbo::deferred_key(b[0], b[1]);
+    const bool earlier = a[0] < b[0] || (a[0] == b[0] && a[1] < b[1]);
+    bad += (ka > kb) != earlier || ka == 0 || (~ka >> 32) != (unsigned long long)a[0] ||
+           (~ka & 0xffffffffULL) != (unsigned long long)a[1];
+  }
+  std::printf("%ld %ld\n", cases, bad);
+}
+"""
+
+
+def test_deferred_shares_cover_x_once_in_order(builds):
+    cases, bad = map(int, _run([str(builds.out("deferred")[1] / "exe")]).split())
+    assert cases == 12 * 5 * 3 * 2 and bad == 0
 
 
 # curand's own device API made host-callable (its QUALIFIERS macro), driven the way PyTorch's

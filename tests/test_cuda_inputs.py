@@ -345,3 +345,125 @@ def test_iwae_refuses_the_torch_backends_options():
         with pytest.raises(ValueError, match=f"cuda iwae does not take {next(iter(kw))}"):
             cuda.iwae_log_likelihood(x, params, 4, **kw)
     assert "CUDA devices only" in cuda.iwae_unavailable_reason(torch.device("cpu"), (D, H, L))
+
+
+# ---- the deferred value check (contract.deferred): its Python side --------------------------
+def _fields(options):
+    """The options' fields, deferred included (forward_options sets it only where asked)."""
+    return {"deferred": False, **vars(options)}
+
+
+class _DeferredVerdict(cuda.DeferredCheck):
+    """The lane's deferred check, logging wait() (which would run the check now)."""
+
+    def __init__(self, x, log):
+        super().__init__(x)
+        self.log = log
+
+    def wait(self):
+        self.log.append("wait")
+
+
+def test_forward_prepared_leaves_a_deferred_check_to_the_kernels(fake, monkeypatch):
+    """A DeferredCheck (in flight or handed out in a capture) is not waited for: the binding
+    gets the deferred option (and not awaits), with or without the in-kernel draw; the tuning
+    forward takes it by name."""
+    calls = _extension(monkeypatch).calls
+    x, params, eps = make(fake)
+    log = []
+    cuda.forward_prepared(x, params, eps, draw=True, verdict=_DeferredVerdict(x, log))
+    assert log == [] and _fields(calls[-1][-1]) == {**_Options().fields(), "draw": True,
+                                                    "deferred": True}
+    cuda.forward_prepared(x, params, eps, verdict=cuda.CapturedDeferredCheck(x))
+    assert _fields(calls[-1][-1]) == {**_Options().fields(), "deferred": True}
+    cuda.forward_prepared(x, params, eps)  # no verdict: no deferral
+    assert _fields(calls[-1][-1])["deferred"] is False
+    cuda.forward(x, params, eps, path="rows", deferred=True)
+    assert _fields(calls[-1][-1]) == {**_Options().fields(), "path": launch.PATHS["rows"],
+                                      "deferred": True}
+
+
+def test_the_noise_fallback_keeps_the_deferral(fake, monkeypatch):
+    """Where the in-kernel draw does not match torch.randn (the noise is drawn first), a
+    deferred check is still the kernels': nothing waits, and the forward gets it."""
+    from fastelbo.backends.cuda import noise
+    calls = _extension(monkeypatch).calls
+    x, params, _ = make(fake)
+    monkeypatch.setitem(noise._MATCHES, 0, False)
+    log = []
+    with fake:
+        cuda.forward_drawing(x, params, _DeferredVerdict(x, log))
+    assert log == [] and _fields(calls[-1][-1])["deferred"] is True
+    assert _fields(calls[-1][-1])["draw"] is False
+
+
+class _LaneExt(_Ext):
+    """A stand-in for the lane's entries: checked_start_deferred answers `answer`; the value
+    check is torch's."""
+
+    def __init__(self, answer=2):
+        super().__init__()
+        self.answer = answer
+
+    def checked_start(self, x, eps, params, validate):
+        self.entries.append(("checked_start", validate))
+        return 0
+
+    def checked_start_deferred(self, x, eps, params):
+        self.entries.append("checked_start_deferred")
+        return self.answer
+
+    def range_check_start(self, x):
+        self.entries.append("range_check_start")
+
+    def x_in_unit_range(self, x):
+        self.entries.append("x_in_unit_range")
+        return bool((x >= 0).logical_and(x <= 1).all())
+
+
+def _cpu_lane(monkeypatch, answer=2):
+    ext = _LaneExt(answer)
+    monkeypatch.setattr(build, "RUNS_ON", {torch.device("cpu"): ext})
+    params = VAEParams(*(torch.zeros(SHAPES[n]) for n in VAEParams._fields))
+    return ext, torch.rand(B, D), params
+
+
+def test_the_lanes_start_no_check_when_deferred(monkeypatch):
+    """With the switch on (and validate), the plain lane asks checked_start_deferred and starts
+    nothing: a plain DeferredCheck in flight (2), a CapturedDeferredCheck in a capture (3,
+    nothing to wait for, not checked), None for a rule broken; start_value_check hands out a
+    DeferredCheck too. With validate off, or the switch off, the lane is as before."""
+    from fastelbo import contract
+    from fastelbo.backends.cuda import lanes
+    ext, x, params = _cpu_lane(monkeypatch)
+    with contract.deferred_check(True):
+        v = lanes.start_checks(x, params, None, True)
+        assert type(v) is cuda.DeferredCheck and v.plain and v.in_flight and v.checked
+        ext.answer = 3
+        v = lanes.start_checks(x, params, None, True)
+        assert type(v) is cuda.CapturedDeferredCheck and v.plain and not v.in_flight
+        assert not v.checked
+        ext.answer = _packed(status.SHAPE, "x")
+        assert lanes.start_checks(x, params, None, True) is None
+        assert lanes.start_checks(x, params, None, False).in_flight is False
+        assert type(lanes.start_value_check(x)) is cuda.DeferredCheck
+    assert ext.entries == ["checked_start_deferred"] * 3 + [("checked_start", False)]
+    assert lanes.start_checks(x, params, None, True).in_flight is False  # stand-in: 0
+    assert ext.entries[-1] == ("checked_start", True)
+
+
+def test_a_deferred_check_run_by_anyone_else_raises_at_once(monkeypatch):
+    """DeferredCheck.wait() (another backend, the autograd path) runs the value check now: the
+    lane's one launch where it applies, torch ops where it does not; the contract's error."""
+    ext, x, _ = _cpu_lane(monkeypatch)
+    cuda.DeferredCheck(x).wait()
+    assert ext.entries == ["x_in_unit_range"]
+    x[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"first x\[1, 2\] = nan"):
+        cuda.DeferredCheck(x).wait()
+    strided = torch.rand(D, B).t()  # not contiguous: not the lane's case
+    strided[3, 0] = 2.0
+    with pytest.raises(ValueError, match=r"first x\[3, 0\] = 2.0"):
+        cuda.DeferredCheck(strided).wait()
+    assert ext.entries == ["x_in_unit_range"] * 2
+    cuda.CapturedDeferredCheck(strided).wait()  # in a capture nothing may wait: no check

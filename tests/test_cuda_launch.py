@@ -32,11 +32,12 @@ ENTRIES = _bound_entries()
 # A wrapper argument the binding does not name: the binding's arguments it stands for, in order.
 EXPANDS = {"dims": ("D", "H", "L"), "batch": ("B",)}
 # The entries that take the VAE's tensors: each takes the ten parameters as one list.
-TAKES_PARAMS = ("forward", "backward", "checked_start", "iwae_partials")
+TAKES_PARAMS = ("forward", "backward", "checked_start", "checked_start_deferred",
+                "iwae_partials")
 
 
 def test_the_binding_is_parsed():
-    assert len(ENTRIES) == 14, sorted(ENTRIES)
+    assert len(ENTRIES) == 16, sorted(ENTRIES)
     assert ENTRIES["forward"] == ["x", "eps", "params", "options"]
     assert ENTRIES["pdl_launches"] == [] and ENTRIES["last_status"] == []
 
@@ -120,15 +121,42 @@ def test_option_structs_are_bound_and_built_by_every_field(struct, builder):
         pass
 
     built = builder(type("Ext", (), {struct: Options}),
-                    **{f: {"path": "fast", "gemm": "tc"}.get(f, (f == "rows") * 3)
-                       for f in fields})
+                    **{f: {"path": "fast", "gemm": "tc", "deferred": True,
+                           "latent": "fused"}.get(f, (f == "rows") * 3) for f in fields})
     assert set(vars(built)) == set(fields)
+
+
+def test_the_deferred_option_is_set_only_where_asked():
+    """forward_options leaves ForwardOptions::deferred at the struct's default (off) unless
+    asked, so that the product's default options carry exactly the fields they did before it
+    (the exported file's stand-in records every field set)."""
+    class Options:
+        pass
+
+    ext = type("Ext", (), {"ForwardOptions": Options})
+    assert "deferred" not in vars(launch.forward_options(ext))
+    assert "latent" not in vars(launch.forward_options(ext))
+    assert launch.forward_options(ext, deferred=True).deferred is True
+    assert "deferred" not in vars(launch.default_forward_options(ext, draw=True, awaits=True))
+    for draw in (False, True):
+        opt = launch.default_forward_options(ext, draw=draw, deferred=True)
+        assert (opt.deferred, opt.draw, opt.awaits) == (True, draw, False)
+        assert launch.default_forward_options(ext, draw=draw, deferred=True) is opt
 
 
 def test_paths_are_the_bindings():
     enum = re.search(r"enum Path : int64_t \{(.*?)\};", BINDING_H).group(1)
     numbered = {name.lower(): int(v) for name, v in re.findall(r"kPath(\w+) = (\d+)", enum)}
     assert numbered == launch.PATHS
+
+
+def test_latents_are_the_bindings():
+    enum = re.search(r"enum Latent : int64_t \{(.*?)\};", BINDING_H).group(1)
+    numbered = {name.lower(): int(v) for name, v in re.findall(r"kLatent(\w+) = (\d+)", enum)}
+    assert numbered == launch.LATENTS
+    opt = launch.forward_options(type("Ext", (), {"ForwardOptions": type("O", (), {})}),
+                                 latent="fused")
+    assert opt.latent == launch.LATENTS["fused"]
 
 
 def test_gemms_are_the_bindings():

@@ -367,3 +367,104 @@ def test_the_spec_init_brings_what_it_uses(tmp_path, monkeypatch):
     solution = _load(tmp_path, text)
     model = solution.ModelNew(*solution.get_init_inputs())
     assert tuple(model.state_dict()) == STATE_DICT_KEYS
+
+
+# The deferred value check's file (export's deferred=True), run as DRIVER runs the default one:
+# no fastelbo, a stand-in extension whose take_deferred hands out a record once.
+DEFERRED_DRIVER = r'''
+import importlib.abc, importlib.util, json, sys
+
+
+class NoFastelbo(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "fastelbo":
+            raise ImportError(f"the exported file imports {name}")
+
+
+sys.meta_path.insert(0, NoFastelbo())
+import torch
+
+spec = importlib.util.spec_from_file_location("solution", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+record, log = [0, 0, 0, 0], []
+
+
+class Options:
+    pass
+
+
+class Extension:
+    ForwardOptions = Options
+
+    def forward(self, x, eps, params, options):
+        log.append({"forward": vars(options)})
+        return [torch.zeros(x.shape[0]) for _ in range(3)]
+
+    def checked_start(self, *args):
+        return 0
+
+    def take_deferred(self, device):
+        log.append({"take": device})
+        out = list(record)
+        record[:] = [0, 0, 0, 0]
+        return out
+
+
+mod.load_inline = lambda **kwargs: Extension()
+kernel_check = mod.check_kernel_tensors
+mod.check_kernel_tensors = lambda *a, **k: kernel_check(*a, **{**k, "device_type": "cpu"})
+
+
+def errors():
+    try:
+        mod.check_errors(0)
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+
+
+before = errors()  # not built: nothing asked
+torch.manual_seed(0)
+m = mod.ModelNew(*mod.get_init_inputs())
+m(torch.rand(3, 784))
+clean = errors()
+record[:] = [2, 1, 5, 0x7FC00000]  # a NaN at x[1, 5], and one more bad value
+found = errors()
+print(json.dumps({"before": before, "clean": clean, "found": found, "again": errors(),
+                  "log": log}))
+'''
+
+
+def test_the_deferred_file_passes_the_option_and_raises_from_check_errors(tmp_path):
+    """export's deferred=True: ModelNew's forward asks the binding for the deferred check (the
+    default options plus deferred), and the file's check_errors() raises the contract's
+    message for the record the binding hands out (once), nothing before the build or for an
+    empty record."""
+    path = export.write_kernelbench(tmp_path / "solution.py", deferred=True)
+    (tmp_path / "driver.py").write_text(DEFERRED_DRIVER)
+    proc = subprocess.run([sys.executable, "driver.py", str(path)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, check=False,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["before"] is None and got["clean"] is None and got["again"] is None
+    want = str(contract.deferred_value_error(2, 1, 5, 0x7FC00000))
+    assert got["found"] == ["ValueError", want] and "first x[1, 5] = nan" in want
+    assert got["log"] == [{"forward": {"rows": 0, "cluster": 0, "staged": -1, "poison": False,
+                                       "path": launch.PATHS["auto"], "draw": False,
+                                       "awaits": False, "deferred": True}},
+                          {"take": 0}, {"take": 0}, {"take": 0}]
+
+
+def test_the_default_file_has_no_deferred_check(solution, tmp_path):
+    """Without the switch the file is as before: no check_errors, no deferred option, nothing
+    of the deferred record carried; with it, both."""
+    default = _python_part(solution.read_text())
+    deferred = _python_part(export.kernelbench_source(deferred=True))
+    for name in ("def check_errors(", "def take_deferred(", "def deferred_value_error(",
+                 "deferred=True)"):
+        assert name not in default and name in deferred, name
+    with contract.deferred_check(True):
+        assert _python_part(export.kernelbench_source()) == deferred
+    assert _python_part(export.kernelbench_source(deferred=False)) == default

@@ -13,14 +13,18 @@ _LAZY = {
     "FusedVAE": "model",
     "ModelNew": "model",
     "VAEParams": "params",
+    "check_errors": "backends.cuda.deferred",
+    "deferred_check": "contract",
     "elbo": "ops.elbo",
     "iwae_log_likelihood": "ops.iwae",
+    "set_deferred_check": "contract",
     "set_validation": "contract",
     "validation": "contract",
     "validation_enabled": "contract",
 }
-__all__ = ["STATE_DICT_KEYS", "FusedVAE", "ModelNew", "VAEParams", "__version__", "elbo",
-           "iwae_log_likelihood", "set_validation", "validation", "validation_enabled"]
+__all__ = ["STATE_DICT_KEYS", "FusedVAE", "ModelNew", "VAEParams", "__version__", "check_errors",
+           "deferred_check", "elbo", "iwae_log_likelihood", "set_deferred_check",
+           "set_validation", "validation", "validation_enabled"]
 
 
 def __getattr__(name: str):

@@ -16,6 +16,13 @@ device where it is cheapest, is fastelbo.ops.checks'. With the switch off
 (`set_validation(False)`, the `validation(False)` context manager, FASTELBO_VALIDATE=0) a row
 holding a bad value comes out as NaN in elbo, recon and kl on every backend, never as a number.
 
+The deferred value check (FASTELBO_DEFERRED_CHECK=1, `set_deferred_check(True)`, the
+`deferred_check(True)` context manager; off by default) moves the check into the cuda backend's
+forward kernels where that backend runs the call without autograd: no wait for the device before
+the launch. A bad x then makes every elbo, recon and kl of that call NaN, and the error
+(`deferred_value_error`, naming the first bad value) is raised later by
+fastelbo.check_errors(). Other backends and autograd calls keep the check as it is.
+
 Imports torch and fastelbo.params only: every layer may import it, and it imports no layer.
 """
 from __future__ import annotations
@@ -64,6 +71,37 @@ def validation(enabled: bool):
         yield
     finally:
         validating = old
+
+
+# ---- the deferred value check's switch ------------------------------------------------------
+DEFERRED_ENV_VAR = "FASTELBO_DEFERRED_CHECK"
+
+
+def deferred_by_env(environ=os.environ) -> bool:
+    """The deferred switch's value at import: off unless DEFERRED_ENV_VAR is 1, true or yes."""
+    return environ.get(DEFERRED_ENV_VAR, "0").strip().lower() in ("1", "true", "yes")
+
+
+# Read per call by the cuda backend's lane as `contract.deferred`, an attribute, like
+# `validating`; it matters only while validating is on.
+deferred = deferred_by_env()
+
+
+def set_deferred_check(enabled: bool) -> None:
+    """Turn the deferred value check on or off (process-wide; module docstring)."""
+    global deferred
+    deferred = bool(enabled)
+
+
+@contextlib.contextmanager
+def deferred_check(enabled: bool):
+    """`with fastelbo.deferred_check(True): ...` runs its block with the check deferred."""
+    global deferred
+    old, deferred = deferred, bool(enabled)
+    try:
+        yield
+    finally:
+        deferred = old
 
 
 # ---- metadata checks ------------------------------------------------------------------------
@@ -248,3 +286,17 @@ def outside_range_error(x: torch.Tensor) -> ValueError:
         f"x must lie in [0, 1] (Bernoulli targets); {int(bad.sum())} value(s) do not, first "
         f"x[{r}, {c}] = {float(x[r, c])}. Turn validation off (fastelbo.set_validation(False)) "
         f"to get NaN in those rows instead.")
+
+
+def deferred_value_error(count: int, row: int, col: int, bits: int) -> ValueError:
+    """The deferred value check's error: `count` values outside [0, 1] (or NaN) met since the
+    last check, the first at x[row, col], its float32 bits `bits` (the record the cuda
+    backend's kernels keep, read by fastelbo.check_errors)."""
+    bits &= 0xFFFFFFFF
+    value = torch.tensor([bits - (bits >> 31 << 32)], dtype=torch.int32).view(torch.float32)
+    value = value.item()
+    return ValueError(
+        f"x must lie in [0, 1] (Bernoulli targets); {count} value(s) given to forwards since "
+        f"the last check do not, first x[{row}, {col}] = {value}: those calls returned NaN in "
+        f"every elbo, recon and kl (the value check was deferred to the kernels: "
+        f"FASTELBO_DEFERRED_CHECK=1).")

@@ -17,7 +17,10 @@ contract's checks run for anything else and raise the precise error.
 ModelNew reads its ten parameters in VAEParams order (params.STATE_DICT_KEYS, written out as
 attribute reads), draws torch.randn(B, latent_dim) exactly where the reference calls randn_like,
 then runs the backend's forward (one fused launch at small batch, the cuBLAS-based rows path at
-large batch).
+large batch). The value check on x: none by default (a bad row comes out NaN); with `deferred`
+(default: fastelbo.contract's switch, FASTELBO_DEFERRED_CHECK=1) the kernels check x
+themselves, a bad x makes every output of its call NaN, and the file's check_errors() raises
+the contract's ValueError for it later (launch.py's take_deferred), with no wait in forward.
 """
 from __future__ import annotations
 
@@ -114,12 +117,29 @@ class ModelNew(nn.Module):
         eps = torch.randn(x.shape[0], params[2].shape[0], device=x.device, dtype=x.dtype)
         ext = _extension()
         out = forward_default(ext, x=x, eps=eps,
-                              params=[p.detach().contiguous() for p in params])
+                              params=[p.detach().contiguous() for p in params]{deferred_arg})
         if not out:  # the binding's own input check refused what _check passed: a bug
             raise RuntimeError(f"the kernel's input check refused the call (status "
                                f"{{last_status(ext)}}); please report it")
         elbo, recon, kl = out
         return elbo, recon, kl
+'''
+
+# With the deferred check: what raises the error its kernels noted (fastelbo.check_errors's
+# counterpart in this file).
+_DEFERRED_BODY = '''
+
+def check_errors(device=None):
+    """Raise the ValueError of the x values outside [0, 1] (or NaN) that ModelNew's forwards
+    met since the last call: their kernels check x themselves (every elbo, recon and kl of such
+    a call is NaN) and the forward waits for nothing; this waits for the device's work first.
+    device: a CUDA device index (default: the current device)."""
+    if _EXTENSION is None:
+        return
+    index = torch.cuda.current_device() if device is None else int(device)
+    count, row, col, bits = take_deferred(_EXTENSION, device=index)
+    if count:
+        raise deferred_value_error(count, row, col, bits)
 '''
 
 # Where _BODY's free names are looked up (exactly one must define each), what their sections
@@ -167,16 +187,19 @@ def _attribute_reads(keys) -> str:
             "        params = [" + codegen.wrap_items(reads, " " * 18, 99).lstrip() + "]")
 
 
-def _python(cuda: str, cpp: str, name: str) -> str:
-    """The file: _HEAD; what _BODY uses, carried from SOURCES; _BODY with the spec's __init__;
-    the spec's get_inputs / get_init_inputs and the sizes they read."""
+def _python(cuda: str, cpp: str, name: str, deferred: bool = False) -> str:
+    """The file: _HEAD; what _BODY uses, carried from SOURCES; _BODY with the spec's __init__
+    (and _DEFERRED_BODY where deferred); the spec's get_inputs / get_init_inputs and the sizes
+    they read."""
     head = _HEAD.format(cuda_source=_raw_literal(cuda), cpp_source=_raw_literal(cpp))
     provided = {n: target for n, (target, _) in codegen.imports_of(ast.parse(head), None).items()}
     carrier = codegen.Carrier(__package__, provided)
     init, init_needs = carrier.method(SPEC, "Model", "__init__")
     body = _BODY.format(name=name, cxx_flags=list(build.CXX_FLAGS),
                         nvcc_flags=list(build.NVCC_FLAGS), init=init,
-                        params=_attribute_reads(params_module.STATE_DICT_KEYS))
+                        params=_attribute_reads(params_module.STATE_DICT_KEYS),
+                        deferred_arg=",\n                              deferred=True"
+                        if deferred else "") + (_DEFERRED_BODY if deferred else "")
     carrier.reserve(codegen.bound_names(head + body))
     # The spec's __init__ takes what it needs from the spec (init_needs); the rest of _BODY
     # from SOURCES.
@@ -192,17 +215,20 @@ def _python(cuda: str, cpp: str, name: str) -> str:
     return text
 
 
-def kernelbench_source() -> str:
-    """The single solution file's text."""
+def kernelbench_source(deferred: bool | None = None) -> str:
+    """The single solution file's text; deferred: the value check in its kernels (module
+    docstring; None: contract.deferred, the FASTELBO_DEFERRED_CHECK switch)."""
     cuda, cpp = cuda_source(), cpp_source()
     digest = hashlib.sha256(repr((cuda, cpp, build.CXX_FLAGS, build.NVCC_FLAGS)).encode()
                             ).hexdigest()[:12]
-    return _python(cuda, cpp, f"fastelbo_kb_{digest}")
+    deferred = contract.deferred if deferred is None else bool(deferred)
+    return _python(cuda, cpp, f"fastelbo_kb_{digest}", deferred)
 
 
-def write_kernelbench(path) -> Path:
-    """Write the self-contained solution file to `path` and return its Path."""
+def write_kernelbench(path, deferred: bool | None = None) -> Path:
+    """Write the self-contained solution file to `path` and return its Path (deferred: as
+    kernelbench_source's)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(kernelbench_source())
+    path.write_text(kernelbench_source(deferred))
     return path

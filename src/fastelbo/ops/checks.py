@@ -9,6 +9,9 @@ on), `start` leaves the value check running there and returns a backends.Verdict
 overlaps the check's round trip. For contiguous float32 tensors there, every check and the
 value check's launch are one call of that backend's lane (Backend.start_checks), which `start`
 makes through backends.start, resolving the call's backend in the same call.
+With the deferred check on (fastelbo.contract's FASTELBO_DEFERRED_CHECK=1) the cuda lane starts
+no check: its verdict is one the cuda forward leaves to its kernels (no wait; the error comes
+from fastelbo.check_errors), and one that anyone else's wait() runs then, as before.
 """
 from __future__ import annotations
 

@@ -8,14 +8,16 @@ the tuning tools use. The package, in the order a call flows:
     status.py    the binding's input check answer (a code and a field) as the contract's error
     elbo.py      forward (tuning entry), forward_prepared (the ops'), backward, plan
     noise.py     forward_drawing: the forward's torch.randn drawn inside the cluster kernels
+    deferred.py  check_errors: what the deferred value check (in the forward's kernels) found
     iwae_kernel.py  the IWAE kernel (iwae.cu): iwae_log_likelihood, iwae_unavailable_reason
     optim.py     adam_step: training's Adam in one launch (adam.cu)
     launch.py    one keyword-only wrapper per binding entry (the only caller of the extension)
 
 and in C++: the kernels (*.cu, no torch types; elbo.h their params structs, elbo_math.cuh the
-shared per-element math), binding.h (the torch-facing API: option structs and entry points),
-binding_check.h/.cpp (the one input check every entry makes), binding_forward/backward/iwae/
-tc.cpp (plans, launches), binding_module.cpp (pybind11).
+shared per-element math, deferred.cuh the deferred value check's device side), binding.h (the
+torch-facing API: option structs and entry points), binding_check.h/.cpp (the one input check
+every entry makes), binding_forward/backward/iwae/tc.cpp (plans, launches), binding_module.cpp
+(pybind11).
 No submodule imports this file: it only gathers their names.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .build import extension, source_files, unavailable_reason
+from .deferred import check_errors
 from .elbo import (
     backward,
     check_fast_path,
@@ -34,7 +37,14 @@ from .elbo import (
     tc_applies,
 )
 from .iwae_kernel import iwae_log_likelihood, iwae_unavailable_reason
-from .lanes import RangeCheck, in_unit_range, start_checks, start_value_check
+from .lanes import (
+    CapturedDeferredCheck,
+    DeferredCheck,
+    RangeCheck,
+    in_unit_range,
+    start_checks,
+    start_value_check,
+)
 from .launch import PATHS
 from .noise import forward_drawing, randn_matches
 from .optim import adam_step
@@ -50,7 +60,8 @@ IWAE_GENERATOR = False
 
 __all__ = [
     "DRAWS_NOISE", "DTYPES", "IWAE_GENERATOR", "PATHS", "TRACEABLE",
-    "RangeCheck", "adam_step", "backward", "check_fast_path", "check_options",
+    "CapturedDeferredCheck", "DeferredCheck", "RangeCheck", "adam_step", "backward",
+    "check_errors", "check_fast_path", "check_options",
     "check_tc_path", "extension", "forward", "forward_drawing", "forward_prepared", "in_unit_range",
     "iwae_log_likelihood", "iwae_unavailable_reason", "plan", "randn_matches", "source_files",
     "start_checks", "start_value_check", "tc_applies", "unavailable_reason",

@@ -23,6 +23,10 @@ namespace fastelbo::binding {
 // The forward's path (ForwardOptions::path); launch.py's PATHS names them.
 enum Path : int64_t { kPathAuto = 0, kPathCluster = 1, kPathRows = 2, kPathFast = 3, kPathTc = 4 };
 
+// The rows and tc paths' latent block (ForwardOptions::latent): auto (fused where
+// FASTELBO_FUSED_LATENT=1, until a GPU run accepts it), fused (latent.cu, one launch), cublas.
+enum Latent : int64_t { kLatentAuto = 0, kLatentFused = 1, kLatentCublas = 2 };
+
 // How one forward launches. The defaults are the product's call; launch.py pre-builds the four
 // default objects (draw, awaits) once per extension, so the hot path parses no options.
 struct ForwardOptions {
@@ -34,6 +38,10 @@ struct ForwardOptions {
   bool draw = false;     // overwrite eps with one torch.randn(B, L) draw and compute with it
   bool awaits = false;   // this thread's value check on x is in flight: wait for it first
                          // (if it failed: nothing launched, [] back, last_status kCheckValue)
+  bool deferred = false; // the value check on x done by the forward's own kernels, no wait:
+                         // a bad x makes every output NaN and is noted in the device's
+                         // record (elbo.h DeferredRecord), which take_deferred reads
+  int64_t latent = kLatentAuto;  // the rows / tc paths' latent block (Latent)
 };
 
 // The ten parameters by name, as views of the list every entry takes (VAEParams order). Only
@@ -69,6 +77,15 @@ std::vector<int64_t> elbo_fast_plan_info(int64_t device, int64_t B, int64_t D, i
                                          int64_t L, bool one_wave);
 int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
                       const std::vector<at::Tensor>& params, bool validate);
+// The input checks for a forward that will take the deferred check: 2 = passed, 3 = passed and
+// the current stream is capturing a graph, < 0 the packed status (as checked_start's).
+int64_t checked_start_deferred(const at::Tensor& x, const std::optional<at::Tensor>& eps,
+                               const std::vector<at::Tensor>& params);
+// The deferred check's record of `device`, moved out: {count, row, col, value bits} of the bad
+// x values forwards met since the last take ({0, 0, 0, 0}: none). Waits for all work on the
+// device first, unless no deferred forward ran there since the last take (none captured in a
+// graph either): then it returns at once.
+std::vector<int64_t> take_deferred(int64_t device);
 // The packed status (CheckStatus::packed) of this thread's last check by an entry: 0 if it
 // passed.
 int64_t last_status();

@@ -95,8 +95,9 @@ inline at::Tensor relu_linear(const at::Tensor& a, const at::Tensor& w, const at
 
 // z = mu + exp(0.5 lv) eps into z, and kl into `kl` unless it is nullptr (rows.cu). mu and lv:
 // rows of one stride (e.g. the two halves of one (n, 2L) GEMM's output), unit column stride.
+// zero: set to 0 first where given (the deferred check's per-call flag, before its setters).
 inline void reparam(const at::Tensor& mu, const at::Tensor& lv, const float* eps, at::Tensor& z,
-                    float* kl, cudaStream_t stream) {
+                    float* kl, cudaStream_t stream, int* zero = nullptr) {
   FE_CHECK(mu.stride(1) == 1 && lv.stride(1) == 1 && mu.stride(0) == lv.stride(0),
            "reparam: mu and logvar need one row stride and unit column stride");
   fastelbo::ReparamParams rp{};
@@ -108,6 +109,7 @@ inline void reparam(const at::Tensor& mu, const at::Tensor& lv, const float* eps
   rp.n = static_cast<int>(mu.size(0));
   rp.L = static_cast<int>(mu.size(1));
   rp.ld = static_cast<int>(mu.stride(0));
+  rp.zero = zero;
   check_launch(fastelbo::reparam_launch(rp, stream), "reparam_kl kernel");
 }
 
@@ -155,7 +157,16 @@ struct TcStore {
 };
 void tc_store(const TcStore& s, const at::TensorOptions& opts, cudaStream_t stream,
               const char* what);
+// err != nullptr: the deferred check (elbo.h TcFinishParams); latent: the latent block fused.
 void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& p,
-                     std::vector<at::Tensor>& out, cudaStream_t stream);
+                     std::vector<at::Tensor>& out, cudaStream_t stream,
+                     fastelbo::DeferredRecord* err, bool latent);
+
+// The latent block fused (latent.cu) over the rows of h (2-D, unit column stride): d = the
+// decoder's hidden layer (relu'd where relu) written over h, kl from eps's rows; zero as
+// reparam's. False, with nothing launched, where it does not fit (the caller runs the unfused
+// path; at the reference dims it always fits), unless `required` (then an error).
+bool latent_fused(const at::Tensor& h, const VaeTensors& p, const float* eps, float* kl,
+                  int* zero, bool relu, bool required, cudaStream_t stream);
 
 }  // namespace fastelbo::binding

@@ -85,21 +85,33 @@ void fill_forward(fastelbo::ForwardArgs& a, const at::Tensor& x, const at::Tenso
   a.L = static_cast<int>(p.mu_w.size(0));
 }
 
-// The rows path (see the file comment); outputs already allocated.
+// The rows path (see the file comment); outputs already allocated. err != nullptr: the deferred
+// check (bce_kernel notes and flags bad rows, then one poison launch NaNs the call if any).
 void rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& p,
-                  std::vector<at::Tensor>& out, cudaStream_t stream) {
+                  std::vector<at::Tensor>& out, cudaStream_t stream,
+                  fastelbo::DeferredRecord* err, bool latent) {
   const int64_t B = x.size(0), D = x.size(1), L = p.mu_w.size(0);
   const int64_t chunk = std::min(B, kRowsChunk);
-  at::Tensor z = at::empty({chunk, L}, x.options());
+  // z, and after it the deferred check's call flag (zeroed by the first chunk's reparam_kl).
+  at::Tensor zbuf = at::empty({chunk * L + 1}, x.options());
+  at::Tensor z = zbuf.narrow(0, 0, chunk * L).view({chunk, L});
+  int* flag = err != nullptr ? reinterpret_cast<int*>(zbuf.data_ptr<float>() + chunk * L)
+                             : nullptr;
   for (int64_t s = 0; s < B; s += chunk) {
     const int64_t n = std::min(chunk, B - s);
     const at::Tensor xs = x.narrow(0, s, n);
-    const at::Tensor h = relu_linear(xs, p.enc_w, p.enc_b);
-    const at::Tensor mu = at::linear(h, p.mu_w, p.mu_b), lv = at::linear(h, p.lv_w, p.lv_b);
-    at::Tensor zs = z.narrow(0, 0, n);
-    reparam(mu, lv, eps.data_ptr<float>() + s * L, zs, out[2].data_ptr<float>() + s, stream);
-    const at::Tensor logits =
-        at::linear(relu_linear(zs, p.dec_w1, p.dec_b1), p.dec_w2, p.dec_b2);
+    at::Tensor h = relu_linear(xs, p.enc_w, p.enc_b);
+    at::Tensor d = h;  // the fused latent block writes d over h
+    if (!latent || !latent_fused(h, p, eps.data_ptr<float>() + s * L,
+                                 out[2].data_ptr<float>() + s, s == 0 ? flag : nullptr, true,
+                                 false, stream)) {
+      const at::Tensor mu = at::linear(h, p.mu_w, p.mu_b), lv = at::linear(h, p.lv_w, p.lv_b);
+      at::Tensor zs = z.narrow(0, 0, n);
+      reparam(mu, lv, eps.data_ptr<float>() + s * L, zs, out[2].data_ptr<float>() + s, stream,
+              s == 0 ? flag : nullptr);
+      d = relu_linear(zs, p.dec_w1, p.dec_b1);
+    }
+    const at::Tensor logits = at::linear(d, p.dec_w2, p.dec_b2);
     FE_CHECK(logits.is_contiguous(), "unexpected decoder output");
     fastelbo::BceParams bp{};
     bp.logits = logits.data_ptr<float>();
@@ -110,8 +122,26 @@ void rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& 
     bp.n = static_cast<int>(n);
     bp.D = static_cast<int>(D);
     bp.vec = (D % 4 == 0 && aligned16(bp.logits) && aligned16(bp.x)) ? 1 : 0;
+    bp.err = err;
+    bp.flag = flag;
+    bp.row0 = static_cast<int>(s);
     check_launch(fastelbo::bce_launch(bp, stream), "bce kernel");
   }
+  if (err != nullptr)
+    check_launch(fastelbo::deferred_poison_launch(flag, out[0].data_ptr<float>(),
+                                                  out[1].data_ptr<float>(),
+                                                  out[2].data_ptr<float>(),
+                                                  static_cast<int>(B), stream),
+                 "deferred poison kernel");
+}
+
+// FASTELBO_FUSED_LATENT=1: `auto` fuses the latent block (latent.cu) where it applies.
+bool latent_by_env() {
+  static const bool on = [] {
+    const char* v = std::getenv("FASTELBO_FUSED_LATENT");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
 }
 
 // The ops' value check on x (every element in [0, 1], NaN not; fastelbo.contract) in two steps, so
@@ -288,7 +318,91 @@ void set_draw(fastelbo::ForwardArgs& a, const at::Tensor& eps, int64_t n,
   }
 }
 
+// The deferred check on the host: each device's record address (elbo.h DeferredRecord, looked
+// up once), and whether take_deferred must wait for the device: 0 no deferred forward since the
+// last take, 1 some, 2 one was captured into a CUDA graph (whose replays launch nothing here:
+// every take waits from then on).
+constexpr int kMaxDevices = 64;
+std::atomic<fastelbo::DeferredRecord*> g_records[kMaxDevices];
+std::atomic<int> g_armed[kMaxDevices];
+
+// This device's record for a forward's kernels, the device armed (under the caller's guard).
+fastelbo::DeferredRecord* deferred_arm(c10::DeviceIndex dev, cudaStream_t stream) {
+  FE_CHECK(dev >= 0 && dev < kMaxDevices, "the deferred check takes devices 0..",
+           kMaxDevices - 1, ", got ", static_cast<int>(dev));
+  fastelbo::DeferredRecord* rec = g_records[dev].load();
+  if (rec == nullptr) {
+    const cudaError_t e = fastelbo::deferred_record(&rec);
+    FE_CHECK(e == cudaSuccess && rec != nullptr, "finding the deferred check's record failed: ",
+             cudaGetErrorString(e));
+    g_records[dev].store(rec);
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const bool captured = cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+                        capture != cudaStreamCaptureStatusNone;  // unknown: as if captured
+  (void)cudaGetLastError();
+  if (captured) g_armed[dev].store(2);
+  else {
+    int expected = 0;
+    g_armed[dev].compare_exchange_strong(expected, 1);
+  }
+  return rec;
+}
+
 }  // namespace
+
+bool latent_fused(const at::Tensor& h, const VaeTensors& p, const float* eps, float* kl,
+                  int* zero, bool relu, bool required, cudaStream_t stream) {
+  FE_CHECK(h.dim() == 2 && h.stride(1) == 1, "latent block: h must be 2-D, unit column stride");
+  fastelbo::LatentParams lp{};
+  lp.h = h.data_ptr<float>();
+  lp.wmu = p.mu_w.data_ptr<float>();
+  lp.bmu = p.mu_b.data_ptr<float>();
+  lp.wlv = p.lv_w.data_ptr<float>();
+  lp.blv = p.lv_b.data_ptr<float>();
+  lp.eps = eps;
+  lp.wd1 = p.dec_w1.data_ptr<float>();
+  lp.bd1 = p.dec_b1.data_ptr<float>();
+  lp.d = h.data_ptr<float>();
+  lp.kl = kl;
+  lp.zero = zero;
+  lp.n = static_cast<int>(h.size(0));
+  lp.H = static_cast<int>(h.size(1));
+  lp.L = static_cast<int>(p.mu_w.size(0));
+  lp.ldh = static_cast<int>(h.stride(0));
+  lp.relu = relu ? 1 : 0;
+  cudaError_t err = cudaSuccess;
+  const fastelbo::ElboStatus st = fastelbo::latent_plan(lp, h.device().index(), &err);
+  FE_CHECK(st != fastelbo::kElboCudaError, "planning the latent block failed: ",
+           cudaGetErrorString(err));
+  if (st != fastelbo::kElboOk) {
+    FE_CHECK(!required, "latent=fused: hidden_dim=", lp.H, " does not fit the fused latent "
+             "block's shared memory; use latent='auto'");
+    return false;
+  }
+  check_launch(fastelbo::latent_launch(lp, stream), "latent kernel");
+  return true;
+}
+
+std::vector<int64_t> take_deferred(int64_t device) {
+  FE_CHECK(device >= 0 && device < kMaxDevices, "device must be in 0..", kMaxDevices - 1,
+           ", got ", device);
+  int armed = 1;  // 1 -> 0 before the wait: a forward launched meanwhile arms it again
+  if (!g_armed[device].compare_exchange_strong(armed, 0) && armed == 0) return {0, 0, 0, 0};
+  const auto dev = static_cast<c10::DeviceIndex>(device);
+  const c10::cuda::CUDAGuard guard(dev);
+  cudaError_t e = cudaDeviceSynchronize();
+  FE_CHECK(e == cudaSuccess, "waiting for the device before reading the deferred check failed: ",
+           cudaGetErrorString(e));
+  fastelbo::DeferredRecord r{};
+  e = fastelbo::deferred_take(&r, c10::cuda::getCurrentCUDAStream(dev).stream());
+  FE_CHECK(e == cudaSuccess, "reading the deferred check's record failed: ",
+           cudaGetErrorString(e));
+  if (r.count == 0) return {0, 0, 0, 0};
+  const uint64_t pos = ~r.first.key;  // row << 32 | col
+  return {static_cast<int64_t>(r.count), static_cast<int64_t>(pos >> 32),
+          static_cast<int64_t>(pos & 0xffffffffu), static_cast<int64_t>(r.first.value)};
+}
 
 void range_check_start(const at::Tensor& x) {
   FE_CHECK_TENSOR(x, "x", x.device());
@@ -340,6 +454,22 @@ int64_t checked_start(const at::Tensor& x, const std::optional<at::Tensor>& eps,
   return 1;
 }
 
+int64_t checked_start_deferred(const at::Tensor& x, const std::optional<at::Tensor>& eps,
+                               const std::vector<at::Tensor>& params) {
+  CheckCall call = vae_call(x, eps, params);
+  call.eps_required = false;
+  if (!passes(call)) return last_check().packed();
+  const auto dev = x.device();
+  const c10::cuda::CUDAGuard guard(dev);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return CheckStatus{kCheckStream, kFieldX}.packed();  // the caller's own checks decide
+  }
+  return capture != cudaStreamCaptureStatusNone ? 3 : 2;
+}
+
 int64_t last_status() { return last_check().packed(); }
 
 // Returns {elbo, recon, kl}, each (B,) float32, or [] with nothing launched where
@@ -364,6 +494,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at
   const VaeTensors p(params);
   const int64_t rows = opt.rows, cluster = opt.cluster, staged = opt.staged;
   const bool poison = opt.poison, draw = opt.draw, await_check = opt.awaits;
+  const bool deferred = opt.deferred;
   int64_t path = opt.path;
   const auto dev = x.device();
   const int64_t B = x.size(0), D = x.size(1), H = p.enc_w.size(0), L = p.mu_w.size(0);
@@ -384,10 +515,16 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at
            "rows / cluster / staged force the cluster path; they conflict with path=rows/fast/tc");
   FE_CHECK(path != kPathTc || tc_applies(x, p.enc_w, p.dec_w2),
            "path=tc does not apply here; fastelbo.backends.cuda checks this before the call");
+  FE_CHECK(!(deferred && await_check), "deferred and awaits exclude each other");
+  FE_CHECK(opt.latent >= kLatentAuto && opt.latent <= kLatentCublas,
+           "latent must be 0 (auto), 1 (fused) or 2 (cublas), got ", opt.latent);
+  const bool latent = opt.latent == kLatentFused || (opt.latent == kLatentAuto && latent_by_env());
   if (forced_plan) path = kPathCluster;
 
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
+  fastelbo::DeferredRecord* const record =
+      deferred ? deferred_arm(dev.index(), stream) : nullptr;
   const auto opts = x.options();
   std::vector<at::Tensor> out;
   for (int i = 0; i < 3; ++i)
@@ -396,6 +533,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at
   if (auto_fast || path == kPathFast) {
     fastelbo::FastParams f{};
     fill_forward(f, x, eps, p, out);
+    f.err = record;
     cudaError_t ferr = cudaSuccess;
     const auto fst = fastelbo::elbo_fast_plan(f, dev.index(), 0, false, &ferr);
     FE_CHECK(fst != fastelbo::kElboCudaError, "planning the fast launch failed: ",
@@ -416,7 +554,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at
     if (value_check_failed()) return {};
     if (draw) eps.normal_(0.0, 1.0);  // the default generator of eps's device, as torch.randn
     const bool tc = path == kPathTc || (path == kPathAuto && tc_applies(x, p.enc_w, p.dec_w2));
-    (tc ? tc_rows_forward : rows_forward)(x, eps, p, out, stream);
+    (tc ? tc_rows_forward : rows_forward)(x, eps, p, out, stream, record, latent);
     return out;
   };
   const int64_t cluster_max = auto_fast ? kClusterFallbackMax : kClusterMaxBatch;
@@ -425,6 +563,7 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at
 
   fastelbo::ElboParams k{};
   fill_forward(k, x, eps, p, out);
+  k.err = record;
   k.vec = ((D % 4 == 0 && aligned16(k.x) && aligned16(k.w1)) ? 1u : 0u) |
           ((H % 4 == 0 && aligned16(k.wmu) && aligned16(k.wlv)) ? 2u : 0u) |
           ((L % 4 == 0 && aligned16(k.wd1)) ? 4u : 0u) |

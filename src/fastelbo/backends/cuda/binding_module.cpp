@@ -21,7 +21,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("poison", &fb::ForwardOptions::poison)
       .def_readwrite("path", &fb::ForwardOptions::path)
       .def_readwrite("draw", &fb::ForwardOptions::draw)
-      .def_readwrite("awaits", &fb::ForwardOptions::awaits);
+      .def_readwrite("awaits", &fb::ForwardOptions::awaits)
+      .def_readwrite("deferred", &fb::ForwardOptions::deferred)
+      .def_readwrite("latent", &fb::ForwardOptions::latent);
   py::class_<fb::BackwardOptions>(m, "BackwardOptions", py::module_local(),
                                   "which gradients one backward computes (binding.h)")
       .def(py::init<>())
@@ -70,6 +72,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the input checks, and the value check on x started: 1 started, 0 passed without it, "
         "< 0 the packed status of the rule broken (never raises)",
         py::arg("x"), py::arg("eps"), py::arg("params"), py::arg("validate"));
+  m.def("checked_start_deferred", &fb::checked_start_deferred,
+        "the input checks for a forward with the deferred value check: 2 passed, 3 passed "
+        "while the stream captures, < 0 the packed status of the rule broken (never raises)",
+        py::arg("x"), py::arg("eps"), py::arg("params"));
+  m.def("take_deferred", &fb::take_deferred,
+        "{count, row, col, value bits} of the bad x values deferred checks met on the device "
+        "since the last take, zeroed (waits for the device where any ran)", py::arg("device"));
   m.def("last_status", &fb::last_status,
         "the packed status of this thread's last input check by an entry (0: passed)");
   m.def("draw_randn", &fb::draw_randn,

@@ -125,7 +125,8 @@ bool tc_applies(const at::Tensor& x, const at::Tensor& enc_w, const at::Tensor& 
 }
 
 void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& p,
-                     std::vector<at::Tensor>& out, cudaStream_t stream) {
+                     std::vector<at::Tensor>& out, cudaStream_t stream,
+                     fastelbo::DeferredRecord* err, bool latent) {
   const at::Tensor &enc_w = p.enc_w, &enc_b = p.enc_b, &mu_w = p.mu_w, &mu_b = p.mu_b;
   const at::Tensor &lv_w = p.lv_w, &lv_b = p.lv_b, &dec_w1 = p.dec_w1, &dec_b1 = p.dec_b1;
   const at::Tensor &dec_w2 = p.dec_w2, &dec_b2 = p.dec_b2;
@@ -133,17 +134,26 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensor
   // One launch makes the weight operands: the two large layers' halves, and mu's and logvar's
   // weights stacked as one (2L, H) matrix (ld = H: tc_applies has H % 4 == 0), so that mu and
   // logvar are one (n, 2L) GEMM (h read once, one launch per chunk instead of two).
+  // (With the latent block fused none of that stacking is needed: latent.cu reads them as
+  // they are.)
   TcSplits splits;
   const TcHalves enc = splits.add(enc_w, false, true), dec = splits.add(dec_w2, false, true);
-  const at::Tensor ml_w = splits.add_rows({mu_w, lv_w}).t[0];
+  const at::Tensor ml_w = latent ? at::Tensor() : splits.add_rows({mu_w, lv_w}).t[0];
   splits.launch(stream);
-  const at::Tensor ml_b = at::cat({mu_b, lv_b});
+  const at::Tensor ml_b = latent ? at::Tensor() : at::cat({mu_b, lv_b});
   const int64_t chunk = std::min(B, kTcChunk);
   const int tiles = fastelbo::tc_gemm_tiles_n(static_cast<int>(D));
   const auto opts = x.options();
   at::Tensor hbuf = at::empty({chunk, H}, opts), z = at::empty({chunk, L}, opts);
   at::Tensor part = at::empty({chunk, tiles}, opts);
-  at::Tensor bad = at::empty({chunk, tiles}, opts.dtype(at::kByte));
+  // The tiles' bad-x flags, and after them (4-byte aligned) the deferred check's call flag:
+  // zeroed by the first chunk's reparam_kl, set by the output layer's kernels, read by the
+  // finish kernels (the last one also NaNs the earlier chunks' rows).
+  const int64_t flag_at = (chunk * tiles + 3) / 4 * 4;
+  at::Tensor badbuf = at::empty({flag_at + 4}, opts.dtype(at::kByte));
+  at::Tensor bad = badbuf.narrow(0, 0, chunk * tiles).view({chunk, tiles});
+  int* flag = err != nullptr ? reinterpret_cast<int*>(badbuf.data_ptr<uint8_t>() + flag_at)
+                             : nullptr;
   for (int64_t s = 0; s < B; s += chunk) {
     const int64_t n = std::min(chunk, B - s);
     const at::Tensor xs = x.narrow(0, s, n);
@@ -159,10 +169,14 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensor
     e.relu = true;
     e.w_finite = true;  // enc_w (an x outside [0, 1], e.g. inf, makes its row NaN anyway)
     tc_store(e, opts, stream, "tc encoder kernel");  // small chunks: K split
-    const at::Tensor ml = at::linear(h, ml_w, ml_b);
-    reparam(ml.narrow(1, 0, L), ml.narrow(1, L, L), eps.data_ptr<float>() + s * L, zs,
-            out[2].data_ptr<float>() + s, stream);
-    at::addmm_out(h, dec_b1, zs, dec_w1.t());  // d before its ReLU (the kernel applies it)
+    if (!latent || !latent_fused(h, p, eps.data_ptr<float>() + s * L,
+                                 out[2].data_ptr<float>() + s, s == 0 ? flag : nullptr, false,
+                                 false, stream)) {
+      const at::Tensor ml = at::linear(h, ml_w, ml_b);
+      reparam(ml.narrow(1, 0, L), ml.narrow(1, L, L), eps.data_ptr<float>() + s * L, zs,
+              out[2].data_ptr<float>() + s, stream, s == 0 ? flag : nullptr);
+      at::addmm_out(h, dec_b1, zs, dec_w1.t());  // d before its ReLU (the kernel applies it)
+    }
     fastelbo::TcGemmParams d{};
     d.bias = dec_b2.data_ptr<float>();
     d.x = xs.data_ptr<float>();
@@ -175,13 +189,22 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensor
     d.mode = fastelbo::kTcBce;
     d.relu_a = 1;
     d.w_finite = 1;  // dec_w2
+    d.any_bad = flag;
     check_launch(fastelbo::tc_gemm_launch(d, h.data_ptr<float>(), static_cast<int>(H),
                                           dec.t[0].data_ptr<float>(),
                                           dec.t[1].data_ptr<float>(), stream),
                  "tc decoder kernel");
-    const fastelbo::TcFinishParams f{part.data_ptr<float>(), bad.data_ptr<uint8_t>(),
-                                     out[0].data_ptr<float>() + s, out[1].data_ptr<float>() + s,
-                                     out[2].data_ptr<float>() + s, static_cast<int>(n), tiles};
+    fastelbo::TcFinishParams f{part.data_ptr<float>(), bad.data_ptr<uint8_t>(),
+                               out[0].data_ptr<float>() + s, out[1].data_ptr<float>() + s,
+                               out[2].data_ptr<float>() + s, static_cast<int>(n), tiles};
+    if (err != nullptr) {
+      f.err = err;
+      f.flag = flag;
+      f.x = xs.data_ptr<float>();
+      f.D = static_cast<int>(D);
+      f.row0 = static_cast<int>(s);
+      f.prior = s + n == B ? static_cast<int>(s) : 0;
+    }
     check_launch(fastelbo::tc_bce_finish_launch(f, stream), "tc finish kernel");
   }
 }

@@ -55,8 +55,10 @@
 //   rank 0 reads the partials and writes the outputs; no block touches another's smem after S4.
 #include "elbo.h"
 #include "cluster.cuh"
+#include "deferred.cuh"
 #include "elbo_math.cuh"
 #include "philox.cuh"
+#include "tile_gemm.cuh"
 
 #include <cooperative_groups.h>
 
@@ -73,131 +75,11 @@ namespace {
 // Threads per block of the cluster kernel. Its blocks are 1 per SM (shared memory), so more
 // threads is more warps to hide latency with; 512 / kClusterThreads blocks of <= 128
 // registers per thread then fit the register file.
-constexpr int kClusterThreads = 256;
+constexpr int kClusterThreads = rowtile::kTileThreads;  // tile_gemm.cuh's layers assume it
 constexpr int kClusterWarps = kClusterThreads / 32;
 constexpr int kMaxRows = 64;   // rows per cluster; more gives little extra weight reuse
 
 
-template <bool kGlobal>
-__device__ __forceinline__ float4 load4(const float* p) {
-  if constexpr (kGlobal) return __ldg(reinterpret_cast<const float4*>(p));
-  else return *reinterpret_cast<const float4*>(p);
-}
-template <bool kGlobal>
-__device__ __forceinline__ float load1(const float* p) {
-  if constexpr (kGlobal) return __ldg(p);
-  else return *p;
-}
-
-// Copies rows [0, nrows) of K floats, row r starting at src(r), to dst + r * ld (ld % 4 == 0).
-// vec: 16-byte copies (K % 4 == 0 and 16-byte aligned rows), else 4-byte copies.
-template <class Src>
-__device__ __forceinline__ void stage_rows(float* dst, int ld, Src src, int nrows, int K,
-                                           bool vec) {
-  if (vec) {
-    const int k4 = K / 4;
-    for (int i = static_cast<int>(threadIdx.x); i < nrows * k4; i += kClusterThreads) {
-      const int r = i / k4, c = (i - r * k4) * 4;
-      cp_async16(dst + r * ld + c, src(r) + c);
-    }
-  } else {
-    for (int i = static_cast<int>(threadIdx.x); i < nrows * K; i += kClusterThreads) {
-      const int r = i / K, c = i - r * K;
-      cp_async4(dst + r * ld + c, src(r) + c);
-    }
-  }
-}
-
-// out[r][c] = sum_k A[r][k] * W_c[k] for r < R, c < ncols, handed to epi(r, c, value, kk, ks).
-// Each thread owns a TR x TC register tile and a 1/ks share of K (ks lanes, a power of two, sit
-// in one warp and all-reduce with a butterfly, so all ks lanes hold the sum: kk = lane in group).
-// Tiles are ordered column-fastest, so a quarter-warp mostly reads one A row (smem broadcast).
-// arow(r) / wrow(c) return row pointers; K % VK == 0 and 16-byte rows when VK == 4.
-template <int TR, int TC, int VK, bool kAGlobal, bool kWGlobal, class ARow, class WRow,
-          class Epi>
-__device__ __forceinline__ void tile_gemm(int R, int ncols, int K, ARow arow, WRow wrow,
-                                          Epi epi) {
-  const int nrt = cdiv(R, TR), nct = cdiv(ncols, TC);
-  const int ntiles = nrt * nct;
-  if (ntiles == 0) return;  // uniform over the block
-  const int kvec = K / VK;
-  int ks = 1, ks_log = 0;
-  while (ks < 32 && ntiles * ks * 2 <= kClusterThreads && ks * 2 <= kvec) { ks *= 2; ++ks_log; }
-  const int total = ntiles * ks;
-  for (int base = 0; base < total; base += kClusterThreads) {  // uniform trip count: shuffles are safe
-    const int t = base + static_cast<int>(threadIdx.x);
-    const int tile = t >> ks_log, kk = t & (ks - 1);
-    const bool active = tile < ntiles;
-    const int rt = active ? tile / nct : 0, ct = active ? tile - (tile / nct) * nct : 0;
-    float acc[TR][TC];
-#pragma unroll
-    for (int i = 0; i < TR; ++i)
-#pragma unroll
-      for (int j = 0; j < TC; ++j) acc[i][j] = 0.0f;
-    if (active) {
-      const float* a[TR];
-      const float* w[TC];
-#pragma unroll
-      for (int i = 0; i < TR; ++i) a[i] = arow(min(rt * TR + i, R - 1));
-#pragma unroll
-      for (int j = 0; j < TC; ++j) w[j] = wrow(min(ct * TC + j, ncols - 1));
-      if constexpr (VK == 4) {
-#pragma unroll 2
-        for (int k = kk * 4; k < K; k += ks * 4) {
-          float4 av[TR], wv[TC];
-#pragma unroll
-          for (int i = 0; i < TR; ++i) av[i] = load4<kAGlobal>(a[i] + k);
-#pragma unroll
-          for (int j = 0; j < TC; ++j) wv[j] = load4<kWGlobal>(w[j] + k);
-#pragma unroll
-          for (int i = 0; i < TR; ++i)
-#pragma unroll
-            for (int j = 0; j < TC; ++j) {
-              acc[i][j] = fmaf(av[i].x, wv[j].x, acc[i][j]);
-              acc[i][j] = fmaf(av[i].y, wv[j].y, acc[i][j]);
-              acc[i][j] = fmaf(av[i].z, wv[j].z, acc[i][j]);
-              acc[i][j] = fmaf(av[i].w, wv[j].w, acc[i][j]);
-            }
-        }
-      } else {
-#pragma unroll 4
-        for (int k = kk; k < K; k += ks) {
-          float av[TR], wv[TC];
-#pragma unroll
-          for (int i = 0; i < TR; ++i) av[i] = load1<kAGlobal>(a[i] + k);
-#pragma unroll
-          for (int j = 0; j < TC; ++j) wv[j] = load1<kWGlobal>(w[j] + k);
-#pragma unroll
-          for (int i = 0; i < TR; ++i)
-#pragma unroll
-            for (int j = 0; j < TC; ++j) acc[i][j] = fmaf(av[i], wv[j], acc[i][j]);
-        }
-      }
-    }
-    for (int off = ks >> 1; off > 0; off >>= 1)
-#pragma unroll
-      for (int i = 0; i < TR; ++i)
-#pragma unroll
-        for (int j = 0; j < TC; ++j) acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], off);
-    if (active) {
-#pragma unroll
-      for (int i = 0; i < TR; ++i)
-#pragma unroll
-        for (int j = 0; j < TC; ++j) {
-          const int r = rt * TR + i, c = ct * TC + j;
-          if (r < R && c < ncols) epi(r, c, acc[i][j], kk, ks);
-        }
-    }
-  }
-}
-
-// The runtime float4 switch of one layer: both instantiations exist, the branch is uniform.
-template <int TR, int TC, bool kAGlobal, bool kWGlobal, class ARow, class WRow, class Epi>
-__device__ __forceinline__ void layer(bool vec, int R, int ncols, int K, ARow arow, WRow wrow,
-                                      Epi epi) {
-  if (vec) tile_gemm<TR, TC, 4, kAGlobal, kWGlobal>(R, ncols, K, arow, wrow, epi);
-  else tile_gemm<TR, TC, 1, kAGlobal, kWGlobal>(R, ncols, K, arow, wrow, epi);
-}
 
 // One layer whose weight slice (and, for layer 1, A) is either staged in shared memory or read
 // from global memory: staged ? layer<smem A, smem W> : layer<A as given, global W>.
@@ -206,8 +88,8 @@ template <int TR, int TC, bool kAGlobalUnstaged, class ARowS, class ARowG, class
 __device__ __forceinline__ void staged_layer(bool staged, bool vec, int R, int ncols, int K,
                                              ARowS arow_s, ARowG arow_g, WRowS wrow_s,
                                              WRowG wrow_g, Epi epi) {
-  if (staged) layer<TR, TC, false, false>(vec, R, ncols, K, arow_s, wrow_s, epi);
-  else layer<TR, TC, kAGlobalUnstaged, true>(vec, R, ncols, K, arow_g, wrow_g, epi);
+  if (staged) rowtile::layer<TR, TC, false, false>(vec, R, ncols, K, arow_s, wrow_s, epi);
+  else rowtile::layer<TR, TC, kAGlobalUnstaged, true>(vec, R, ncols, K, arow_g, wrow_g, epi);
 }
 
 template <int TR, int TC>
@@ -250,27 +132,31 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
   // With p.pdl only the w1 slice is read before pdl_wait (the previous grid may still run);
   // x joins its commit group after it, and nothing else before.
   if (staged)
-    stage_rows(w1s, ldx, [&](int c) { return p.w1 + static_cast<size_t>(n0h + c) * D; },
+    rowtile::stage_rows(w1s, ldx, [&](int c) { return p.w1 + static_cast<size_t>(n0h + c) * D; },
                ncol_h, D, v1);
   pdl_wait(p);
   if (staged)
-    stage_rows(xs, ldx, [&](int r) { return p.x + static_cast<size_t>(grow(r)) * D; }, R, D, v1);
+    rowtile::stage_rows(xs, ldx, [&](int r) { return p.x + static_cast<size_t>(grow(r)) * D; }, R, D, v1);
   cp_async_commit();
   if (staged) {
-    stage_rows(wms, ldh, [&](int c) { return p.wmu + static_cast<size_t>(j0 + c) * H; },
+    rowtile::stage_rows(wms, ldh, [&](int c) { return p.wmu + static_cast<size_t>(j0 + c) * H; },
                lcnt, H, v2);
-    stage_rows(wls, ldh, [&](int c) { return p.wlv + static_cast<size_t>(j0 + c) * H; },
+    rowtile::stage_rows(wls, ldh, [&](int c) { return p.wlv + static_cast<size_t>(j0 + c) * H; },
                lcnt, H, v2);
   }
   cp_async_commit();
   if (staged)
-    stage_rows(wd1s, ldl, [&](int c) { return p.wd1 + static_cast<size_t>(n0h + c) * L; },
+    rowtile::stage_rows(wd1s, ldl, [&](int c) { return p.wd1 + static_cast<size_t>(n0h + c) * L; },
                ncol_h, L, v3);
   cp_async_commit();
   if (staged)
-    stage_rows(wd2s, ldh, [&](int c) { return p.wd2 + static_cast<size_t>(n0d + c) * H; },
+    rowtile::stage_rows(wd2s, ldh, [&](int c) { return p.wd2 + static_cast<size_t>(n0d + c) * H; },
                ncol_d, H, v4);
   cp_async_commit();
+  // The deferred value check (p.err): this block's share of ALL of x, while the copies fly;
+  // folded into every row's bad flag at the BCE, so a bad value anywhere NaNs the whole call.
+  const long long nx = static_cast<long long>(B) * D;
+  const bool x_bad = p.err != nullptr && deferred_scan(p.x, nx, rank, C);
   FE_TRACE(1);
 
   cp_async_wait<3>();  // own copies of group 0 landed; the barrier publishes everyone's
@@ -368,7 +254,7 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
         if (kk == 0) ob[r * ldo + c] = v + __ldg(p.bd2 + n0d + c);
       });
   FE_TRACE(9);
-  __syncthreads();
+  const bool call_bad = deferred_block_or(p.err != nullptr, x_bad);  // and a __syncthreads
   // BCE (bce_term), one warp per row, fixed order: deterministic. Bad x -> NaN + row flag.
   const int warp = tid >> 5, lane = tid & 31;
   for (int r = warp; r < R; r += kClusterWarps) {
@@ -378,7 +264,7 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
     for (int c = lane; c < ncol_d; c += 32) s += bce_term(ob[r * ldo + c], __ldg(xr + c), &bad);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    bad = __any_sync(0xffffffffu, bad);
+    bad = __any_sync(0xffffffffu, bad) || call_bad;
     if (lane == 0) {
       cluster.map_shared_rank(rec_part, 0)[rank * R + r] = s;
       cluster.map_shared_rank(bad_part, 0)[rank * R + r] = bad ? 1.0f : 0.0f;
@@ -389,6 +275,9 @@ __global__ void __launch_bounds__(kClusterThreads, 512 / kClusterThreads) elbo_k
   FE_TRACE(11);
 
   if (rank == 0) write_rows(p, row0, R, C, R, rec_part, kl_part, bad_part);
+  // The deferred check's slow path: cluster 0's blocks, whose shares cover x once, note it.
+  if (call_bad && blockIdx.x < static_cast<unsigned>(C))
+    deferred_note_share(p.err, p.x, nx, D, rank, C);
   FE_TRACE(12);
 }
 

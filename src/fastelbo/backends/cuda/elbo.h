@@ -35,6 +35,31 @@ struct TorchRandn {
   int captured;
 };
 
+// ---- the deferred value check (binding ForwardOptions::deferred) ----
+// Per device, one record of the x values outside [0, 1] (or NaN) that forwards launched with the
+// deferred check met: how many, and the earliest position (row-major over each call's x) with
+// its value. A module global of rows.cu, zero when the module loads: kernels get its address in
+// their params (`err`), note into it only where they found a bad value (deferred.cuh), and the
+// binding moves it out when Python asks (fastelbo.check_errors; deferred_take).
+struct __align__(16) DeferredFirst {
+  unsigned long long key;    // ~(row << 32 | col): the largest key is the earliest; 0: none
+  unsigned long long value;  // that element's float bits
+};
+struct __align__(16) DeferredRecord {
+  DeferredFirst first;       // updated by a 16-byte atomicCAS (sm_90)
+  unsigned long long count;  // bad values noted
+  unsigned long long unused;
+};
+// This device's record (the caller's current device): its address, for the kernels' params.
+cudaError_t deferred_record(DeferredRecord** out) noexcept;
+// Moves this device's record into *host and zeroes it (one kernel on `stream`, each field
+// atomically, then a copy), waiting for both.
+cudaError_t deferred_take(DeferredRecord* host, cudaStream_t stream) noexcept;
+// The rows path's last step with the deferred check: where *flag != 0 (a bad x anywhere in the
+// call), elbo, recon and kl [0, n) become NaN. One small launch.
+cudaError_t deferred_poison_launch(const int* flag, float* elbo, float* recon, float* kl, int n,
+                                   cudaStream_t stream) noexcept;
+
 // One forward's tensors and dims, the common part of both cluster kernels' params (the binding
 // fills it once). Shapes (nn.Linear layout, out x in), all row-major contiguous float32:
 //   x (B, D), eps (B, L), w1 (H, D), wmu/wlv (L, H), wd1 (H, L), wd2 (D, H); biases (out).
@@ -66,6 +91,10 @@ struct ForwardArgs {
   // every global write come after it, and so does its griddepcontrol.launch_dependents
   // (cluster.cuh pdl_wait: the only early trigger of any kernel here).
   int pdl;
+  // err != nullptr: the deferred value check. Every cluster also scans all of x (a 1/C share
+  // per block, deferred.cuh deferred_scan), so that a bad value anywhere makes every row of the
+  // call NaN; cluster 0 notes the bad values in *err.
+  DeferredRecord* err;
 };
 
 struct ElboParams : ForwardArgs {
@@ -170,6 +199,7 @@ struct ReparamParams {
   float* z;           // (n, L)
   float* kl;          // (n,) or nullptr
   int n, L, ld;
+  int* zero;          // or nullptr: set to 0 first (the deferred check's per-call flag)
 };
 
 // bce_kernel: recon = sum_c BCE(sigmoid(logits), x), elbo = -(recon + kl); rows whose x holds a
@@ -182,7 +212,44 @@ struct BceParams {
   float* kl;            // in: from reparam_kl_kernel; out: NaN on bad rows
   int n, D;
   int vec;              // 1: D % 4 == 0 and logits, x 16-byte aligned
+  // The deferred check (err != nullptr): a bad row sets *flag (deferred_poison_launch then
+  // poisons the call) and notes its bad values in *err, at row row0 + its row.
+  DeferredRecord* err;
+  int* flag;
+  int row0;
 };
+
+// ---- the latent block fused (latent.cu; off the default path: binding ForwardOptions::latent) --
+// Between the rows / tc paths' encoder and output layers, per tile of R rows, one block:
+//   mu | logvar = h [wmu; wlv]^T + [bmu; blv],  z = mu + exp(0.5 logvar) eps,
+//   kl = -0.5 sum_j (1 + logvar - mu^2 - exp(logvar)),  d = z wd1^T + bd1 (relu'd where relu)
+// where the unfused path runs two cuBLAS GEMMs (or one on the stacked weights and a cat of the
+// biases), reparam_kl_kernel and a third GEMM. d may be written over h (each block stages its
+// rows of h before it writes any d).
+struct LatentParams {
+  const float* h;     // (n, H), row stride ldh: the encoder's hidden layer (relu'd)
+  const float* wmu;   // (L, H)
+  const float* bmu;   // (L)
+  const float* wlv;   // (L, H)
+  const float* blv;   // (L)
+  const float* eps;   // (n, L)
+  const float* wd1;   // (H, L)
+  const float* bd1;   // (H)
+  float* d;           // (n, H), row stride ldh
+  float* kl;          // (n,)
+  int* zero;          // or nullptr: set to 0 first (ReparamParams::zero)
+  int n, H, L, ldh;
+  int relu;           // 1: d = relu(...) (rows path); 0: before its ReLU (tc's output layer)
+  // Filled by latent_plan():
+  int R;              // rows per block
+  int vec_h, vec_l;   // float4 over H (h, wmu, wlv rows) / over L (wd1 rows)
+  int ldw, ldm, ldz;  // shared-memory row strides (floats): h rows, mu | logvar rows, z rows
+  int off_m, off_z, smem_bytes;
+};
+// Plans a launch for this device: kElboOk, or kElboTooLarge where even one row of h does not
+// fit a block's shared memory (the caller keeps the unfused path), kElboCudaError. Host only.
+ElboStatus latent_plan(LatentParams& p, int device, cudaError_t* cuda_err) noexcept;
+cudaError_t latent_launch(const LatentParams& p, cudaStream_t stream) noexcept;
 
 cudaError_t reparam_launch(const ReparamParams& p, cudaStream_t stream) noexcept;
 cudaError_t bce_launch(const BceParams& p, cudaStream_t stream) noexcept;
@@ -346,6 +413,7 @@ struct TcGemmParams {
                                       // tf32_split_act, else tf32_split_inf; kTcBce needs 1
   int splits;                         // kTcStore: K split this many ways (tc_gemm_splits)
   float* ws;                          // kTcStore, splits > 1: (splits, M, N) partial sums
+  int* any_bad;                       // kTcBce: set to 1 where a tile saw a bad x (or nullptr)
 };
 int tc_gemm_tiles_n(int N) noexcept;  // the kTcBce partials' tiles per row
 // kTcStore's K split for a GPU of `sms` multiprocessors: enough blocks for about one wave where
@@ -360,6 +428,14 @@ struct TcFinishParams {
   const unsigned char* partial_bad;
   float *elbo, *recon, *kl;  // kl: in (from reparam_kl_kernel) and out (NaN rows)
   int n, tiles;
+  // The deferred check (err != nullptr): bad rows note their values of x (n rows of D, the
+  // call's rows row0 + ...) in *err; where *flag != 0 (the output-layer kernels saw a bad x in
+  // this chunk or an earlier one) every row is NaN, and so are the `prior` rows before elbo,
+  // recon and kl (the call's earlier chunks: the last chunk's finish passes them).
+  DeferredRecord* err;
+  const int* flag;
+  const float* x;
+  int D, row0, prior;
 };
 cudaError_t tc_bce_finish_launch(const TcFinishParams& p, cudaStream_t stream) noexcept;
 // Up to kTcSplitMax jobs in one launch: src (rows x cols, row stride lds) into hi / lo (hi =

@@ -18,7 +18,7 @@ import torch
 from ...params import VAEParams
 from .. import Verdict
 from . import build, launch, status
-from .lanes import RangeCheck
+from .lanes import DeferredCheck, RangeCheck
 
 
 def _int_option(name: str, value, lo: int, hi: int, meaning: str) -> int:
@@ -30,13 +30,15 @@ def _int_option(name: str, value, lo: int, hi: int, meaning: str) -> int:
 
 
 def check_options(rows: int = 0, cluster: int = 0, staged: int = -1,
-                  path: str = "auto") -> None:
+                  path: str = "auto", latent: str = "auto") -> None:
     """The launch options (binding.h ForwardOptions, which the binding checks again)."""
     _int_option("rows", rows, 0, 64, "0 (auto) or 1..64")
     _int_option("cluster", cluster, 0, 16, "0 (auto) or 1..16")
     _int_option("staged", staged, -1, 1, "-1 (auto), 0 or 1")
     if not isinstance(path, str) or path not in launch.PATHS:
         raise ValueError(f"path must be one of {tuple(launch.PATHS)}, got {path!r}")
+    if not isinstance(latent, str) or latent not in launch.LATENTS:
+        raise ValueError(f"latent must be one of {tuple(launch.LATENTS)}, got {latent!r}")
     if (rows > 0 or cluster > 0 or staged >= 0) and path in ("rows", "fast", "tc"):
         raise ValueError(f"rows / cluster / staged force the cluster path; they conflict with "
                          f"path={path!r} (got rows={rows}, cluster={cluster}, staged={staged})")
@@ -106,7 +108,7 @@ def check_tc_path(x: torch.Tensor, params: VAEParams, what: str = "path='tc'") -
 
 def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
             cluster: int = 0, staged: int = -1, path: str = "auto", draw: bool = False,
-            _poison: bool = False):
+            deferred: bool = False, latent: str = "auto", _poison: bool = False):
     """(elbo, recon, kl), each (B,) float32, on the current stream; every input checked.
 
     path: "auto" (a cluster kernel for small batches, the rows path for large ones), "fast"
@@ -116,10 +118,13 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     tests/test_cuda_backend.py and benchmarks/cuda_sanitize.py run every plan); draw=True
     overwrites eps with one torch.randn(B, latent_dim) draw from the default generator of x's
     device and computes with it (inside the cluster kernels where they run; noise.py says when
-    that is exact); _poison fills the outputs with NaN first, so tests can prove every element
-    is written.
+    that is exact); deferred=True runs the deferred value check in the kernels (a bad x: every
+    output NaN, and fastelbo.check_errors raises); latent: the rows and tc paths' latent
+    block, "fused" (latent.cu, one launch), "cublas" or "auto" (fused where
+    FASTELBO_FUSED_LATENT=1); _poison fills the outputs with NaN first, so tests can prove every
+    element is written.
     """
-    check_options(rows, cluster, staged, path)
+    check_options(rows, cluster, staged, path, latent)
     ext = build.extension()
     params = status.check_call(ext, x, params, eps)
     if path == "fast":
@@ -127,7 +132,8 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     elif path == "tc":
         check_tc_path(x, params)
     options = launch.forward_options(ext, rows=rows, cluster=cluster, staged=staged,
-                                     poison=bool(_poison), path=path, draw=bool(draw))
+                                     poison=bool(_poison), path=path, draw=bool(draw),
+                                     deferred=bool(deferred), latent=latent)
     out = launch.forward(ext, x=x, eps=eps, params=params, options=options)
     if not out:
         raise status.error(launch.last_status(ext), {"x": x, "eps": eps, "params": params})
@@ -144,13 +150,16 @@ def forward_prepared(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *,
     forward's (noise.forward_drawing). verdict: the ops' value check on x, waited for just
     before anything is drawn or launched (its error raised then), so that this preparation
     overlaps the value check: inside the binding where the check is this backend's own, still
-    in flight (a lanes.RangeCheck), else by verdict.wait() before the call.
+    in flight (a lanes.RangeCheck), else by verdict.wait() before the call. A
+    lanes.DeferredCheck is left to the kernels (the deferred option): nothing waits.
     """
     awaits = isinstance(verdict, RangeCheck)  # this backend's own check, in flight
-    if verdict is not None and verdict.in_flight and not awaits:
+    deferred = isinstance(verdict, DeferredCheck)  # its kernels' own check
+    if verdict is not None and verdict.in_flight and not (awaits or deferred):
         verdict.wait()
     ext = build.RUNS_ON.get(x.device) or build.extension()  # the ops resolved x's device
-    out = launch.forward_default(ext, x=x, eps=eps, params=params, draw=draw, awaits=awaits)
+    out = launch.forward_default(ext, x=x, eps=eps, params=params, draw=draw, awaits=awaits,
+                                 deferred=deferred)
     if not out:  # a check failed: nothing was drawn or launched
         code = launch.last_status(ext)
         if awaits and status.decode(code)[0] == status.VALUE:

@@ -43,6 +43,7 @@
 // only the order of the dot products' additions differs from cuBLAS, as it does there.
 #include "elbo.h"
 #include "cluster.cuh"
+#include "deferred.cuh"
 #include "elbo_math.cuh"
 #include "philox.cuh"
 
@@ -249,6 +250,10 @@ __global__ void __launch_bounds__(kFastThreads, 1)
       epk[r * lds_l + c] = v;
     }
   }
+  // The deferred value check (p.err): this block's share of ALL of x while the staging flies;
+  // folded into every row's bad flag before L4, so a bad value anywhere NaNs the whole call.
+  const long long nx = static_cast<long long>(p.B) * D;
+  const bool x_bad = p.err != nullptr && deferred_scan(p.x, nx, k, C);
   FE_TRACE(1);
 
   // Sends this block's chunk(s) to every other block q: src + q * src_step floats (src_step 0:
@@ -423,7 +428,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     }
   }
   mbar_wait(&bar[3], 0);
-  __syncthreads();
+  const bool call_bad = deferred_block_or(p.err != nullptr, x_bad);  // and a __syncthreads
   FE_TRACE(11);
 
   // L4: logits for this block's output columns (warps split H; partial sums reduced through
@@ -477,7 +482,7 @@ __global__ void __launch_bounds__(kFastThreads, 1)
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    bad = __any_sync(0xffffffffu, bad);
+    bad = __any_sync(0xffffffffu, bad) || call_bad;
     if (lane == 0) {
       cluster.map_shared_rank(rec_part, 0)[k * F + r] = s;
       cluster.map_shared_rank(bad_part, 0)[k * F + r] = bad ? 1.0f : 0.0f;
@@ -489,6 +494,9 @@ __global__ void __launch_bounds__(kFastThreads, 1)
   FE_TRACE(14);
 
   if (k == 0) write_rows(p, row0, R, C, F, rec_part, kl_part, bad_part);
+  // The deferred check's slow path: cluster 0's blocks, whose shares cover x once, note it.
+  if (call_bad && blockIdx.x < static_cast<unsigned>(C))
+    deferred_note_share(p.err, p.x, nx, D, k, C);
   FE_TRACE(15);
 }
 

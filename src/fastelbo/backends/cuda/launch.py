@@ -14,45 +14,54 @@ from __future__ import annotations
 
 # The forward's paths, as binding.h's Path enum numbers them.
 PATHS = {"auto": 0, "cluster": 1, "rows": 2, "fast": 3, "tc": 4}
+# The rows and tc paths' latent block, as binding.h's Latent enum numbers them.
+LATENTS = {"auto": 0, "fused": 1, "cublas": 2}
 
 
 def forward_options(ext, *, rows=0, cluster=0, staged=-1, poison=False, path="auto",
-                    draw=False, awaits=False):
-    """A new ext.ForwardOptions (binding.h says what each field does); path by name."""
+                    draw=False, awaits=False, deferred=False, latent="auto"):
+    """A new ext.ForwardOptions (binding.h says what each field does); path and latent by
+    name. deferred and latent are set only where not their defaults (the struct's)."""
     opt = ext.ForwardOptions()
     opt.rows, opt.cluster, opt.staged = rows, cluster, staged
     opt.poison, opt.path, opt.draw, opt.awaits = poison, PATHS[path], draw, awaits
+    if deferred:
+        opt.deferred = True
+    if latent != "auto":
+        opt.latent = LATENTS[latent]
     return opt
 
 
-_PRESETS = {}  # extension module -> ((plain, awaits), (draw, draw + awaits))
+_PRESETS = {}  # extension module -> per draw (no, yes): (plain, awaits, deferred)
 
 
 def _presets(ext):
-    _PRESETS[ext] = tuple(tuple(forward_options(ext, draw=d, awaits=a) for a in (False, True))
-                          for d in (False, True))
+    _PRESETS[ext] = tuple(tuple(forward_options(ext, draw=d, awaits=m == 1, deferred=m == 2)
+                                for m in range(3)) for d in (False, True))
     return _PRESETS[ext]
 
 
-def default_forward_options(ext, *, draw=False, awaits=False):
-    """The product's forward options (no tuning, no poison) for bools draw and awaits: one of
-    four objects built once per extension module, so the hot path builds nothing. Shared:
-    never modify one."""
-    return (_PRESETS.get(ext) or _presets(ext))[draw][awaits]
+def default_forward_options(ext, *, draw=False, awaits=False, deferred=False):
+    """The product's forward options (no tuning, no poison) for bools draw and awaits or
+    deferred (not both): one of six objects built once per extension module, so the hot path
+    builds nothing. Shared: never modify one."""
+    return (_PRESETS.get(ext) or _presets(ext))[draw][2 if deferred else awaits]
 
 
 def forward(ext, *, x, eps, params, options):
     """[elbo, recon, kl], each (B,) float32, on the current stream; [] where a check failed
     (the inputs', or with options.awaits the value check in flight): nothing was drawn or
-    launched."""
+    launched. With options.deferred the value check is the kernels' own: a bad x gives NaN in
+    every output, and take_deferred reports it later."""
     return ext.forward(x, eps, params, options)
 
 
-def forward_default(ext, *, x, eps, params, draw=False, awaits=False):
-    """forward with default_forward_options(ext, draw=draw, awaits=awaits): the product's call,
-    one entry into this file on the ops' path."""
+def forward_default(ext, *, x, eps, params, draw=False, awaits=False, deferred=False):
+    """forward with default_forward_options(ext, draw=draw, awaits=awaits, deferred=deferred):
+    the product's call, one entry into this file on the ops' path."""
     return forward(ext, x=x, eps=eps, params=params,
-                   options=default_forward_options(ext, draw=draw, awaits=awaits))
+                   options=default_forward_options(ext, draw=draw, awaits=awaits,
+                                                   deferred=deferred))
 
 
 # The backward's engines for its large GEMMs, as binding.h's Gemm enum numbers them.
@@ -92,6 +101,19 @@ def checked_start(ext, *, x, eps, params, validate):
     """1: the input checks passed and the value check on x is in flight; 0: passed, no value
     check started; < 0: the status of the rule broken (never raises). eps may be None."""
     return ext.checked_start(x, eps, params, validate)
+
+
+def checked_start_deferred(ext, *, x, eps, params):
+    """checked_start for a forward that takes the deferred value check: 2 passed, 3 passed and
+    the current stream is capturing a graph, < 0 the status of the rule broken."""
+    return ext.checked_start_deferred(x, eps, params)
+
+
+def take_deferred(ext, *, device):
+    """[count, row, col, value bits] of the x values outside [0, 1] (or NaN) that forwards
+    with the deferred check met on CUDA device index `device` since the last take (count 0:
+    none), the record zeroed; waits for the device's work where any such forward ran."""
+    return ext.take_deferred(device)
 
 
 def last_status(ext):

@@ -29,6 +29,7 @@ from ...params import VAEParams
 from .. import Verdict
 from . import build, launch
 from .elbo import forward_prepared
+from .lanes import DeferredCheck
 
 # Device index -> whether the reproduced draw matched torch.randn (absent: not checked yet).
 _MATCHES: dict[int, bool] = {}
@@ -77,15 +78,16 @@ def forward_drawing(x: torch.Tensor, params: VAEParams, verdict: Verdict | None 
     """forward_prepared with eps = torch.randn(B, latent_dim) from the default generator of x's
     device, drawn inside the launch where randn_matches says it can be; the same inputs
     contract as forward_prepared (fastelbo.ops prepared them). verdict: as forward_prepared's,
-    waited for before anything is drawn."""
+    waited for before anything is drawn (a DeferredCheck is the kernels': nothing waits)."""
     index = x.device.index
     if index not in _MATCHES and not torch.cuda.is_current_stream_capturing():
         randn_matches(index)
     lat = params[2].shape[0]
     if not _MATCHES.get(index, False):
-        if verdict is not None and verdict.in_flight:
+        deferred = isinstance(verdict, DeferredCheck)
+        if verdict is not None and verdict.in_flight and not deferred:
             verdict.wait()
         eps = torch.randn(x.shape[0], lat, device=x.device, dtype=x.dtype)
-        return forward_prepared(x, params, eps)
+        return forward_prepared(x, params, eps, verdict=verdict if deferred else None)
     eps = torch.empty(x.shape[0], lat, device=x.device, dtype=x.dtype)
     return forward_prepared(x, params, eps, draw=True, verdict=verdict)

@@ -9,7 +9,9 @@
 // Also here, two small kernels outside the forward: randn_fill_kernel, torch.randn(n) from
 // philox.cuh's reproduction of it, which fastelbo.backends.cuda compares with torch.randn before
 // the fast kernel may draw its noise; range_flags_kernel, the value check on x
-// (fastelbo.ops.checks) in one launch.
+// (fastelbo.ops.checks) in one launch. And the deferred value check's record (elbo.h
+// DeferredRecord): the device's one copy, its take and the rows path's poison kernel.
+#include "deferred.cuh"
 #include "elbo.h"
 #include "elbo_math.cuh"
 #include "philox.cuh"
@@ -21,6 +23,7 @@ namespace {
 
 __global__ void __launch_bounds__(kThreads) reparam_kl_kernel(const __grid_constant__ ReparamParams p) {
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  if (p.zero != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.zero = 0;
   const int row = static_cast<int>(blockIdx.x) * kWarps + warp;
   if (row >= p.n) return;  // whole warp: the shuffles below stay full-warp
   const size_t base = static_cast<size_t>(row) * p.L, in = static_cast<size_t>(row) * p.ld;
@@ -64,6 +67,10 @@ __global__ void __launch_bounds__(kThreads) bce_kernel(const __grid_constant__ B
   for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
   bad = __any_sync(0xffffffffu, bad);
   if (lane == 0) write_row(p.recon, p.kl, p.elbo, row, s, bad);
+  if (bad && p.err != nullptr && lane == 0) {  // the deferred check's slow path
+    *p.flag = 1;
+    deferred_note_row(p.err, xr, D, static_cast<long long>(p.row0) + row);
+  }
 }
 
 // out[i] = element i of the draw r describes (philox.cuh), grid-stride.
@@ -99,7 +106,68 @@ __global__ void __launch_bounds__(kThreads) range_flags_kernel(const float* x, l
   if (threadIdx.x == 0) flags[blockIdx.x] = bad ? 1 : 0;
 }
 
+// The deferred check's record of this device (module global: zero at load) and where a take
+// moves it (read back by the host).
+__device__ DeferredRecord g_deferred_record;
+__device__ DeferredRecord g_deferred_taken;
+
+// One thread: the record into g_deferred_taken, each field moved atomically (a kernel noting
+// at the same time lands either in this take or in the next).
+__global__ void deferred_take_kernel(DeferredRecord* rec, DeferredRecord* out) {
+  out->count = atomicExch(&rec->count, 0ULL);
+  DeferredFirst cur = rec->first;
+  const DeferredFirst zero = {0ULL, 0ULL};
+  for (;;) {
+    const DeferredFirst old = atomicCAS(&rec->first, cur, zero);
+    if (old.key == cur.key && old.value == cur.value) break;
+    cur = old;
+  }
+  out->first = cur;
+}
+
+// elbo, recon and kl [0, n) NaN where *flag != 0 (grid-stride; nothing to do otherwise).
+__global__ void __launch_bounds__(kThreads) deferred_poison_kernel(const int* flag, float* elbo,
+                                                                   float* recon, float* kl,
+                                                                   int n) {
+  if (*flag == 0) return;
+  const float nan = __int_as_float(0x7fc00000);
+  for (int i = static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x); i < n;
+       i += static_cast<int>(gridDim.x) * kThreads) {
+    elbo[i] = nan;
+    recon[i] = nan;
+    kl[i] = nan;
+  }
+}
+
 }  // namespace
+
+cudaError_t deferred_record(DeferredRecord** out) noexcept {
+  void* p = nullptr;
+  const cudaError_t e = cudaGetSymbolAddress(&p, g_deferred_record);
+  *out = static_cast<DeferredRecord*>(p);
+  return e;
+}
+
+cudaError_t deferred_take(DeferredRecord* host, cudaStream_t stream) noexcept {
+  DeferredRecord* rec = nullptr;
+  void* taken = nullptr;
+  cudaError_t e = deferred_record(&rec);
+  if (e == cudaSuccess) e = cudaGetSymbolAddress(&taken, g_deferred_taken);
+  if (e != cudaSuccess) return e;
+  deferred_take_kernel<<<1, 1, 0, stream>>>(rec, static_cast<DeferredRecord*>(taken));
+  e = cudaGetLastError();
+  if (e == cudaSuccess)
+    e = cudaMemcpyAsync(host, taken, sizeof(DeferredRecord), cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  return e;
+}
+
+cudaError_t deferred_poison_launch(const int* flag, float* elbo, float* recon, float* kl, int n,
+                                   cudaStream_t stream) noexcept {
+  const int blocks = std::min(cdiv(n, kThreads), 64);
+  deferred_poison_kernel<<<blocks, kThreads, 0, stream>>>(flag, elbo, recon, kl, n);
+  return cudaGetLastError();
+}
 
 int range_flags_blocks(long long n) noexcept {
   return static_cast<int>(std::min<long long>((n + 8LL * kThreads - 1) / (8LL * kThreads),

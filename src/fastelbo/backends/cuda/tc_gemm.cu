@@ -39,6 +39,7 @@
 #include <cstdint>
 
 #include "cluster.cuh"
+#include "deferred.cuh"
 #include "elbo.h"
 #include "elbo_math.cuh"
 
@@ -300,6 +301,7 @@ __global__ void __launch_bounds__(TcShape<Mode, BN>::kBlock, 1)
       const size_t i = static_cast<size_t>(r) * gridDim.x + blockIdx.x;
       p.partial[i] = sum[h] * kLn2;  // bits to nats
       p.partial_bad[i] = bad[h] ? 1 : 0;
+      if (bad[h] && p.any_bad != nullptr) *p.any_bad = 1;  // the deferred check's call flag
     }
   }
 #else
@@ -308,8 +310,19 @@ __global__ void __launch_bounds__(TcShape<Mode, BN>::kBlock, 1)
 }
 
 // recon = the row's tile sums in tile order; a bad x anywhere in the row makes all three NaN.
+// With the deferred check (p.err): a bad row's values are noted, and where the call's flag is
+// set every row of this chunk and the p.prior rows before it are NaN (elbo.h TcFinishParams).
 __global__ void __launch_bounds__(kThreads) tc_bce_finish_kernel(const __grid_constant__ TcFinishParams p) {
   const int row = static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x);
+  const bool call_bad = p.err != nullptr && *p.flag != 0;
+  if (call_bad) {  // the earlier chunks' rows, grid-stride (none of them is this kernel's)
+    const float nan = __int_as_float(0x7fc00000);
+    for (int i = row; i < p.prior; i += static_cast<int>(gridDim.x) * kThreads) {
+      p.elbo[i - p.prior] = nan;
+      p.recon[i - p.prior] = nan;
+      p.kl[i - p.prior] = nan;
+    }
+  }
   if (row >= p.n) return;
   float s = 0.0f;
   bool bad = false;
@@ -317,7 +330,10 @@ __global__ void __launch_bounds__(kThreads) tc_bce_finish_kernel(const __grid_co
     s += p.partial[static_cast<size_t>(row) * p.tiles + i];
     bad |= p.partial_bad[static_cast<size_t>(row) * p.tiles + i] != 0;
   }
-  write_row(p.recon, p.kl, p.elbo, row, s, bad);
+  write_row(p.recon, p.kl, p.elbo, row, s, bad || call_bad);
+  if (bad && p.err != nullptr)  // the slow path: this row's bad values
+    deferred_note_row(p.err, p.x + static_cast<size_t>(row) * p.D, p.D,
+                      static_cast<long long>(p.row0) + row);
 }
 
 // out = store_value(the splits' partial sums, in split order), elementwise over M x N.
