@@ -132,7 +132,7 @@ EVALUATE_MISTAKES = {
     "data of other dims": (["{root}/run", "--data", "{root}/wide.npz"],
                            ["--data", "wide.npz", "20 values", "expects 16"]),
     "json into no dir": (["{root}/run", "--json", "{root}/no/dir/r.json"],
-                         ["--json", "does not exist"]),
+                         ["--json", "r.json: its directory", "does not exist"]),
     "cuda backend on cpu": (["{root}/run", "--backend", "cuda"], ["--backend cuda", "cpu"]),
     "its data gone": (["{root}/moved_run"], ["tiny_moved.npz", "was trained on", "pass --data"]),
     "no checkpoint given": ([], ["required", "RUN"]),

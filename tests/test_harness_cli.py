@@ -45,11 +45,11 @@ MISTAKES = [
     (["bench", TINY, "--timeout", "-1"], "--timeout must be > 0, got -1"),
     (["bench", TINY, "--seed", "-1"], "--seed must be >= 0, got -1"),
     (["bench", TINY, "--atol", "-1"], "--atol must be >= 0, got -1"),
-    (["export", "--kernelbench", str(HERE)], "is a directory; give a file path"),
+    (["export", "--kernelbench", str(HERE)], f"--kernelbench {HERE}: it is a directory"),
     # before any work: on 2026-12-05 a bench ran, then lost every row to --out /tmp
     (["bench", TINY, GOOD, "--out", str(HERE)],
-     f"--out must be a file path that can be written (it is a directory), got {str(HERE)!r}"),
-    (["bench", TINY, "--out", str(Path(GOOD) / "rows.jsonl")], f"(no directory {GOOD})"),
+     f"--out {HERE}: it is a directory, not a file"),
+    (["bench", TINY, "--out", str(Path(GOOD) / "rows.jsonl")], f"{GOOD} is not a directory"),
 ]
 if not torch.cuda.is_available():
     MISTAKES.append((["check", TINY, GOOD, "--device", "cuda"],

@@ -327,7 +327,7 @@ def test_serve_usage_errors_name_the_argument():
                        (["serve", "--problem", "nope.py"], "problem 'nope.py'"),
                        (["serve", "--trials", "0"], "--trials must be >= 1"),
                        (["serve", "--submit-dir", str(CORRECT)],
-                        r"--submit-dir must be a directory that can be written \(it is not a")):
+                        rf"--submit-dir {CORRECT}: it is a file, not a directory")):
         args = build_parser().parse_args(argv)
         with pytest.raises(UsageError, match=text):
             args.func(args)

@@ -30,6 +30,9 @@ def steps(device: str, out: Path, epochs: int, samples: int) -> list[tuple[str, 
 
 def main(args) -> int:
     """The demo job (options: fastelbo/commands.py); 1 if any step failed."""
+    from .outputs import check_dir
+
+    check_dir("--out", args.out)  # before any step: each writes under it
     import torch
 
     from .cli import main as cli_main

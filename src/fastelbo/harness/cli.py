@@ -11,7 +11,7 @@ import json
 import sys
 import traceback
 
-from ..errors import UsageError
+from ..errors import UsageError, WriteFailed
 
 RAW = argparse.RawDescriptionHelpFormatter  # descriptions keep their paragraphs
 EXIT_ERROR = 2  # "could not judge", as in report.EXIT_ERROR
@@ -181,6 +181,9 @@ def _never_raise(command: str):
                 return func(args)
             except UsageError:
                 raise
+            except WriteFailed as exc:  # the work is done, its output saved elsewhere
+                print(f"fastelbo: error: {exc}", file=sys.stderr)
+                return EXIT_ERROR
             except Exception as exc:  # noqa: BLE001 - the exit code must keep its meaning
                 tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
                 print(tb.rstrip(), file=sys.stderr)
@@ -312,7 +315,10 @@ def _check(args) -> int:
 
 @_never_raise("bench")
 def _bench(args) -> int:
+    from ..outputs import check_file, write_or_save
     from .options import BenchOptions
+    if args.out:
+        check_file("--out", args.out)
     options = _options(
         BenchOptions, device=args.device,
         # '' as None: the default sizes (check's '' is "no extra regimes")
@@ -324,23 +330,28 @@ def _bench(args) -> int:
     for c in args.candidates:
         _candidate(c)
     _cuda_available(options.device)
+    import dataclasses
+
     from .bench import run_bench
-    rows, code = run_bench(args.problem, args.candidates or None, options)
+    from .results import append_jsonl
+    # The rows are appended here, after the table: a write that fails anyway goes elsewhere.
+    rows, code = run_bench(args.problem, args.candidates or None,
+                           dataclasses.replace(options, out=None))
     from .table import print_rows
     print_rows(rows)
     if args.out:
+        write_or_save("--out", args.out, lambda path: append_jsonl(path, rows),
+                      f"the {len(rows)} row(s)")
         print(f"appended {len(rows)} row(s) to {args.out}", file=sys.stderr)
     return code
 
 
 def _export(args) -> int:
-    from pathlib import Path
-    target = Path(args.kernelbench)
-    if target.is_dir():
-        raise UsageError(f"--kernelbench {args.kernelbench} is a directory; give a file path")
+    from ..outputs import check_file, write_or_save
+    check_file("--kernelbench", args.kernelbench)
     from ..plugin import Unavailable, write_export
     try:
-        path = write_export(target)
+        path = write_or_save("--kernelbench", args.kernelbench, write_export, "the solution")
     except Unavailable as exc:
         print(f"fastelbo export: {exc}", file=sys.stderr)
         return 2
@@ -390,10 +401,9 @@ def _serve(args) -> int:
         problem = problem_path(args.problem)
     except FileNotFoundError as exc:
         raise UsageError(str(exc)) from None
-    from .options import unwritable_dir
-    if args.submit_dir and (why := unwritable_dir(args.submit_dir)):
-        raise UsageError(f"--submit-dir must be a directory that can be written ({why}), "
-                         f"got {args.submit_dir!r}")
+    if args.submit_dir:
+        from ..outputs import check_dir
+        check_dir("--submit-dir", args.submit_dir)
     from .server import serve  # imports no torch: the session starts at the first tool call
     if cuda:
         index, count = int(args.device.partition(":")[2] or 0), counter()
