@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 
+from .table import _printable
+
 # Finding categories. "Could not run" ones make `check` exit 2, the others exit 1.
 # What a candidate's worker may fail with: any other category it names is its claim, not a
 # fact (the reference's failures come from the reference's worker or the harness).
@@ -222,8 +224,8 @@ class CheckReport:
                 lines.append(f"  - {_condensed(r)}")
         if self.status == "error" and self.output_tail.strip():
             lines.append("worker output (tail):")
-            lines += ["  " + s for s in self.output_tail.strip().splitlines()[-15:]]
-        return "\n".join(lines)
+            lines += ["  " + s for s in self.output_tail.strip().split("\n")[-15:]]
+        return _screen_safe(lines)
 
 
 def _strict(obj):
@@ -234,6 +236,21 @@ def _strict(obj):
     if isinstance(obj, list):
         return [_strict(v) for v in obj]
     return obj
+
+
+def _screen_safe(lines: list[str]) -> str:
+    """The report's lines as one text that shows on a terminal what it says: every character
+    that is not printable written as Python escapes it (table.py's rule for bench's table: a
+    finding's message is the candidate's text, and until 2026-12-07 an exception's ANSI codes
+    could clear the screen and paint "verdict: PASS (exit 0)" over a check that exited 1,
+    exploit_paints_report.py), and a message's later lines indented, so that none of the
+    candidate's lines starts where the report's own lines do."""
+    out = []
+    for line in lines:
+        first, *rest = line.split("\n")
+        out.append(_printable(first))
+        out += [_printable(p if p.startswith(" ") else "    " + p) for p in rest]
+    return "\n".join(out)
 
 
 # -- a candidate's exception in the terminal: its own frames and its last lines, once per kind;
@@ -261,7 +278,7 @@ def _parse(text: str) -> tuple[list[str], list[tuple[str, str, str, str]], list[
     """A message holding a Python traceback as (the lines before it, its frames as (file,
     line, function, source), the exception's lines); None without a frame."""
     head, frames, tail = [], [], []
-    for line in text.splitlines():
+    for line in text.split("\n"):  # not splitlines(): a "\r" is the message's, shown escaped
         m = _FRAME.fullmatch(line)
         if m:
             frames.append((m["file"], m["line"], m["func"], ""))
@@ -272,9 +289,9 @@ def _parse(text: str) -> tuple[list[str], list[tuple[str, str, str, str]], list[
         elif _CARETS.fullmatch(line):
             continue
         elif not tail and line.startswith("    ") and not frames[-1][3]:
-            frames[-1] = (*frames[-1][:3], line.strip())
-        elif line.strip():
-            tail.append(line.strip())
+            frames[-1] = (*frames[-1][:3], line.strip(" "))
+        elif line.strip(" "):
+            tail.append(line.strip(" "))
     return (head, frames, tail) if frames else None
 
 
@@ -318,7 +335,7 @@ def _condensed(text: str) -> str:
 def _exception_type(message: str) -> str:
     """The exception's class name: its line after the traceback, else the message's last."""
     parsed = _parse(message)
-    lines = parsed[2][:1] if parsed else message.strip().splitlines()[-1:]
+    lines = parsed[2][:1] if parsed else message.strip().split("\n")[-1:]
     return _clip(lines[0].partition(":")[0].strip() if lines else "") or "an exception"
 
 
@@ -353,7 +370,7 @@ def _raised_blocks(regimes: list[RegimeReport]) -> list[str]:
         lines.append(f"  - [exception] the candidate raised in {len(names)} regime(s) "
                      f"({shown}); first in regime {r.name}, trial {t.index}:")
         lines += ["      " + line for line in (key if head else _first_lines(
-            f.message, MAX_EXCEPTION_LINES).splitlines())]
+            f.message, MAX_EXCEPTION_LINES).split("\n"))]
     if len(kinds) > MAX_KINDS:
         lines.append(f"  - [exception] +{len(kinds) - MAX_KINDS} other exception(s); --json "
                      "has all")
@@ -361,7 +378,7 @@ def _raised_blocks(regimes: list[RegimeReport]) -> list[str]:
 
 
 def _first_lines(text: str, n: int = 6) -> str:
-    lines = text.splitlines()
+    lines = text.split("\n")
     return "\n".join(lines[-n:]) if len(lines) > n else text
 
 
