@@ -46,7 +46,7 @@ def _params(cwd: Path, tag: str, **extra: str) -> StdioServerParameters:
     return StdioServerParameters(
         command=sys.executable, cwd=cwd, env=env,
         args=["-m", "fastelbo.cli", "serve", "--problem", str(TINY), "--device", "cpu",
-              "--trials", "2", "--batch-sizes", "1,5", "--scales", "",
+              "--trials", "2", "--extra-batch-sizes", "1,5", "--scales", "",
               "--timeout", str(HANG_TIMEOUT), "--build-timeout", str(HANG_TIMEOUT)])
 
 
@@ -323,14 +323,33 @@ def test_stopping_the_server_kills_its_running_workers(tmp_path):
 
 
 def test_serve_usage_errors_name_the_argument():
-    for argv, text in ((["serve", "--device", "mps"], "--device must be cpu, cuda or cuda:N"),
-                       (["serve", "--problem", "nope.py"], "problem 'nope.py'"),
+    for argv, text in ((["serve", "--problem", "nope.py"], "problem 'nope.py'"),
                        (["serve", "--trials", "0"], "--trials must be >= 1"),
                        (["serve", "--submit-dir", str(CORRECT)],
                         rf"--submit-dir {CORRECT}: it is a file, not a directory")):
         args = build_parser().parse_args(argv)
         with pytest.raises(UsageError, match=text):
             args.func(args)
+
+
+def test_serve_takes_every_commands_device_convention(monkeypatch, capsys):
+    """--device auto, the default as for every command: cuda where the driver sees one, else
+    cpu (a session runs on one named device); a device that is none is refused by the
+    parser, as every command's."""
+    from fastelbo import cli
+    from fastelbo.harness import cli as harness_cli
+    from fastelbo.harness import server
+    served = []
+    monkeypatch.setattr(server, "serve", lambda problem, options, submit_dir: served.append(
+        options.device) or 0)
+    for count, device in ((0, "cpu"), (2, "cuda")):
+        monkeypatch.setattr(harness_cli, "cuda_device_counter", lambda n=count: lambda: n)
+        args = build_parser().parse_args(["serve"])
+        assert args.device == "auto" and args.func(args) == 0
+        assert served[-1] == device
+    assert cli.main(["serve", "--device", "mps"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "fastelbo: error: argument --device: expected auto, cpu, cuda or cuda:N, got 'mps'")
 
 
 def test_serve_refuses_a_cuda_device_the_driver_does_not_have():

@@ -58,7 +58,7 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-DEBUG_HELP = f"show the traceback of an error (also {DEBUG_ENV}=1)"
+DEBUG_HELP = f"show the traceback of an error (also {DEBUG_ENV}=1) (default: off)"
 
 
 def build_parser() -> ArgumentParser:

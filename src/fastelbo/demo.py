@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def steps(device: str, out: Path, epochs: int, samples: int) -> list[tuple[str, list[str]]]:
-    gpu = device == "cuda"
+    gpu = device.startswith("cuda")
     bench = ["bench", "vae_elbo", "--device", device, "--out", str(out / "bench.jsonl")]
     if gpu:
         bench += ["--batch-sizes", "128,4096,65536"]

@@ -10,6 +10,7 @@ check` and `bench` build their options before torch is imported.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections.abc import Callable
@@ -23,6 +24,32 @@ from ..outputs import unwritable_dir, unwritable_file
 __all__ = ["BenchOptions", "CheckOptions", "OptionError", "unwritable_dir", "unwritable_file"]
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+# -- every command's --device (check, bench, serve, train, evaluate, demo): one convention ------
+# `auto` (the default everywhere): cuda where there is one, else cpu. The options objects take
+# None for it (chosen once the workers are started); a command resolves it where it must name
+# one (serve: the driver's device count; train, evaluate, demo: torch.cuda.is_available()).
+AUTO = "auto"
+DEVICE_FLAG = re.compile(rf"{AUTO}|{DEVICE.pattern}")
+DEVICE_HELP = (f"{AUTO} (cuda where there is one, else cpu), cpu, cuda or cuda:N "
+               "(default: %(default)s)")
+
+
+def device_flag(text: str) -> str:
+    """An argparse type: --device as given, once it is auto, cpu, cuda or cuda:N."""
+    if not DEVICE_FLAG.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected {AUTO}, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def add_device(parser) -> None:
+    """The one --device option: `device_flag`, default auto, DEVICE_HELP."""
+    parser.add_argument("--device", type=device_flag, default=AUTO, help=DEVICE_HELP)
+
+
+def named_device(flag: str) -> str | None:
+    """An options object's device for --device `flag`: None for auto."""
+    return None if flag == AUTO else flag
 
 
 class OptionError(ValueError):
