@@ -23,6 +23,7 @@ import pytest
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
+import fastelbo
 from fastelbo.cli import build_parser
 from fastelbo.errors import UsageError
 from fastelbo.harness import sandbox
@@ -95,7 +96,9 @@ async def _scenario(cwd: Path) -> dict:
     out, tag = {}, uuid.uuid4().hex
     async with stdio_client(_params(cwd, tag)) as (read, write), \
             ClientSession(read, write) as client:
-        await client.initialize()
+        init = await client.initialize()
+        info = _field(init, "server_info")
+        out["server_info"] = (info.name, info.version)
         tools = (await client.list_tools()).tools
         out["tools"] = sorted(t.name for t in tools)
         out["schemas"] = {t.name: _field(t, "output_schema") for t in tools}
@@ -172,7 +175,15 @@ def test_every_result_validates_against_its_output_schema(served):
     assert {c["tool"] for c in calls} == set(TOOLS)
     for c in calls:
         jsonschema.validate(c["structured"], served["schemas"][c["tool"]])
-        assert json.loads(c["text"]) == c["structured"]
+        # the text is a sentence, not a second copy of the structure (issue #55)
+        status, code = c["structured"]["status"], c["structured"]["exit_code"]
+        assert c["text"].startswith(f"{status} (exit {code})"), c["text"]
+        assert c["text"].endswith("the full report is at report_path.") and len(
+            c["text"]) <= 400 and "\n" not in c["text"], c["text"]
+
+
+def test_the_server_reports_the_packages_version(served):
+    assert served["server_info"] == ("fastelbo", fastelbo.__version__)
 
 
 def test_initialize_and_list_tools_come_before_torch(served):
@@ -198,8 +209,9 @@ def test_invalid_arguments_are_a_tool_error_before_any_work(served):
 def test_wrong_candidate_is_a_compact_incorrect_verdict(served):
     wrong = served["wrong"]
     report = wrong["structured"]
-    assert len(wrong["text"]) <= COMPACT_BYTES
-    assert len(json.dumps(report)) <= COMPACT_BYTES
+    # all told: the structured content and the text beside it (3.7 KB until 2026-12-07)
+    assert len(wrong["text"].encode()) + len(json.dumps(report).encode()) <= COMPACT_BYTES
+    assert wrong["text"].startswith("incorrect (exit 1): [mismatch] ")
     assert report["status"] == "incorrect" and report["exit_code"] == 1
     assert report["reasons"][0].startswith("[mismatch]") and report["detail"] is None
     assert [(r["name"], r["status"], r["passed"], r["trials"]) for r in report["regimes"]] == [
