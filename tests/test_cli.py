@@ -384,7 +384,10 @@ def test_train_result_lines_go_to_stdout(files, tmp_path, capsys):
                      "--epochs", "1"]) == 0
     stdout, stderr = capsys.readouterr()
     assert re.fullmatch(r"epoch 1: train ELBO -?\d+\.\d+, test ELBO -?\d+\.\d+\n"
-                        rf"final test ELBO -?\d+\.\d+ nats after 8 steps; wrote {out}\n", stdout)
+                        rf"final test ELBO -?\d+\.\d+ nats after 8 steps; wrote {out}\n"
+                        r"reconstructions: squared error \d+\.\d+ of the mean image's \(digits "
+                        r"below 0\.6\): (they show digits|still a blur; more --epochs draw "
+                        r"digits)\n", stdout), stdout
     assert stderr == ""  # no bar without a terminal
     assert json.loads((out / "summary.json").read_text())["steps"] == 8
 

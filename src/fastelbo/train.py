@@ -258,6 +258,10 @@ def train(args, world: dist.World, device: torch.device, renderer=None) -> dict:
                    "steps_per_s": steady_n / steady_s if steady_n else None,
                    "images_per_s": steady_n * args.batch_size / steady_s if steady_n else None},
     }
+    from .training import plots
+
+    # whether its reconstructions show digits, or the blur of a run too short (issue #55)
+    summary["reconstructions"] = plots.reconstruction_error(model.vae_params(), x_test)
     if renderer is not None:
         tw = time.perf_counter()
         summary["plots"] = {"step": step, "files": renderer.wait()}
@@ -266,7 +270,18 @@ def train(args, world: dist.World, device: torch.device, renderer=None) -> dict:
         write_or_save("--out", out / rundir.SUMMARY,
                       lambda path: rundir.write_json(path, summary), "the summary")
         print(f"final test ELBO {final:.3f} nats after {step} steps; wrote {out}")
+        print(digits_line(summary["reconstructions"]))
     return summary
+
+
+def digits_line(error: dict) -> str:
+    """One line: whether a run's reconstructions show digits (training/plots.py's rule)."""
+    from .training.plots import DIGITS_RATIO
+
+    head = (f"reconstructions: squared error {error['ratio']:.2f} of the mean image's "
+            f"(digits below {DIGITS_RATIO:g}):")
+    return (f"{head} they show digits" if error["digits"] else
+            f"{head} still a blur; more --epochs draw digits")
 
 
 def read_checkpoint(path: Path, what: str) -> tuple[dict, dict]:
