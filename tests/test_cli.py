@@ -5,6 +5,7 @@ naming the checkpoint a --resume continues from, exit 130; --version; every opti
 Most cases run `fastelbo.cli.main` in this process (stderr through capsys); the console itself
 (`python -m fastelbo.cli`) and Ctrl-C run as child processes.
 """
+import argparse
 import json
 import os
 import re
@@ -132,7 +133,7 @@ EVALUATE_MISTAKES = {
     "data of other dims": (["{root}/run", "--data", "{root}/wide.npz"],
                            ["--data", "wide.npz", "20 values", "expects 16"]),
     "json into no dir": (["{root}/run", "--json", "{root}/no/dir/r.json"],
-                         ["--json", "does not exist"]),
+                         ["--json", "r.json: its directory", "does not exist"]),
     "cuda backend on cpu": (["{root}/run", "--backend", "cuda"], ["--backend cuda", "cpu"]),
     "its data gone": (["{root}/moved_run"], ["tiny_moved.npz", "was trained on", "pass --data"]),
     "no checkpoint given": ([], ["required", "RUN"]),
@@ -290,18 +291,54 @@ def test_version(capsys):
                                        f"Python {sys.version.split()[0]})\n")
 
 
-def test_every_option_has_help_with_its_default():
-    """Each option of train, evaluate and demo says what it does, and its default where it has
-    one (flags are off by default; an option without a default says what happens instead)."""
+DEFAULT = re.compile(r"\(default: (?P<what>[^\n]+)\)")
+
+
+def _commands():
     parser = cli.build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command")
-    for name in ("train", "evaluate", "demo"):
-        for action in sub.choices[name]._actions:
-            if action.dest in ("help", "debug"):
+    return next(a for a in parser._actions if a.dest == "command").choices
+
+
+def test_every_option_says_its_default_the_same_way():
+    """Every option of every command ends its help with "(default: X)", X the default itself
+    (argparse's %(default)s) where it has one, "off" for a flag, and words, never "None",
+    where there is none to show; a required option says "(required)" (issue #55)."""
+    for name, command in _commands().items():
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if action.dest == "help" or not action.option_strings or action.help in (
+                    None, argparse.SUPPRESS):
+                continue  # a positional argument; an old name kept, unlisted
+            text = formatter._expand_help(action)
+            where = (name, action.option_strings[-1], text)
+            if action.required:
+                assert text.endswith(" (required)") and "default" not in text, where
                 continue
-            assert action.help, (name, action.dest)
-            if action.option_strings and action.nargs != 0:
-                assert "default" in action.help, (name, action.dest, action.help)
+            m = DEFAULT.fullmatch(text[text.rfind("(default: "):])
+            assert m and text.count("default") == 1, where
+            if action.nargs == 0:
+                assert m["what"] == "off", where
+            elif action.default is not None:
+                assert action.help.endswith("(default: %(default)s)"), where
+            assert not m["what"].startswith(("None", "False", "True")), where
+        text = command.format_help()
+        assert not re.search(r"\(default [^:]|default: None|required; default", text), name
+
+
+def test_every_command_with_a_device_takes_the_same_one():
+    """One --device: auto (cuda where there is one, else cpu), cpu, cuda or cuda:N, default
+    auto, with the same help, for every command that runs on a device."""
+    devices = {name: command._option_string_actions["--device"]
+               for name, command in _commands().items()
+               if "--device" in command._option_string_actions}
+    assert set(devices) == {"check", "bench", "serve", "train", "evaluate", "demo"}, devices
+    assert {(a.default, a.type, a.help) for a in devices.values()} == {
+        ("auto", commands.device_text, devices["check"].help)}
+    parser = cli.build_parser()
+    for name in devices:
+        extra = {"check": ["p", "c"], "bench": ["p"], "evaluate": ["run"]}.get(name, [])
+        for device in ("auto", "cpu", "cuda", "cuda:1"):
+            assert parser.parse_args([name, *extra, "--device", device]).device == device
 
 
 def test_every_command_has_a_help_line_and_a_description():
@@ -347,7 +384,10 @@ def test_train_result_lines_go_to_stdout(files, tmp_path, capsys):
                      "--epochs", "1"]) == 0
     stdout, stderr = capsys.readouterr()
     assert re.fullmatch(r"epoch 1: train ELBO -?\d+\.\d+, test ELBO -?\d+\.\d+\n"
-                        rf"final test ELBO -?\d+\.\d+ nats after 8 steps; wrote {out}\n", stdout)
+                        rf"final test ELBO -?\d+\.\d+ nats after 8 steps; wrote {out}\n"
+                        r"reconstructions: squared error \d+\.\d+ of the mean image's \(digits "
+                        r"below 0\.6\): (they show digits|still a blur; more --epochs draw "
+                        r"digits)\n", stdout), stdout
     assert stderr == ""  # no bar without a terminal
     assert json.loads((out / "summary.json").read_text())["steps"] == 8
 

@@ -53,3 +53,17 @@ def test_a_real_failing_step_makes_fastelbo_demo_exit_1(monkeypatch, tmp_path, c
     assert cli.main(["demo", "--device", "cpu", "--out", str(tmp_path / "d")]) == 1
     assert solution.is_file()
     assert "FAILED: compile (exit 2)" in "".join(capsys.readouterr())
+
+
+def test_the_demo_says_whether_its_pictures_show_digits(tmp_path):
+    """From its training run's summary, against training/plots.py's threshold."""
+    import json
+
+    from fastelbo.training.plots import DIGITS_RATIO
+
+    assert demo.pictures(tmp_path) == ""  # no run there
+    for ratio, shown in ((DIGITS_RATIO / 2, "digits"), (1.02, "a blur (more --epochs)")):
+        (tmp_path / "summary.json").write_text(json.dumps({"reconstructions": {
+            "ratio": ratio, "digits": ratio < DIGITS_RATIO}}))
+        assert demo.pictures(tmp_path) == (f" ({shown}: reconstruction error {ratio:.2f} of "
+                                           "the mean image's)")

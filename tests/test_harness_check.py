@@ -662,3 +662,72 @@ def _doubling(tmp_path: Path) -> Path:
     cand.write_text("from torch import nn\n\n\nclass ModelNew(nn.Module):\n"
                     "    def forward(self, x):\n        return x * 2\n")
     return cand
+
+
+TORCH_FRAMES = '''  File "{harness}/tasks.py", line 422, in _candidate_trial
+    raw = as_tuple(model(*x))
+                   ^^^^^^^^^
+  File "{torch}/nn/modules/module.py", line 1789, in _call_impl
+    return forward_call(*args, **kwargs)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+'''
+
+
+def _raising_report(kinds: dict[str, tuple[str, str, int]]) -> CheckReport:
+    """A report whose regimes each raised `kinds[name]`: (exception class, message, line of
+    /cand/model.py), a traceback through the harness and torch, as the candidate's worker
+    hands it over."""
+    from fastelbo.harness import report as report_module
+    from fastelbo.harness.report import Finding
+    harness = Path(report_module.__file__).parent
+    frames = TORCH_FRAMES.format(harness=harness, torch=Path(torch.__file__).parent)
+    report = CheckReport("p.py", "/cand/model.py", "cpu", 1e-4, 1e-4, 2)
+    for name, (kind, text, line) in kinds.items():
+        message = (f"the candidate raised in regime {name}, trial 0:\n{frames}"
+                   f'  File "/cand/model.py", line {line}, in forward\n'
+                   f"    raise {kind}({text!r})\n{kind}: {text}")
+        report.regimes.append(RegimeReport(name, 4, 1.0, None, "ERROR", trials=[TrialReport(
+            0, 7, False, findings=[Finding("exception", message)])]))
+    return report.finish()
+
+
+def test_an_exception_is_shown_once_with_its_own_frames_and_regime_count():
+    """Five regimes raised the same: the table says so in one line each, and the traceback is
+    shown once under the verdict, reduced to the candidate's frames (file:line), with the
+    count of regimes; the JSON report keeps every message whole (issue #55)."""
+    names = ["default", "batch=1", "batch=7", "scale=4", "variant:binary"]
+    report = _raising_report({n: ("RuntimeError", "launch failed", 9) for n in names})
+    text = report.format()
+    assert text.count("/cand/model.py:9, in forward: raise RuntimeError('launch failed')") == 1
+    assert text.count("RuntimeError: launch failed") == 1, text
+    assert "the candidate raised in 5 regime(s) (default, batch=1, batch=7, scale=4, " \
+           "variant:binary)" in text, text
+    assert "module.py" not in text and "tasks.py" not in text and "^^^" not in text, text
+    assert text.count("raised RuntimeError (below)") == 5
+    data = report.to_dict()
+    assert all("module.py" in t["findings"][0]["message"] and "tasks.py" in
+               t["findings"][0]["message"] for r in data["regimes"] for t in r["trials"])
+
+
+def test_each_kind_of_exception_is_shown_once_with_its_count():
+    report = _raising_report({"default": ("ValueError", "a", 9),
+                              "batch=1": ("KeyError", "b", 10),
+                              "batch=7": ("ValueError", "a", 9)})
+    lines = report.format().splitlines()
+    kinds = [line for line in lines if "[exception] the candidate raised in" in line]
+    assert kinds == [
+        ("  - [exception] the candidate raised in 2 regime(s) (default, batch=7); first in "
+         "regime default, trial 0:"),
+        ("  - [exception] the candidate raised in 1 regime(s) (batch=1); first in regime "
+         "batch=1, trial 0:")], lines
+    assert lines[-2:] == ["      /cand/model.py:10, in forward: raise KeyError('b')",
+                          "      KeyError: b"], lines
+def test_a_raising_forward_is_at_most_20_lines_in_the_terminal(capsys):
+    """The real problem, every default regime, through the command line."""
+    code = main(["check", "vae_elbo", str(CANDIDATES / "raises.py"), "--device", "cpu"])
+    out = capsys.readouterr().out
+    lines = out.rstrip("\n").split("\n")
+    assert code == 2 and len(lines) <= 20, out
+    errors = sum(line.split()[3:4] == ["ERROR"] for line in lines)
+    assert errors >= 4 and f"the candidate raised in {errors} regime(s)" in out, out
+    assert out.count("raises.py:9, in forward") == 1 and "Traceback" not in out, out

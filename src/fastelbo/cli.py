@@ -16,7 +16,7 @@ import threading
 import traceback
 
 from . import __version__
-from .errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
+from .errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, WriteFailed
 
 # Modules defining `register(subparsers)`, which adds subcommands with a `func` default taking
 # the parsed args and returning an exit code. Both import nothing heavy: parsing needs no torch.
@@ -58,7 +58,7 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-DEBUG_HELP = f"show the traceback of an error (also {DEBUG_ENV}=1)"
+DEBUG_HELP = f"show the traceback of an error (also {DEBUG_ENV}=1) (default: off)"
 
 
 def build_parser() -> ArgumentParser:
@@ -93,7 +93,8 @@ def job(func):
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit code. A user's mistake (UsageError, a bad command line) is one
-    line on stderr and exit 2; Ctrl-C one line and exit 130; tracebacks only with --debug."""
+    line on stderr and exit 2; an output written elsewhere (WriteFailed) one line and exit 1;
+    Ctrl-C one line and exit 130; tracebacks only with --debug."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = _debug_env() or "--debug" in argv
     try:
@@ -105,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"fastelbo: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except WriteFailed as exc:  # the work is done; its output went elsewhere, as it says
+        if debug:
+            traceback.print_exc()
+        print(f"fastelbo: error: {exc}", file=sys.stderr)
+        return EXIT_INTERNAL
     except KeyboardInterrupt as exc:
         if debug:
             traceback.print_exc()

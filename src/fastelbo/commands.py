@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
+
+from .harness.options import add_device, device_flag
+
+OFF = " (default: off)"  # a flag's help ends so, as the harness's commands' do
 
 BACKENDS = ("auto", "torch", "cuda", "triton")
 # Images per IWAE call, by backend (evaluate --batch-size's default). torch: its chunk is 1M
@@ -96,13 +99,7 @@ def dims_text(text: str) -> str:
     return text
 
 
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
-def device_text(text: str) -> str:
-    if not _DEVICE.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
-    return text
+device_text = device_flag  # --device: auto, cpu, cuda or cuda:N, as every command takes it
 
 
 def register(sub) -> None:
@@ -134,26 +131,24 @@ def _register_train(sub) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="ELBO kernels: auto picks the fastest measured one for the device "
                         "(torch on a CPU) (default: %(default)s)")
-    p.add_argument("--device", type=device_text, default="auto",
-                   help="cpu, cuda or cuda:N; auto: cuda if torch sees a GPU "
-                        "(default: %(default)s)")
+    add_device(p)
     p.add_argument("--binarize", action="store_true",
-                   help="binarize each batch dynamically (x ~ Bernoulli(pixel)); off by default")
+                   help="binarize each batch dynamically (x ~ Bernoulli(pixel))" + OFF)
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (default: runs/<data>-<dims>-s<seed>)")
     existing = p.add_mutually_exclusive_group()
     existing.add_argument("--resume", action="store_true",
                           help="continue the run in --out from its checkpoint (same data, dims, "
-                               "batch size, seed, lr and binarize); off by default")
+                               "batch size, seed, lr and binarize)" + OFF)
     existing.add_argument("--overwrite", action="store_true",
                           help="replace the run in --out: its checkpoint, summary.json and PNGs "
-                               "are removed once the arguments are checked; off by default (an "
-                               "--out holding a run is refused)")
+                               "are removed once the arguments are checked; without it an --out "
+                               "holding a run is refused" + OFF)
     p.add_argument("--max-steps", type=int_at_least(1), default=None, metavar="N",
                    help="stop after N steps in all (default: no limit besides --epochs)")
-    p.add_argument("--no-plots", action="store_true", help="skip the three PNGs")
+    p.add_argument("--no-plots", action="store_true", help="skip the three PNGs" + OFF)
     p.add_argument("--no-graph", action="store_true",
-                   help="on a GPU, run each step eagerly instead of as one CUDA graph")
+                   help="on a GPU, run each step eagerly instead of as one CUDA graph" + OFF)
     p.set_defaults(func="fastelbo.training.launch:main")
 
 
@@ -172,22 +167,20 @@ def _register_evaluate(sub) -> None:
     p.add_argument("--limit", type=int_at_least(1), default=None, metavar="N",
                    help="evaluate only the first N images (default: all)")
     p.add_argument("--batch-size", type=int_at_least(1), default=None,
-                   help=f"images per IWAE call (default: {EVALUATE_BATCH['torch']} on the torch "
-                        f"backend, {EVALUATE_BATCH['cuda']:,} on cuda and triton); results do "
-                        f"not depend on it")
+                   help=f"images per IWAE call; results do not depend on it (default: "
+                        f"{EVALUATE_BATCH['torch']} on the torch backend, "
+                        f"{EVALUATE_BATCH['cuda']:,} on cuda and triton)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="IWAE kernels; auto: cuda, else triton, on a GPU where they run, "
                         "else torch (default: %(default)s)")
-    p.add_argument("--device", type=device_text, default="auto",
-                   help="cpu, cuda or cuda:N; auto: cuda if torch sees a GPU "
-                        "(default: %(default)s)")
+    add_device(p)
     p.add_argument("--seed", type=int_at_least(0), default=0,
                    help="noise seed (default: %(default)s)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the result as JSON to PATH, or to stdout without PATH "
                         "(default: a one-line summary on stdout)")
     p.add_argument("--per-image", action="store_true",
-                   help="include every image's log p(x) and ELBO in the JSON")
+                   help="include every image's log p(x) and ELBO in the JSON" + OFF)
     p.set_defaults(func="fastelbo.evaluate:main")
 
 
@@ -195,8 +188,7 @@ def _register_demo(sub) -> None:
     p = sub.add_parser("demo", help="check, time, train and evaluate, on this machine",
                        description=DEMO_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="auto: cuda if torch sees a GPU (default: %(default)s)")
+    add_device(p)
     p.add_argument("--out", default="runs/demo", metavar="DIR",
                    help="where results and pictures go (default: %(default)s)")
     p.add_argument("--epochs", type=int_at_least(1), default=10,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def steps(device: str, out: Path, epochs: int, samples: int) -> list[tuple[str, list[str]]]:
-    gpu = device == "cuda"
+    gpu = device.startswith("cuda")
     bench = ["bench", "vae_elbo", "--device", device, "--out", str(out / "bench.jsonl")]
     if gpu:
         bench += ["--batch-sizes", "128,4096,65536"]
@@ -28,8 +28,26 @@ def steps(device: str, out: Path, epochs: int, samples: int) -> list[tuple[str, 
     ]
 
 
+def pictures(run: Path) -> str:
+    """What the training run's PNGs show, from its summary: digits, or a blur (its
+    reconstructions' error against training/plots.py's DIGITS_RATIO); "" without one."""
+    import json
+
+    from .training.plots import DIGITS_RATIO
+
+    try:
+        error = json.loads((run / "summary.json").read_text())["reconstructions"]
+    except (OSError, ValueError, KeyError):
+        return ""
+    shown = "digits" if error["ratio"] < DIGITS_RATIO else "a blur (more --epochs)"
+    return f" ({shown}: reconstruction error {error['ratio']:.2f} of the mean image's)"
+
+
 def main(args) -> int:
     """The demo job (options: fastelbo/commands.py); 1 if any step failed."""
+    from .outputs import check_dir
+
+    check_dir("--out", args.out)  # before any step: each writes under it
     import torch
 
     from .cli import main as cli_main
@@ -50,8 +68,8 @@ def main(args) -> int:
             return code
         if code:
             failed.append(f"{name} (exit {code})")
-    print(f"\nPictures: {out / 'train'}/*.png; timings: {out / 'bench.jsonl'}; "
-          f"likelihood: {out / 'evaluate.json'}")
+    print(f"\nPictures: {out / 'train'}/*.png{pictures(out / 'train')}; timings: "
+          f"{out / 'bench.jsonl'}; likelihood: {out / 'evaluate.json'}")
     if failed:
         print("FAILED: " + ", ".join(failed))
         return 1

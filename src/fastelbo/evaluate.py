@@ -30,6 +30,7 @@ from .errors import Interrupted, UsageError
 from .model import ModelNew
 from .ops.elbo import elbo
 from .ops.iwae import iwae_log_likelihood, resolve_backend
+from .outputs import check_file, write_or_save
 from .train import check_device, close_progress_bars, load_data, read_checkpoint
 from .training import checkpoint, dist
 
@@ -41,9 +42,8 @@ PROGRESS_STEPS = 50
 def main(args) -> int:
     """The `fastelbo evaluate` job (options: fastelbo/commands.py)."""
     check_device(args.device)
-    if args.json not in (None, "-") and not Path(args.json).resolve().parent.is_dir():
-        raise UsageError(f"--json {args.json}: the directory {Path(args.json).parent} does not "
-                         f"exist")
+    if args.json not in (None, "-"):
+        check_file("--json", args.json)
     try:
         return dist.run(evaluate, args)
     except KeyboardInterrupt:
@@ -188,4 +188,5 @@ def _report(result: dict, json_path: str | None) -> None:
         return
     print(msg)
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2))
+        text = json.dumps(result, indent=2)
+        write_or_save("--json", json_path, lambda path: path.write_text(text), "the result")

@@ -25,6 +25,7 @@ from .contract import validation
 from .errors import Interrupted, UsageError
 from .model import ModelNew
 from .ops.elbo import resolve_backend
+from .outputs import write_or_save
 from .training import checkpoint, dist, rundir
 from .training.step import Batches, EagerStep, GraphStep
 
@@ -211,14 +212,20 @@ def train(args, world: dist.World, device: torch.device, renderer=None) -> dict:
                 history["window"] = [float(window), window_n]
                 tk = time.perf_counter()
                 if world.main:  # a summary of the checkpoint's step, marked partial, with it
-                    with rundir.written_together():
-                        checkpoint.save(out / checkpoint.NAME, model, opt,
-                                        {"step": step, "epoch": step / spe,
-                                         "args": _config(args), "history": history})
-                        rundir.write_json(out / rundir.SUMMARY, {
-                            **head, "complete": False, "steps": step,
-                            "steps_this_run": step - start, "epochs": history["epochs"],
-                            "loss_curve": history["loss_curve"]})
+                    meta = {"step": step, "epoch": step / spe, "args": _config(args),
+                            "history": history}
+                    partial = {**head, "complete": False, "steps": step,
+                               "steps_this_run": step - start, "epochs": history["epochs"],
+                               "loss_curve": history["loss_curve"]}
+
+                    def write(folder: Path, meta=meta, partial=partial) -> None:
+                        folder.mkdir(parents=True, exist_ok=True)
+                        with rundir.written_together():
+                            checkpoint.save(folder / checkpoint.NAME, model, opt, meta)
+                            rundir.write_json(folder / rundir.SUMMARY, partial)
+                    # --out was tried before the work; should it fail since, the run so far
+                    # goes to a temp folder (WriteFailed names it; --resume --out continues).
+                    write_or_save("--out", out, write, "the run so far")
                 ckpt_s += time.perf_counter() - tk
     _sync(device)
     t_end = time.perf_counter()
@@ -251,14 +258,30 @@ def train(args, world: dist.World, device: torch.device, renderer=None) -> dict:
                    "steps_per_s": steady_n / steady_s if steady_n else None,
                    "images_per_s": steady_n * args.batch_size / steady_s if steady_n else None},
     }
+    from .training import plots
+
+    # whether its reconstructions show digits, or the blur of a run too short (issue #55)
+    summary["reconstructions"] = plots.reconstruction_error(model.vae_params(), x_test)
     if renderer is not None:
         tw = time.perf_counter()
         summary["plots"] = {"step": step, "files": renderer.wait()}
         summary["timings"]["plots_wait_s"] = time.perf_counter() - tw
     if world.main:  # complete: the checkpoint's step, and the PNGs (if any) exist and show it
-        rundir.write_json(out / rundir.SUMMARY, summary)
+        write_or_save("--out", out / rundir.SUMMARY,
+                      lambda path: rundir.write_json(path, summary), "the summary")
         print(f"final test ELBO {final:.3f} nats after {step} steps; wrote {out}")
+        print(digits_line(summary["reconstructions"]))
     return summary
+
+
+def digits_line(error: dict) -> str:
+    """One line: whether a run's reconstructions show digits (training/plots.py's rule)."""
+    from .training.plots import DIGITS_RATIO
+
+    head = (f"reconstructions: squared error {error['ratio']:.2f} of the mean image's "
+            f"(digits below {DIGITS_RATIO:g}):")
+    return (f"{head} they show digits" if error["digits"] else
+            f"{head} still a blur; more --epochs draw digits")
 
 
 def read_checkpoint(path: Path, what: str) -> tuple[dict, dict]:

@@ -11,7 +11,7 @@ import json
 import sys
 import traceback
 
-from ..errors import UsageError
+from ..errors import UsageError, WriteFailed
 
 RAW = argparse.RawDescriptionHelpFormatter  # descriptions keep their paragraphs
 EXIT_ERROR = 2  # "could not judge", as in report.EXIT_ERROR
@@ -68,7 +68,11 @@ def _tolerances(p: argparse.ArgumentParser, what: str = "") -> None:
                    help=f"relative tolerance{what} (default: %(default)s)")
 
 
+OFF = " (default: off)"  # a flag's help ends so
+
+
 def register(sub: argparse._SubParsersAction) -> None:
+    from .options import add_device  # imports nothing heavy
     p = sub.add_parser("compile", help="import a candidate, show build errors or resource usage",
                        description=COMPILE_DESCRIPTION, formatter_class=RAW)
     p.add_argument("candidate", help="candidate file or fastelbo:<backend>")
@@ -80,15 +84,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=CHECK_DESCRIPTION, formatter_class=RAW)
     p.add_argument("problem", help="built-in problem name (vae_elbo) or a problem file")
     p.add_argument("candidate", help="candidate file or fastelbo:<backend>")
-    p.add_argument("--device", default=None,
-                   help="cpu, cuda or cuda:N (default: %(default)s, meaning cuda if available, "
-                        "else cpu, as bench)")
+    add_device(p)
     p.add_argument("--trials", type=int, default=3, help="trials per regime (default: %(default)s)")
     _tolerances(p)
     _regime_options(p)
     p.add_argument("--eval-mode", action="store_true",
                    help="put both models in .eval(); KernelBench keeps the training mode they "
-                        "are constructed in (default: %(default)s)")
+                        "are constructed in" + OFF)
     p.add_argument("--forward-timeout", type=float, default=60.0,
                    help="seconds per forward, or up to --build-timeout while it compiles "
                         "(default: %(default)s)")
@@ -99,16 +101,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds to import the candidate, build its extensions and construct "
                         "ModelNew (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None,
-                   help="seed of weights, inputs and forwards (default: %(default)s, meaning a "
-                        "secret one drawn for this check; the report names it, and --seed N "
-                        "reproduces the run)")
+                   help="seed of weights, inputs and forwards; the report names it, and --seed "
+                        "N reproduces the run (default: a secret one drawn for this check)")
     p.add_argument("--no-cache", action="store_true",
                    help="with --seed: recompute the reference's outputs instead of reading "
                         "them from the cache (FASTELBO_CACHE_DIR, else ~/.cache/fastelbo); a "
-                        "secret seed never uses it (default: %(default)s)")
+                        "secret seed never uses it" + OFF)
     p.add_argument("--json", action="store_true",
                    help="print the report as JSON (schema fastelbo.check/4, "
-                        "fastelbo.harness.schema) (default: %(default)s)")
+                        "fastelbo.harness.schema)" + OFF)
     p.set_defaults(func=_check)
 
     p = sub.add_parser("bench", help="time candidates against eager PyTorch and torch.compile",
@@ -117,42 +118,39 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("candidates", nargs="*",
                    help="candidate files or fastelbo:<backend> (default: fastelbo:auto and "
                         "every built-in backend available on the device)")
-    p.add_argument("--device", default=None,
-                   help="cpu, cuda or cuda:N (default: %(default)s, meaning cuda if available, "
-                        "else cpu)")
+    add_device(p)
     p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
-                   help="batch sizes (default: %(default)s, meaning 1 and the problem's "
+                   help="the batch sizes timed, e.g. 1,128 (default: 1 and the problem's "
                         "batch_size)")
     p.add_argument("--out", default=None, metavar="PATH",
-                   help="jsonl file to append the rows to (default: %(default)s, meaning the "
-                        "table only)")
+                   help="jsonl file to append the rows to (default: none, the table only)")
     p.add_argument("--no-compile", action="store_true",
-                   help="skip the torch.compile baseline (default: %(default)s)")
+                   help="skip the torch.compile baseline" + OFF)
     p.add_argument("--graph-reps", type=int, default=100,
                    help="forwards captured in one CUDA graph (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
-                   help="few repetitions, for tests and smoke runs (default: %(default)s)")
+                   help="few repetitions, for tests and smoke runs" + OFF)
     p.add_argument("--eval-mode", action="store_true",
-                   help="time the models in .eval() (default: %(default)s, meaning the "
-                        "training mode they are constructed in, as KernelBench)")
+                   help="time the models in .eval(), not in the training mode they are "
+                        "constructed in (as KernelBench)" + OFF)
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds per entry (default: %(default)s)")
     p.add_argument("--no-validate", action="store_true",
                    help="run the workers with FASTELBO_VALIDATE=0: fastelbo candidates skip "
                         "their per-call value check (one device sync per forward); each row "
-                        "records validate=false (default: %(default)s)")
+                        "records validate=false" + OFF)
     _tolerances(p, " for the timed calls' outputs")
     p.add_argument("--seed", type=int, default=None,
-                   help="seed of the weights and of the seeded forward's inputs (default: "
-                        "%(default)s, meaning a secret one drawn for this run; the rows record "
-                        "it). The timed calls' input sets are drawn from the OS's random source "
-                        "whatever the seed; an INCORRECT row names the failing set's key")
+                   help="seed of the weights and of the seeded forward's inputs; the rows "
+                        "record it. The timed calls' input sets are drawn from the OS's random "
+                        "source whatever the seed; an INCORRECT row names the failing set's key "
+                        "(default: a secret one drawn for this run)")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("export", help="write fastelbo's kernels as one KernelBench solution file",
                        description=EXPORT_DESCRIPTION, formatter_class=RAW)
     p.add_argument("--kernelbench", required=True, metavar="PATH",
-                   help="solution file to write (required; default: %(default)s)")
+                   help="solution file to write (required)")
     p.set_defaults(func=_export)
 
     _register_serve(sub)
@@ -162,16 +160,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     register_judge(sub, cuda_device_count)
 
 
+# check's and serve's sizes are the regimes' beyond get_inputs() (whose own batch is always
+# checked); bench's --batch-sizes are every size it times. Two meanings, two names: check's
+# was --batch-sizes until 2026-12-07, still accepted (not shown in --help).
+EXTRA_SIZES = "--extra-batch-sizes"
+
+
 def _regime_options(p: argparse.ArgumentParser) -> None:
     """The regimes beyond get_inputs(), for check and serve (parsed by _numbers)."""
-    p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
-                   help="extra batch sizes, e.g. 1,7,128; '' for none (default: %(default)s, "
-                        "meaning 1 and an odd size above batch_size, up to "
+    p.add_argument(EXTRA_SIZES, default=None, metavar="N,N,...", dest="batch_sizes",
+                   help="batch sizes checked besides get_inputs()' own, e.g. 1,7,128; '' for "
+                        "none (default: 1 and an odd size above batch_size, up to "
                         "2*batch_size+1, drawn from the seed)")
+    p.add_argument("--batch-sizes", dest="batch_sizes", help=argparse.SUPPRESS)
     p.add_argument("--scales", default=None, metavar="S,S,...",
                    help="parameter scalings for the saturation regimes; '' for none "
-                        "(default: %(default)s, meaning one in [3, 6) and one in [12, 20), "
-                        "drawn from the seed)")
+                        "(default: one in [3, 6) and one in [12, 20), drawn from the seed)")
 
 
 def _never_raise(command: str):
@@ -185,6 +189,9 @@ def _never_raise(command: str):
                 return func(args)
             except UsageError:
                 raise
+            except WriteFailed as exc:  # the work is done, its output saved elsewhere
+                print(f"fastelbo: error: {exc}", file=sys.stderr)
+                return EXIT_ERROR
             except Exception as exc:  # noqa: BLE001 - the exit code must keep its meaning
                 tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
                 print(tb.rstrip(), file=sys.stderr)
@@ -282,24 +289,26 @@ def _compile(args) -> int:
     return report.exit_code
 
 
-def _options(kind, **fields):
+def _options(kind, flags: dict[str, str] | None = None, **fields):
     """kind(**fields), a CheckOptions or BenchOptions; a bad one is a UsageError naming its
-    flag."""
+    flag (`flags`: a field's flag where it is not --field-name)."""
     from .options import OptionError
     try:
         return kind(**fields)
     except OptionError as exc:
-        raise UsageError(exc.for_flag("--" + exc.option.replace("_", "-"))) from None
+        flag = (flags or {}).get(exc.option, "--" + exc.option.replace("_", "-"))
+        raise UsageError(exc.for_flag(flag)) from None
 
 
 @_never_raise("check")
 def _check(args) -> int:
     # No torch here: run_check imports it once and probes CUDA only after its workers are
     # forked from this process (issue #21's new-process time; a fork must precede any CUDA).
-    from .options import CheckOptions
+    from .options import CheckOptions, named_device
     options = _options(
-        CheckOptions, device=args.device, trials=args.trials, atol=args.atol, rtol=args.rtol,
-        batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes"),
+        CheckOptions, {"batch_sizes": EXTRA_SIZES}, device=named_device(args.device),
+        trials=args.trials, atol=args.atol, rtol=args.rtol,
+        batch_sizes=_numbers(args.batch_sizes, int, EXTRA_SIZES),
         scales=_numbers(args.scales, float, "--scales"), timeout=args.timeout,
         seed=args.seed, build_timeout=args.build_timeout, forward_timeout=args.forward_timeout,
         eval_mode=args.eval_mode, cache=not args.no_cache)
@@ -316,9 +325,12 @@ def _check(args) -> int:
 
 @_never_raise("bench")
 def _bench(args) -> int:
-    from .options import BenchOptions
+    from ..outputs import check_file, write_or_save
+    from .options import BenchOptions, named_device
+    if args.out:
+        check_file("--out", args.out)
     options = _options(
-        BenchOptions, device=args.device,
+        BenchOptions, device=named_device(args.device),
         # '' as None: the default sizes (check's '' is "no extra regimes")
         batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes") or None,
         out=args.out or None, compile_baseline=not args.no_compile, graph_reps=args.graph_reps,
@@ -328,25 +340,30 @@ def _bench(args) -> int:
     for c in args.candidates:
         _candidate(c)
     _cuda_available(options.device)
+    import dataclasses
+
     from .bench import run_bench
-    rows, code = run_bench(args.problem, args.candidates or None, options,
+    from .results import append_jsonl
+    # The rows are appended here, after the table: a write that fails anyway goes elsewhere.
+    rows, code = run_bench(args.problem, args.candidates or None,
+                           dataclasses.replace(options, out=None),
                            progress=lambda line: print(f"bench: {line}", file=sys.stderr,
                                                        flush=True))
     from .table import print_rows
     print_rows(rows)
     if args.out:
+        write_or_save("--out", args.out, lambda path: append_jsonl(path, rows),
+                      f"the {len(rows)} row(s)")
         print(f"appended {len(rows)} row(s) to {args.out}", file=sys.stderr)
     return code
 
 
 def _export(args) -> int:
-    from pathlib import Path
-    target = Path(args.kernelbench)
-    if target.is_dir():
-        raise UsageError(f"--kernelbench {args.kernelbench} is a directory; give a file path")
+    from ..outputs import check_file, write_or_save
+    check_file("--kernelbench", args.kernelbench)
     from ..plugin import Unavailable, write_export
     try:
-        path = write_export(target)
+        path = write_or_save("--kernelbench", args.kernelbench, write_export, "the solution")
     except Unavailable as exc:
         print(f"fastelbo export: {exc}", file=sys.stderr)
         return 2
@@ -357,34 +374,40 @@ def _export(args) -> int:
 # -- serve: the agent-facing tools over MCP (harness/server.py; imports mcp only when run) ------
 
 def _register_serve(sub: argparse._SubParsersAction) -> None:
+    from .options import add_device
     p = sub.add_parser("serve", help="the harness as MCP tools for an agent (stdio)",
                        description=SERVE_DESCRIPTION, formatter_class=RAW)
     p.add_argument("--problem", default="vae_elbo",
-                   help="built-in problem name or a problem file (default %(default)s)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
+                   help="built-in problem name or a problem file (default: %(default)s)")
+    add_device(p)
     p.add_argument("--trials", type=int, default=3,
-                   help="trials per regime of each check (default %(default)s)")
+                   help="trials per regime of each check (default: %(default)s)")
     _regime_options(p)
     p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds per check worker (default %(default)s)")
+                   help="seconds per check worker (default: %(default)s)")
     p.add_argument("--build-timeout", type=float, default=600.0,
-                   help="seconds for a candidate's import and build (default %(default)s)")
+                   help="seconds for a candidate's import and build (default: %(default)s)")
     p.add_argument("--submit-dir", default=None,
-                   help="directory that receives each accepted solution file (default: none; "
-                        "submit_kernel's result names the checked file and its sha256)")
+                   help="directory that receives each accepted solution file; without it, "
+                        "submit_kernel's result names the checked file and its sha256 "
+                        "(default: none)")
     p.set_defaults(func=_serve)
 
 
 def _serve(args) -> int:
     # No torch here (its import is seconds: the server answers `initialize` first); the
-    # driver's device count, asked by a child, says whether --device cuda can work.
-    from .options import CheckOptions
+    # driver's device count, asked by a child, says whether --device cuda can work, and what
+    # auto is (a session runs on one named device).
+    import dataclasses
+
+    from .options import CheckOptions, named_device
     options = _options(
-        CheckOptions, device=args.device, trials=args.trials, timeout=args.timeout,
-        batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes"),
+        CheckOptions, {"batch_sizes": EXTRA_SIZES}, device=named_device(args.device),
+        trials=args.trials, timeout=args.timeout,
+        batch_sizes=_numbers(args.batch_sizes, int, EXTRA_SIZES),
         scales=_numbers(args.scales, float, "--scales"),
         build_timeout=args.build_timeout)
-    cuda = args.device is not None and args.device.startswith("cuda")
+    cuda = options.device is None or options.device.startswith("cuda")
     counter = cuda_device_counter() if cuda else None  # runs while the SDK imports
     try:
         import mcp  # noqa: F401
@@ -396,13 +419,14 @@ def _serve(args) -> int:
         problem = problem_path(args.problem)
     except FileNotFoundError as exc:
         raise UsageError(str(exc)) from None
-    from .options import unwritable_dir
-    if args.submit_dir and (why := unwritable_dir(args.submit_dir)):
-        raise UsageError(f"--submit-dir must be a directory that can be written ({why}), "
-                         f"got {args.submit_dir!r}")
+    if args.submit_dir:
+        from ..outputs import check_dir
+        check_dir("--submit-dir", args.submit_dir)
     from .server import serve  # imports no torch: the session starts at the first tool call
-    if cuda:
-        index, count = int(args.device.partition(":")[2] or 0), counter()
+    if options.device is None:
+        options = dataclasses.replace(options, device="cuda" if counter() else "cpu")
+    elif cuda:
+        index, count = int(options.device.partition(":")[2] or 0), counter()
         if index >= count:
             raise UsageError(f"--device {args.device}, but the CUDA driver sees "
                              f"{count} device(s) here")

@@ -10,13 +10,46 @@ check` and `bench` build their options before torch is imported.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+# Why a path could not be written (None: it could), tried before any work: fastelbo/outputs.py,
+# the one rule of every command's output options (session.py reads unwritable_dir here).
+from ..outputs import unwritable_dir, unwritable_file
+
+__all__ = ["BenchOptions", "CheckOptions", "OptionError", "unwritable_dir", "unwritable_file"]
+
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+# -- every command's --device (check, bench, serve, train, evaluate, demo): one convention ------
+# `auto` (the default everywhere): cuda where there is one, else cpu. The options objects take
+# None for it (chosen once the workers are started); a command resolves it where it must name
+# one (serve: the driver's device count; train, evaluate, demo: torch.cuda.is_available()).
+AUTO = "auto"
+DEVICE_FLAG = re.compile(rf"{AUTO}|{DEVICE.pattern}")
+DEVICE_HELP = (f"{AUTO} (cuda where there is one, else cpu), cpu, cuda or cuda:N "
+               "(default: %(default)s)")
+
+
+def device_flag(text: str) -> str:
+    """An argparse type: --device as given, once it is auto, cpu, cuda or cuda:N."""
+    if not DEVICE_FLAG.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected {AUTO}, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def add_device(parser) -> None:
+    """The one --device option: `device_flag`, default auto, DEVICE_HELP."""
+    parser.add_argument("--device", type=device_flag, default=AUTO, help=DEVICE_HELP)
+
+
+def named_device(flag: str) -> str | None:
+    """An options object's device for --device `flag`: None for auto."""
+    return None if flag == AUTO else flag
 
 
 class OptionError(ValueError):
@@ -133,33 +166,6 @@ def _out(options, name: str) -> None:
         raise OptionError(name, "a file path", value, "None (no file) or")
     if value is not None and (why := unwritable_file(value)):
         raise OptionError(name, f"a file path that can be written ({why})", value)
-
-
-def unwritable_file(path: str | os.PathLike) -> str | None:
-    """Why a file at `path` could not be written (or appended to), None when it could: told
-    before any work (on 2026-12-05 a bench ran, then lost every row to --out /tmp)."""
-    path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
-    if os.path.isdir(path):
-        return "it is a directory"
-    if not os.path.isdir(parent):
-        return f"no directory {parent}"
-    if os.path.exists(path):
-        return None if os.access(path, os.W_OK) else "the file is not writable"
-    return None if os.access(parent, os.W_OK | os.X_OK) else f"{parent} is not writable"
-
-
-def unwritable_dir(path: str | os.PathLike) -> str | None:
-    """Why files could not be written into the directory `path` (made with its parents when
-    missing), None when they could."""
-    path = os.path.abspath(os.fspath(path))
-    if os.path.exists(path) and not os.path.isdir(path):
-        return "it is not a directory"
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    if not os.path.isdir(path):
-        return f"{path} is not a directory"
-    return None if os.access(path, os.W_OK | os.X_OK) else f"{path} is not writable"
 
 
 Rule = Callable[[object, str], None]

@@ -9,7 +9,13 @@ something could not run (build, exception, timeout, crash, reference), always wi
 from __future__ import annotations
 
 import math
+import os
+import re
 from dataclasses import asdict, dataclass, field
+from functools import cache
+from pathlib import Path
+
+from .table import _printable
 
 # Finding categories. "Could not run" ones make `check` exit 2, the others exit 1.
 # What a candidate's worker may fail with: any other category it names is its claim, not a
@@ -186,9 +192,15 @@ class CheckReport:
         for r in self.regimes:
             detail = _trial_summary(r) if any(t.diffs for t in r.trials) else ""
             detail = f"{detail}  ({r.note})" if detail and r.note else (detail or r.note)
+            raised = next(((t, f) for t in r.trials for f in t.findings
+                           if f.category == "exception"), None)
+            if raised:  # its traceback: once, under the verdict (_raised_blocks)
+                detail = (f"{detail}  " if detail else "") + (
+                    f"trial {raised[0].index} raised {_exception_type(raised[1].message)} "
+                    "(below)")
             lines.append(f"{r.name:<18} {r.batch_size!s:>6} {r.scale:>5g}  {r.status:<10} "
                          f"{detail}")
-            found = [(t, f) for t in r.trials for f in t.findings]
+            found = [(t, f) for t in r.trials for f in t.findings if f.category != "exception"]
             for t, f in found[:MAX_FINDING_LINES]:
                 lines.append(f"{'':<18}   trial {t.index} (seed {t.seed}): [{f.category}] "
                              f"{_first_lines(f.message)}")
@@ -204,11 +216,16 @@ class CheckReport:
                          + (f" (reference {self.reference})" if self.reference else ""))
         verdict = {"pass": "PASS", "incorrect": "INCORRECT", "error": "COULD NOT RUN"}
         lines.append(f"verdict: {verdict.get(self.status, self.status)} (exit {self.exit_code})")
-        lines += [f"  - {r}" for r in self.reasons]
+        first = _first_raised(self.regimes)
+        for r in self.reasons:
+            if first is not None and r == first:  # the regimes' exceptions, each kind once
+                lines += _raised_blocks(self.regimes)
+            else:
+                lines.append(f"  - {_condensed(r)}")
         if self.status == "error" and self.output_tail.strip():
             lines.append("worker output (tail):")
-            lines += ["  " + s for s in self.output_tail.strip().splitlines()[-15:]]
-        return "\n".join(lines)
+            lines += ["  " + s for s in self.output_tail.strip().split("\n")[-15:]]
+        return _screen_safe(lines)
 
 
 def _strict(obj):
@@ -221,8 +238,147 @@ def _strict(obj):
     return obj
 
 
+def _screen_safe(lines: list[str]) -> str:
+    """The report's lines as one text that shows on a terminal what it says: every character
+    that is not printable written as Python escapes it (table.py's rule for bench's table: a
+    finding's message is the candidate's text, and until 2026-12-07 an exception's ANSI codes
+    could clear the screen and paint "verdict: PASS (exit 0)" over a check that exited 1,
+    exploit_paints_report.py), and a message's later lines indented, so that none of the
+    candidate's lines starts where the report's own lines do."""
+    out = []
+    for line in lines:
+        first, *rest = line.split("\n")
+        out.append(_printable(first))
+        out += [_printable(p if p.startswith(" ") else "    " + p) for p in rest]
+    return "\n".join(out)
+
+
+# -- a candidate's exception in the terminal: its own frames and its last lines, once per kind;
+# the --json report keeps each message whole (the worker's traceback tail, worker.py).
+_FRAME = re.compile(r'\s*File "(?P<file>[^"]*)", line (?P<line>\d+), in (?P<func>.*)')
+_CARETS = re.compile(r"\s*[~^]+\s*")
+MAX_EXCEPTION_LINES, MAX_LINE_CHARS, MAX_KINDS = 3, 160, 3
+
+
+@cache
+def _library_dirs() -> tuple[str, ...]:
+    """Folders whose frames are not the candidate's: the harness and the problems' loader,
+    the standard library and the installed packages (torch's module plumbing, ...)."""
+    import sysconfig
+
+    from .. import problems
+    dirs = {Path(__file__).resolve().parent, Path(problems.__file__).resolve().parent}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        if sysconfig.get_paths().get(key):
+            dirs |= {Path(sysconfig.get_paths()[key]), Path(sysconfig.get_paths()[key]).resolve()}
+    return tuple(str(d) + os.sep for d in dirs)
+
+
+def _parse(text: str) -> tuple[list[str], list[tuple[str, str, str, str]], list[str]] | None:
+    """A message holding a Python traceback as (the lines before it, its frames as (file,
+    line, function, source), the exception's lines); None without a frame."""
+    head, frames, tail = [], [], []
+    for line in text.split("\n"):  # not splitlines(): a "\r" is the message's, shown escaped
+        m = _FRAME.fullmatch(line)
+        if m:
+            frames.append((m["file"], m["line"], m["func"], ""))
+            tail = []
+        elif not frames:
+            if line.strip() != "Traceback (most recent call last):":
+                head.append(line)
+        elif _CARETS.fullmatch(line):
+            continue
+        elif not tail and line.startswith("    ") and not frames[-1][3]:
+            frames[-1] = (*frames[-1][:3], line.strip(" "))
+        elif line.strip(" "):
+            tail.append(line.strip(" "))
+    return (head, frames, tail) if frames else None
+
+
+def _own_frames(frames):
+    """The frames outside the harness and the libraries: the candidate's; its last frame
+    where none is (the exception raised inside a library it called directly)."""
+    return [f for f in frames if not f[0].startswith(_library_dirs())
+            and not f[0].startswith("<frozen ")] or frames[-1:]
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= MAX_LINE_CHARS else line[:MAX_LINE_CHARS - 3] + "..."
+
+
+def _exception_lines(parsed) -> list[str]:
+    _, frames, tail = parsed
+    lines = [_clip(f"{_where(file)}:{line}, in {func}" + (f": {src}" if src else ""))
+             for file, line, func, src in _own_frames(frames)]
+    more = len(tail) - MAX_EXCEPTION_LINES
+    return lines + [_clip(t) for t in tail[:MAX_EXCEPTION_LINES]] + (
+        [f"(+{more} more line(s); --json has all)"] if more > 0 else [])
+
+
+def _where(file: str) -> str:
+    """`file` relative to the working directory where it lies under it."""
+    try:
+        rel = os.path.relpath(file)
+    except ValueError:
+        return file
+    return file if rel.startswith(os.pardir) else rel
+
+
+def _condensed(text: str) -> str:
+    """`text` with a traceback in it reduced to its own frames and last lines."""
+    parsed = _parse(text)
+    if parsed is None:
+        return text
+    return "\n".join(parsed[0] + ["    " + line for line in _exception_lines(parsed)])
+
+
+def _exception_type(message: str) -> str:
+    """The exception's class name: its line after the traceback, else the message's last."""
+    parsed = _parse(message)
+    lines = parsed[2][:1] if parsed else message.strip().split("\n")[-1:]
+    return _clip(lines[0].partition(":")[0].strip() if lines else "") or "an exception"
+
+
+def _raised(regimes: list[RegimeReport]) -> list[tuple[RegimeReport, TrialReport, Finding]]:
+    return [(r, t, f) for r in regimes for t in r.trials for f in t.findings
+            if f.category == "exception"]
+
+
+def _first_raised(regimes: list[RegimeReport]) -> str | None:
+    """The reason finish() wrote for the regimes' first exception (None: none raised)."""
+    found = _raised(regimes)
+    if not found:
+        return None
+    r, t, f = found[0]
+    return f"[exception] {r.name}, trial {t.index}: {f.message}"
+
+
+def _raised_blocks(regimes: list[RegimeReport]) -> list[str]:
+    """The regimes' exceptions, each kind once (its own frames and last lines), with the count
+    and names of the regimes where it was raised."""
+    kinds: dict[tuple, list[tuple[RegimeReport, TrialReport, Finding]]] = {}
+    for r, t, f in _raised(regimes):
+        parsed = _parse(f.message)
+        key = tuple(_exception_lines(parsed)) if parsed else (f.message,)
+        kinds.setdefault(key, []).append((r, t, f))
+    lines = []
+    for key, where in list(kinds.items())[:MAX_KINDS]:
+        names = list(dict.fromkeys(r.name for r, _, _ in where))
+        shown = ", ".join(names[:6]) + (f", +{len(names) - 6}" if len(names) > 6 else "")
+        r, t, f = where[0]
+        head = _parse(f.message)
+        lines.append(f"  - [exception] the candidate raised in {len(names)} regime(s) "
+                     f"({shown}); first in regime {r.name}, trial {t.index}:")
+        lines += ["      " + line for line in (key if head else _first_lines(
+            f.message, MAX_EXCEPTION_LINES).split("\n"))]
+    if len(kinds) > MAX_KINDS:
+        lines.append(f"  - [exception] +{len(kinds) - MAX_KINDS} other exception(s); --json "
+                     "has all")
+    return lines
+
+
 def _first_lines(text: str, n: int = 6) -> str:
-    lines = text.splitlines()
+    lines = text.split("\n")
     return "\n".join(lines[-n:]) if len(lines) > n else text
 
 

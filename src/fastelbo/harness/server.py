@@ -38,9 +38,15 @@ from pydantic import BaseModel, Field
 try:
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
-except ModuleNotFoundError:  # mcp 1.x
+
+    # mcp 2 takes a tool's CallToolResult as it is (its structured content validated against
+    # the tool's output schema): the text beside it is ours, a summary (issue #55: the SDK's
+    # own text was a second, indented copy of the structure, 2.0 of a wrong check's 3.7 KB).
+    from mcp.types import CallToolResult, TextContent
+except ModuleNotFoundError:  # mcp 1.x: its text is the structure's JSON
     from mcp.server.fastmcp import FastMCP as MCPServer
     from mcp.server.fastmcp.exceptions import ToolError
+    CallToolResult = TextContent = None
 
 from ..problems import problem_path
 from . import summary, worker  # neither imports torch
@@ -87,6 +93,16 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def package_version() -> str:
+    """The version the server reports in its serverInfo: the installed package's (an empty
+    string until 2026-12-07, the SDK's default)."""
+    from importlib import metadata
+    try:
+        return metadata.version(__package__.partition(".")[0])
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
 def tool_error(exc: Exception) -> ToolError:
     """What the client sees of an exception: its type and message, e.g. "OptionError:
     batch_sizes values must be ints > 0, got [0]"."""
@@ -120,8 +136,9 @@ class LazySession:
     async def run(self, tool: str, call, compact, result: type[BaseModel],
                   detail: bool) -> BaseModel:
         """`call(session)` on a thread; its dict (made strict JSON) is saved in full and
-        returned as `result`: compact(full), report_path, and with `detail` the full dict.
-        Any error becomes the tool's error text."""
+        returned as `result`: compact(full), report_path, and with `detail` the full dict, as
+        the structured content, beside a text of a line or two (summary_text). Any error
+        becomes the tool's error text."""
         def work() -> BaseModel:
             session = self.get()
             full = json_safe(call(session))
@@ -132,7 +149,11 @@ class LazySession:
             out["report_path"] = str(path)
             if detail:
                 out["detail"] = full
-            return result.model_validate(out)
+            checked = result.model_validate(out)
+            if CallToolResult is None:
+                return checked
+            return CallToolResult(content=[TextContent(type="text", text=summary_text(out))],
+                                  structured_content=checked.model_dump(mode="json"))
 
         try:
             return await anyio.to_thread.run_sync(work)
@@ -145,6 +166,30 @@ class LazySession:
             session.close()
 
 
+TEXT_REASON_CHARS = 160  # the first reason, in the text beside the structure
+
+
+def summary_text(out: dict) -> str:
+    """A tool result's text content: its verdict and first reason in a sentence; the rest is
+    in the structured content (and the full report in the file at report_path)."""
+    status, code = out["status"], out["exit_code"]
+    reasons = out.get("reasons") or [out.get("reason") or ""]
+    reason = next((r for r in reasons if r), "")
+    if "rows" in out:  # benchmark
+        rows = [r for r in out["rows"] if r["entry"] == "candidate"]
+        speed = "; ".join(f"batch {r['batch_size']}: {r['status']}" + "".join(
+            f", {v:g}x eager ({m})" for m, v in list(r["speedup_eager"].items())[:1])
+            for r in rows[:4])
+        reason = f"on {out['device']}, the candidate's rows: {speed or 'none'}"
+    if len(reason) > TEXT_REASON_CHARS:
+        reason = reason[:TEXT_REASON_CHARS - 3] + "..."
+    if "regimes" in out:
+        passed = sum(r["status"] == "PASS" for r in out["regimes"])
+        reason += f" ({passed} of {len(out['regimes'])} regimes passed)"
+    return f"{status} (exit {code}){': ' + reason if reason else ''}. The structured result " \
+           f"has the rest; the full report is at report_path."
+
+
 def _compile_result(full: dict) -> dict:
     """compile_kernel's compact result, with how many extensions the session left out."""
     return {**summary.compile_result(full), "more_extensions": full["more_extensions"]}
@@ -152,8 +197,12 @@ def _compile_result(full: dict) -> dict:
 
 def build_server(lazy: LazySession) -> MCPServer:
     """An MCP server whose four tools call `lazy`'s Session."""
-    server = MCPServer("fastelbo", instructions=INSTRUCTIONS.format(
-        problem=lazy.problem.name, device=lazy.device))
+    instructions = INSTRUCTIONS.format(problem=lazy.problem.name, device=lazy.device)
+    try:
+        server = MCPServer("fastelbo", version=package_version(), instructions=instructions)
+    except TypeError:  # mcp 1.x's FastMCP takes no version: its low-level server holds it
+        server = MCPServer("fastelbo", instructions=instructions)
+        server._mcp_server.version = package_version()
 
     @server.tool()
     async def compile_kernel(source: Source, detail: Detail = False) -> CompileResult:

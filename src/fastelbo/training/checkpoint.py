@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as serialize
 
 from . import rundir
 
@@ -46,7 +46,9 @@ def save(path: str | Path, model, optimizer, meta: dict) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        save_file(tensors, str(tmp), metadata={"fastelbo": json.dumps(meta)})
+        # Serialized in memory, written by Python: a failed write is an OSError (safetensors'
+        # own file writer raises its SafetensorError), which train saves elsewhere.
+        tmp.write_bytes(serialize(tensors, metadata={"fastelbo": json.dumps(meta)}))
         os.replace(tmp, path)
     except BaseException:  # Ctrl-C mid-write too: the previous checkpoint stays, whole
         tmp.unlink(missing_ok=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..commands import parse_dims
 from ..errors import UsageError
+from ..outputs import check_dir
 
 CHECKPOINT = "checkpoint.safetensors"
 SUMMARY = "summary.json"
@@ -38,11 +39,11 @@ def out_of(args) -> Path:
 
 
 def check(args) -> Path:
-    """--out, refused (UsageError) if it is a file or holds a run that this one would mix with
-    or lose; the directory, which may not exist yet."""
+    """--out, refused (UsageError) if it cannot be written (a file, a read-only folder, ...:
+    outputs.py) or holds a run that this one would mix with or lose; the directory, which may
+    not exist yet."""
     out = out_of(args)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out}: exists and is not a directory")
+    check_dir("--out", out)
     found = [name for name in RUN_FILES if (out / name).exists()]
     if found and not (args.resume or args.overwrite):
         raise UsageError(f"--out {out} holds a run already ({', '.join(found)}); --resume "
