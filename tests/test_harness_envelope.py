@@ -244,3 +244,27 @@ def test_real_error_fails_scale_regime_despite_the_envelope(step_reports):
     found = [f for t in report.regime("scale=4").trials for f in t.findings]
     assert {f.category for f in found} == {"mismatch"}
     assert "perturbed-reference envelope" in found[0].message
+
+
+def test_an_envelopes_forwards_on_a_cpu_run_on_one_thread():
+    """The perturbed forwards run on ENVELOPE_THREADS intra-op threads on a CPU (a team waited
+    on a descheduled thread at every op: a wrong candidate's check 2.8x a right one's on a
+    loaded host), and the worker's own count is restored after."""
+    seen = []
+
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            seen.append(torch.get_num_threads())
+            return (x * self.w,)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tasks._envelope(Counting(), [torch.ones(3)], 7, torch.device("cpu"), 4)
+        assert seen == [tasks.ENVELOPE_THREADS] * 4 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

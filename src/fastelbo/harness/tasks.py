@@ -530,6 +530,14 @@ def envelope_pass(problem: str, device: str, seed: int, eval_mode: bool, init_fi
     return {}
 
 
+# An envelope's perturbed forwards on a CPU run on one intra-op thread: they are many (16 per
+# trial) and small, and torch's team of threads waits on a descheduled one at every op on a loaded
+# host. On this repository's loaded 2-core CPU a wrong candidate's check (the only kind that needs
+# an envelope) took 103 s against a right one's 37 s, median of 10 seeds; 16 runs took 25 s on
+# two threads and 2.8 s on one (issue #55).
+ENVELOPE_THREADS = 1
+
+
 class DeviceLost(Exception):
     """A perturbed run raised and left the device unusable: args[0] = {regime, trial, run}."""
 
@@ -587,7 +595,9 @@ def _envelope(model, inputs, seed, dev, runs: int, where: str = "",
     state = _buffers(model)
     gen = torch.Generator().manual_seed(seed)  # deterministic, and the global RNGs stay untouched
     lo = hi = None
-    lost = False
+    lost, threads = False, torch.get_num_threads()
+    if dev.type == "cpu":  # ENVELOPE_THREADS: this reference worker's own forwards
+        torch.set_num_threads(ENVELOPE_THREADS)
     try:
         for r in range(runs):
             progress(f"reference, {where}, perturbed run {r}")
@@ -611,6 +621,7 @@ def _envelope(model, inputs, seed, dev, runs: int, where: str = "",
             lo = out if lo is None else tuple(map(_fold(torch.minimum), lo, out))
             hi = out if hi is None else tuple(map(_fold(torch.maximum), hi, out))
     finally:
+        torch.set_num_threads(threads)
         if not lost:  # a dead device takes no copy: the worker is dropped anyway
             for p, q in zip(params, saved):
                 p.copy_(q)
