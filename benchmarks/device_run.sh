@@ -97,7 +97,8 @@ for stage in "$@"; do case $stage in
     run kbtiming "${T_KB:-540}" python3 benchmarks/kernelbench_timing.py --kb "${KB_TIMING:-.kb/timing.py}" \
       --runs "${KB_RUNS:-3}" --out "$LOGS/kernelbench_timing.jsonl" ;;
   honest)  # every honest candidate under bench: no flag, exit 0 (vae_elbo at B = 1 to 65,536)
-    run honest "${T_HONEST:-480}" python3 benchmarks/honest_bench.py --out "$LOGS/honest_bench.jsonl" ;;
+    run honest "${T_HONEST:-480}" python3 benchmarks/honest_bench.py --out "$LOGS/honest_bench.jsonl" \
+      ${HONEST_SIZES:+--sizes "$HONEST_SIZES"} ;;
   deferred)  # issue #56 item 1's acceptance, one call (~6 min on an H100): the deferred value
     # check (FASTELBO_DEFERRED_CHECK=1): the build, its GPU tests, check of fastelbo:cuda with it
     # on, memcheck of its every path, and the exported file's per-call rows without and with it

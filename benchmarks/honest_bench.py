@@ -35,13 +35,15 @@ OTHERS = [
 ]
 
 
-def benches(tmp: Path, quick: bool) -> list[tuple[str, list[str], dict]]:
+def benches(tmp: Path, quick: bool, sizes: list[int] | None = None
+            ) -> list[tuple[str, list[str], dict]]:
     """(problem, candidates, run_bench keywords) of every bench this script runs."""
     solution = export.write_kernelbench(tmp / "solution.py")
     # fastelbo:auto is fastelbo:cuda at every batch on a GPU (backends/crossover.json)
     vae = ["fastelbo:cuda", "fastelbo:triton", str(solution),
            str(CANDIDATES / "compiled_reference.py"), str(CANDIDATES / "reference_as_candidate.py")]
-    out = [("vae_elbo", vae, {"batch_sizes": VAE_SIZES[:3] if quick else VAE_SIZES})]
+    sizes = sizes or (VAE_SIZES[:3] if quick else VAE_SIZES)
+    out = [("vae_elbo", vae, {"batch_sizes": sizes})]
     out += [(str(p), [str(CANDIDATES / c) for c in cands], {"eval_mode": ev})
             for p, cands, ev in OTHERS]
     return out
@@ -57,9 +59,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="jsonl to append rows to (default: none)")
     ap.add_argument("--quick", action="store_true", help="vae_elbo at B = 1, 7, 128 only")
     ap.add_argument("--device", default="cuda", help="(default: %(default)s)")
+    ap.add_argument("--sizes", default=None,
+                    help="vae_elbo's batch sizes, comma-separated (default: 1 to 65,536)")
     args = ap.parse_args(argv)
     total = 0
-    for problem, cands, kw in benches(Path(tempfile.mkdtemp()), args.quick):
+    sizes = [int(b) for b in args.sizes.split(",")] if args.sizes else None
+    for problem, cands, kw in benches(Path(tempfile.mkdtemp()), args.quick, sizes):
         rows, code = run_bench(problem, cands, device=args.device, compile_baseline=False,
                                **kw)
         rows = [{**r, "bench_exit": code, "honest_sweep": True} for r in rows]
