@@ -34,21 +34,8 @@ from fastelbo.harness.bench import run_bench
 from fastelbo.harness.results import append_jsonl, environment, utc_now
 from fastelbo.problems import problem_path
 
-COMPILED = '''"""The reference under torch.compile, as a candidate (eager's noise draws)."""
-import torch
-import torch._inductor.config
-
-from fastelbo.problems import load_problem
-
-torch._inductor.config.fallback_random = True
-Model = load_problem("vae_elbo").Model
-_forward = torch.compile(Model.forward)
-
-
-class ModelNew(Model):
-    def forward(self, x):
-        return _forward(self, x)
-'''
+# the reference under torch.compile, as a candidate writes it (eager's noise draws)
+COMPILED = Path(__file__).resolve().parents[1] / "tests" / "candidates" / "compiled_reference.py"
 EAGER = "eager reference"
 
 
@@ -74,9 +61,7 @@ def kernelbench_times(kb, cls, batch: int) -> list[float]:
 def _files(tmp: Path) -> dict[str, Path | None]:
     """{module name: its candidate file (None: the reference, bench's own eager row)}."""
     solution = export.write_kernelbench(tmp / "solution.py")
-    compiled = tmp / "compiled_reference.py"
-    compiled.write_text(COMPILED)
-    return {"exported solution": solution, EAGER: None, "torch.compile candidate": compiled}
+    return {"exported solution": solution, EAGER: None, "torch.compile candidate": COMPILED}
 
 
 def _row_of(rows: list[dict], path: Path | None, batch: int) -> dict:

@@ -202,6 +202,25 @@ def block_means(ms: list[float], size: int = BLOCK) -> tuple[float, list[float]]
     return statistics.median(means), means
 
 
+def _calls(pool: Pool, reps: int, waits: list[float]):
+    """(k, set index) of `reps` timed calls in blocks of BLOCK, each block's sets drawn before
+    its first call (the draw's seconds added to the last call's `waits`: the harness's own)."""
+    k = 0
+    for block in blocks(pool.order(reps)):
+        drawn = _draw_block(pool, block)
+        if waits:
+            waits[-1] += drawn
+        for j in block:
+            yield k, j
+            k += 1
+
+
+def _watch_lists(watch, loop: str, lists: dict[str, list]) -> None:
+    """Add a loop's own lists to its Watch, each named "<loop>'s <name>"."""
+    for name, seq in lists.items():
+        watch.add(f"{loop}'s {name}", lambda seq=seq: _seq(seq))
+
+
 def _draw_block(pool: Pool, block: list[int]) -> float:
     """Draw a block's sets now (those not yet drawn); the seconds it took."""
     t0 = _perf()
@@ -244,46 +263,40 @@ def cold_times(model, pool: Pool, reps: int, flush: L2Flush, checks: Checks, wat
     alone = flush_alone(flush)
     reset = flush.reset or _nothing
     pres, pairs, synced, ends, starts, waits = [], [], [], [], [], []
-    for name, seq in (("pres", pres), ("pairs", pairs), ("synced", synced), ("ends", ends),
-                      ("starts", starts), ("waits", waits)):
-        watch.add(f"the cold loop's {name}", lambda seq=seq: _seq(seq))
-    k, reps = 0, max(1, reps)
-    for block in blocks(pool.order(reps)):
-        drawn = _draw_block(pool, block)
-        if waits:
-            waits[-1] += drawn
-        for j in block:
-            x = pool.fresh(j)
-            watch.seal()  # nothing but the harness's own calls runs from here to verify()
-            wait = _timed(reset) + _timed(_sync_all)
-            pre = _Event(enable_timing=True)
-            start, end = _Event(enable_timing=True), _Event(enable_timing=True)
-            _record(pre)
-            wait += _timed(flush)
-            t0 = _perf()
-            _record(start)
-            out = model(*x)
-            _record(end)
-            t1 = _perf()
-            _sync_all()
-            now = _perf()
-            watch.verify()
-            if waits:  # the previous call's gap
-                waits[-1] += wait
-            starts.append(t0)
-            ends.append(t1)
-            synced.append((now - t0) * 1e3)
-            waits.append(now - t1)
-            pres.append(pre)
-            pairs.append((start, end))
-            copied = checks.copy(out)  # every call's, before `judged` is drawn
-            guard()
-            if judged(k, reps):  # the harness's own work on judged calls: not the gap
-                kept = _perf()
-                checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
-                waits[-1] += _perf() - kept
-            del out, x, copied
-            k += 1
+    _watch_lists(watch, "the cold loop", {"pres": pres, "pairs": pairs, "synced": synced,
+                                          "ends": ends, "starts": starts, "waits": waits})
+    reps = max(1, reps)
+    for k, j in _calls(pool, reps, waits):
+        x = pool.fresh(j)
+        watch.seal()  # nothing but the harness's own calls runs from here to verify()
+        wait = _timed(reset) + _timed(_sync_all)
+        pre = _Event(enable_timing=True)
+        start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+        _record(pre)
+        wait += _timed(flush)
+        t0 = _perf()
+        _record(start)
+        out = model(*x)
+        _record(end)
+        t1 = _perf()
+        _sync_all()
+        now = _perf()
+        watch.verify()
+        if waits:  # the previous call's gap
+            waits[-1] += wait
+        starts.append(t0)
+        ends.append(t1)
+        synced.append((now - t0) * 1e3)
+        waits.append(now - t1)
+        pres.append(pre)
+        pairs.append((start, end))
+        copied = checks.copy(out)  # every call's, before `judged` is drawn
+        guard()
+        if judged(k, reps):  # the harness's own work on judged calls: not the gap
+            kept = _perf()
+            checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
+            waits[-1] += _perf() - kept
+        del out, x, copied
     _sync_all()
     if not _in_order(pres, pairs):
         raise TaskError("tampered", "the cold loop's CUDA events read out of order (an event "
@@ -368,31 +381,26 @@ def single_calls(model, pool: Pool, reps: int, checks: Checks, watch=None,
     every call's outputs copied, the next set's copy)}."""
     watch = watch or loop_watch(pool, checks)
     ms, ends, starts, waits = [], [], [], []
-    for name, seq in (("times", ms), ("ends", ends), ("starts", starts), ("waits", waits)):
-        watch.add(f"the loop's {name}", lambda seq=seq: _seq(seq))
-    k, reps = 0, max(1, reps)
-    for block in blocks(pool.order(reps)):
-        drawn = _draw_block(pool, block)
-        if waits:
-            waits[-1] += drawn
-        for j in block:
-            x = pool.fresh(j)
-            watch.seal()
-            t0 = _perf()
-            out = model(*x)
-            t1 = _perf()
-            watch.verify()
-            starts.append(t0)
-            ends.append(t1)
-            ms.append((t1 - t0) * 1e3)
-            copied = checks.copy(out)  # before `judged` is drawn
-            guard()
-            kept = _perf()
-            if judged(k, reps):  # the harness's own work on judged calls: not the gap
-                checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
-            waits.append(_perf() - kept)
-            del out, copied
-            k += 1
+    _watch_lists(watch, "the loop", {"times": ms, "ends": ends, "starts": starts,
+                                     "waits": waits})
+    reps = max(1, reps)
+    for k, j in _calls(pool, reps, waits):
+        x = pool.fresh(j)
+        watch.seal()
+        t0 = _perf()
+        out = model(*x)
+        t1 = _perf()
+        watch.verify()
+        starts.append(t0)
+        ends.append(t1)
+        ms.append((t1 - t0) * 1e3)
+        copied = checks.copy(out)  # before `judged` is drawn
+        guard()
+        kept = _perf()
+        if judged(k, reps):  # the harness's own work on judged calls: not the gap
+            checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
+        waits.append(_perf() - kept)
+        del out, copied
     number, means = block_means(ms)
     return {"wall_ms": number, "wall_blocks": means,
             "outside_ms": _median_gap(ends, starts, waits)}
