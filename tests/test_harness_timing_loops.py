@@ -321,3 +321,21 @@ def test_every_draw_differs_when_the_os_random_source_is_rewritten(monkeypatch):
     assert len(keys) == 64
     picks = [pool_module.judged(k, 1000) for k in range(400)]
     assert 10 < sum(picks) < 120  # about 1 in 8
+
+
+@torch.no_grad()
+def test_the_wall_loop_sees_a_state_change_in_its_round(fake_cuda):
+    from fastelbo.harness.worker import TaskError
+    pool, model = _setup()
+    calls = []
+
+    def changing(*x):
+        calls.append(1)
+        if len(calls) == 3:
+            _clear_kept()
+        return model(*x)
+
+    checks = timing.Checks()
+    checks.append(((1,), ()))  # a kept call from an earlier loop, for the change to clear
+    with pytest.raises(TaskError, match="the kept outputs"):
+        timing.wall_per_call(changing, pool, CPU, 4, checks, rounds=2)

@@ -320,23 +320,29 @@ def _seq(seq: list) -> tuple:
 
 
 def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: Checks,
-                  rounds: int = 5, guard=_nothing, outside: list | None = None) -> float:
+                  rounds: int = 5, guard=_nothing, outside: list | None = None,
+                  watch=None) -> float:
     """Host time per call (ms): N calls on fresh inputs prepared beforehand (N at most what the
     pool holds, pool.ahead), the generators seeded once, one synchronize, divide; median over
     rounds. Every call's outputs are held until the round ends (as its inputs are), and then
     the judged ones are drawn: a judged call's run is the sets of the calls up to it. Every
     call's outputs are copied first (Checks.copy); with `outside`, the median over rounds of
-    that copy's time per call is appended there (lazy outputs would be computed in it)."""
+    that copy's time per call is appended there (lazy outputs would be computed in it).
+    `watch` (loop_watch's if None) is sealed before each round's calls and verified after."""
     per, copying, calls, reused = [], [], pool.ahead(calls), False
+    watch = watch or loop_watch(pool, checks)
+    _watch_lists(watch, "the wall loop", {"per": per, "copying": copying})
     for r in range(rounds):
         order = pool.order(calls)
         inputs = [pool.fresh(j, recycle=False, seed=False) for j in order]
         pool.seed(order[0])
+        watch.seal()
         _sync(device)
         t0 = _perf()
         outs = [model(*x) for x in inputs]
         _sync(device)
         t1 = _perf()
+        watch.verify()
         per.append((t1 - t0) * 1e3 / calls)
         # before `judged` is drawn; a round of large outputs copies only its judged calls'
         copy_all = output_bytes(outs[0]) * calls <= KEEP_BYTES
