@@ -639,7 +639,9 @@ def test_a_forged_row_is_refused_before_bench_walks_it(monkeypatch):
     where the findings belong would hold bench's own process), and a real result passes."""
     huge = torch.zeros(1, dtype=torch.int64).expand(10 ** 12)
     for forged in ({"tampered": huge}, {"threads": ["x" * 10 ** 6]}, {"checks": huge},
-                   {"hygiene": list(range(3))}, {"checks": [((1,), ())] * (1 << 17)}, huge):
+                   {"hygiene": list(range(3))}, {"checks": [((1,), ())] * (1 << 17)}, huge,
+                   {"events_ms": "0.001"}, {"clock_s": huge}, {"events_blocks": [1.0, "x"]},
+                   {"wall_blocks": huge}):
         assert bench._malformed(forged), forged
         assert bench._forged({"batch_sizes": [3], "rows": [forged], "unfinished": []}, [3])
     for result in (huge, {"batch_sizes": [3], "rows": huge, "unfinished": []},

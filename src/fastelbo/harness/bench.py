@@ -360,6 +360,7 @@ def run_bench(problem: str, candidates: list[str] | None = None,
 # and output), and how many judged calls' runs it may walk (one per timed call).
 _ROW_TEXTS = {"tampered": MAX_TAMPERED, "threads": 4096, "hygiene": 4096}
 _MOST_CHECKS, _MOST_SIZES = 1 << 16, 1 << 10
+_NUMBERS = ("_ms", "_s", "_bytes")  # the ends of a row's numeric keys (a time, a size)
 
 
 def _timed_line(name: str, row: dict) -> str:
@@ -414,6 +415,12 @@ def _malformed(row) -> str | None:
                 and len(c[0]) <= _MOST_CHECKS and (len(c) == 2 or type(c[2]) is int)
                 for c in runs)):
             return f"its {key} is not a list of (run, outputs) pairs or (run, sample, seed)"
+    for key, value in row.items():  # numbers the parent computes with (bench_rows)
+        if key.endswith(_NUMBERS) and not (value is None or type(value) in (int, float)):
+            return f"its {key} is not a number"
+        if key.endswith("_blocks") and not (type(value) is list and len(value) <= _MOST_CHECKS
+                                            and all(type(v) in (int, float) for v in value)):
+            return f"its {key} is not a list of numbers"
     return None
 
 
