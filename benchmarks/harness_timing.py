@@ -285,7 +285,10 @@ async def server_calls(case: dict, device: str, repeats: int, timeout: float, tm
             text = res.content[0].text if res.content else ""
             if getattr(res, "is_error", getattr(res, "isError", False)):
                 raise RuntimeError(f"run_correctness failed: {text[:2000]}")
-            brief = json.loads(text)  # compact (summary.py): the full report is on disk
+            # the structured content (compact, summary.py; the text is a sentence): the full
+            # report is on disk, at its report_path
+            brief = (getattr(res, "structured_content", None)
+                     or getattr(res, "structuredContent", None) or json.loads(text))
             calls.append({"wall": wall, "settle": settle if r else 0.0,
                           "report": json.loads(Path(brief["report_path"]).read_text())})
     return calls[1:]

@@ -331,12 +331,14 @@ def test_every_command_with_a_device_takes_the_same_one():
     devices = {name: command._option_string_actions["--device"]
                for name, command in _commands().items()
                if "--device" in command._option_string_actions}
-    assert set(devices) == {"check", "bench", "serve", "train", "evaluate", "demo"}, devices
+    assert set(devices) == {"check", "bench", "serve", "train", "evaluate", "demo", "judge"}, \
+        devices
     assert {(a.default, a.type, a.help) for a in devices.values()} == {
         ("auto", commands.device_text, devices["check"].help)}
     parser = cli.build_parser()
     for name in devices:
-        extra = {"check": ["p", "c"], "bench": ["p"], "evaluate": ["run"]}.get(name, [])
+        extra = {"check": ["p", "c"], "bench": ["p"], "evaluate": ["run"],
+                 "judge": ["run"]}.get(name, [])
         for device in ("auto", "cpu", "cuda", "cuda:1"):
             assert parser.parse_args([name, *extra, "--device", device]).device == device
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from batch_fakes import COMPILE_MS, EAGER_MS, FakeSession, write_run
-from fastelbo.cli import main
+from fastelbo.cli import build_parser, main
 from fastelbo.harness.batch import analysis
 from fastelbo.harness.batch.layout import read_run
 from fastelbo.harness.batch.run import Run, Settings
@@ -154,6 +154,7 @@ def test_summary_reprints_from_the_store_without_judging(tmp_path, capsys):
     (["--limit", "0"], "--limit must be >= 1, got 0"),
     (["--trials", "0"], "--trials must be >= 1, got 0"),
     (["--device", "cpu", "--gpus", "0"], "--gpus names CUDA devices: not with --device cpu"),
+    (["--device", "cuda:1", "--gpus", "0"], "--device cuda:1 names the GPU: not with --gpus"),
     (["--engine", "local", "--scheduler", "tcp://x:1"], "--scheduler needs --engine dask"),
     (["--problems", "90-99"], "no pair to judge in"),
 ])
@@ -167,6 +168,21 @@ def test_usage_errors_are_one_line_and_exit_2(tmp_path, args, message):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("fastelbo: error: ") and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("device, gpus, count, pools", [
+    ("auto", None, 0, ("cpu",)), ("auto", None, 2, ("cuda:0", "cuda:1")),
+    ("cuda", None, 2, ("cuda:0", "cuda:1")), ("cuda:1", None, 2, ("cuda:1",)),
+    ("cuda", "1", 2, ("cuda:1",)), ("cpu", None, 2, ("cpu",)),
+])
+def test_judge_takes_every_commands_device(device, gpus, count, pools):
+    """judge's --device is every command's (auto, cpu, cuda, cuda:N): cuda:N is a pool on that
+    GPU alone, as --gpus N; auto is every GPU the driver sees, or the CPU where it sees none."""
+    from fastelbo.harness.batch import cli as judge_cli
+    args = build_parser().parse_args(["judge", "run", "--device", device,
+                                      *(["--gpus", gpus] if gpus else [])])
+    args.device_count = lambda: count
+    assert judge_cli._devices(args) == pools
 
 
 def test_a_run_directory_without_its_problems_is_a_usage_error(tmp_path, capsys):

@@ -95,7 +95,7 @@ def test_check_and_serve_take_extra_batch_sizes_and_bench_the_sizes_timed(monkey
         seen["check"] = options.batch_sizes
         raise UsageError("stop")
 
-    def run_bench(problem, candidates, options):
+    def run_bench(problem, candidates, options, **kwargs):  # kwargs: the progress lines
         seen["bench"] = options.batch_sizes
         return [], 0
     monkeypatch.setattr(check, "run_check", run_check)

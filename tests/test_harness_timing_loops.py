@@ -279,6 +279,92 @@ def test_a_call_that_changes_the_loops_state_is_tampered(fake_cuda, change, fiel
     assert err.value.category == "tampered"
 
 
+def _point_one_key_back():
+    """An entry of the pool's keys that no call uses now: the set the next call will get."""
+    pool, j = _caller_local("pool"), _caller_local("j")
+    other = next(k for k in pool.keys if k not in (0, j))
+    pool.keys[other] = pool.keys[0]
+
+
+def _change_an_early_wait():
+    _caller_local("waits")[0] += 1.0
+
+
+@pytest.mark.parametrize("change, field", [
+    (_point_one_key_back, "the pool's keys"),
+    (_change_an_early_wait, "the cold loop's waits"),
+])
+@torch.no_grad()
+def test_a_change_no_call_reads_at_once_is_seen_by_the_loops_end(fake_cuda, change, field):
+    """The loop's lists and the pool's dicts are read in O(1) a call (their newest items and
+    the entries in use) and whole once the loop ends: a change to an old item or an entry not
+    in use is TAMPERED all the same, named."""
+    from fastelbo.harness.worker import TaskError
+    pool, model = _setup()
+    calls = []
+
+    def changing(*x):
+        calls.append(1)
+        if len(calls) == 6:  # the waits' first item is four behind the newest
+            change()
+        return model(*x)
+
+    with pytest.raises(TaskError, match=field) as err:
+        _cold(changing, pool, 8)
+    assert err.value.category == "tampered"
+
+
+@torch.no_grad()
+def test_a_key_changed_for_one_call_and_put_back_later_is_seen(fake_cuda):
+    """A call points the next call's key at another set (the harness reads it after that call,
+    to judge it), and the call after that puts it back, so neither call changes an entry in use
+    and the loop's end finds it as it was: held to the ledger when the call that uses it seals,
+    TAMPERED."""
+    from fastelbo.harness.worker import TaskError
+    pool, model = _setup()
+    order = pool.order(64)
+    pool.order = lambda n: order[:n]  # the loop's deal, known here
+    saved, calls = {}, []
+
+    def changing(*x):
+        calls.append(1)
+        nxt = order[len(calls)]
+        if len(calls) == 3:
+            saved[nxt] = pool.keys[nxt]
+            pool.keys[nxt] = pool.keys[0]
+        elif len(calls) == 5:
+            pool.keys.update(saved)
+        return model(*x)
+
+    with pytest.raises(TaskError, match="the pool's keys"):
+        _cold(changing, pool, 8)
+
+
+def test_the_watch_reads_a_call_in_time_that_does_not_grow_with_the_loop():
+    """seal and verify read a log of a million items and a table of 100,000 entries about as
+    fast as ones of ten (a loop of 2,000 calls read whole at every call spent 1.8 ms a gap: the
+    H100, 2026-12-07); `final()` reads them whole, once."""
+    from fastelbo.harness.watch import Watch
+
+    def cost(n: int) -> float:
+        log, table = [0.5] * n, {j: [torch.zeros(1)] for j in range(min(n, 100_000))}
+        watch = Watch({})
+        watch.add_log("a log", log)
+        watch.add_table("a table", table)
+        watch.seal((1,))  # the first seal files every item once
+        best = float("inf")
+        for _ in range(20):
+            t0 = time.perf_counter()
+            watch.seal((1,))
+            watch.verify()
+            best = min(best, time.perf_counter() - t0)
+        watch.final()
+        return best
+
+    small, large = cost(10), cost(1_000_000)
+    assert large < 20 * small + 1e-4, (small, large)
+
+
 @torch.no_grad()
 def test_the_cpu_loop_sees_a_state_change_too():
     from fastelbo.harness.worker import TaskError

@@ -285,6 +285,8 @@ def test_bench_saves_its_rows_elsewhere(tmp_path, read_only, monkeypatch, capsys
                      "--no-compile", "--batch-sizes", "2", "--out", str(target)])
     out, err = capsys.readouterr()
     assert code == 2 and "fastelbo:torch" in out, (out, err)  # the table, then the one line
-    saved = _saved_to(err)
+    progress = [line for line in err.splitlines(True) if line.startswith("bench: ")]
+    assert len(progress) == 2, err  # a line per row as it is timed (eager, the candidate)
+    saved = _saved_to(err.replace("".join(progress), ""))
     assert "the 2 row(s)" in err and len(saved.read_text().splitlines()) == 2
     shutil.rmtree(saved.parent)

@@ -443,7 +443,8 @@ def _retime_eager(results: dict, timed: list, timeout: float, env, **task) -> No
         n = r["batch_size"]
         if "error" in r or n not in eager:
             continue
-        runs = {m: [eager[n][m], r[m]] for m in (*METRICS, "outside_ms", "wall_outside_ms")
+        runs = {m: [eager[n][m], r[m]] for m in (*METRICS, "outside_ms", "wall_outside_ms",
+                                                 "outside_low_ms", "wall_outside_low_ms")
                 if eager[n].get(m) and r.get(m)}
         for target in (eager[n], rows.get(n, {})):
             target.update({m: min(t) for m, t in runs.items()}, eager_runs=runs)
@@ -470,11 +471,14 @@ def _rerun_outside(results: dict, timed: list, paths: dict, timeout: float, env,
                                candidate=paths[r["candidate"]], **task)
         if again and "error" not in again[0]:
             new = {**r, **again[0], "rerun": True, "eager_gaps": {
-                g: (base or {}).get(g) for g in ("outside_ms", "wall_outside_ms")}}
+                g: (base or {}).get(g) for g in ("outside_ms", "wall_outside_ms",
+                                                 "outside_low_ms", "wall_outside_low_ms")}}
             if not outside(new, base):
                 timed[i] = (row[0], new)
                 continue
         r["rerun"] = True
+        r["eager_beside_blocks"] = (base or {}).get("events_blocks") or (base or {}).get(
+            "wall_blocks")
 
 
 def _references(rows: list[dict], problem: str, device: str, seed: int, o: BenchOptions,

@@ -72,7 +72,7 @@ OFF = " (default: off)"  # a flag's help ends so
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from .options import add_device  # imports nothing heavy
+    from .options import add_device, add_regimes  # imports nothing heavy
     p = sub.add_parser("compile", help="import a candidate, show build errors or resource usage",
                        description=COMPILE_DESCRIPTION, formatter_class=RAW)
     p.add_argument("candidate", help="candidate file or fastelbo:<backend>")
@@ -87,7 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_device(p)
     p.add_argument("--trials", type=int, default=3, help="trials per regime (default: %(default)s)")
     _tolerances(p)
-    _regime_options(p)
+    add_regimes(p)
     p.add_argument("--eval-mode", action="store_true",
                    help="put both models in .eval(); KernelBench keeps the training mode they "
                         "are constructed in" + OFF)
@@ -158,24 +158,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     # judge: every pair of a run, on warm sessions (harness/batch/; imports no torch to parse)
     from .batch.cli import register as register_judge
     register_judge(sub, cuda_device_count)
-
-
-# check's and serve's sizes are the regimes' beyond get_inputs() (whose own batch is always
-# checked); bench's --batch-sizes are every size it times. Two meanings, two names: check's
-# was --batch-sizes until 2026-12-07, still accepted (not shown in --help).
-EXTRA_SIZES = "--extra-batch-sizes"
-
-
-def _regime_options(p: argparse.ArgumentParser) -> None:
-    """The regimes beyond get_inputs(), for check and serve (parsed by _numbers)."""
-    p.add_argument(EXTRA_SIZES, default=None, metavar="N,N,...", dest="batch_sizes",
-                   help="batch sizes checked besides get_inputs()' own, e.g. 1,7,128; '' for "
-                        "none (default: 1 and an odd size above batch_size, up to "
-                        "2*batch_size+1, drawn from the seed)")
-    p.add_argument("--batch-sizes", dest="batch_sizes", help=argparse.SUPPRESS)
-    p.add_argument("--scales", default=None, metavar="S,S,...",
-                   help="parameter scalings for the saturation regimes; '' for none "
-                        "(default: one in [3, 6) and one in [12, 20), drawn from the seed)")
 
 
 def _never_raise(command: str):
@@ -304,7 +286,7 @@ def _options(kind, flags: dict[str, str] | None = None, **fields):
 def _check(args) -> int:
     # No torch here: run_check imports it once and probes CUDA only after its workers are
     # forked from this process (issue #21's new-process time; a fork must precede any CUDA).
-    from .options import CheckOptions, named_device
+    from .options import EXTRA_SIZES, CheckOptions, named_device
     options = _options(
         CheckOptions, {"batch_sizes": EXTRA_SIZES}, device=named_device(args.device),
         trials=args.trials, atol=args.atol, rtol=args.rtol,
@@ -374,7 +356,7 @@ def _export(args) -> int:
 # -- serve: the agent-facing tools over MCP (harness/server.py; imports mcp only when run) ------
 
 def _register_serve(sub: argparse._SubParsersAction) -> None:
-    from .options import add_device
+    from .options import add_device, add_regimes
     p = sub.add_parser("serve", help="the harness as MCP tools for an agent (stdio)",
                        description=SERVE_DESCRIPTION, formatter_class=RAW)
     p.add_argument("--problem", default="vae_elbo",
@@ -382,7 +364,7 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
     add_device(p)
     p.add_argument("--trials", type=int, default=3,
                    help="trials per regime of each check (default: %(default)s)")
-    _regime_options(p)
+    add_regimes(p)
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds per check worker (default: %(default)s)")
     p.add_argument("--build-timeout", type=float, default=600.0,
@@ -400,7 +382,7 @@ def _serve(args) -> int:
     # auto is (a session runs on one named device).
     import dataclasses
 
-    from .options import CheckOptions, named_device
+    from .options import EXTRA_SIZES, CheckOptions, named_device
     options = _options(
         CheckOptions, {"batch_sizes": EXTRA_SIZES}, device=named_device(args.device),
         trials=args.trials, timeout=args.timeout,

@@ -47,6 +47,26 @@ def add_device(parser) -> None:
     parser.add_argument("--device", type=device_flag, default=AUTO, help=DEVICE_HELP)
 
 
+# check's, serve's and judge's sizes are the regimes' beyond get_inputs() (whose own batch is
+# always checked); bench's --batch-sizes are every size it times. Two meanings, two names:
+# check's was --batch-sizes until 2026-12-07, still accepted (not shown in --help).
+EXTRA_SIZES = "--extra-batch-sizes"
+
+
+def add_regimes(parser) -> None:
+    """The regimes beyond get_inputs(), for check, serve and judge (dests batch_sizes, scales:
+    comma-separated texts, parsed by the command)."""
+    parser.add_argument(EXTRA_SIZES, default=None, metavar="N,N,...", dest="batch_sizes",
+                        help="batch sizes checked besides get_inputs()' own, e.g. 1,7,128; '' "
+                             "for none (default: 1 and an odd size above batch_size, up to "
+                             "2*batch_size+1, drawn from the seed)")
+    parser.add_argument("--batch-sizes", dest="batch_sizes", help=argparse.SUPPRESS)
+    parser.add_argument("--scales", default=None, metavar="S,S,...",
+                        help="parameter scalings for the saturation regimes; '' for none "
+                             "(default: one in [3, 6) and one in [12, 20), drawn from the "
+                             "seed)")
+
+
 def named_device(flag: str) -> str | None:
     """An options object's device for --device `flag`: None for auto."""
     return None if flag == AUTO else flag

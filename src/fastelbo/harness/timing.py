@@ -42,7 +42,9 @@ Metrics, each answering its own question:
   (every call's outputs copied, the guard, the next set's copy; not the waits for the device,
   the flush, nor a block's draws): the harness's own work, the same for every entry, unless
   code of the candidate's runs there (bench compares it with eager's); `wall_outside_ms`
-  (GPU): the wall rounds' copy of every output, per call.
+  (GPU): the wall rounds' copy of every output, per call. `outside_low_ms` and
+  `wall_outside_low_ms`: the same at the 10th percentile (the fastest round for the wall):
+  what a loaded host's preemptions leave alone, and work done between every call still shows.
 - What the cold loop's accounting says (GPU): `flush_ms`, the device time from an event before
   the flush to the call's start event (median), against `flush_alone_ms`, the flush timed
   alone before the loop: a start event recorded again later by the candidate shows as a late
@@ -71,7 +73,7 @@ import torch
 from torch.autograd import DeviceType
 
 from .pool import KEEP_BYTES, Checks, Pool, judged, output_bytes
-from .watch import Watch, function_state, mapping_state, object_state, sequence_state, tensor_state
+from .watch import Watch, function_state, object_state, tensor_state
 from .worker import TaskError, progress
 
 _perf = time.perf_counter
@@ -164,8 +166,9 @@ def _nothing() -> None:
     pass
 
 
-def _median_gap(ends: list[float], starts: list[float], waits: list[float] | None = None) -> float:
-    """The median host time (ms) from one call's window closing to the next call's start: what
+def _gaps(ends: list[float], starts: list[float], waits: list[float] | None = None) -> dict:
+    """{outside_ms, outside_low_ms}: the median and 10th percentile host time (ms) from one
+    call's window closing to the next call's start: what
     the harness does between calls (its outputs copied, the guard, the next set's copy), per
     call. `ends[k]`, `starts[k]`: call k's window's end and start; `waits[k]`: the time after
     call k spent waiting for the device or in the driver (synchronizes, the L2 flush and its
@@ -179,8 +182,8 @@ def _median_gap(ends: list[float], starts: list[float], waits: list[float] | Non
     (2026-12-05). Every call's outputs are still read in its gap (Checks.copy), so outputs that
     compute themselves when read are."""
     waits = waits or [0.0] * len(ends)
-    gaps = [(s - e - w) * 1e3 for e, s, w in zip(ends, starts[1:], waits)]
-    return statistics.median(gaps) if gaps else 0.0
+    gaps = sorted((s - e - w) * 1e3 for e, s, w in zip(ends, starts[1:], waits)) or [0.0]
+    return {"outside_ms": statistics.median(gaps), "outside_low_ms": gaps[len(gaps) // 10]}
 
 
 def _timed(fn) -> float:
@@ -216,9 +219,9 @@ def _calls(pool: Pool, reps: int, waits: list[float]):
 
 
 def _watch_lists(watch, loop: str, lists: dict[str, list]) -> None:
-    """Add a loop's own lists to its Watch, each named "<loop>'s <name>"."""
+    """Add a loop's own lists to its Watch as logs, each named "<loop>'s <name>"."""
     for name, seq in lists.items():
-        watch.add(f"{loop}'s {name}", lambda seq=seq: _seq(seq))
+        watch.add_log(f"{loop}'s {name}", seq)
 
 
 def _draw_block(pool: Pool, block: list[int]) -> float:
@@ -258,7 +261,8 @@ def cold_times(model, pool: Pool, reps: int, flush: L2Flush, checks: Checks, wat
     the block; events around the call only, as KernelBench's loop; the judged calls' outputs
     go to `checks`. `watch` (watch.Watch; loop_watch's if None) is sealed before each call
     and verified after it; `guard()` after each call. Returns {events_ms, events_p20_ms,
-    events_p80_ms, events_blocks, outside_ms, flush_ms, flush_alone_ms, unaccounted_ms}."""
+    events_p80_ms, events_blocks, outside_ms, outside_low_ms, flush_ms, flush_alone_ms,
+    unaccounted_ms}."""
     watch = watch or loop_watch(pool, checks, flush)
     alone = flush_alone(flush)
     reset = flush.reset or _nothing
@@ -268,7 +272,7 @@ def cold_times(model, pool: Pool, reps: int, flush: L2Flush, checks: Checks, wat
     reps = max(1, reps)
     for k, j in _calls(pool, reps, waits):
         x = pool.fresh(j)
-        watch.seal()  # nothing but the harness's own calls runs from here to verify()
+        watch.seal((j,))  # nothing but the harness's own calls runs from here to verify()
         wait = _timed(reset) + _timed(_sync_all)
         pre = _Event(enable_timing=True)
         start, end = _Event(enable_timing=True), _Event(enable_timing=True)
@@ -298,6 +302,7 @@ def cold_times(model, pool: Pool, reps: int, flush: L2Flush, checks: Checks, wat
             waits[-1] += _perf() - kept
         del out, x, copied
     _sync_all()
+    watch.final()
     if not _in_order(pres, pairs):
         raise TaskError("tampered", "the cold loop's CUDA events read out of order (an event "
                                     "the harness recorded was recorded again)")
@@ -307,16 +312,10 @@ def cold_times(model, pool: Pool, reps: int, flush: L2Flush, checks: Checks, wat
     number, means = block_means(ms)
     return {"events_ms": number, "events_p20_ms": p20, "events_p80_ms": p80,
             "events_blocks": means,
-            "outside_ms": _median_gap(ends, starts, waits),
+            **_gaps(ends, starts, waits),
             "flush_ms": statistics.median(flushes), "flush_alone_ms": alone,
             "unaccounted_ms": statistics.median(
                 s - m - f for s, m, f in zip(synced, ms, flushes))}
-
-
-def _seq(seq: list) -> tuple:
-    """A loop list's state (watch.sequence_state), a list of event pairs flattened."""
-    flat = [e for item in seq for e in (item if type(item) is tuple else (item,))]
-    return (id(seq), sequence_state(flat)[1:])
 
 
 def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: Checks,
@@ -326,8 +325,9 @@ def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: C
     pool holds, pool.ahead), the generators seeded once, one synchronize, divide; median over
     rounds. Every call's outputs are held until the round ends (as its inputs are), and then
     the judged ones are drawn: a judged call's run is the sets of the calls up to it. Every
-    call's outputs are copied first (Checks.copy); with `outside`, the median over rounds of
-    that copy's time per call is appended there (lazy outputs would be computed in it).
+    call's outputs are copied first (Checks.copy); with `outside`, the median and the minimum
+    over rounds of that copy's time per call are appended there (lazy outputs would be
+    computed in it).
     `watch` (loop_watch's if None) is sealed before each round's calls and verified after."""
     per, copying, calls, reused = [], [], pool.ahead(calls), False
     watch = watch or loop_watch(pool, checks)
@@ -336,7 +336,7 @@ def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: C
         order = pool.order(calls)
         inputs = [pool.fresh(j, recycle=False, seed=False) for j in order]
         pool.seed(order[0])
-        watch.seal()
+        watch.seal(order)
         _sync(device)
         t0 = _perf()
         outs = [model(*x) for x in inputs]
@@ -357,8 +357,9 @@ def wall_per_call(model, pool: Pool, device: torch.device, calls: int, checks: C
                 checks.keep(pool.run(order[:k + 1]), outs[k], r == rounds - 1 and k == calls - 1,
                             inputs[k], pool.get(order[k]), copies[k])
         del outs, inputs, copies
+    watch.final()
     if outside is not None:
-        outside.append(statistics.median(copying))
+        outside.append((statistics.median(copying), min(copying)))
     return None if reused else statistics.median(per)
 
 
@@ -383,8 +384,8 @@ def single_calls(model, pool: Pool, reps: int, checks: Checks, watch=None,
     """CPU: host time of single calls, in blocks as the cold column's (a block's sets drawn
     before its first call), the judged calls' outputs kept; `watch` (loop_watch's if None)
     sealed before each call and verified after it, `guard()` after each call. {wall_ms (the
-    median of the blocks' means), wall_blocks (each block's mean), outside_ms (_median_gap:
-    every call's outputs copied, the next set's copy)}."""
+    median of the blocks' means), wall_blocks (each block's mean), outside_ms and
+    outside_low_ms (_gaps: every call's outputs copied, the next set's copy)}."""
     watch = watch or loop_watch(pool, checks)
     ms, ends, starts, waits = [], [], [], []
     _watch_lists(watch, "the loop", {"times": ms, "ends": ends, "starts": starts,
@@ -392,7 +393,7 @@ def single_calls(model, pool: Pool, reps: int, checks: Checks, watch=None,
     reps = max(1, reps)
     for k, j in _calls(pool, reps, waits):
         x = pool.fresh(j)
-        watch.seal()
+        watch.seal((j,))
         t0 = _perf()
         out = model(*x)
         t1 = _perf()
@@ -407,9 +408,10 @@ def single_calls(model, pool: Pool, reps: int, checks: Checks, watch=None,
             checks.keep(pool.run([j]), out, k == reps - 1, x, pool.get(j), copied)
         waits.append(_perf() - kept)
         del out, copied
+    watch.final()
     number, means = block_means(ms)
     return {"wall_ms": number, "wall_blocks": means,
-            "outside_ms": _median_gap(ends, starts, waits)}
+            **_gaps(ends, starts, waits)}
 
 
 def escape_check(model, pool: Pool, calls: int) -> tuple[float, float, bool]:
@@ -543,9 +545,6 @@ def loop_watch(pool: Pool, checks: Checks, flush: L2Flush | None = None):
     sets, the kept outputs and their counts, and the flush."""
     fields = {
         "the pool": lambda: object_state(pool, ("_draw", "sets", "keys", "count")),
-        "the pool's keys": lambda: mapping_state(pool.keys),
-        "the pool's sets": lambda: mapping_state(pool.sets),
-        "the kept outputs": lambda: sequence_state(checks),
         "the kept outputs' counts": lambda: object_state(
             checks, ("bytes", "skipped", "aliased", "_changed", "recast")),
         "the hygiene findings": lambda: (len(checks.aliased), len(checks._changed),
@@ -553,7 +552,11 @@ def loop_watch(pool: Pool, checks: Checks, flush: L2Flush | None = None):
     }
     if flush is not None:
         fields.update(flush.watched())
-    return Watch(fields)
+    watch = Watch(fields)
+    watch.add_table("the pool's keys", pool.keys)
+    watch.add_table("the pool's sets", pool.sets)
+    watch.add_log("the kept outputs", checks)
+    return watch
 
 
 def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps: int,
@@ -599,7 +602,7 @@ def measure(model, pool: Pool, device: torch.device, budget: Budget, graph_reps:
         outside = []
         m["wall_ms"] = wall_per_call(model, pool, device, calls, checks, guard=guard,
                                      outside=outside)
-        m["wall_outside_ms"] = outside[-1]
+        m["wall_outside_ms"], m["wall_outside_low_ms"] = outside[-1]
         observe()
         m["bracket_event_ms"], m["synced_wall_ms"], m["stream_escape"] = escape_check(
             model, pool, calls)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ...errors import UsageError
+from ..options import AUTO, EXTRA_SIZES, add_device, add_regimes
 
 DESCRIPTION = """\
 Judge every sample of a run as `fastelbo check` judges one pair: the same verdict, on one warm
@@ -42,39 +43,38 @@ def register(sub: argparse._SubParsersAction, device_count) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", metavar="RUN", help="run directory of samples, or a manifest file")
     p.add_argument("problem_dir", metavar="PROBLEM_DIR", nargs="?", default=None,
-                   help="the problems of a run directory (default: %(default)s, which a "
+                   help="the problems of a run directory (default: none, which a "
                         "manifest needs)")
     p.add_argument("--level", type=int, default=None,
-                   help="judge the samples of this level (default: %(default)s, meaning the "
-                        "one level the run holds)")
+                   help="judge the samples of this level (default: the one "
+                        "level the run holds)")
     p.add_argument("--problems", default=None, metavar="IDS",
-                   help="problem IDs, e.g. 1-20,25 (default: %(default)s, meaning all)")
+                   help="problem IDs, e.g. 1-20,25 (default: all)")
     p.add_argument("--samples", default=None, metavar="IDS",
-                   help="sample IDs, e.g. 0-3 (default: %(default)s, meaning all)")
+                   help="sample IDs, e.g. 0-3 (default: all)")
     p.add_argument("--limit", type=int, default=None,
                    help="judge at most this many pairs, the first by problem and sample "
-                        "(default: %(default)s, meaning all)")
+                        "(default: all)")
     p.add_argument("--out", default=None, metavar="DIR",
-                   help="where results go (default: %(default)s, meaning the run directory, "
-                        "or the manifest's)")
+                   help="where results go (default: the run directory, or the "
+                        "manifest's)")
     p.add_argument("--summary", action="store_true",
                    help="print the summary of the store's last run, judging nothing "
-                        "(default: %(default)s)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="where to judge (default: %(default)s, meaning cuda where the CUDA "
-                        "driver sees a GPU, else cpu)")
+                        "(default: off)")
+    add_device(p)  # cuda: every GPU the driver sees (or --gpus); cuda:N: that one
     p.add_argument("--gpus", default=None, metavar="N,N,...",
-                   help="CUDA devices, one warm pool each (default: %(default)s, meaning all)")
+                   help="CUDA devices, one warm pool each (default: all)")
     p.add_argument("--workers", type=int, default=1,
                    help="with --device cpu: warm pools on the CPU (default: %(default)s)")
     p.add_argument("--engine", choices=_engines(), default=None,
                    help="local: a thread per pool in this process; dask: Dask distributed "
-                        "(pip install 'fastelbo[batch]') (default: %(default)s, meaning dask "
-                        "where it is installed, else local)")
+                        "(pip install 'fastelbo[batch]') (default: dask where it is "
+                        "installed, else local)")
     p.add_argument("--scheduler", default=None, metavar="ADDRESS",
                    help="a Dask scheduler's address, e.g. tcp://host:8786: judge on its "
                         "workers (one per GPU, started with --resources GPU=1), which must "
-                        "reach RUN, PROBLEM_DIR and --out (default: %(default)s)")
+                        "reach RUN, PROBLEM_DIR and --out (default: none, this machine's "
+                        "devices)")
     p.add_argument("--timing", choices=("full", "quick", "off"), default="full",
                    help="time the correct candidates (fast_p): full, quick (few repetitions) "
                         "or off (default: %(default)s)")
@@ -84,10 +84,10 @@ def register(sub: argparse._SubParsersAction, device_count) -> None:
                         "(default: %(default)s)")
     p.add_argument("--no-compile", action="store_true",
                    help="time no torch.compile baseline: fast_p against eager only "
-                        "(default: %(default)s)")
+                        "(default: off)")
     p.add_argument("--build-jobs", type=int, default=None,
-                   help="extension builds at once, ahead of the checks (default: %(default)s, "
-                        "meaning one per core and 2 GiB of available memory)")
+                   help="extension builds at once, ahead of the checks (default: one per "
+                        "core and 2 GiB of available memory)")
     _check_options(p)
     p.set_defaults(func=judge_command, device_count=device_count)
 
@@ -100,12 +100,9 @@ def _check_options(p: argparse.ArgumentParser) -> None:
                    "%(default)s)")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default: "
                    "%(default)s)")
-    p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
-                   help="extra batch sizes; '' for none (default: %(default)s, as check)")
-    p.add_argument("--scales", default=None, metavar="S,S,...",
-                   help="parameter scalings; '' for none (default: %(default)s, as check)")
+    add_regimes(p)
     p.add_argument("--eval-mode", action="store_true",
-                   help="both models in .eval() (default: %(default)s)")
+                   help="both models in .eval() (default: off)")
     p.add_argument("--forward-timeout", type=float, default=60.0,
                    help="seconds per forward (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -115,7 +112,7 @@ def _check_options(p: argparse.ArgumentParser) -> None:
                    help="seconds for a candidate's import, builds and ModelNew "
                         "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=None,
-                   help="seed of every check (default: %(default)s, meaning one drawn "
+                   help="seed of every check (default: one drawn "
                         "secretly at the run's first start and kept in its store)")
 
 
@@ -160,7 +157,7 @@ def _settings(args, out: Path):
     from ..options import CheckOptions, OptionError, unwritable_dir
     from .run import Settings
     check = {"trials": args.trials, "atol": args.atol, "rtol": args.rtol,
-             "batch_sizes": _numbers(args.batch_sizes, int, "--batch-sizes"),
+             "batch_sizes": _numbers(args.batch_sizes, int, EXTRA_SIZES),
              "scales": _numbers(args.scales, float, "--scales"), "timeout": args.timeout,
              "build_timeout": args.build_timeout, "forward_timeout": args.forward_timeout,
              "eval_mode": args.eval_mode}
@@ -189,7 +186,11 @@ def _has_dask() -> bool:
 
 def _devices(args) -> tuple[str, ...]:
     cuda_device_count = args.device_count
-    if args.device == "cpu" or (args.device is None and args.gpus is None and args.scheduler
+    if args.device.startswith("cuda:"):  # that one device: as --gpus N
+        if args.gpus is not None:
+            raise UsageError(f"--device {args.device} names the GPU: not with --gpus")
+        args.gpus = args.device.split(":")[1]
+    if args.device == "cpu" or (args.device == AUTO and args.gpus is None and args.scheduler
                                 is None and cuda_device_count() == 0):
         if args.gpus is not None:
             raise UsageError("--gpus names CUDA devices: not with --device cpu")
