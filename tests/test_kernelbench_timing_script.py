@@ -34,7 +34,8 @@ def stood_in(tmp_path, monkeypatch):
                 for c in names for b in kw["batch_sizes"]], 0
 
     kb_times.stop_at_third = False
-    monkeypatch.setattr(script, "kernelbench_times", kb_times)
+    monkeypatch.setattr(script, "kernelbench_process",
+                        lambda kb, path, batches: {b: kb_times(kb, path, b) for b in batches})
     monkeypatch.setattr(script, "run_bench", bench)
     monkeypatch.setattr(script.export, "write_kernelbench",
                         lambda path: Path(path).write_text("ModelNew = object\n") and Path(path))
@@ -74,3 +75,12 @@ def test_rows_are_written_as_made(tmp_path, stood_in):
     with pytest.raises(KeyboardInterrupt):
         script.main(["--kb", str(kb_file), "--batches", "4,8", "--runs", "3", "--out", str(out)])
     assert {r["run"] for r in _rows(out)} == {0, 1}
+
+
+def test_kernelbench_s_timing_that_fails_in_its_process_says_why(tmp_path):
+    """Each module's KernelBench trials run in a process of their own (torch.compile in the
+    script's process slowed every loop after it): one that fails raises with its stderr."""
+    broken = tmp_path / "timing.py"
+    broken.write_text("raise ImportError('no KernelBench here')\n")
+    with pytest.raises(RuntimeError, match="no KernelBench here"):
+        script.kernelbench_process(str(broken), None, [4])
