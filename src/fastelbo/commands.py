@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import math
 
+from . import registry
 from .harness.options import add_device, device_flag
 
 OFF = " (default: off)"  # a flag's help ends so, as the harness's commands' do
 
-BACKENDS = ("auto", "torch", "cuda", "triton")
 # Images per IWAE call, by backend (evaluate --batch-size's default). torch: its chunk is 1M
 # floats / (batch x D), so ~100 images keep a dozen samples per chunk; triton / cuda: memory per
 # image is <= 32 partial floats whatever K, and B x splits programs must fill the GPU (10 splits
@@ -128,7 +128,7 @@ def _register_train(sub) -> None:
     p.add_argument("--seed", type=int_at_least(0), default=0,
                    help="seeds the weights, the train/test split, the shuffles and the noise "
                         "(default: %(default)s)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
+    p.add_argument("--backend", choices=registry.CHOICES, default="auto",
                    help="ELBO kernels: auto picks the fastest measured one for the device "
                         "(torch on a CPU) (default: %(default)s)")
     add_device(p)
@@ -170,7 +170,7 @@ def _register_evaluate(sub) -> None:
                    help=f"images per IWAE call; results do not depend on it (default: "
                         f"{EVALUATE_BATCH['torch']} on the torch backend, "
                         f"{EVALUATE_BATCH['cuda']:,} on cuda and triton)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
+    p.add_argument("--backend", choices=registry.CHOICES, default="auto",
                    help="IWAE kernels; auto: cuda, else triton, on a GPU where they run, "
                         "else torch (default: %(default)s)")
     add_device(p)

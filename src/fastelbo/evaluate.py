@@ -96,7 +96,7 @@ def evaluate(args, world: dist.World, device: torch.device) -> dict:
                          f"expects {d}")
     counts = [len(s) for s in torch.arange(x.shape[0]).tensor_split(world.size)]
     lo = sum(counts[:world.rank])
-    batch = args.batch_size or BATCH[backend]
+    batch = args.batch_size or BATCH.get(backend, BATCH["cuda"])  # a new backend: as the fused
     if args.batch_size is None and backend == "torch":
         batch = min(batch, max(1, math.ceil(counts[world.rank] / PROGRESS_STEPS)))
     calls = [range(i, min(lo + counts[world.rank], i + batch))

@@ -18,14 +18,14 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .. import registry
 from ..params import VAEParams
 
-NAMES = ("torch", "cuda", "triton")
-# fastelbo.ops.iwae's `auto` on a GPU: the first that takes the call. The fused kernels first,
-# cuda the faster (the decoder's hidden layer stays in shared memory), then the spec, which
-# takes every call.
-IWAE_ORDER = ("cuda", "triton", "torch")
-_MODULES = {"torch": ".torch_ref", "cuda": ".cuda", "triton": ".triton"}
+# The names, modules, native device types and orders: fastelbo.registry, their one source.
+# fastelbo.ops.iwae's `auto` on a GPU takes the first of IWAE_ORDER that takes the call: the
+# fused kernels first, cuda the faster (the decoder's hidden layer stays in shared memory), then
+# the spec, which takes every call.
+NAMES, IWAE_ORDER, NATIVE = registry.NAMES, registry.IWAE_ORDER, registry.NATIVE
 _CROSSOVER = Path(__file__).with_name("crossover.json")
 
 
@@ -147,17 +147,16 @@ class Backend(Protocol):
 def module(name: str) -> ModuleType:
     mod = _LOADED.get(name)  # per call from fastelbo.ops: a dict lookup, not an import
     if mod is None:
-        if name not in _MODULES:
-            raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {name!r}")
-        mod = _LOADED[name] = importlib.import_module(_MODULES[name], __name__)
+        if name not in registry.BACKENDS:
+            raise ValueError(f"backend must be one of {registry.CHOICES}, got {name!r}")
+        mod = _LOADED[name] = importlib.import_module(registry.BACKENDS[name].module, __name__)
     return mod
 
 
-# Each device type's native backend: its lanes check the ops' calls on such a device (the checks
-# run before a backend is chosen, and serve whichever runs the call), and training's Adam asks
-# it for its kernel. fastelbo.ops asks `native` only for a device type listed here (a CPU
-# tensor's call never looks one up).
-NATIVE = {"cuda": "cuda"}
+# NATIVE, each device type's native backend (fastelbo.registry): its lanes check the ops' calls
+# on such a device (the checks run before a backend is chosen, and serve whichever runs the
+# call), and training's Adam asks it for its kernel. fastelbo.ops asks `native` only for a
+# device type listed there (a CPU tensor's call never looks one up).
 
 
 def native(device: torch.device) -> Backend | None:
@@ -232,7 +231,7 @@ def choose(device: torch.device, batch: int, dtype: torch.dtype = torch.float32,
         return "torch"
     graph = _capturing() if capturing is None else capturing
     preferred = [r["backend"] for r in _crossover(graph) if batch <= r["max_batch"]]
-    for name in preferred + ["cuda", "triton"]:
+    for name in preferred + list(registry.GPU_FALLBACK):
         if unavailable_reason(name, device) is None:
             return name
     return "torch"

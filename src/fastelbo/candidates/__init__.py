@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-NAMES = ("auto", "torch", "cuda", "triton")
+from ..registry import CHOICES as NAMES  # fastelbo:<backend>, and auto
 
 
 def candidate_path(name: str) -> Path:
