@@ -5,7 +5,8 @@
     compute-sanitizer --tool synccheck python3 benchmarks/cuda_sanitize.py
     compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize.py --quick
 
---quick runs 9 small forward cases (every path, staged and unstaged cluster plans) and 2 with
+--quick runs 9 small forward cases (every path, staged and unstaged cluster plans), 2 with the
+output layer on pingpong.cu (output="pingpong") and 2 with
 the noise drawn inside the fast kernel (draw=True), the value check on x (two views), the
 backward at two odd sizes (every branch: all outputs used, and kl alone) and, on sm_90, two on
 the tensor-core GEMMs (split K, partial tiles), one Adam step and
@@ -60,6 +61,15 @@ def quick() -> int:
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} dims={dims} B={batch} rows={rows} cluster={cluster} "
               f"staged={staged} path={path}", flush=True)
+    for batch in (129, 300):  # the tc path's output layer on pingpong.cu (an odd unit count)
+        torch.manual_seed(0)
+        params = VAEParams(*(t.detach().cuda() for t in Model(784, 256, 32).state_dict().values()))
+        x = torch.rand(batch, 784, device="cuda")
+        x[batch // 2, 784 // 3] = 1.5
+        eps = torch.randn(batch, 32, device="cuda")
+        ok = check(params, x, eps, torch_ref.forward(x, params, eps), path="tc", output="pingpong")
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} B={batch} path=tc output=pingpong", flush=True)
     for dims, batch in (((784, 256, 32), 128), ((100, 96, 12), 45)):  # noise drawn in-kernel
         torch.manual_seed(0)
         params = VAEParams(*(t.detach().cuda() for t in Model(*dims).state_dict().values()))

@@ -2,12 +2,12 @@
 # The benchmarks of record and the GPU checks, on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...        (benchmarks/README.md says what each stage runs)
 # Stages: build env tests memcheck racecheck check bench profile train iwae crossover multi jobs
-# harness kbtiming honest deferred latent.
+# harness kbtiming honest deferred latent pingpong.
 # Each stage's log lands in $LOGS; $OUT gets summary.txt (one line per run: rc and seconds) and
 # results.tgz (every log and .jsonl), refreshed after every run so that a kill loses nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness kbtiming honest deferred latent "
+STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness kbtiming honest deferred latent pingpong "
 for stage in "$@"; do  # refuse a typo before any stage spends device time
   [[ $STAGES == *" $stage "* ]] || { echo "device_run.sh: unknown stage '$stage' (stages:$STAGES)" >&2; exit 2; }
 done
@@ -116,10 +116,20 @@ for stage in "$@"; do case $stage in
     run check_latent_odd_cuda 200 env FASTELBO_FUSED_LATENT=1 $FE check benchmarks/problems/vae_elbo_odd.py fastelbo:cuda --device cuda --batch-sizes 1,7,1000
     run memcheck_latent "${T_MEMCHECK:-180}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/latent_block.py --sanitize
     run latent_timing 200 python3 benchmarks/latent_block.py --timing --out "$LOGS/latent_block.jsonl" ;;
+  pingpong)  # issue #56 item 3's acceptance, one call (~5 min expected; the limits sum to 9):
+    # the output layer as one persistent ping-pong kernel (pingpong.cu, FASTELBO_PINGPONG=1): the
+    # build, its GPU tests, check of fastelbo:cuda with it on (the candidate builds the extension
+    # in its own cache), memcheck of small and odd cases, and its rows against tc_gemm.cu's
+    # output layer (graph replays at B = 4096 and 65536, the same process)
+    run pingpong_build "${T_BUILD:-120}" python3 -c "from fastelbo.backends.cuda import extension; extension()"
+    run test_cuda_pingpong "${T_TEST:-110}" python3 -m pytest -q -m "gpu and not multi_gpu" -p no:cacheprovider -rfEs tests/test_cuda_pingpong.py
+    run check_pingpong_cuda 170 env FASTELBO_PINGPONG=1 $FE check vae_elbo fastelbo:cuda --device cuda --batch-sizes "$CHECK_BATCHES" --trials "$CHECK_TRIALS"
+    run memcheck_pingpong "${T_MEMCHECK:-90}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/pingpong_block.py --sanitize
+    run pingpong_timing 50 python3 benchmarks/pingpong_block.py --timing --out "$LOGS/pingpong_block.jsonl" ;;
 esac; done
 # The correctness record: a gpu_tests.jsonl row per test file, sanitizer run and check logged so
 # far (benchmarks/gpu_rows.py), into $LOGS and so into results.tgz.
-if [[ " $* " =~ \ (tests|memcheck|racecheck|check|multi|deferred|latent)\  ]]; then
+if [[ " $* " =~ \ (tests|memcheck|racecheck|check|multi|deferred|latent|pingpong)\  ]]; then
   python3 benchmarks/gpu_rows.py "$LOGS" || echo "gpu_rows.py failed: no gpu_tests.jsonl rows"
   tar -czf "$OUT/results.tgz" -C "$LOGS" .
 fi

@@ -261,7 +261,8 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
 # the optimizer's one, the IWAE kernel's two tiles (iwae_kernel<4> for 128 samples, <2> for 64),
 # the tensor-core GEMM's epilogues (tc_gemm_kernel<kTcStore, 128> with A split for finite W or
 # not, <kTcBce, 112 or 128 columns>)
-# and its three helpers, and the fused latent block's one.
+# and its three helpers, the fused latent block's one, and the output layer's persistent
+# ping-pong kernel.
 EXPECTED_KERNELS = {
     "elbo_fast.cu": {"elbo_fast_kernel": 1},
     "elbo.cu": {"elbo_kernel": 2},
@@ -274,10 +275,11 @@ EXPECTED_KERNELS = {
     "tc_gemm.cu": {"tc_gemm_kernel": 4, "tc_bce_finish_kernel": 1, "tc_split_t_kernel": 1,
                    "tc_splitk_kernel": 1},
     "latent.cu": {"latent_kernel": 1},
+    "pingpong.cu": {"pingpong_kernel": 1},
 }
-# One block per SM by their shared memory: these may use all 255 registers (tc_gemm_kernel's
-# launch bounds give the count its setmaxnreg split starts from: 168).
-ONE_BLOCK_PER_SM = ("elbo_fast_kernel", "iwae_kernel", "tc_gemm_kernel")
+# One block per SM by their shared memory: these may use all 255 registers (tc_gemm_kernel's and
+# pingpong_kernel's launch bounds give the count their setmaxnreg split starts from: 168).
+ONE_BLOCK_PER_SM = ("elbo_fast_kernel", "iwae_kernel", "tc_gemm_kernel", "pingpong_kernel")
 
 
 def _check_kernels(report: dict[str, dict[str, int]], expected: dict[str, int]) -> None:

@@ -122,7 +122,8 @@ def test_option_structs_are_bound_and_built_by_every_field(struct, builder):
 
     built = builder(type("Ext", (), {struct: Options}),
                     **{f: {"path": "fast", "gemm": "tc", "deferred": True,
-                           "latent": "fused"}.get(f, (f == "rows") * 3) for f in fields})
+                           "latent": "fused", "output": "pingpong"}.get(f, (f == "rows") * 3)
+                       for f in fields})
     assert set(vars(built)) == set(fields)
 
 
@@ -136,6 +137,7 @@ def test_the_deferred_option_is_set_only_where_asked():
     ext = type("Ext", (), {"ForwardOptions": Options})
     assert "deferred" not in vars(launch.forward_options(ext))
     assert "latent" not in vars(launch.forward_options(ext))
+    assert "output" not in vars(launch.forward_options(ext))
     assert launch.forward_options(ext, deferred=True).deferred is True
     assert "deferred" not in vars(launch.default_forward_options(ext, draw=True, awaits=True))
     for draw in (False, True):
@@ -157,6 +159,15 @@ def test_latents_are_the_bindings():
     opt = launch.forward_options(type("Ext", (), {"ForwardOptions": type("O", (), {})}),
                                  latent="fused")
     assert opt.latent == launch.LATENTS["fused"]
+
+
+def test_outputs_are_the_bindings():
+    enum = re.search(r"enum Output : int64_t \{(.*?)\};", BINDING_H).group(1)
+    numbered = {name.lower(): int(v) for name, v in re.findall(r"kOutput(\w+) = (\d+)", enum)}
+    assert numbered == launch.OUTPUTS
+    opt = launch.forward_options(type("Ext", (), {"ForwardOptions": type("O", (), {})}),
+                                 output="pingpong")
+    assert opt.output == launch.OUTPUTS["pingpong"]
 
 
 def test_gemms_are_the_bindings():

@@ -27,6 +27,11 @@ enum Path : int64_t { kPathAuto = 0, kPathCluster = 1, kPathRows = 2, kPathFast 
 // FASTELBO_FUSED_LATENT=1, until a GPU run accepts it), fused (latent.cu, one launch), cublas.
 enum Latent : int64_t { kLatentAuto = 0, kLatentFused = 1, kLatentCublas = 2 };
 
+// The tc path's output layer (ForwardOptions::output): auto (pingpong where FASTELBO_PINGPONG=1,
+// until a GPU run accepts it), pingpong (pingpong.cu, one persistent launch writing the rows),
+// tc (tc_gemm.cu's tiles and the finish kernel). Without the deferred check only.
+enum Output : int64_t { kOutputAuto = 0, kOutputPingpong = 1, kOutputTc = 2 };
+
 // How one forward launches. The defaults are the product's call; launch.py pre-builds the four
 // default objects (draw, awaits) once per extension, so the hot path parses no options.
 struct ForwardOptions {
@@ -42,6 +47,7 @@ struct ForwardOptions {
                          // a bad x makes every output NaN and is noted in the device's
                          // record (elbo.h DeferredRecord), which take_deferred reads
   int64_t latent = kLatentAuto;  // the rows / tc paths' latent block (Latent)
+  int64_t output = kOutputAuto;  // the tc path's output layer (Output)
 };
 
 // The ten parameters by name, as views of the list every entry takes (VAEParams order). Only

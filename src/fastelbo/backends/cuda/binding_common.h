@@ -157,10 +157,14 @@ struct TcStore {
 };
 void tc_store(const TcStore& s, const at::TensorOptions& opts, cudaStream_t stream,
               const char* what);
-// err != nullptr: the deferred check (elbo.h TcFinishParams); latent: the latent block fused.
+// err != nullptr: the deferred check (elbo.h TcFinishParams); latent: the latent block fused;
+// pingpong: the output layer on pingpong.cu's kernel where it fits (err == nullptr, hidden_dim
+// <= kPingpongMaxK), else tc_gemm.cu's.
 void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& p,
                      std::vector<at::Tensor>& out, cudaStream_t stream,
-                     fastelbo::DeferredRecord* err, bool latent);
+                     fastelbo::DeferredRecord* err, bool latent, bool pingpong = false);
+// Whether the tc path's output layer may run on pingpong.cu's kernel for these dims.
+bool pingpong_applies(int64_t D, int64_t H);
 
 // The latent block fused (latent.cu) over the rows of h (2-D, unit column stride): d = the
 // decoder's hidden layer (relu'd where relu) written over h, kl from eps's rows; zero as

@@ -135,6 +135,15 @@ void rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& 
                  "deferred poison kernel");
 }
 
+// FASTELBO_PINGPONG=1: `auto` runs the tc path's output layer on pingpong.cu where it applies.
+bool pingpong_by_env() {
+  static const bool on = [] {
+    const char* v = std::getenv("FASTELBO_PINGPONG");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
+}
+
 // FASTELBO_FUSED_LATENT=1: `auto` fuses the latent block (latent.cu) where it applies.
 bool latent_by_env() {
   static const bool on = [] {
@@ -519,6 +528,15 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at
   FE_CHECK(opt.latent >= kLatentAuto && opt.latent <= kLatentCublas,
            "latent must be 0 (auto), 1 (fused) or 2 (cublas), got ", opt.latent);
   const bool latent = opt.latent == kLatentFused || (opt.latent == kLatentAuto && latent_by_env());
+  FE_CHECK(opt.output >= kOutputAuto && opt.output <= kOutputTc,
+           "output must be 0 (auto), 1 (pingpong) or 2 (tc), got ", opt.output);
+  FE_CHECK(opt.output != kOutputPingpong || (!deferred && (path == kPathAuto || path == kPathTc) &&
+                                             pingpong_applies(D, H)),
+           "output=pingpong needs the tc path (path auto or tc), no deferred check and "
+           "hidden_dim <= ", fastelbo::kPingpongMaxK, "; fastelbo.backends.cuda checks this "
+           "before the call");
+  const bool pingpong = !deferred && (opt.output == kOutputPingpong ||
+                                      (opt.output == kOutputAuto && pingpong_by_env()));
   if (forced_plan) path = kPathCluster;
 
   const c10::cuda::CUDAGuard guard(dev);
@@ -554,7 +572,12 @@ std::vector<at::Tensor> elbo_forward(const at::Tensor& x, const std::optional<at
     if (value_check_failed()) return {};
     if (draw) eps.normal_(0.0, 1.0);  // the default generator of eps's device, as torch.randn
     const bool tc = path == kPathTc || (path == kPathAuto && tc_applies(x, p.enc_w, p.dec_w2));
-    (tc ? tc_rows_forward : rows_forward)(x, eps, p, out, stream, record, latent);
+    FE_CHECK(tc || opt.output != kOutputPingpong, "output=pingpong: the tc path does not apply "
+             "here; fastelbo.backends.cuda checks this before the call");
+    if (tc)
+      tc_rows_forward(x, eps, p, out, stream, record, latent, pingpong);
+    else
+      rows_forward(x, eps, p, out, stream, record, latent);
     return out;
   };
   const int64_t cluster_max = auto_fast ? kClusterFallbackMax : kClusterMaxBatch;

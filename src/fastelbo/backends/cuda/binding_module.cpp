@@ -23,7 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("draw", &fb::ForwardOptions::draw)
       .def_readwrite("awaits", &fb::ForwardOptions::awaits)
       .def_readwrite("deferred", &fb::ForwardOptions::deferred)
-      .def_readwrite("latent", &fb::ForwardOptions::latent);
+      .def_readwrite("latent", &fb::ForwardOptions::latent)
+      .def_readwrite("output", &fb::ForwardOptions::output);
   py::class_<fb::BackwardOptions>(m, "BackwardOptions", py::module_local(),
                                   "which gradients one backward computes (binding.h)")
       .def(py::init<>())

@@ -7,11 +7,14 @@
 // the rows path; the hidden layer's ReLU is applied as the output layer reads it (relu_a).
 // Memory beyond the outputs: W's halves for the two large layers and, per chunk of kTcChunk
 // rows, one (chunk, H) buffer (h, then d in its place), z, mu / logvar and the BCE partials.
+// With `pingpong` (ForwardOptions::output) the output layer is pingpong.cu's one persistent
+// launch per chunk, which writes recon, elbo and kl itself: no partials, no finish kernel.
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <vector>
 
@@ -30,6 +33,16 @@ int multiprocessors(int device) {
   FE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess,
            "tc: cannot read the multiprocessor count");
   return sms;
+}
+
+// pingpong.cu's persistent grid bound: the multiprocessors, or FASTELBO_PINGPONG_BLOCKS=n where
+// that is fewer (tests and sanitizer runs: blocks then take several unit pairs, which a 16384-row
+// chunk never gives 132 SMs). Read per call, on the pingpong branch only.
+int pingpong_sms(int device) {
+  const int sms = multiprocessors(device);
+  const char* v = std::getenv("FASTELBO_PINGPONG_BLOCKS");
+  const int cap = v != nullptr ? std::atoi(v) : 0;
+  return cap > 0 && cap < sms ? cap : sms;
 }
 
 }  // namespace
@@ -124,9 +137,13 @@ bool tc_applies(const at::Tensor& x, const at::Tensor& enc_w, const at::Tensor& 
          aligned16(x.data_ptr()) && aligned16(enc_w.data_ptr()) && aligned16(dec_w2.data_ptr());
 }
 
+bool pingpong_applies(int64_t D, int64_t H) {
+  return fastelbo::pingpong_fits(static_cast<int>(D), static_cast<int>(H));
+}
+
 void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensors& p,
                      std::vector<at::Tensor>& out, cudaStream_t stream,
-                     fastelbo::DeferredRecord* err, bool latent) {
+                     fastelbo::DeferredRecord* err, bool latent, bool pingpong) {
   const at::Tensor &enc_w = p.enc_w, &enc_b = p.enc_b, &mu_w = p.mu_w, &mu_b = p.mu_b;
   const at::Tensor &lv_w = p.lv_w, &lv_b = p.lv_b, &dec_w1 = p.dec_w1, &dec_b1 = p.dec_b1;
   const at::Tensor &dec_w2 = p.dec_w2, &dec_b2 = p.dec_b2;
@@ -142,16 +159,18 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensor
   splits.launch(stream);
   const at::Tensor ml_b = latent ? at::Tensor() : at::cat({mu_b, lv_b});
   const int64_t chunk = std::min(B, kTcChunk);
+  const bool pp = pingpong && err == nullptr && pingpong_applies(D, H);
+  const int sms = pp ? pingpong_sms(x.device().index()) : 0;
   const int tiles = fastelbo::tc_gemm_tiles_n(static_cast<int>(D));
   const auto opts = x.options();
   at::Tensor hbuf = at::empty({chunk, H}, opts), z = at::empty({chunk, L}, opts);
-  at::Tensor part = at::empty({chunk, tiles}, opts);
+  at::Tensor part = at::empty({pp ? 0 : chunk, tiles}, opts);
   // The tiles' bad-x flags, and after them (4-byte aligned) the deferred check's call flag:
   // zeroed by the first chunk's reparam_kl, set by the output layer's kernels, read by the
   // finish kernels (the last one also NaNs the earlier chunks' rows).
-  const int64_t flag_at = (chunk * tiles + 3) / 4 * 4;
+  const int64_t flag_at = pp ? 0 : (chunk * tiles + 3) / 4 * 4;
   at::Tensor badbuf = at::empty({flag_at + 4}, opts.dtype(at::kByte));
-  at::Tensor bad = badbuf.narrow(0, 0, chunk * tiles).view({chunk, tiles});
+  at::Tensor bad = badbuf.narrow(0, 0, pp ? 0 : chunk * tiles).view({pp ? 0 : chunk, tiles});
   int* flag = err != nullptr ? reinterpret_cast<int*>(badbuf.data_ptr<uint8_t>() + flag_at)
                              : nullptr;
   for (int64_t s = 0; s < B; s += chunk) {
@@ -176,6 +195,25 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensor
       reparam(ml.narrow(1, 0, L), ml.narrow(1, L, L), eps.data_ptr<float>() + s * L, zs,
               out[2].data_ptr<float>() + s, stream, s == 0 ? flag : nullptr);
       at::addmm_out(h, dec_b1, zs, dec_w1.t());  // d before its ReLU (the kernel applies it)
+    }
+    if (pp) {  // recon, elbo and kl's NaN rows written by the one launch
+      fastelbo::PingpongParams q{};
+      q.bias = dec_b2.data_ptr<float>();
+      q.x = xs.data_ptr<float>();
+      q.elbo = out[0].data_ptr<float>() + s;
+      q.recon = out[1].data_ptr<float>() + s;
+      q.kl = out[2].data_ptr<float>() + s;
+      q.M = static_cast<int>(n);
+      q.N = static_cast<int>(D);
+      q.K = static_cast<int>(H);
+      q.ldx = static_cast<int>(D);
+      q.ldw = static_cast<int>(dec.t.size(2));
+      q.sms = sms;
+      check_launch(fastelbo::pingpong_launch(q, h.data_ptr<float>(), static_cast<int>(H),
+                                             dec.t[0].data_ptr<float>(),
+                                             dec.t[1].data_ptr<float>(), stream),
+                   "pingpong output-layer kernel");
+      continue;
     }
     fastelbo::TcGemmParams d{};
     d.bias = dec_b2.data_ptr<float>();

@@ -422,6 +422,26 @@ int tc_gemm_tiles_n(int N) noexcept;  // the kTcBce partials' tiles per row
 int tc_gemm_splits(int M, int N, int K, int sms) noexcept;
 cudaError_t tc_gemm_launch(TcGemmParams& p, const float* a, int lda, const float* w_hi,
                            const float* w_lo, cudaStream_t stream) noexcept;
+// ---- the output layer as one persistent ping-pong kernel (pingpong.cu, sm_90a; off the default
+// path: binding ForwardOptions::output) ----
+// recon = the clamped-BCE row sums of sigmoid(relu(A) W^T + bias) against x, elbo = -(recon +
+// kl), NaN rows (all three) where x holds a value outside [0, 1]: A (M, K) the decoder's hidden
+// layer before its ReLU, W (N, K) split as tc_split_t_launch does. Needs pingpong_fits(N, K),
+// lda, ldw % 4 == 0 with 16-byte aligned rows, ldx even and x 8-byte aligned. No deferred check.
+constexpr int kPingpongTileN = 112;  // columns per tile (784 = 7 x 112)
+constexpr int kPingpongMaxK = 256;   // a unit's rows of A stay in shared memory
+struct PingpongParams {
+  CUtensorMap a_map, w_map, wlo_map;  // encoded by pingpong_launch
+  const float* bias;                  // (N)
+  const float* x;                     // (M, ldx) targets
+  float *elbo, *recon, *kl;           // (M); kl: in (the latent block's) and out (NaN rows)
+  int M, N, K, ldx, ldw;              // ldw: W's row stride (0: K)
+  int sms;                            // multiprocessors: the persistent grid's bound
+};
+bool pingpong_fits(int N, int K) noexcept;
+int pingpong_blocks(int M, int sms) noexcept;  // min(sms, pairs of 64-row units)
+cudaError_t pingpong_launch(PingpongParams& p, const float* a, int lda, const float* w_hi,
+                            const float* w_lo, cudaStream_t stream) noexcept;
 // recon = sum of a row's partials (tile order), elbo = -(recon + kl); NaN rows where bad.
 struct TcFinishParams {
   const float* partial;

@@ -30,7 +30,7 @@ def _int_option(name: str, value, lo: int, hi: int, meaning: str) -> int:
 
 
 def check_options(rows: int = 0, cluster: int = 0, staged: int = -1,
-                  path: str = "auto", latent: str = "auto") -> None:
+                  path: str = "auto", latent: str = "auto", output: str = "auto") -> None:
     """The launch options (binding.h ForwardOptions, which the binding checks again)."""
     _int_option("rows", rows, 0, 64, "0 (auto) or 1..64")
     _int_option("cluster", cluster, 0, 16, "0 (auto) or 1..16")
@@ -39,6 +39,11 @@ def check_options(rows: int = 0, cluster: int = 0, staged: int = -1,
         raise ValueError(f"path must be one of {tuple(launch.PATHS)}, got {path!r}")
     if not isinstance(latent, str) or latent not in launch.LATENTS:
         raise ValueError(f"latent must be one of {tuple(launch.LATENTS)}, got {latent!r}")
+    if not isinstance(output, str) or output not in launch.OUTPUTS:
+        raise ValueError(f"output must be one of {tuple(launch.OUTPUTS)}, got {output!r}")
+    if output == "pingpong" and path not in ("auto", "tc"):
+        raise ValueError(f"output='pingpong' is the tc path's output layer; it conflicts with "
+                         f"path={path!r}")
     if (rows > 0 or cluster > 0 or staged >= 0) and path in ("rows", "fast", "tc"):
         raise ValueError(f"rows / cluster / staged force the cluster path; they conflict with "
                          f"path={path!r} (got rows={rows}, cluster={cluster}, staged={staged})")
@@ -106,9 +111,23 @@ def check_tc_path(x: torch.Tensor, params: VAEParams, what: str = "path='tc'") -
                          f"use {what.split('=')[0]}='auto'")
 
 
+PINGPONG_MAX_HIDDEN = 256  # elbo.h kPingpongMaxK
+
+
+def check_pingpong(x: torch.Tensor, params: VAEParams, deferred: bool) -> None:
+    """ValueError unless output='pingpong' applies: the tc path, hidden_dim <= 256 (its rows of
+    d stay in shared memory), no deferred check (binding_forward.cpp checks it again)."""
+    check_tc_path(x, params, "output='pingpong'")
+    h = VAEParams(*params).dims[1]
+    if h > PINGPONG_MAX_HIDDEN or deferred:
+        raise ValueError(f"output='pingpong' needs hidden_dim <= {PINGPONG_MAX_HIDDEN} (got {h}) "
+                         f"and no deferred check (got deferred={deferred}); use output='auto'")
+
+
 def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int = 0,
             cluster: int = 0, staged: int = -1, path: str = "auto", draw: bool = False,
-            deferred: bool = False, latent: str = "auto", _poison: bool = False):
+            deferred: bool = False, latent: str = "auto", output: str = "auto",
+            _poison: bool = False):
     """(elbo, recon, kl), each (B,) float32, on the current stream; every input checked.
 
     path: "auto" (a cluster kernel for small batches, the rows path for large ones), "fast"
@@ -121,19 +140,24 @@ def forward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, *, rows: int 
     that is exact); deferred=True runs the deferred value check in the kernels (a bad x: every
     output NaN, and fastelbo.check_errors raises); latent: the rows and tc paths' latent
     block, "fused" (latent.cu, one launch), "cublas" or "auto" (fused where
-    FASTELBO_FUSED_LATENT=1); _poison fills the outputs with NaN first, so tests can prove every
-    element is written.
+    FASTELBO_FUSED_LATENT=1); output: the tc path's output layer, "pingpong" (pingpong.cu, one
+    persistent launch; wherever the tc path runs, so path='tc' forces it at every B; no deferred
+    check, hidden_dim <= 256), "tc" (tc_gemm.cu) or "auto" (pingpong where FASTELBO_PINGPONG=1
+    and it applies); _poison fills the outputs with NaN first, so tests can prove every element
+    is written.
     """
-    check_options(rows, cluster, staged, path, latent)
+    check_options(rows, cluster, staged, path, latent, output)
     ext = build.extension()
     params = status.check_call(ext, x, params, eps)
     if path == "fast":
         check_fast_path(x, params)
     elif path == "tc":
         check_tc_path(x, params)
+    if output == "pingpong":
+        check_pingpong(x, params, bool(deferred))
     options = launch.forward_options(ext, rows=rows, cluster=cluster, staged=staged,
                                      poison=bool(_poison), path=path, draw=bool(draw),
-                                     deferred=bool(deferred), latent=latent)
+                                     deferred=bool(deferred), latent=latent, output=output)
     out = launch.forward(ext, x=x, eps=eps, params=params, options=options)
     if not out:
         raise status.error(launch.last_status(ext), {"x": x, "eps": eps, "params": params})

@@ -16,12 +16,15 @@ from __future__ import annotations
 PATHS = {"auto": 0, "cluster": 1, "rows": 2, "fast": 3, "tc": 4}
 # The rows and tc paths' latent block, as binding.h's Latent enum numbers them.
 LATENTS = {"auto": 0, "fused": 1, "cublas": 2}
+# The tc path's output layer, as binding.h's Output enum numbers them.
+OUTPUTS = {"auto": 0, "pingpong": 1, "tc": 2}
 
 
 def forward_options(ext, *, rows=0, cluster=0, staged=-1, poison=False, path="auto",
-                    draw=False, awaits=False, deferred=False, latent="auto"):
-    """A new ext.ForwardOptions (binding.h says what each field does); path and latent by
-    name. deferred and latent are set only where not their defaults (the struct's)."""
+                    draw=False, awaits=False, deferred=False, latent="auto", output="auto"):
+    """A new ext.ForwardOptions (binding.h says what each field does); path, latent and output
+    by name. deferred, latent and output are set only where not their defaults (the
+    struct's)."""
     opt = ext.ForwardOptions()
     opt.rows, opt.cluster, opt.staged = rows, cluster, staged
     opt.poison, opt.path, opt.draw, opt.awaits = poison, PATHS[path], draw, awaits
@@ -29,6 +32,8 @@ def forward_options(ext, *, rows=0, cluster=0, staged=-1, poison=False, path="au
         opt.deferred = True
     if latent != "auto":
         opt.latent = LATENTS[latent]
+    if output != "auto":
+        opt.output = OUTPUTS[output]
     return opt
 
 
