@@ -154,14 +154,15 @@ def test_the_harness_reaches_the_product_only_through_its_registration_point():
 
 def test_the_harness_rule_sees_lazy_and_string_imports():
     graph = dict(GRAPH)
-    graph["fastelbo.harness.check"] = graph["fastelbo.harness.check"] | {"fastelbo.export"}
-    assert _harness_violations(graph) == ["fastelbo.harness.check imports fastelbo.export"]
+    graph["fastelbo.harness.check.check"] = (graph["fastelbo.harness.check.check"]
+                                             | {"fastelbo.export"})
+    assert _harness_violations(graph) == ["fastelbo.harness.check.check imports fastelbo.export"]
     source = ('import importlib\nimportlib.import_module("fastelbo.export")\n'
-              'TASK = "fastelbo.model:ModelNew"\nLABEL = "fastelbo.harness.check"\n')
-    assert _string_imports("fastelbo.harness.check", source) == {"fastelbo.export",
+              'TASK = "fastelbo.model:ModelNew"\nLABEL = "fastelbo.harness.check.check"\n')
+    assert _string_imports("fastelbo.harness.check.check", source) == {"fastelbo.export",
                                                                  "fastelbo.model"}
     # The real strings it must see: the modules of the tasks a worker may run.
-    assert {"fastelbo.harness.tasks", "fastelbo.harness.bench"} <= _string_imports(
+    assert {"fastelbo.harness.guard.tasks", "fastelbo.harness.bench.bench"} <= _string_imports(
         "fastelbo.harness.task_specs")
 
 
@@ -195,12 +196,12 @@ def _task_strings(source: str) -> list[str]:
 
 
 def test_no_worker_task_is_named_by_a_string():
-    found = {path.name: hits for path in sorted((PKG / "harness").glob("*.py"))
+    found = {str(path.relative_to(PKG)): hits for path in sorted((PKG / "harness").rglob("*.py"))
              if (hits := _task_strings(path.read_text()))}
     assert found == {}, found
-    assert _task_strings('TASKS = "fastelbo.harness.tasks:"\nrun("subprocess:run")\n'
+    assert _task_strings('TASKS = "fastelbo.harness.guard.tasks:"\nrun("subprocess:run")\n'
                          'run(TASKS + "import_only")\nx = ("cuda:", "REG:", "cuda:0")\n') == [
-        "fastelbo.harness.tasks:", "subprocess:run"]
+        "fastelbo.harness.guard.tasks:", "subprocess:run"]
 
 
 def test_the_plugin_names_the_contracts_switch():
