@@ -10,7 +10,7 @@ chunks).
 
 For every batch in BATCHES and every available backend (torch, triton, cuda if built), one
 forward with a fixed eps is timed two ways: called eagerly in a loop (ms per call, host launch
-work included: what a training or evaluation loop sees; fastelbo.harness.timing.wall_per_call,
+work included: what a training or evaluation loop sees; fastelbo.harness.guard.timing.wall_per_call,
 the measure `fastelbo bench` reports as wall_ms) and captured into a CUDA graph and
 replayed (the median of `--reps` replays: GPU time only). Each way gives its rules, the fastest
 backend per batch with runs of equal winners merged, and src/fastelbo/backends/crossover.json is

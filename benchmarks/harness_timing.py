@@ -234,7 +234,7 @@ def measure(case: dict, device: str, repeats: int, timeout: float, tmp: Path,
 
 SESSION_DRIVER = """
 import json, sys, time
-from fastelbo.harness.session import Session
+from fastelbo.harness.agents.session import Session
 problem, candidate, device, repeats = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 with Session(problem, device) as s:
     s.run_correctness(candidate)  # fills the reference cache, untimed

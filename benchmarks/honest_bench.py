@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from fastelbo import export
-from fastelbo.harness.bench import run_bench
+from fastelbo.harness.bench.bench import run_bench
 from fastelbo.harness.results import append_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 
 from fastelbo import export
-from fastelbo.harness import loader, placement
-from fastelbo.harness.bench import run_bench
+from fastelbo.harness import placement
+from fastelbo.harness.bench.bench import run_bench
+from fastelbo.harness.guard import loader
 from fastelbo.harness.results import append_jsonl, environment, utc_now
 from fastelbo.problems import problem_path
 

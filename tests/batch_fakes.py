@@ -1,6 +1,6 @@
-"""A stand-in for harness.session.Session in the batch tests that judge nothing for real: its
-verdicts and timings are read from marks in the candidate's text, so a run's results are known
-in advance and the same every time (no worker, no torch).
+"""A stand-in for harness.agents.session.Session in the batch tests that judge nothing for
+real: its verdicts and timings are read from marks in the candidate's text, so a run's results
+are known in advance and the same every time (no worker, no torch).
 
     # verdict: pass | incorrect | error | raise      (default pass; raise: the harness fails)
     # ms: 2.5                                        (its bench time; eager's is 5.0)

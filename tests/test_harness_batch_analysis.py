@@ -235,7 +235,7 @@ def test_progress_shows_a_bar_and_a_line_per_pool_or_a_line_per_pair(bars):
 def test_a_session_judges_a_whole_run_for_an_agent(tmp_path):
     """Session.judge_batch: the summary and the paths of the full results, with the session's
     settings (here a given seed and two trials, no extra regimes)."""
-    from fastelbo.harness.session import Session
+    from fastelbo.harness.agents.session import Session
     probs, run = tmp_path / "problems", tmp_path / "run"
     probs.mkdir()
     run.mkdir()

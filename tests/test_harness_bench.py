@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from fastelbo.cli import main
-from fastelbo.harness import bench, bench_rows
+from fastelbo.harness.bench import bench, bench_rows
+from fastelbo.harness.guard.timing import quantiles
+from fastelbo.harness.guard.worker import WorkerOutcome
 from fastelbo.harness.results import git_commit
-from fastelbo.harness.timing import quantiles
-from fastelbo.harness.worker import WorkerOutcome
 
 HERE = Path(__file__).parent
 TINY = str(HERE / "problems" / "tiny_vae.py")
@@ -317,7 +317,7 @@ def test_an_input_recast_or_moved_off_its_storage_is_a_hygiene_finding(after):
     input recast to a class of its own or moved off its storage: the storage rule read only
     plain tensors, the values rule only inputs shaped as the set, and bench said "ok" until
     2026-12-05. An honest ReLU leaves nothing to report."""
-    from fastelbo.harness.pool import Checks, Handed
+    from fastelbo.harness.guard.pool import Checks, Handed
     pristine = [torch.rand(4, 5)]  # nonnegative: a ReLU leaves its values as they were
     checks, x = Checks(), Handed([pristine[0].clone()])
     out = torch.relu_(x[0]).as_subclass(torch.Tensor)
@@ -373,8 +373,8 @@ def test_a_judged_call_past_the_keep_budget_is_judged_on_a_sample(monkeypatch):
     was "ok" at thousands of x eager until 2026-12-05. Now each such call keeps a sample of its
     elements, drawn after it returns, and the reference worker samples its outputs alike: the
     wrong calls are INCORRECT; the honest model's sampled calls match the reference's."""
-    from fastelbo.harness import loader, timing
-    from fastelbo.harness import pool as pool_module
+    from fastelbo.harness.guard import loader, timing
+    from fastelbo.harness.guard import pool as pool_module
     monkeypatch.setattr(pool_module, "KEEP_BYTES", 1)  # only each metric's last fits whole
     mod = loader.problem_module(TINY)
     model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, 5), 5)
@@ -486,7 +486,7 @@ def test_the_gap_between_calls_leaves_out_the_waits_for_the_device():
     """The outside time is the harness's host work between calls: the synchronizes and the
     flush (the device's time, and a driver call) are left out (they varied 0.9-2.0 ms per
     worker on the H200 and flagged an honest candidate)."""
-    from fastelbo.harness.timing import _gaps
+    from fastelbo.harness.guard.timing import _gaps
     ends, starts = [1.0, 2.0, 3.0], [0.5, 1.5, 2.6, 3.9]
     assert _gaps(ends, starts)["outside_ms"] == pytest.approx(600.0)  # (0.5, 0.6, 0.9) s
     assert _gaps(ends, starts, [0.4, 0.1, 0.85])["outside_ms"] == pytest.approx(100.0)
@@ -501,7 +501,7 @@ def test_device_time_counts_each_kernel_once():
 
     from torch.autograd import DeviceType
 
-    from fastelbo.harness.timing import device_totals
+    from fastelbo.harness.guard.timing import device_totals
 
     def event(key, device, us, count=1):
         return SimpleNamespace(key=key, device_type=device, self_device_time_total=us,

@@ -1,11 +1,11 @@
-"""bench's rules on a row's own numbers (harness/bench.py), held to what the H100 showed: the
+"""bench's rules on a row's own numbers (harness/bench/bench.py), held to what the H100 showed: the
 honest exported solution's cold call waits for the flush inside its value check and must not be
 flagged; work after the call on another stream, a start event recorded late, a clock that runs
 slow and forged progress lines must be."""
 from __future__ import annotations
 
-from fastelbo.harness import bench, bench_rows
-from fastelbo.harness.timing import loop_marks
+from fastelbo.harness.bench import bench, bench_rows
+from fastelbo.harness.guard.timing import loop_marks
 
 
 def _row(**kw):

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from fastelbo.harness import check, refcache
-from fastelbo.harness.check import run_check
+from fastelbo.harness import refcache
+from fastelbo.harness.check import check
+from fastelbo.harness.check.check import run_check
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"

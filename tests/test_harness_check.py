@@ -11,7 +11,7 @@ import torch
 
 import worker_tasks
 from fastelbo.cli import main
-from fastelbo.harness.check import run_check
+from fastelbo.harness.check.check import run_check
 from fastelbo.harness.compare import PERTURB_RUNS, compare_outputs, degenerate, diff_tensors
 from fastelbo.harness.report import CheckReport, RegimeReport, TensorDiff, TrialReport
 
@@ -175,7 +175,7 @@ def test_interrupt_kills_the_worker_group(monkeypatch):
     the terminal's SIGINT does not reach), then propagates."""
     import signal
 
-    from fastelbo.harness import worker
+    from fastelbo.harness.guard import worker
 
     started = {}
     real = worker._select
@@ -434,7 +434,7 @@ def test_unsupported_outputs_become_output_type_findings():
     import numpy as np
 
     from fastelbo.harness.compare import identical
-    from fastelbo.harness.loader import to_host
+    from fastelbo.harness.guard.loader import to_host
     ref = (torch.ones(2), torch.zeros(2), 3)
     got = to_host((torch.ones(2), np.zeros(2), 3))
     assert got[2] == 3 and isinstance(got[0], torch.Tensor)
@@ -448,7 +448,7 @@ def test_unsupported_outputs_become_output_type_findings():
 @pytest.mark.parametrize("func, text", [("numpy_result", "could not be read back safely (it "),
                                         ("lambda_result", "could not be saved")])
 def test_worker_results_it_cannot_carry_are_errors_not_crashes(func, text):
-    from fastelbo.harness.worker import run_task
+    from fastelbo.harness.guard.worker import run_task
     assert run_task(worker_tasks.fine, 60, env=worker_tasks.ENV).result == {"value": 1}
     outcome = run_task(getattr(worker_tasks, func), 60, env=worker_tasks.ENV)
     assert not outcome.ok and outcome.category == "exception"
@@ -465,7 +465,7 @@ def test_cli_check_unsupported_output_is_incorrect_not_a_traceback(capsys):
 
 
 def test_cli_unexpected_harness_error_exits_2(capsys, monkeypatch):
-    from fastelbo.harness import check
+    from fastelbo.harness.check import check
 
     def boom(*args, **kwargs):
         raise RuntimeError("harness bug")
@@ -480,7 +480,7 @@ def test_every_corpus_report_is_strict_json_of_the_documented_schema(reports):
     # collects this module's gpu tests where the dev extra is not installed.
     import jsonschema
 
-    from fastelbo.harness import check as check_module
+    from fastelbo.harness.check import check as check_module
     from fastelbo.harness.compare import PERTURB_RUNS as RUNS
     from fastelbo.harness.schema import CHECK_REPORT
     assert check_module.PERTURB_RUNS == RUNS  # check.py holds its own copy (no torch import)
@@ -496,7 +496,7 @@ def test_a_result_with_no_room_even_for_its_error_comes_back_over_the_channel():
     """A worker whose result, and then the error saying so, could not be written (its
     directory's file system full; torch.save refused here): the error comes back as a line on
     its channel, not as a crash with an empty log."""
-    from fastelbo.harness.worker import run_task
+    from fastelbo.harness.guard.worker import run_task
     outcome = run_task(worker_tasks.no_room_for_a_result, 60, env=worker_tasks.ENV)
     assert not outcome.ok and outcome.category == "exception", outcome
     assert "result could not be saved" in outcome.reason, outcome.reason
@@ -508,7 +508,7 @@ def test_a_task_that_cannot_be_handed_over_is_an_outcome(monkeypatch):
     nothing raises into the caller (a check's thread)."""
     import errno
 
-    from fastelbo.harness import worker
+    from fastelbo.harness.guard import worker
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -529,7 +529,7 @@ def test_a_forked_worker_never_returns_into_its_callers_stack(monkeypatch, tmp_p
     the check's error handling there, which killed the candidate's worker)."""
     import errno
 
-    from fastelbo.harness import forking
+    from fastelbo.harness.guard import forking
 
     def no_room():
         raise OSError(errno.ENOSPC, "No space left on device (the log)")
@@ -555,7 +555,7 @@ def test_inputs_the_candidates_directory_cannot_take_are_its_failure(monkeypatch
     out of the check, nor the reference's."""
     import errno
 
-    from fastelbo.harness import check
+    from fastelbo.harness.check import check
     write_new = check.handoff.write_new
 
     def full(directory, name, data=None, *, source=None):
@@ -595,7 +595,7 @@ def test_a_candidates_build_directory_goes_only_where_the_disk_is_nearly_full(tm
     (a rebuild costs minutes)."""
     from types import SimpleNamespace
 
-    from fastelbo.harness import sandbox
+    from fastelbo.harness.guard import sandbox
     monkeypatch.setenv(sandbox.BUILDS_ENV, str(tmp_path / "builds"))
     digest = "ab" * 32
     (tmp_path / "builds" / digest).mkdir(parents=True)

@@ -88,7 +88,8 @@ def test_check_and_serve_take_extra_batch_sizes_and_bench_the_sizes_timed(monkey
     """Two meanings, two names: check's (and serve's) --extra-batch-sizes are regimes beyond
     get_inputs()'; bench's --batch-sizes every size it times. check's old name still works,
     unlisted in its help."""
-    from fastelbo.harness import bench, check
+    from fastelbo.harness.bench import bench
+    from fastelbo.harness.check import check
     seen = {}
 
     def run_check(problem, candidate, options):
@@ -114,7 +115,7 @@ def test_check_and_serve_take_extra_batch_sizes_and_bench_the_sizes_timed(monkey
 
 
 def test_never_raise_lets_a_usage_error_through(monkeypatch, capsys):
-    from fastelbo.harness import check
+    from fastelbo.harness.check import check
 
     def mistake(*args, **kwargs):
         raise UsageError("--atol is too large for this problem")
@@ -185,7 +186,7 @@ def test_the_schema_id_changes_with_what_a_report_may_hold():
 FAKE_WORKERS = f'''
 import sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from fastelbo.harness import check
+from fastelbo.harness.check import check
 from fake_workers import FailingWorker
 check.Worker = FailingWorker
 from fastelbo.cli import main
@@ -222,7 +223,7 @@ def test_check_runs_on_cuda_where_there_is_one_unless_told(gpu, monkeypatch, cap
     """check's default device is bench's: cuda where torch sees a GPU, else cpu (chosen once the
     workers are started); the report names it, and the workers' tasks get it."""
     from fake_workers import FailingWorker
-    from fastelbo.harness import check
+    from fastelbo.harness.check import check
     asked = []
     monkeypatch.setattr(FailingWorker, "asked", asked)
     monkeypatch.setattr(check, "Worker", FailingWorker)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import runpy
 from pathlib import Path
 
-from fastelbo.harness import compile as compile_mod
-from fastelbo.harness.compile import (
+from fastelbo.harness.check import compile as compile_mod
+from fastelbo.harness.check.compile import (
     CompileReport,
     KernelResources,
     locate,

@@ -9,9 +9,9 @@ import torch
 
 import fastelbo
 from fastelbo.backends import torch_ref
-from fastelbo.harness import tasks
-from fastelbo.harness.check import run_check
+from fastelbo.harness.check.check import run_check
 from fastelbo.harness.compare import PERTURB_RUNS, assert_outputs_match, compare_outputs, perturbed
+from fastelbo.harness.guard import tasks
 from fastelbo.params import VAEParams
 
 

@@ -1,8 +1,8 @@
-"""harness/handoff.py: the harness writes into a worker's directory (which the candidate's code
-can write) only as new files under names no one can guess, and reads back only regular files
-with one link directly inside it. On 2026-12-05 a candidate's link named `init.pt` made the
-check's copy of the weights overwrite a reference entry (and pass), and a FIFO named as a
-result hung the check."""
+"""harness/guard/handoff.py: the harness writes into a worker's directory (which the candidate's
+code can write) only as new files under names no one can guess, and reads back only regular files
+with one link directly inside it. On 2026-12-05 a candidate's link named `init.pt` made the check's
+copy of the weights overwrite a reference entry (and pass), and a FIFO named as a result hung the
+check."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from fastelbo.harness import handoff
+from fastelbo.harness.guard import handoff
 
 
 def test_a_new_file_never_writes_through_what_is_there(tmp_path, monkeypatch):
@@ -90,7 +90,7 @@ def test_a_forged_error_result_is_read_as_bounded_text(tmp_path):
     report, the reason in its message)."""
     import torch
 
-    from fastelbo.harness import worker
+    from fastelbo.harness.guard import worker
     huge = torch.zeros(1, dtype=torch.int64).expand(10 ** 12)
     for error, category, want in ((huge, ["x"] * 10, ("exception", "a malformed error")),
                                   ("e" * 10 ** 6, "c" * 10 ** 4, ("c" * 40, "e" * 16000))):
@@ -121,7 +121,7 @@ def test_a_result_is_read_once_and_only_as_stored(tmp_path):
     by 1 GiB from 256 KB)."""
     import zipfile
 
-    from fastelbo.harness.worker import _load
+    from fastelbo.harness.guard.worker import _load
     plain, bomb, text = tmp_path / "partial1.pt", tmp_path / "bomb.pt", tmp_path / "text.pt"
     _archive(plain, zipfile.ZIP_STORED)
     _archive(bomb, zipfile.ZIP_DEFLATED)

@@ -1,4 +1,4 @@
-"""The tripwires in a candidate's worker (harness/integrity.py): what a candidate replaces or
+"""The tripwires in a candidate's worker (harness/guard/integrity.py): what a candidate replaces or
 adds among the names the harness relies on is named, and honest work changes none of them."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastelbo.harness import integrity, pool
+from fastelbo.harness.guard import integrity, pool
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +62,7 @@ def test_the_problems_functions_are_watched(monkeypatch):
 
 HONEST = """
 import torch
-from fastelbo.harness import integrity
+from fastelbo.harness.guard import integrity
 snap = integrity.Snapshot()
 import torch._dynamo, torch.fx
 import fastelbo
@@ -162,7 +162,7 @@ def test_a_hook_left_set_between_calls_is_named(what, set_it, unset):
     try:
         left = snap.hooks_left()
         assert any(what in item for item in left), left
-        from fastelbo.harness.worker import TaskError
+        from fastelbo.harness.guard.worker import TaskError
         with pytest.raises(TaskError, match="after a timed call"):
             snap.guard()
     finally:
@@ -240,13 +240,13 @@ def test_every_global_of_the_harnesss_modules_is_watched(monkeypatch):
     itself: each is named."""
     import statistics
 
-    from fastelbo.harness import timing
+    from fastelbo.harness.guard import timing
     snap = integrity.Snapshot({})
     monkeypatch.setattr(timing, "statistics", types.SimpleNamespace(median=min))
     monkeypatch.setattr(timing, "min", max, raising=False)
     monkeypatch.setattr(statistics, "median", min)
-    assert set(snap.changed()) == {"fastelbo.harness.timing.statistics was replaced",
-                                   "fastelbo.harness.timing.min was added",
+    assert set(snap.changed()) == {"fastelbo.harness.guard.timing.statistics was replaced",
+                                   "fastelbo.harness.guard.timing.min was added",
                                    "statistics.median was replaced"}
 
 
@@ -258,7 +258,8 @@ def _other(*args, **kwargs):
 def test_a_function_whose_code_is_swapped_keeps_no_secret(what):
     """Its identity stays, so a check of bindings alone missed it: the harness's functions,
     their classes' methods and the problem's keep their code, defaults and closure."""
-    from fastelbo.harness import compare, pool
+    from fastelbo.harness import compare
+    from fastelbo.harness.guard import pool
     problem = types.ModuleType("problem")
 
     def get_inputs(n=3):
@@ -274,7 +275,7 @@ def test_a_function_whose_code_is_swapped_keeps_no_secret(what):
             setattr(f, what, _other.__code__ if what == "__code__" else (7,))
         assert set(snap.changed()) >= {
             "the code of fastelbo.harness.compare.compare_outputs was replaced",
-            "the code of fastelbo.harness.pool.Pool.fresh was replaced",
+            "the code of fastelbo.harness.guard.pool.Pool.fresh was replaced",
             "the code of problem.get_inputs was replaced"}, snap.changed()
     finally:
         for f, value in zip(targets, saved):

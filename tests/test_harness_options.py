@@ -11,10 +11,11 @@ import pytest
 
 from fastelbo.cli import build_parser
 from fastelbo.errors import UsageError
-from fastelbo.harness import bench, check
-from fastelbo.harness.check import run_check
+from fastelbo.harness.agents.session import Session
+from fastelbo.harness.bench import bench
+from fastelbo.harness.check import check
+from fastelbo.harness.check.check import run_check
 from fastelbo.harness.options import BenchOptions, CheckOptions, OptionError
-from fastelbo.harness.session import Session
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"
@@ -242,7 +243,7 @@ def test_each_layer_passes_its_bench_options_down(monkeypatch, tmp_path):
         graph_reps=7, quick=True, eval_mode=True, timeout=9.0, validate=False, seed=11,
         atol=0.25, rtol=0.5), {})]
 
-    from fastelbo.harness import session as session_mod
+    from fastelbo.harness.agents import session as session_mod
     monkeypatch.setattr(session_mod, "run_bench", run_bench)
     seen.clear()
     with Session(TINY, spares=0, seed=3, atol=0.5, timeout=1.0, trials=1) as s:
@@ -273,7 +274,7 @@ def test_the_library_session_cli_and_server_say_the_same_of_a_bad_bench_value(no
     pytest.importorskip("mcp")
     import anyio
 
-    from fastelbo.harness import server
+    from fastelbo.harness.agents import server
 
     with pytest.raises(OptionError) as library:
         bench.run_bench(TINY, [str(GOOD)], batch_sizes=[0, 4])

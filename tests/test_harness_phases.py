@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 import worker_tasks
-from fastelbo.harness import check, worker
-from fastelbo.harness.check import run_check
+from fastelbo.harness.check import check
+from fastelbo.harness.check.check import run_check
+from fastelbo.harness.guard import worker
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"

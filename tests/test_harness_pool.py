@@ -1,5 +1,5 @@
-"""bench's timed inputs (harness/pool.py): a set does not exist before its block, a memo of past
-answers never hits, which calls are judged is drawn after they return, and the reference
+"""bench's timed inputs (harness/guard/pool.py): a set does not exist before its block, a memo of
+past answers never hits, which calls are judged is drawn after they return, and the reference
 replays every judged call (a loop's too) exactly."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastelbo.harness import bench, loader, pool, timing
+from fastelbo.harness.bench import bench
+from fastelbo.harness.guard import loader, pool, timing
 
 TINY = str(Path(__file__).parent / "problems" / "tiny_vae.py")
 SEED = 3

@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastelbo.harness import check, regimes, shared
-from fastelbo.harness.check import run_check
+from fastelbo.harness import regimes
+from fastelbo.harness.check import check
+from fastelbo.harness.check.check import run_check
 from fastelbo.harness.compare import PERTURB_RUNS
+from fastelbo.harness.guard import shared
+from fastelbo.harness.guard.tasks import RESIDENT_ENV
+from fastelbo.harness.guard.worker import WorkerOutcome
 from fastelbo.harness.task_specs import judge_pass
-from fastelbo.harness.tasks import RESIDENT_ENV
-from fastelbo.harness.worker import WorkerOutcome
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"

@@ -1,4 +1,4 @@
-"""harness/seccomp.py: a worker cannot start a process outside its own tree (CLONE_PARENT is
+"""harness/guard/seccomp.py: a worker cannot start a process outside its own tree (CLONE_PARENT is
 refused) nor change another process's CPUs, scheduling, priority or limits, while fork,
 threads, subprocesses, torch and its own settings work as before. Run in a child process: the
 filter cannot be removed once applied."""
@@ -11,14 +11,14 @@ import textwrap
 
 import pytest
 
-from fastelbo.harness import seccomp
+from fastelbo.harness.guard import seccomp
 
 pytestmark = pytest.mark.skipif(seccomp.unavailable() is not None,
                                 reason=f"no seccomp filter here: {seccomp.unavailable()}")
 
 PROBE = textwrap.dedent("""
     import ctypes, os, subprocess, sys, threading
-    from fastelbo.harness import seccomp
+    from fastelbo.harness.guard import seccomp
     libc = ctypes.CDLL(None, use_errno=True)
 
     def clone(flags):
@@ -127,7 +127,7 @@ def test_the_filter_leaves_the_speculation_mitigation_alone(spec_allow):
         mode = "unknown"
     if "seccomp" not in mode or "thread" not in before:
         pytest.skip(f"this kernel does not mitigate by seccomp ({mode}; this process: {before})")
-    probe = ("import sys\nfrom fastelbo.harness import seccomp\n"
+    probe = ("import sys\nfrom fastelbo.harness.guard import seccomp\n"
              f"assert seccomp.forbid_escapes(spec_allow={spec_allow}) is None\n"
              "print(open('/proc/self/status').read())")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,

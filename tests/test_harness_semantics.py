@@ -10,7 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from fastelbo.harness.check import run_check
+from fastelbo.harness.check.check import run_check
 from fastelbo.harness.report import kernelbench_note
 
 HERE = Path(__file__).parent

@@ -1,5 +1,5 @@
-"""harness.session.Session on CPU: each tool's verdict for a correct, a wrong, a syntax-error and
-a hanging candidate, and that the session carries on after a hang."""
+"""harness.agents.session.Session on CPU: each tool's verdict for a correct, a wrong, a
+syntax-error and a hanging candidate, and that the session carries on after a hang."""
 from __future__ import annotations
 
 import contextlib
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import SYNTAX_ERROR_SOURCE
-from fastelbo.harness import session as session_mod
-from fastelbo.harness.compile import CompileReport, KernelResources, MappedError
-from fastelbo.harness.session import Session, compile_report_dict, third_party_imports
+from fastelbo.harness.agents import session as session_mod
+from fastelbo.harness.agents.session import Session, compile_report_dict, third_party_imports
+from fastelbo.harness.check.compile import CompileReport, KernelResources, MappedError
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"
@@ -413,7 +413,8 @@ def test_a_session_refuses_another_sessions_files_and_the_harness_own(tmp_path):
     confinement to the other session's directory: now every tool refuses such a path (links
     followed) before any work, as it refuses the harness's private directory and the reference
     cache."""
-    from fastelbo.harness import refcache, sandbox
+    from fastelbo.harness import refcache
+    from fastelbo.harness.guard import sandbox
     with _session(spares=0) as theirs, _session(spares=0, submit_dir=tmp_path / "out") as mine:
         their_source = Path(theirs._candidate(CORRECT.read_text()))
         report = theirs.directory / "reports" / "0001-run_correctness.json"
@@ -445,7 +446,7 @@ def test_a_session_refuses_another_sessions_files_and_the_harness_own(tmp_path):
 def test_a_candidates_path_never_opens_another_session_to_its_worker(tmp_path):
     """The confinement reads one session's directory: the session's whose job it is
     (session_scope) or the one named, never one a candidate's path lies in."""
-    from fastelbo.harness import sandbox
+    from fastelbo.harness.guard import sandbox
     if sandbox.for_candidates()["kind"] != "landlock":
         pytest.skip("needs Landlock (the only kind with per-directory rules)")
     with _session(spares=0) as theirs, _session(spares=0) as mine:
@@ -567,8 +568,8 @@ def test_a_compile_lists_a_bounded_number_of_extensions():
     its build directory): until 2026-12-05 exploit_floods_extensions.py's 2,000 empty files
     were each a line of compile_kernel's compact result (400 KB). Now the first
     MAX_EXTENSIONS are listed, and how many more."""
-    from fastelbo.harness.server import _compile_result
-    from fastelbo.harness.tool_results import CompileResult
+    from fastelbo.harness.agents.server import _compile_result
+    from fastelbo.harness.agents.tool_results import CompileResult
     with _session(spares=0) as s:
         full = s.compile_kernel(CANDIDATES / "exploit_floods_extensions.py")
     assert full["exit_code"] == 0, full["reason"]
@@ -630,7 +631,7 @@ def test_a_report_lists_a_bounded_number_of_scan_flags():
     """Every flag of the scan was listed: 400,000 `import gc` lines (4 MiB) made a report of
     30 MB, written and held at every call. Now the first MAX_FLAGS, then one counting the
     rest."""
-    from fastelbo.harness.scan import MAX_FLAGS
+    from fastelbo.harness.guard.scan import MAX_FLAGS
     with _session(spares=0) as s:
         report = s.run_correctness(CORRECT.read_text() + "import gc\n" * 300)
     assert report["exit_code"] == 0, report["reasons"]

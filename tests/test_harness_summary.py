@@ -2,11 +2,11 @@
 harness writes them (the messages are compare.py's and the loader's own formats)."""
 from __future__ import annotations
 
-from fastelbo.harness import summary
+from fastelbo.harness.agents import summary
 
 CAND = "/s/ab12/candidate.py"
 TRACEBACK = (f"the candidate raised in regime default, trial 0:\n"
-             f'  File "/src/fastelbo/harness/tasks.py", line 377, in _candidate_trial\n'
+             f'  File "/src/fastelbo/harness/guard/tasks.py", line 377, in _candidate_trial\n'
              f"    raw = as_tuple(model(*x))\n"
              f'  File "{CAND}", line 9, in forward\n'
              f"    raise RuntimeError(\"bad launch\")\nRuntimeError: bad launch")

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 import worker_tasks
-from fastelbo.harness import task_specs, worker
+from fastelbo.harness import task_specs
+from fastelbo.harness.guard import worker
 from fastelbo.harness.task_specs import Task, implements
 
 
@@ -23,11 +24,11 @@ class NoWorker:
 
 def test_a_misspelt_argument_raises_in_the_parent_before_any_worker(monkeypatch):
     monkeypatch.setattr(worker, "Worker", NoWorker)
-    with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.tasks\.import_only: got an "
-                                        r"unexpected keyword argument 'candidat' "
+    with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.guard\.tasks\.import_only: "
+                                        r"got an unexpected keyword argument 'candidat' "
                                         r"\(it takes candidate, sha256\)$"):
         worker.run_task(task_specs.import_only, 60, candidat="x.py")
-    with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.tasks\.build_candidate: "
+    with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.guard\.tasks\.build_candidate: "
                                         r"missing a required argument: 'seed'$"):
         worker.run_task(task_specs.build_candidate, 60, candidate="x.py", problem="p.py",
                         device="cpu")
@@ -36,7 +37,7 @@ def test_a_misspelt_argument_raises_in_the_parent_before_any_worker(monkeypatch)
 def test_a_started_worker_is_sent_nothing_when_the_arguments_do_not_bind():
     w = worker.Worker()
     try:
-        with pytest.raises(TypeError, match="task fastelbo.harness.tasks.judge_pass: missing "
+        with pytest.raises(TypeError, match="task fastelbo.harness.guard.tasks.judge_pass: missing "
                                             "a required argument: 'rtol'"):
             w.run(task_specs.judge_pass, {"name": "default", "trials": [], "envelope": False,
                                           "atol": 1e-4}, timeout=60)
@@ -49,7 +50,7 @@ def test_only_a_declared_task_or_its_function_can_be_sent():
     with pytest.raises(TypeError, match="is not a declared task"):
         task_specs.spec_of(os.getcwd)
     with pytest.raises(TypeError, match="is not a declared task"):
-        task_specs.spec_of("fastelbo.harness.tasks:import_only")
+        task_specs.spec_of("fastelbo.harness.guard.tasks:import_only")
     assert task_specs.spec_of(worker_tasks.fine) is task_specs.REGISTRY[("worker_tasks", "fine")]
 
 
@@ -110,7 +111,7 @@ def test_naming_tasks_imports_no_torch():
     """check and compile name their tasks before they import torch, if they ever do: a new
     `fastelbo check` forks its workers first, `fastelbo compile` never imports it."""
     code = ("import sys, json\n"
-            "import fastelbo.harness.check, fastelbo.harness.compile\n"
+            "import fastelbo.harness.check.check, fastelbo.harness.check.compile\n"
             "from fastelbo.harness.task_specs import build_candidate, import_only\n"
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""bench's GPU timing loops (harness/timing.py) run on the CPU with CUDA's timers, streams and
+"""bench's GPU timing loops (harness/guard/timing.py) run on the CPU with CUDA's timers, streams and
 graphs stood in for, so that what they keep for judging is checked where no GPU is: every kept
 call is replayed exactly by the reference (bench_reference), with its run's length."""
 from __future__ import annotations
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastelbo.harness import bench, loader, timing
-from fastelbo.harness import pool as pool_module
+from fastelbo.harness.bench import bench
+from fastelbo.harness.guard import loader, timing
+from fastelbo.harness.guard import pool as pool_module
 
 TINY = str(Path(__file__).parent / "problems" / "tiny_vae.py")
 SEED = 5
@@ -264,7 +265,7 @@ def test_a_call_that_changes_the_loops_state_is_tampered(fake_cuda, change, fiel
     """What the cold loop depends on (the flush's buffer, the pool's keys, the kept outputs,
     its own lists) read before and after each call: a change is TAMPERED, named (issue #52:
     until 2026-12-07 only functions replaced were seen)."""
-    from fastelbo.harness.worker import TaskError
+    from fastelbo.harness.guard.worker import TaskError
     pool, model = _setup()
     calls = []
 
@@ -299,7 +300,7 @@ def test_a_change_no_call_reads_at_once_is_seen_by_the_loops_end(fake_cuda, chan
     """The loop's lists and the pool's dicts are read in O(1) a call (their newest items and
     the entries in use) and whole once the loop ends: a change to an old item or an entry not
     in use is TAMPERED all the same, named."""
-    from fastelbo.harness.worker import TaskError
+    from fastelbo.harness.guard.worker import TaskError
     pool, model = _setup()
     calls = []
 
@@ -320,7 +321,7 @@ def test_a_key_changed_for_one_call_and_put_back_later_is_seen(fake_cuda):
     to judge it), and the call after that puts it back, so neither call changes an entry in use
     and the loop's end finds it as it was: held to the ledger when the call that uses it seals,
     TAMPERED."""
-    from fastelbo.harness.worker import TaskError
+    from fastelbo.harness.guard.worker import TaskError
     pool, model = _setup()
     order = pool.order(64)
     pool.order = lambda n: order[:n]  # the loop's deal, known here
@@ -344,7 +345,7 @@ def test_the_watch_reads_a_call_in_time_that_does_not_grow_with_the_loop():
     """seal and verify read a log of a million items and a table of 100,000 entries about as
     fast as ones of ten (a loop of 2,000 calls read whole at every call spent 1.8 ms a gap: the
     H100, 2026-12-07); `final()` reads them whole, once."""
-    from fastelbo.harness.watch import Watch
+    from fastelbo.harness.guard.watch import Watch
 
     def cost(n: int) -> float:
         log, table = [0.5] * n, {j: [torch.zeros(1)] for j in range(min(n, 100_000))}
@@ -367,7 +368,7 @@ def test_the_watch_reads_a_call_in_time_that_does_not_grow_with_the_loop():
 
 @torch.no_grad()
 def test_the_cpu_loop_sees_a_state_change_too():
-    from fastelbo.harness.worker import TaskError
+    from fastelbo.harness.guard.worker import TaskError
     pool, model = _setup()
     checks = timing.Checks()
 
@@ -384,7 +385,7 @@ def test_the_cpu_loop_sees_a_state_change_too():
 def test_an_event_recorded_again_reads_out_of_order(fake_cuda):
     """A call that records an earlier call's start event again (its window then ends before
     it starts) is TAMPERED."""
-    from fastelbo.harness.worker import TaskError
+    from fastelbo.harness.guard.worker import TaskError
     pool, model = _setup()
 
     def rerecording(*x):
@@ -411,7 +412,7 @@ def test_every_draw_differs_when_the_os_random_source_is_rewritten(monkeypatch):
 
 @torch.no_grad()
 def test_the_wall_loop_sees_a_state_change_in_its_round(fake_cuda):
-    from fastelbo.harness.worker import TaskError
+    from fastelbo.harness.guard.worker import TaskError
     pool, model = _setup()
     calls = []
 

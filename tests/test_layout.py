@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -34,10 +35,14 @@ def _resolve(mod: str, is_pkg: bool, level: int, target: str | None) -> str:
 def imports_of(mod: str) -> set[str]:
     """The fastelbo modules `mod` imports anywhere in its body (top level or inside functions):
     `from . import x` counts as importing submodule x where one exists, else the package."""
-    path = MODULES[mod]
-    is_pkg = path.name == "__init__.py"
+    return imports_of_source(mod, MODULES[mod].read_text())
+
+
+def imports_of_source(mod: str, source: str) -> set[str]:
+    """imports_of, for `source` given as module `mod`'s text."""
+    is_pkg = MODULES[mod].name == "__init__.py"
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -154,14 +159,18 @@ def test_the_harness_reaches_the_product_only_through_its_registration_point():
 
 def test_the_harness_rule_sees_lazy_and_string_imports():
     graph = dict(GRAPH)
-    graph["fastelbo.harness.check"] = graph["fastelbo.harness.check"] | {"fastelbo.export"}
-    assert _harness_violations(graph) == ["fastelbo.harness.check imports fastelbo.export"]
+    graph["fastelbo.harness.check.check"] = (graph["fastelbo.harness.check.check"]
+                                             | {"fastelbo.export"})
+    graph["fastelbo.harness.guard.timing"] = (graph["fastelbo.harness.guard.timing"]
+                                              | {"fastelbo.ops.elbo"})
+    assert _harness_violations(graph) == ["fastelbo.harness.check.check imports fastelbo.export",
+                                          "fastelbo.harness.guard.timing imports fastelbo.ops.elbo"]
     source = ('import importlib\nimportlib.import_module("fastelbo.export")\n'
-              'TASK = "fastelbo.model:ModelNew"\nLABEL = "fastelbo.harness.check"\n')
-    assert _string_imports("fastelbo.harness.check", source) == {"fastelbo.export",
+              'TASK = "fastelbo.model:ModelNew"\nLABEL = "fastelbo.harness.check.check"\n')
+    assert _string_imports("fastelbo.harness.check.check", source) == {"fastelbo.export",
                                                                  "fastelbo.model"}
     # The real strings it must see: the modules of the tasks a worker may run.
-    assert {"fastelbo.harness.tasks", "fastelbo.harness.bench"} <= _string_imports(
+    assert {"fastelbo.harness.guard.tasks", "fastelbo.harness.bench.bench"} <= _string_imports(
         "fastelbo.harness.task_specs")
 
 
@@ -194,13 +203,78 @@ def _task_strings(source: str) -> list[str]:
     return found
 
 
+# The harness's trust zones (docs/layout.md). guard/ is what runs in or around a candidate's
+# process (its worker, its confinement, the tasks and loops it runs under, the tripwires): it
+# may use the core (harness/*.py) but none of the parent's wings, in any import (lazy ones,
+# import_module strings, and the modules integrity.py watches by name, which it imports).
+GUARD = "fastelbo.harness.guard"
+WINGS = tuple(f"fastelbo.harness.{w}" for w in ("check", "bench", "agents", "batch"))
+
+
+def _in(mod: str, packages: tuple[str, ...]) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in packages)
+
+
+def _watched_by_name(source: str) -> set[str]:
+    """The harness modules a source's `_HARNESS` tuple names (integrity.py imports each as
+    f"fastelbo.harness.{m}" into the candidate's worker, and watches it whole)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "_HARNESS" for t in node.targets):
+            return {f"fastelbo.harness.{m}" for m in ast.literal_eval(node.value)}
+    return set()
+
+
+def _zone_violations(graph: dict[str, set[str]],
+                     sources: dict[str, str] | None = None) -> list[str]:
+    """"guard.x imports y" for each module y of a parent's wing that a guard module reaches:
+    by an import in `graph`, or by name in its source (`sources` overrides a module's file)."""
+    sources = sources or {}
+    out = []
+    for mod in sorted(graph):
+        if not _in(mod, (GUARD,)):
+            continue
+        text = sources.get(mod, MODULES[mod].read_text() if mod in MODULES else "")
+        named = _string_imports(mod, text) | _watched_by_name(text)
+        out += [f"{mod} imports {n}" for n in sorted(graph[mod] | named) if _in(n, WINGS)]
+    return out
+
+
+def test_the_guard_imports_no_judging_wing():
+    guard = [m for m in MODULES if _in(m, (GUARD,))]
+    assert len(guard) > 10 and all(any(m.startswith(w) for m in MODULES) for w in WINGS)
+    assert _zone_violations(GRAPH) == []
+
+
+def test_the_zone_rule_sees_a_planted_import():
+    """An import, lazy or not, a module name in a string, and a module integrity.py would
+    watch by name, each planted in a guard module, is caught; the parent's wings may import
+    the guard."""
+    graph = dict(GRAPH)
+    graph[f"{GUARD}.pool"] = graph[f"{GUARD}.pool"] | {"fastelbo.harness.bench.bench_rows"}
+    assert _zone_violations(graph) == [
+        f"{GUARD}.pool imports fastelbo.harness.bench.bench_rows"]
+    lazy = "def f():\n    from ..agents import session\n"
+    assert imports_of_source(f"{GUARD}.timing", lazy) == {"fastelbo.harness.agents.session"}
+    planted = {f"{GUARD}.worker": 'import importlib\n'
+                                  'importlib.import_module("fastelbo.harness.check.check")\n',
+               f"{GUARD}.integrity": '_HARNESS = ("guard.worker", "batch.run", "compare")\n'}
+    assert _zone_violations(GRAPH, planted) == [
+        f"{GUARD}.integrity imports fastelbo.harness.batch.run",
+        f"{GUARD}.worker imports fastelbo.harness.check.check"]
+    assert _watched_by_name(MODULES[f"{GUARD}.integrity"].read_text())  # the real list is read
+    graph = dict(GRAPH)
+    graph["fastelbo.harness.check.check"] |= {f"{GUARD}.worker"}
+    assert _zone_violations(graph) == []
+
+
 def test_no_worker_task_is_named_by_a_string():
-    found = {path.name: hits for path in sorted((PKG / "harness").glob("*.py"))
+    found = {str(path.relative_to(PKG)): hits for path in sorted((PKG / "harness").rglob("*.py"))
              if (hits := _task_strings(path.read_text()))}
     assert found == {}, found
-    assert _task_strings('TASKS = "fastelbo.harness.tasks:"\nrun("subprocess:run")\n'
+    assert _task_strings('TASKS = "fastelbo.harness.guard.tasks:"\nrun("subprocess:run")\n'
                          'run(TASKS + "import_only")\nx = ("cuda:", "REG:", "cuda:0")\n') == [
-        "fastelbo.harness.tasks:", "subprocess:run"]
+        "fastelbo.harness.guard.tasks:", "subprocess:run"]
 
 
 def test_the_plugin_names_the_contracts_switch():
@@ -338,11 +412,82 @@ def test_the_protocol_rule_sees_what_it_should():
     assert "fastelbo.backends.cuda" not in graph["fastelbo.training.adam"]
 
 
+def _too_long(text: str) -> bool:
+    return len(text.splitlines()) > MAX_LINES
+
+
 @pytest.mark.parametrize("path", sorted(p for p in PKG.rglob("*")
                                         if p.suffix in (".py", ".cu", ".cuh", ".cpp", ".h")),
                          ids=lambda p: str(p.relative_to(PKG)))
 def test_source_files_stay_readable(path):
-    assert len(path.read_text().splitlines()) <= MAX_LINES
+    """No file over MAX_LINES (the harness's included: issue 53 asks 500 of it, but check.py,
+    worker.py, sandbox.py and tasks.py run to 670-690 lines; 700 until they are split)."""
+    assert not _too_long(path.read_text())
+
+
+def test_the_line_rule_sees_a_long_file():
+    assert _too_long("x = 1\n" * (MAX_LINES + 1)) and not _too_long("x = 1\n" * MAX_LINES)
+
+
+# No harness function over MAX_FUNCTION_LINES (def line to last line, nested functions counted
+# in their enclosing one too). These were longer when the rule came in (2026-12-07), each with
+# its length then: none may grow, none may join, and one split under the limit leaves the list
+# (the test fails on a stale entry), so the list only shrinks.
+MAX_FUNCTION_LINES = 80
+LONG_FUNCTIONS = {
+    "fastelbo.harness.bench.bench:bench_entry": 84,  # the worker's whole entry, each size's loop
+    "fastelbo.harness.check.check:_Check._judge": 92,  # every regime's verdict, in order
+    "fastelbo.harness.cli:register": 87,  # the argparse declarations of five commands
+    "fastelbo.harness.compare:diff_tensors": 99,  # one pass over a pair, chunked on the device
+}
+
+
+def _long_functions(source: str) -> dict[str, int]:
+    """{qualified name: lines} of the functions of `source` over MAX_FUNCTION_LINES."""
+    out = {}
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = child.end_lineno - child.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    out[prefix + child.name] = lines
+                walk(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, f"{prefix}{child.name}.")
+            else:
+                walk(child, prefix)
+
+    walk(ast.parse(source), "")
+    return out
+
+
+def _function_rule_violations(found: dict[str, int], allowed: dict[str, int]) -> list[str]:
+    return ([f"{f}: {n} lines (at most {MAX_FUNCTION_LINES})" for f, n in sorted(found.items())
+             if f not in allowed]
+            + [f"{f}: grew to {n} lines (allowed {allowed[f]})" for f, n in sorted(found.items())
+               if f in allowed and n > allowed[f]]
+            + [f"{f}: no longer over the limit, leave LONG_FUNCTIONS" for f in sorted(allowed)
+               if f not in found])
+
+
+def test_harness_functions_stay_short():
+    found = {f"{mod}:{name}": n for mod, path in sorted(MODULES.items())
+             if mod.startswith("fastelbo.harness") for name, n in
+             _long_functions(path.read_text()).items()}
+    assert _function_rule_violations(found, LONG_FUNCTIONS) == []
+
+
+def test_the_function_rule_sees_a_planted_long_function():
+    body = "x = 1\n" * MAX_FUNCTION_LINES
+    source = ("def short():\n    pass\nclass C:\n    def long(self):\n"
+              + textwrap.indent(body, " " * 8) + "        def inner():\n"
+              + textwrap.indent(body, " " * 12))
+    assert _long_functions(source) == {"C.long": 2 * MAX_FUNCTION_LINES + 2,
+                                       "C.long.inner": MAX_FUNCTION_LINES + 1}
+    assert _function_rule_violations({"m:new": 81, "m:grown": 90}, {"m:grown": 85, "m:gone": 99}) \
+        == ["m:new: 81 lines (at most 80)", "m:grown: grew to 90 lines (allowed 85)",
+            "m:gone: no longer over the limit, leave LONG_FUNCTIONS"]
 
 
 @pytest.mark.parametrize("name", ["torch", "cuda", "triton"])

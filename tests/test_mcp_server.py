@@ -26,9 +26,9 @@ from mcp.client.stdio import stdio_client
 import fastelbo
 from fastelbo.cli import build_parser
 from fastelbo.errors import UsageError
-from fastelbo.harness import sandbox
+from fastelbo.harness.agents.server import SPARES, TOOLS, json_safe
+from fastelbo.harness.guard import sandbox
 from fastelbo.harness.schema import CHECK_REPORT
-from fastelbo.harness.server import SPARES, TOOLS, json_safe
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"
@@ -350,7 +350,7 @@ def test_serve_takes_every_commands_device_convention(monkeypatch, capsys):
     parser, as every command's."""
     from fastelbo import cli
     from fastelbo.harness import cli as harness_cli
-    from fastelbo.harness import server
+    from fastelbo.harness.agents import server
     served = []
     monkeypatch.setattr(server, "serve", lambda problem, options, submit_dir: served.append(
         options.device) or 0)

@@ -97,7 +97,7 @@ def _forbid_work(command: str, monkeypatch):
     """Replace `command`'s work with _never; returns the CLI's main to call."""
     run = cli.main
     if command == "bench":
-        from fastelbo.harness import bench
+        from fastelbo.harness.bench import bench
         monkeypatch.setattr(bench, "run_bench", _never)
     elif command == "evaluate":
         from fastelbo import evaluate
@@ -112,7 +112,7 @@ def _forbid_work(command: str, monkeypatch):
         monkeypatch.setattr(cli, "main", _never)  # the demo runs its steps through it
     elif command == "serve":
         pytest.importorskip("mcp")
-        from fastelbo.harness import server
+        from fastelbo.harness.agents import server
         monkeypatch.setattr(server, "serve", _never)
     return run
 
@@ -271,7 +271,7 @@ def test_train_saves_the_run_so_far_elsewhere(trained, tmp_path, read_only, monk
 
 
 def test_bench_saves_its_rows_elsewhere(tmp_path, read_only, monkeypatch, capsys):
-    from fastelbo.harness import bench
+    from fastelbo.harness.bench import bench
     real = bench.run_bench
     target = tmp_path / "late" / "rows.jsonl"
     target.parent.mkdir()

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 import fastelbo
 from fastelbo.backends import cuda as backend
+from fastelbo.harness.guard.timing import graph_time
 from fastelbo.harness.results import git_commit
-from fastelbo.harness.timing import graph_time
 from fastelbo.problems.vae_elbo import Model
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "cuda_bench.csv"

@@ -6,7 +6,7 @@ the reference's worker and answers the harness's reads of the device there."""
 import torch
 from torch import nn
 
-from fastelbo.harness import tasks
+from fastelbo.harness.guard import tasks
 
 _MiB, _GiB = 1 << 20, 1 << 30
 FREE = int(238.56 * _MiB)

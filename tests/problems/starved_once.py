@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fastelbo.harness import tasks
+from fastelbo.harness.guard import tasks
 
 _GiB = 1 << 30
 

@@ -4,7 +4,7 @@ when a candidate takes the device's memory at import while the reference runs. A
 a CPU: the problem runs in the reference's worker and answers the harness's measure there."""
 from pathlib import Path
 
-from fastelbo.harness import tasks
+from fastelbo.harness.guard import tasks
 from fastelbo.problems import load_module
 
 _oom = load_module(Path(__file__).with_name("oom_reference.py"))

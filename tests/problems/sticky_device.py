@@ -6,7 +6,7 @@ raises, and the harness's device probe (loader.usable) says so. On a CPU, a stan
 import torch
 from torch import nn
 
-from fastelbo.harness import loader
+from fastelbo.harness.guard import loader
 
 _dead = False
 

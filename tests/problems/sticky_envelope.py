@@ -7,7 +7,7 @@ import os
 import torch
 from torch import nn
 
-from fastelbo.harness import loader
+from fastelbo.harness.guard import loader
 
 
 class Model(nn.Module):

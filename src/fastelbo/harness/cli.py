@@ -265,7 +265,7 @@ def _problem(name: str) -> str:
 def _compile(args) -> int:
     _positive(args, "--timeout")
     _candidate(args.candidate)
-    from .compile import run_compile
+    from .check.compile import run_compile
     report = run_compile(args.candidate, timeout=args.timeout)
     print(report.format())
     return report.exit_code
@@ -296,7 +296,7 @@ def _check(args) -> int:
         eval_mode=args.eval_mode, cache=not args.no_cache)
     _problem(args.problem)
     _candidate(args.candidate)
-    from .check import DeviceUnavailable, run_check
+    from .check.check import DeviceUnavailable, run_check
     try:
         report = run_check(args.problem, args.candidate, options=options)
     except DeviceUnavailable as exc:
@@ -324,7 +324,7 @@ def _bench(args) -> int:
     _cuda_available(options.device)
     import dataclasses
 
-    from .bench import run_bench
+    from .bench.bench import run_bench
     from .results import append_jsonl
     # The rows are appended here, after the table: a write that fails anyway goes elsewhere.
     rows, code = run_bench(args.problem, args.candidates or None,
@@ -353,7 +353,7 @@ def _export(args) -> int:
     return 0
 
 
-# -- serve: the agent-facing tools over MCP (harness/server.py; imports mcp only when run) ------
+# -- serve: the agent-facing tools over MCP (harness/agents/server.py; imports mcp when run) ---
 
 def _register_serve(sub: argparse._SubParsersAction) -> None:
     from .options import add_device, add_regimes
@@ -404,7 +404,7 @@ def _serve(args) -> int:
     if args.submit_dir:
         from ..outputs import check_dir
         check_dir("--submit-dir", args.submit_dir)
-    from .server import serve  # imports no torch: the session starts at the first tool call
+    from .agents.server import serve  # imports no torch: the session starts at the first tool call
     if options.device is None:
         options = dataclasses.replace(options, device="cuda" if counter() else "cpu")
     elif cuda:

@@ -24,6 +24,9 @@ class OutputComparison:
 
 
 UNSUPPORTED_KEY = "__fastelbo_unsupported_output__"
+# Outputs other than tensors that travel back to the harness as they are. Exact types only: a
+# subclass (numpy.float64 is a float) would not pass the harness's weights_only unpickling.
+PLAIN_OUTPUT_TYPES = (type(None), bool, int, float, complex, str)
 
 
 def unsupported_output(value) -> dict:

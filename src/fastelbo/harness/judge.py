@@ -119,7 +119,7 @@ def _record_problem(record, ref_trials: list[dict], resident: bool) -> str | Non
 def _trial_problem(trial, ref: dict, resident: bool) -> str | None:
     import torch
 
-    from .loader import PLAIN_OUTPUT_TYPES
+    from .compare import PLAIN_OUTPUT_TYPES
     if type(trial) is not dict or len(trial) != len(TRIAL_KEYS) or set(trial) != TRIAL_KEYS:
         return "the record is not a dict of outputs, rng, mutated, aliased and tampered"
     outputs, n_ref = trial["outputs"], ref.get("outputs")

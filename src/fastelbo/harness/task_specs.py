@@ -119,8 +119,8 @@ def resolve(module: str, name: str) -> Callable:
 
 # ---- The harness's tasks. Each docstring says what it is for; the implementation, the rest. ----
 
-TASKS = "fastelbo.harness.tasks"
-BENCH = "fastelbo.harness.bench"
+TASKS = "fastelbo.harness.guard.tasks"
+BENCH = "fastelbo.harness.bench.bench"
 
 
 @declare(TASKS)

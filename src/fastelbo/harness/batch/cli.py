@@ -217,7 +217,7 @@ def _devices(args) -> tuple[str, ...]:
 
 
 def _judge(pairs, settings) -> int:
-    from ..session import Session
+    from ..agents.session import Session
     from . import analysis
     from .progress import Progress
     from .run import Run

@@ -388,7 +388,7 @@ def _builds(path: Path) -> bool:
 def _build(path: Path, timeout: float) -> None:
     """Build the candidate's extensions as `fastelbo compile` does (its verdict is its check's:
     a failed build is reported there, from its own build)."""
-    from ..compile import run_compile
+    from ..check.compile import run_compile
     run_compile(str(path), timeout=timeout)
 
 

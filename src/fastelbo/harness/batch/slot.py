@@ -1,6 +1,6 @@
 """One device's warm Session, running the run's jobs one at a time: a check or a bench.
 
-A slot keeps one Session (harness/session.py) for every problem of a run: its warm workers
+A slot keeps one Session (harness/agents/session.py) for every problem of a run: its warm workers
 (confined candidate workers and reference workers, started ahead), its copies of the sources it
 is sent, its device lock. A check is `Session.run_correctness(candidate, problem=...)`, so a
 pair's report is the one `fastelbo check --json` gives for it, with the candidate's own path

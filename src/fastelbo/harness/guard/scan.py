@@ -178,7 +178,7 @@ def scan_rows(rows: list[dict], paths: dict[str, str]) -> None:
     `scan` (its flags, [] for none) and, where it has flags, a note (`summary`). Each file is
     read once, as check reads a candidate (files.read_source: at most MAX_SOURCE_BYTES; one
     that cannot be read or does not parse has no flags, as in check, which runs none)."""
-    from .files import read_source
+    from ..files import read_source
     flags = {}
     for label, path in paths.items():
         source, bad = read_source(path)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from .compare import placement
+from ..compare import placement
 from .worker import TaskError
 
 _NBYTES = torch.Tensor.untyped_storage

@@ -18,10 +18,10 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import sandbox
-from .files import candidate_path, read_source
-from .task_specs import import_only
-from .worker import Worker, WorkerPool
+from ..files import candidate_path, read_source
+from ..guard import sandbox
+from ..guard.worker import Worker, WorkerPool
+from ..task_specs import import_only
 
 # nvcc: "/x/cuda.cu(12): error: ..."; gcc/clang: "/x/main.cpp:12:5: error: ..."
 _ERROR_LINE = re.compile(r"(?P<file>[^\s:()\"']+\.(?:cu|cpp|cc|cuh|h))"

@@ -1,6 +1,6 @@
 """The harness as an agent's toolset: compile, check, time and submit candidates of one problem.
 
-    from fastelbo.harness.session import Session
+    from fastelbo.harness.agents.session import Session
     with Session("vae_elbo", device="cuda") as s:
         s.compile_kernel(source)       # import + build: line-mapped errors, registers, spills
         s.run_correctness(source)      # CheckReport.to_dict(), as `fastelbo check --json`
@@ -44,15 +44,15 @@ import weakref
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
-from ..problems import problem_path
-from . import sandbox
-from .bench import run_bench
-from .check import run_check
-from .compile import CompileReport, run_compile
-from .files import BUILTIN_PREFIX, MAX_SOURCE_BYTES, too_large
-from .options import BenchOptions, CheckOptions, unwritable_dir
-from .scan import python_text
-from .worker import STARTUP_TIMEOUT, WorkerPool
+from ...problems import problem_path
+from ..bench.bench import run_bench
+from ..check.check import run_check
+from ..check.compile import CompileReport, run_compile
+from ..files import BUILTIN_PREFIX, MAX_SOURCE_BYTES, too_large
+from ..guard import sandbox
+from ..guard.scan import python_text
+from ..guard.worker import STARTUP_TIMEOUT, WorkerPool
+from ..options import BenchOptions, CheckOptions, unwritable_dir
 
 # A Python-level failure (SyntaxError, an import that raises) is reported by the loader as
 # "FILE.py:LINE: message" on the reason's first line.
@@ -222,7 +222,7 @@ class Session:
         modules it imports beyond the standard library (a single-file solution needs no more
         than torch). An accepted solution (exit 0) is also copied into `submit_dir`."""
         if isinstance(source, str) and source.startswith(BUILTIN_PREFIX):
-            from ..plugin import export_source
+            from ...plugin import export_source
             source = export_source()
         data = self._source_bytes(source)
         if not data.strip():
@@ -249,7 +249,7 @@ class Session:
         `options`: batch.api.judge_run's (out, timing, problems, samples, limit, level, seed,
         workers). Returns the summary (compile and correct rates, fast_p) and the paths of
         the full results (`results`: every pair's verdict; `store`: every full report)."""
-        from .batch.api import judge_run
+        from ..batch.api import judge_run
         check = {f.name: getattr(self.options, f.name) for f in fields(self.options)
                  if f.name not in ("device", "seed", "cache")}
         return judge_run(run, problem_dir, factory=type(self), device=self.device,
@@ -324,7 +324,7 @@ class Session:
         agent's source may come from: another session's directory (another agent's sources
         and reports), the harness's private directory, or a reference cache. Listing those is
         possible (a candidate can name what is there), reading them through a tool is not."""
-        from .refcache import default_root
+        from ..refcache import default_root
         sessions = sandbox.sessions_root().resolve()
         if real == self._dir.resolve() or self._dir.resolve() in real.parents:
             return

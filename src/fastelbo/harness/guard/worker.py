@@ -1,6 +1,6 @@
 """Run harness tasks in fresh worker processes, so that candidate code cannot hurt the harness.
 
-A `Worker` is one `python -m fastelbo.harness.worker` in its own session. The parent sends it
+A `Worker` is one `python -m fastelbo.harness.guard.worker` in its own session. The parent sends it
 tasks one at a time over a pipe: a pickled dict of a declared task's module and name and its
 keyword arguments, bound to the task's signature before they are sent (task_specs.py). The
 worker runs each, refusing any task not declared, and answers over a second pipe with short
@@ -38,9 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import handoff, orphans, sandbox, task_specs
+from .. import task_specs
+from ..task_specs import Task
+from . import handoff, orphans, sandbox
 from .forking import fork_worker
-from .task_specs import Task
 
 TAIL_CHARS = 4000
 HEARTBEAT_S = 0.5
@@ -113,7 +114,7 @@ class Worker:
                 extra = {**(env or {}), CONFINE_ENV: json.dumps(confine)}
                 with open(self._log_path, "wb") as log:
                     self.proc = subprocess.Popen(
-                        [sys.executable, "-m", "fastelbo.harness.worker", str(cmd_r),
+                        [sys.executable, "-m", "fastelbo.harness.guard.worker", str(cmd_r),
                          str(msg_w), str(self.tmp)],
                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                         start_new_session=True, pass_fds=(cmd_r, msg_w),
@@ -667,5 +668,5 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     # Run the imported module's main, not this __main__ copy: tasks raise that module's
     # TaskError and write progress through its globals.
-    from fastelbo.harness.worker import main as _main
+    from fastelbo.harness.guard.worker import main as _main
     _main(sys.argv[1:])

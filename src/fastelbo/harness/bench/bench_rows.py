@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import statistics
 
-from .compare import compare_outputs
+from ..compare import compare_outputs
+from ..guard.timing import quantiles
 from .floor import floors
-from .timing import quantiles
 
 EAGER, COMPILED = "eager", "torch.compile"
 IMPLAUSIBLE = 100.0   # x eager; faster than this is more likely skipped work than a kernel

@@ -368,7 +368,7 @@ def _overwritten(outs: list) -> set[int]:
     call's values by the round's end. Until 2026-12-05 such a call, when judged, was compared
     as it stood, so an honest candidate that returns one buffer every call (a CUDA graph's
     static output) could be INCORRECT on a GPU (red team)."""
-    from .compare import as_tuple
+    from ..compare import as_tuple
     seen, out = set(), set()
     for k in range(len(outs) - 1, -1, -1):
         mine = {t.untyped_storage().data_ptr() for t in as_tuple(outs[k])

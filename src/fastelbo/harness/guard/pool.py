@@ -189,14 +189,14 @@ class Handed(list):
     them with after the call."""
 
     def __init__(self, x: list):
-        from .compare import placement
+        from ..compare import placement
         super().__init__(x)
         self.placed = [placement(t) for t in x]
 
 
 def output_bytes(out) -> int:
     """The bytes of a forward's outputs (one tensor or a tuple of them)."""
-    from .compare import as_tuple
+    from ..compare import as_tuple
     from .loader import nbytes
     return nbytes(as_tuple(out))
 
@@ -207,7 +207,7 @@ def _read_all(out) -> None:
     does that work here, between the calls, where the outside-time flag sees it, on every
     call. On 2026-12-05 an 85 MB output over memory that a native fault handler filled on
     first read was read on judged calls only, so only those were computed: 29-86x "ok"."""
-    from .compare import as_tuple
+    from ..compare import as_tuple
     for t in as_tuple(out):
         if type(t) is torch.Tensor and t.numel():
             try:
@@ -222,7 +222,7 @@ def sample(out, seed: int) -> tuple:
     anything else as loader.to_host(strict) takes it (a tensor subclass is not touched). The
     reference's outputs for the same run are sampled alike (bench.bench_reference), so the two
     compare element for element."""
-    from .compare import as_tuple
+    from ..compare import as_tuple
     from .loader import to_host
     picked = []
     for t in as_tuple(out):
@@ -302,7 +302,7 @@ class Checks(list):
         shaped as the set: an in-place ReLU that recast its input (`x.__class__ = ...`, a
         `shape` that read empty) or moved it off its storage (`x.set_()`) was "ok" in bench
         (exploit_recasts_its_input.py)."""
-        from .compare import aliased_outputs, as_tuple, placement
+        from ..compare import aliased_outputs, as_tuple, placement
         placed = getattr(inputs, "placed", None) or [None] * len(inputs)
         self.aliased.update(aliased_outputs(as_tuple(out), inputs, placed))
         for i, (a, b, p) in enumerate(zip(inputs, pristine or (), placed)):

@@ -48,9 +48,10 @@ except ModuleNotFoundError:  # mcp 1.x: its text is the structure's JSON
     from mcp.server.fastmcp.exceptions import ToolError
     CallToolResult = TextContent = None
 
-from ..problems import problem_path
-from . import summary, worker  # neither imports torch
-from .options import BenchOptions, CheckOptions, OptionError
+from ...problems import problem_path
+from ..guard import worker
+from ..options import BenchOptions, CheckOptions, OptionError
+from . import summary  # neither imports torch
 from .tool_results import BenchResult, CheckResult, CompileResult, SubmitResult
 
 TOOLS = ("compile_kernel", "run_correctness", "benchmark", "submit_kernel")

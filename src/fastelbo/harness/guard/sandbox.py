@@ -153,7 +153,7 @@ def for_candidates(root: str | Path | None = None, reads=(),
     read, for the "user" kind's check): until 2026-12-05 a candidate's path inside another
     session's directory opened that directory to the worker. The same for every check of a
     Session (whose spares are born with it) and for compile and bench."""
-    from .refcache import default_root
+    from ..refcache import default_root
     sessions = sessions_root()
     return plan([root or default_root(), default_root(), private_root(), sessions],
                 reads=reads, allow=_own_session(sessions, session or _session.get()))

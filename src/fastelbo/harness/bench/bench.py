@@ -28,20 +28,20 @@ from dataclasses import replace
 
 import torch
 
-from .. import plugin
-from . import loader, sandbox
-from . import task_specs as specs
+from ... import plugin
+from .. import task_specs as specs
+from ..guard import loader, sandbox
+from ..guard.pool import Pool, forward_seed, sample, seed_all, use_secret
+from ..guard.scan import scan_rows
+from ..guard.timing import Budget, kernel_times, loop_marks, measure
+from ..guard.worker import TaskError, progress, run_task, traceback_tail
+from ..judge import MAX_TAMPERED, capped, texts
+from ..options import BenchOptions
+from ..placement import placement
+from ..results import append_jsonl, environment, utc_now
+from ..task_specs import implements
 from .bench_rows import COMPILED, EAGER, METRICS, RETIME, finish_row, outside, ref_key
 from .floor import count_flops
-from .judge import MAX_TAMPERED, capped, texts
-from .options import BenchOptions
-from .placement import placement
-from .pool import Pool, forward_seed, sample, seed_all, use_secret
-from .results import append_jsonl, environment, utc_now
-from .scan import scan_rows
-from .task_specs import implements
-from .timing import Budget, kernel_times, loop_marks, measure
-from .worker import TaskError, progress, run_task, traceback_tail
 
 
 def default_candidates(device: str) -> list[str]:
@@ -82,7 +82,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     the sizes not yet run are returned as "unfinished" for the parent to retry elsewhere.
     `secret`, the parent's: every set key and judged-call choice is drawn under it (pool.py).
     """
-    from .integrity import hooks_now
+    from ..guard.integrity import hooks_now
     use_secret(secret)  # before the candidate's import: nothing of its can run before it
     dev = torch.device(device)
     mod = loader.problem_module(problem)
@@ -93,7 +93,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     reference, weights = loader.build_model(mod.Model, init, seed)
     snapshot = None
     if kind == "candidate":
-        from .integrity import Snapshot
+        from ..guard.integrity import Snapshot
         # before the candidate's import: what it may not replace (the problem draws its inputs)
         snapshot = Snapshot({"problem": mod}, dev)
         progress("importing the candidate")
@@ -295,7 +295,7 @@ def run_bench(problem: str, candidates: list[str] | None = None,
         raise TypeError(f"candidates must be a list of candidate paths or names, got a str "
                         f"({candidates!r}): pass [{candidates!r}]")
     o = options
-    from ..problems import problem_path
+    from ...problems import problem_path
     device = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
     prob = str(problem_path(problem))
     seed = secrets.randbelow(1 << 31) if o.seed is None else o.seed
@@ -365,7 +365,7 @@ _NUMBERS = ("_ms", "_s", "_bytes")  # the ends of a row's numeric keys (a time, 
 
 def _timed_line(name: str, row: dict) -> str:
     """What bench says of one entry's batch size as soon as its worker returns."""
-    from .table import _printable
+    from ..table import _printable
     head = f"{_printable(str(name))} batch {row.get('batch_size')}: "
     if "error" in row:
         return head + f"could not run ({_printable(str(row.get('category')))})"

@@ -10,8 +10,8 @@ from types import ModuleType
 
 import torch
 
-from ..problems import load_module, load_problem
-from .files import candidate_path  # noqa: F401  (re-exported: bench and compile use it)
+from ...problems import load_module, load_problem
+from ..files import candidate_path  # noqa: F401  (re-exported: bench and compile use it)
 from .worker import TaskError, traceback_tail
 
 BUILD_LOG_CHARS = 20000
@@ -153,11 +153,6 @@ def to_device(values: list, device: torch.device) -> list:
     return [t.to(device) if isinstance(t, torch.Tensor) else t for t in values]
 
 
-# Outputs other than tensors that travel back to the harness as they are. Exact types only: a
-# subclass (numpy.float64 is a float) would not pass the harness's weights_only unpickling.
-PLAIN_OUTPUT_TYPES = (type(None), bool, int, float, complex, str)
-
-
 def to_host(out, *, keep_device: bool = False, strict: bool = False) -> tuple:
     """Outputs as plain CPU tensors (subclasses stripped: the harness unpickles them safely),
     or with `keep_device` as plain copies where they are (a device-resident regime's). With
@@ -169,7 +164,7 @@ def to_host(out, *, keep_device: bool = False, strict: bool = False) -> tuple:
     object, a lambda) is replaced by `compare.unsupported_output(value)`: the harness could not
     unpickle it, and compare_outputs reports it as an `output_type` finding.
     """
-    from .compare import as_tuple, dense, unsupported_output, unsupported_type
+    from ..compare import PLAIN_OUTPUT_TYPES, as_tuple, dense, unsupported_output, unsupported_type
     if strict:  # a subclass is not touched; a plain tensor without dense elements not read
         out = tuple(unsupported_output(t) if isinstance(t, torch.Tensor)
                     and (type(t) is not torch.Tensor or not dense(t)) else t

@@ -36,10 +36,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from ..problems import problem_path
-from . import handoff, refcache, sandbox
-from .files import candidate_path, read_source
-from .judge import (
+from ...problems import problem_path
+from .. import refcache
+from ..files import candidate_path, read_source
+from ..guard import handoff, sandbox
+from ..guard.scan import scan_source
+from ..guard.worker import Worker, WorkerPool, fork_enabled, fork_safe
+from ..judge import (
     ENVELOPE_CATEGORIES,
     denial,
     denied_by_others,
@@ -48,10 +51,10 @@ from .judge import (
     regime_of,
     trial_from_dict,
 )
-from .options import CheckOptions
-from .placement import cuda_device_missing
-from .regimes import plan
-from .report import (
+from ..options import CheckOptions
+from ..placement import cuda_device_missing
+from ..regimes import plan
+from ..report import (
     CANDIDATE_FAILURES,
     CheckReport,
     CompileError,
@@ -60,15 +63,13 @@ from .report import (
     TrialReport,
     kernelbench_note,
 )
-from .scan import scan_source
-from .task_specs import (
+from ..task_specs import (
     build_candidate,
     check_candidate,
     envelope_pass,
     judge_pass,
     reference_pass,
 )
-from .worker import Worker, WorkerPool, fork_enabled, fork_safe
 
 
 class _NoRoom(Exception):
@@ -133,7 +134,7 @@ def _prefork() -> bool:
         return False
     import torch  # noqa: F401
 
-    from . import tasks  # noqa: F401  (what the workers run: loaded once, inherited)
+    from ..guard import tasks  # noqa: F401  (what the workers run: loaded once, inherited)
     return fork_safe()
 
 
@@ -494,7 +495,7 @@ class _Check:
     def _hand_shared(self, worker: Worker, desc):
         """A device-resident input as the candidate's worker can open it: CUDA IPC handles as
         they are; a tensor shared through a file of the reference's worker (the CPU), copied."""
-        from . import shared  # imports torch: not before the workers are forked
+        from ..guard import shared  # imports torch: not before the workers are forked
         if not shared.is_shared(desc) or "path" not in desc:
             return desc
         name = f"input-{Path(desc['path']).name}"

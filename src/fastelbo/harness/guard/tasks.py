@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from . import loader, refcache, shared
-from . import task_specs as specs
-from .compare import (
+from .. import refcache
+from .. import task_specs as specs
+from ..compare import (
     PERTURB_RUNS,
     aliased_outputs,
     as_tuple,
@@ -43,7 +43,7 @@ from .compare import (
     placement,
     unsupported_type,
 )
-from .judge import (
+from ..judge import (
     ERROR_CHARS,
     TEXT_CHARS,
     capped,
@@ -53,8 +53,9 @@ from .judge import (
     needs_envelope,
     trial_to_dict,
 )
-from .regimes import Regime, plan
-from .task_specs import implements
+from ..regimes import Regime, plan
+from ..task_specs import implements
+from . import loader, shared
 from .worker import BUILD, FORWARD, TaskError, emit, progress, scratch_dir, traceback_tail
 
 
@@ -66,7 +67,7 @@ def _nonfinite(outs: tuple) -> int:
 def device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
-    from .results import cpu_name
+    from ..results import cpu_name
     return cpu_name()
 
 

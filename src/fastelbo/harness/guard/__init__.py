@@ -1,0 +1,20 @@
+"""The guard: what runs in or around a candidate's process, and keeps it honest.
+
+Imports none of check/, bench/, agents/ or batch/ (tests/test_layout.py): a worker holds the
+guard and the harness's core, never the parent's judging.
+
+    worker.py     a worker process (forked or a new interpreter): tasks sent by spec, outcomes
+    forking.py    forked workers' start
+    sandbox.py    Landlock, no capabilities, resource limits, the private directories
+    seccomp.py    no process outside the worker's own tree
+    orphans.py    every process a candidate starts dies with its check
+    handoff.py    files handed to and read from a worker's directory
+    shared.py     CUDA IPC inputs copied into a pool of their own
+    loader.py     the problem's and the candidate's modules, loaded in the worker
+    tasks.py      check's and compile's worker tasks (the reference, the candidate, the judging)
+    pool.py       bench's timed inputs, and which calls are judged
+    timing.py     bench's timing loops
+    watch.py      the loops' own state, watched while the candidate runs
+    integrity.py  the tripwires: timers, hooks, modes, the harness's own code
+    scan.py       the static scan of a candidate's source
+"""
