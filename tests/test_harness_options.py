@@ -228,6 +228,8 @@ def test_each_layer_passes_its_bench_options_down(monkeypatch, tmp_path):
     seen = []
 
     def run_bench(problem, candidates, options=None, **keywords):
+        progress = keywords.pop("progress", None)  # the command line's progress lines
+        assert progress is None or callable(progress)
         seen.append((options, keywords))
         return [], 0
     monkeypatch.setattr(bench, "run_bench", run_bench)

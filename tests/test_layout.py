@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from fastelbo import registry
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "fastelbo"
 MAX_LINES = 700
@@ -490,7 +492,7 @@ def test_the_function_rule_sees_a_planted_long_function():
             "m:gone: no longer over the limit, leave LONG_FUNCTIONS"]
 
 
-@pytest.mark.parametrize("name", ["torch", "cuda", "triton"])
+@pytest.mark.parametrize("name", registry.NAMES)
 def test_each_backend_provides_the_protocol(name):
     """Every member of backends.Backend, with the protocol's parameters (names and kinds), so
     the ops' calls bind; importing a backend builds nothing."""
