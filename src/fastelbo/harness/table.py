@@ -4,6 +4,8 @@
 columns rich cut 28 of its cells to '...', the timings among them, and at 120 still 5.)"""
 from __future__ import annotations
 
+from .metrics import METRICS
+
 
 def _ms(v) -> str:
     return "-" if v is None else f"{v:.4f}"
@@ -27,10 +29,10 @@ def _cells(row: dict) -> list[str]:
 
 
 def _raw_cells(row: dict) -> list[str]:
-    events = row.get("events_ms")
+    events = row.get(METRICS["events"].key)
     ev = "-" if events is None else (f"{events:.4f} ({row['events_p20_ms']:.4f}-"
                                      f"{row['events_p80_ms']:.4f})")
-    graph = _ms(row.get("graph_ms")) if not row.get("graph_error") else "n/a"
+    graph = _ms(row.get(METRICS["graph"].key)) if not row.get("graph_error") else "n/a"
     mem = row.get("peak_mem_bytes")
     frac = row.get("floor_fraction")
     notes = list(row.get("flags", [])) + list(row.get("notes", []))
@@ -38,7 +40,7 @@ def _raw_cells(row: dict) -> list[str]:
         if row.get(key):
             notes.append(str(row[key]).splitlines()[-1][:120])
     return [str(row["candidate"]), str(row["batch_size"]), row.get("status", ""), ev,
-            _ms(row.get("wall_ms")), graph,
+            _ms(row.get(METRICS["wall"].key)), graph,
             "-" if frac is None else f"{frac:.1%}", "-" if mem is None else f"{mem / 2**20:.2f}",
             _x(row.get("speedup_eager_events") or row.get("speedup_eager_wall")),
             _x(row.get("speedup_eager_graph")), _x(row.get("speedup_compile_events")
@@ -46,8 +48,9 @@ def _raw_cells(row: dict) -> list[str]:
             "; ".join(notes)]
 
 
-HEADERS = ["candidate", "batch", "status", "cold ms (p20-p80)", "wall ms",
-           "graph ms", "floor", "peak MiB", "x eager", "x eager (graph)", "x compile", "notes"]
+COLUMNS = ("events", "wall", "graph")  # metrics.py's, in the table's order
+HEADERS = ["candidate", "batch", "status", *(METRICS[m].column for m in COLUMNS), "floor",
+           "peak MiB", "x eager", "x eager (graph)", "x compile", "notes"]
 
 
 def print_rows(rows: list[dict]) -> None:

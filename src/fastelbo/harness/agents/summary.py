@@ -17,13 +17,15 @@ from __future__ import annotations
 import math
 import re
 
+from ..metrics import NAMES
+
 MAX_REASONS = 3
 MAX_ERRORS = 5
 MAX_KERNELS = 10       # per extension; the full report lists them all
 LINE_CHARS = 300       # one reason, flag or message: a line to read, not a traceback
 BASELINES = ("eager", "torch.compile")
 BENCH_STATUS = {0: "ok", 1: "flagged", 2: "error"}
-METRICS = ("events", "graph", "wall")  # bench_rows.METRICS without "_ms"
+METRICS = NAMES  # metrics.py's, the row's keys without "_ms"
 
 # compare.diff_tensors: "output I: N/M element(s) outside ...; first [..]: candidate G, reference
 # E; worst |diff| D at [..]"; a NaN/inf mismatch: "output I: NaN positions differ at N

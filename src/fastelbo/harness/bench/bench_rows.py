@@ -12,12 +12,13 @@ import statistics
 
 from ..compare import compare_outputs
 from ..guard.timing import quantiles
+from ..metrics import KEYS
 from .floor import floors
 
 EAGER, COMPILED = "eager", "torch.compile"
 IMPLAUSIBLE = 100.0   # x eager; faster than this is more likely skipped work than a kernel
 RETIME = 10.0         # x eager; a candidate this fast has eager timed again (_retime_eager)
-METRICS = ("events_ms", "graph_ms", "wall_ms")
+METRICS = KEYS  # the row's timed keys (metrics.py)
 # Kernel time per call (the profiler, every stream) beyond this multiple of the cold window (the
 # current stream) plus this many ms is work the window did not see.
 ESCAPE_KERNEL_FACTOR, ESCAPE_KERNEL_MS = 1.5, 0.02
