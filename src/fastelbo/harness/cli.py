@@ -61,18 +61,11 @@ file), each against --problem on --device. Needs the MCP SDK (pip install 'faste
 """
 
 
-def _tolerances(p: argparse.ArgumentParser, what: str = "") -> None:
-    p.add_argument("--atol", type=float, default=1e-4,
-                   help=f"absolute tolerance{what} (default: %(default)s)")
-    p.add_argument("--rtol", type=float, default=1e-4,
-                   help=f"relative tolerance{what} (default: %(default)s)")
-
-
 OFF = " (default: off)"  # a flag's help ends so
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from .options import add_device, add_regimes  # imports nothing heavy
+    from .options import add_check_settings, add_device, add_tolerances  # nothing heavy
     p = sub.add_parser("compile", help="import a candidate, show build errors or resource usage",
                        description=COMPILE_DESCRIPTION, formatter_class=RAW)
     p.add_argument("candidate", help="candidate file or fastelbo:<backend>")
@@ -85,24 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("problem", help="built-in problem name (vae_elbo) or a problem file")
     p.add_argument("candidate", help="candidate file or fastelbo:<backend>")
     add_device(p)
-    p.add_argument("--trials", type=int, default=3, help="trials per regime (default: %(default)s)")
-    _tolerances(p)
-    add_regimes(p)
-    p.add_argument("--eval-mode", action="store_true",
-                   help="put both models in .eval(); KernelBench keeps the training mode they "
-                        "are constructed in" + OFF)
-    p.add_argument("--forward-timeout", type=float, default=60.0,
-                   help="seconds per forward, or up to --build-timeout while it compiles "
-                        "(default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds for the reference pass and for the candidate's checking pass, "
-                        "each (default: %(default)s)")
-    p.add_argument("--build-timeout", type=float, default=600.0,
-                   help="seconds to import the candidate, build its extensions and construct "
-                        "ModelNew (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of weights, inputs and forwards; the report names it, and --seed "
-                        "N reproduces the run (default: a secret one drawn for this check)")
+    add_check_settings(p, "a secret one drawn for this check")
     p.add_argument("--no-cache", action="store_true",
                    help="with --seed: recompute the reference's outputs instead of reading "
                         "them from the cache (FASTELBO_CACHE_DIR, else ~/.cache/fastelbo); a "
@@ -139,7 +115,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run the workers with FASTELBO_VALIDATE=0: fastelbo candidates skip "
                         "their per-call value check (one device sync per forward); each row "
                         "records validate=false" + OFF)
-    _tolerances(p, " for the timed calls' outputs")
+    add_tolerances(p, " for the timed calls' outputs")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the weights and of the seeded forward's inputs; the rows "
                         "record it. The timed calls' input sets are drawn from the OS's random "

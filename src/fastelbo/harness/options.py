@@ -67,6 +67,38 @@ def add_regimes(parser) -> None:
                              "seed)")
 
 
+def add_tolerances(parser, what: str = "") -> None:
+    parser.add_argument("--atol", type=float, default=1e-4,
+                        help=f"absolute tolerance{what} (default: %(default)s)")
+    parser.add_argument("--rtol", type=float, default=1e-4,
+                        help=f"relative tolerance{what} (default: %(default)s)")
+
+
+def add_check_settings(parser, seed_default: str) -> None:
+    """A check's settings, for check and judge (each pair's check): trials, tolerances, the
+    regimes, the mode, the time limits and the seed (`seed_default`: what it is when not
+    given, in words)."""
+    parser.add_argument("--trials", type=int, default=3,
+                        help="trials per regime (default: %(default)s)")
+    add_tolerances(parser)
+    add_regimes(parser)
+    parser.add_argument("--eval-mode", action="store_true",
+                        help="put both models in .eval(); KernelBench keeps the training mode "
+                             "they are constructed in (default: off)")
+    parser.add_argument("--forward-timeout", type=float, default=60.0,
+                        help="seconds per forward, or up to --build-timeout while it compiles "
+                             "(default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds for the reference pass and for the candidate's checking "
+                             "pass, each (default: %(default)s)")
+    parser.add_argument("--build-timeout", type=float, default=600.0,
+                        help="seconds to import the candidate, build its extensions and "
+                             "construct ModelNew (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of weights, inputs and forwards; the report names it, and "
+                             f"--seed N reproduces the run (default: {seed_default})")
+
+
 def named_device(flag: str) -> str | None:
     """An options object's device for --device `flag`: None for auto."""
     return None if flag == AUTO else flag

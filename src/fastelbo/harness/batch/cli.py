@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ...errors import UsageError
-from ..options import AUTO, EXTRA_SIZES, add_device, add_regimes
+from ..options import AUTO, EXTRA_SIZES, add_check_settings, add_device
 
 DESCRIPTION = """\
 Judge every sample of a run as `fastelbo check` judges one pair: the same verdict, on one warm
@@ -94,26 +94,7 @@ def register(sub: argparse._SubParsersAction, device_count) -> None:
 
 def _check_options(p: argparse.ArgumentParser) -> None:
     """Every pair's check settings: `fastelbo check`'s flags, with its defaults."""
-    p.add_argument("--trials", type=int, default=3, help="trials per regime (default: "
-                   "%(default)s)")
-    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default: "
-                   "%(default)s)")
-    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default: "
-                   "%(default)s)")
-    add_regimes(p)
-    p.add_argument("--eval-mode", action="store_true",
-                   help="both models in .eval() (default: off)")
-    p.add_argument("--forward-timeout", type=float, default=60.0,
-                   help="seconds per forward (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds for a pair's reference pass and its checking pass, each "
-                        "(default: %(default)s)")
-    p.add_argument("--build-timeout", type=float, default=600.0,
-                   help="seconds for a candidate's import, builds and ModelNew "
-                        "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of every check (default: one drawn "
-                        "secretly at the run's first start and kept in its store)")
+    add_check_settings(p, "one drawn secretly at the run's first start and kept in its store")
 
 
 def _numbers(text: str | None, kind, option: str):
