@@ -12,6 +12,7 @@ import torch
 
 from fastelbo.cli import main
 from fastelbo.harness.bench import bench, bench_rows
+from fastelbo.harness.guard import bench_entry
 from fastelbo.harness.guard.timing import quantiles
 from fastelbo.harness.guard.worker import WorkerOutcome
 from fastelbo.harness.results import git_commit
@@ -237,6 +238,8 @@ TIMING_EXPLOITS = {
     "exploit_problem_global": {"TAMPERED"},
     # the loop's own objects changed, not replaced: the pool's keys pointed at a memoised set
     "exploit_rewrites_pool_keys": {"TAMPERED"},
+    # bench's worker task's own module global (its timing loop) replaced: times divided by 10
+    "exploit_replaces_bench_measure": {"TAMPERED"},
     "reference_as_candidate": {"ok"},
 }
 
@@ -380,11 +383,11 @@ def test_a_judged_call_past_the_keep_budget_is_judged_on_a_sample(monkeypatch):
     model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, 5), 5)
     for cand, status in ((_RightOnlyLast(model, 8), "INCORRECT"), (model, "ok")):
         checks = timing.Checks()
-        pool = bench._pool(mod, 5, 4, torch.device("cpu"), True)
+        pool = bench_entry._pool(mod, 5, 4, torch.device("cpu"), True)
         timing.single_calls(cand, pool, 8, checks, timing.loop_watch(pool, checks))
         keys = {c[0] if len(c) == 2 else (c[0], c[2]) for c in checks}
-        refs = {4: dict(bench.bench_reference(TINY, "cpu", 5, False, {4: sorted(keys, key=repr)})
-                        [4])}
+        refs = {4: dict(bench_entry.bench_reference(TINY, "cpu", 5, False,
+                                                    {4: sorted(keys, key=repr)})[4])}
         eager = {bench_rows.EAGER: {4: {"outputs": checks[-1][1], "wall_ms": 1.0}}}
         row = bench_rows.finish_row({"batch_size": 4, "device": "cpu", "wall_ms": 1.0,
                                  "outputs": checks[-1][1], "checks": list(checks)},
@@ -443,14 +446,15 @@ def test_cuda_bench_measures_events_graph_and_memory(tmp_path):
 
 def _order_of_timing_and_profiling(monkeypatch, device: str):
     log = []
-    measure, kernel_times = bench.measure, bench.kernel_times
-    monkeypatch.setattr(bench, "measure", lambda *a, **k: log.append("timed") or measure(*a, **k))
+    measure, kernel_times = bench_entry.measure, bench_entry.kernel_times
+    monkeypatch.setattr(bench_entry, "measure",
+                        lambda *a, **k: log.append("timed") or measure(*a, **k))
     if device == "cpu":  # the CPU has no CUDA activity to profile: a stand-in list
         kernel_times = lambda *a, **k: {"kernel_ms": 1.0, "kernels": [{"name": "k"}]}
-        monkeypatch.setattr(bench, "_profiled", lambda dev: True)
-    monkeypatch.setattr(bench, "kernel_times",
+        monkeypatch.setattr(bench_entry, "_profiled", lambda dev: True)
+    monkeypatch.setattr(bench_entry, "kernel_times",
                         lambda *a, **k: log.append("profiled") or kernel_times(*a, **k))
-    out = bench.bench_entry(TINY, bench_rows.EAGER, None, device, [4, 8], 0, True, 10)
+    out = bench_entry.bench_entry(TINY, bench_rows.EAGER, None, device, [4, 8], 0, True, 10)
     assert [r["batch_size"] for r in out["rows"]] == [4, 8]
     assert all(r["kernels"] and r["kernel_ms"] > 0 for r in out["rows"]), out["rows"]
     return log
@@ -476,9 +480,9 @@ def test_a_timer_patched_while_profiled_still_reads_as_tampered(monkeypatch, tmp
         monkeypatch.setattr(time, "perf_counter", lambda: 0.0)  # as a profiled call could
         return {"kernel_ms": 1.0, "kernels": [{"name": "k"}]}
 
-    monkeypatch.setattr(bench, "_profiled", lambda dev: True)
-    monkeypatch.setattr(bench, "kernel_times", kernel_times)
-    out = bench.bench_entry(TINY, "candidate", str(cand), "cpu", [4, 8], 0, True, 10)
+    monkeypatch.setattr(bench_entry, "_profiled", lambda dev: True)
+    monkeypatch.setattr(bench_entry, "kernel_times", kernel_times)
+    out = bench_entry.bench_entry(TINY, "candidate", str(cand), "cpu", [4, 8], 0, True, 10)
     assert [r["tampered"] for r in out["rows"]] == [["time.perf_counter was replaced"]] * 2
 
 
@@ -674,7 +678,7 @@ def test_a_forged_row_is_refused_before_bench_walks_it(monkeypatch):
                    {"batch_sizes": [3], "rows": [], "unfinished": huge},
                    {"batch_sizes": [3, 4], "rows": [], "unfinished": []}):
         assert bench._forged(result, [3]), result
-    honest = bench.bench_entry(TINY, "candidate", str(HERE / "candidates" /
+    honest = bench_entry.bench_entry(TINY, "candidate", str(HERE / "candidates" /
                                                       "reference_as_candidate.py"), "cpu", [3],
                                1, True, 10)
     assert [bench._malformed(r) for r in honest["rows"]] == [None], honest["rows"]

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastelbo.harness.bench import bench
-from fastelbo.harness.guard import loader, pool, timing
+from fastelbo.harness.guard import bench_entry, loader, pool, timing
 
 TINY = str(Path(__file__).parent / "problems" / "tiny_vae.py")
 SEED = 3
@@ -35,7 +34,8 @@ class _Recorder(torch.nn.Module):
 
 
 def _pool(batch: int) -> pool.Pool:
-    return bench._pool(loader.problem_module(TINY), SEED, batch, torch.device("cpu"), quick=False)
+    return bench_entry._pool(loader.problem_module(TINY), SEED, batch, torch.device("cpu"),
+                             quick=False)
 
 
 @pytest.mark.parametrize("batch", [1, 5, 64])
@@ -90,7 +90,7 @@ def test_which_calls_are_judged():
 
 
 def _reference(runs: dict) -> dict:
-    got = bench.bench_reference(TINY, "cpu", SEED, False, runs)
+    got = bench_entry.bench_reference(TINY, "cpu", SEED, False, runs)
     return {n: dict(pairs) for n, pairs in got.items()}
 
 
@@ -144,12 +144,12 @@ def test_a_loop_judges_calls_other_than_its_last():
 @torch.no_grad()
 def test_a_judged_call_reruns_by_hand_from_its_key():
     """What an INCORRECT row names ("input set key K") is enough to rerun that call: the set
-    redrawn by bench.set_inputs, the forward under pool.forward_seed(K)."""
+    redrawn by bench_entry.set_inputs, the forward under pool.forward_seed(K)."""
     p, model = _pool(5), _spec_model()
     checks = timing.Checks()
     timing.single_calls(model, p, 4, checks)
     (key,), outs = checks[-1]
-    x = bench.set_inputs(loader.problem_module(TINY), key, 5)
+    x = bench_entry.set_inputs(loader.problem_module(TINY), key, 5)
     torch.manual_seed(pool.forward_seed(key))
     assert all(torch.equal(a, b) for a, b in zip(model(*x), outs))
 

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastelbo.harness.bench import bench
-from fastelbo.harness.guard import loader, timing
+from fastelbo.harness.guard import bench_entry, loader, timing
 from fastelbo.harness.guard import pool as pool_module
 
 TINY = str(Path(__file__).parent / "problems" / "tiny_vae.py")
@@ -111,13 +110,13 @@ def _cold(model, pool, reps, checks=None, flush=None):
 def _setup():
     mod = loader.problem_module(TINY)
     model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, SEED), SEED)
-    return bench._pool(mod, SEED, 6, CPU, quick=True), model
+    return bench_entry._pool(mod, SEED, 6, CPU, quick=True), model
 
 
 def _replayed(checks) -> None:
     """Every kept (run, outputs) equals the reference worker's replay of the run."""
     runs = [run for run, _ in checks]
-    refs = dict(bench.bench_reference(TINY, "cpu", SEED, False, {6: runs})[6])
+    refs = dict(bench_entry.bench_reference(TINY, "cpu", SEED, False, {6: runs})[6])
     for run, outs in checks:
         assert all(torch.equal(a, b) for a, b in zip(refs[run], outs)), len(run)
 
@@ -194,7 +193,7 @@ def test_a_loop_prepares_no_more_sets_than_the_pool_holds(fake_cuda):
     bounded), at least 3, not `calls` copies of a large set."""
     mod = loader.problem_module(TINY)
     model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, SEED), SEED)
-    pool = pool_module.Pool(lambda key: bench.set_inputs(mod, key, 6), 1, count=4)
+    pool = pool_module.Pool(lambda key: bench_entry.set_inputs(mod, key, 6), 1, count=4)
     checks = timing.Checks()
     timing.wall_per_call(model, pool, CPU, 10, checks, rounds=1)
     assert max(len(run) for run, _ in checks) == 4

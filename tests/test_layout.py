@@ -172,8 +172,8 @@ def test_the_harness_rule_sees_lazy_and_string_imports():
     assert _string_imports("fastelbo.harness.check.check", source) == {"fastelbo.export",
                                                                  "fastelbo.model"}
     # The real strings it must see: the modules of the tasks a worker may run.
-    assert {"fastelbo.harness.guard.tasks", "fastelbo.harness.bench.bench"} <= _string_imports(
-        "fastelbo.harness.task_specs")
+    assert {"fastelbo.harness.guard.tasks", "fastelbo.harness.guard.bench_entry"} <= \
+        _string_imports("fastelbo.harness.task_specs")
 
 
 # A string naming a function by "module:name" (or a "module:" prefix to complete): a task
@@ -437,7 +437,7 @@ def test_the_line_rule_sees_a_long_file():
 # (the test fails on a stale entry), so the list only shrinks.
 MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS = {
-    "fastelbo.harness.bench.bench:bench_entry": 84,  # the worker's whole entry, each size's loop
+    "fastelbo.harness.guard.bench_entry:bench_entry": 84,  # the worker's entry, each size's loop
     "fastelbo.harness.check.check:_Check._judge": 92,  # every regime's verdict, in order
     "fastelbo.harness.compare:diff_tensors": 99,  # one pass over a pair, chunked on the device
 }

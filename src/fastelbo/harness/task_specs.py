@@ -120,7 +120,7 @@ def resolve(module: str, name: str) -> Callable:
 # ---- The harness's tasks. Each docstring says what it is for; the implementation, the rest. ----
 
 TASKS = "fastelbo.harness.guard.tasks"
-BENCH = "fastelbo.harness.bench.bench"
+BENCH = "fastelbo.harness.guard.bench_entry"
 
 
 @declare(TASKS)

@@ -31,219 +31,25 @@ import torch
 from ... import plugin
 from .. import task_specs as specs
 from ..guard import loader, sandbox
-from ..guard.pool import Pool, forward_seed, sample, seed_all, use_secret
 from ..guard.scan import scan_rows
-from ..guard.timing import Budget, kernel_times, loop_marks, measure
-from ..guard.worker import TaskError, progress, run_task, traceback_tail
-from ..judge import MAX_TAMPERED, capped, texts
+from ..guard.timing import loop_marks
+from ..guard.worker import run_task
+from ..judge import MAX_TAMPERED, texts
 from ..options import BenchOptions
-from ..placement import placement
 from ..results import append_jsonl, environment, utc_now
-from ..task_specs import implements
 from .bench_rows import COMPILED, EAGER, METRICS, RETIME, finish_row, outside, ref_key
-from .floor import count_flops
 
 
 def default_candidates(device: str) -> list[str]:
     """fastelbo:auto plus every built-in backend that can run on `device`.
 
-    Runs in a worker (`available_candidates`): asking the cuda backend builds its extension.
+    Runs in a worker (entry.available_candidates): asking the cuda backend builds its extension.
     """
-    outcome = run_task(available_candidates, 600.0, device=device)
+    outcome = run_task(specs.available_candidates, 600.0, device=device)
     if outcome.ok:
         return outcome.result["candidates"]
     # Let each built-in's own entry say what is wrong with it.
     return plugin.candidate_names()
-
-
-@implements(specs.available_candidates)
-def available_candidates(device: str) -> dict:
-    """Worker side of default_candidates."""
-    dev = torch.device(device)
-    return {"candidates": [c for c in plugin.candidate_names() if _unavailable(c, dev) is None]}
-
-
-def _unavailable(candidate: str, dev: torch.device) -> str | None:
-    try:
-        return plugin.unavailable_reason(candidate, dev)
-    except Exception as exc:  # noqa: BLE001 - a broken backend is skipped, not fatal to bench
-        return f"{type(exc).__name__}: {exc}"
-
-
-@implements(specs.bench_entry)
-@torch.no_grad()
-def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
-                batch_sizes: list[int] | None, seed: int, quick: bool, graph_reps: int,
-                eval_mode: bool = False, secret: bytes = b"") -> dict:
-    """Worker side: per batch size, outputs of one seeded forward, the metrics (timing.py) and
-    the timed calls' outputs (`checks`); eager also returns the problem's FLOPs and bytes.
-
-    A batch size that raises gives a row with "error"; if the device is unusable afterwards,
-    the sizes not yet run are returned as "unfinished" for the parent to retry elsewhere.
-    `secret`, the parent's: every set key and judged-call choice is drawn under it (pool.py).
-    """
-    from ..guard.integrity import hooks_now
-    use_secret(secret)  # before the candidate's import: nothing of its can run before it
-    dev = torch.device(device)
-    mod = loader.problem_module(problem)
-    init = loader.init_inputs(mod, seed)
-    default = getattr(mod, "batch_size", None)
-    if batch_sizes is None:
-        batch_sizes = sorted({1, default}) if isinstance(default, int) else [None]
-    reference, weights = loader.build_model(mod.Model, init, seed)
-    snapshot = None
-    if kind == "candidate":
-        from ..guard.integrity import Snapshot
-        # before the candidate's import: what it may not replace (the problem draws its inputs)
-        snapshot = Snapshot({"problem": mod}, dev)
-        progress("importing the candidate")
-        cls = loader.import_candidate(candidate).ModelNew
-        model, weights = loader.build_model(cls, init, seed, reference.state_dict())
-        del reference
-        if snapshot.changed():  # a patched timer or an active mode would skew all that follows
-            raise TaskError("tampered", "; ".join(snapshot.changed()))
-    else:
-        model = reference
-    model = model.to(dev)
-    if eval_mode:  # else the mode the model was constructed in (training), as KernelBench
-        model.eval()
-    if kind == COMPILED:
-        import torch._inductor.config as inductor_config
-        inductor_config.fallback_random = True  # draw noise as eager does, so outputs compare
-        model = torch.compile(model)
-    budget = Budget.quick() if quick else Budget()
-    reps = min(graph_reps, 10) if quick else graph_reps
-    rows, unfinished, timed = [], [], []
-    for i, n in enumerate(batch_sizes):
-        progress(f"{kind} {candidate or ''} batch {n}")
-        row = {"batch_size": n if n is not None else default, "weights": weights}
-        try:
-            pool = _pool(mod, seed, n, dev, quick)
-            row["outputs"] = loader.to_host(model(*pool.fresh(0)), strict=True)
-            if kind == EAGER:
-                row["flops"] = count_flops(model, pool.fresh(0))
-                row["io_bytes"] = loader.nbytes(pool.get(0)) + loader.nbytes(row["outputs"])
-            metrics, checks = measure(model, pool, dev, budget, reps,
-                                      observe=snapshot and snapshot.observe_threads,
-                                      guard=snapshot.guard if snapshot else hooks_now,
-                                      label=f"batch {row['batch_size']}")
-            check = metrics.pop("graph_check", None)
-            row.update(metrics, pool=pool.count, pool_drawn=len(pool.sets),
-                       checks_skipped=checks.skipped,
-                       checks=[(c[0], loader.to_host(c[1]), *c[2:]) for c in checks],
-                       graph_check=check and [(run, loader.to_host(o)) for run, o in check])
-            row["hygiene"] = checks.hygiene()
-            row["tampered"] = capped(snapshot.changed()) if snapshot is not None else []
-            row["threads"] = snapshot.threads_started() if snapshot is not None else []
-            row["host"] = placement(dev)  # where this worker ran its timing loops
-            timed.append((n, row))
-        except TaskError as exc:  # a hook left set after a timed call (Snapshot.guard)
-            row = {**row, "error": str(exc), "category": exc.category}
-            pool = None
-        except Exception as exc:  # noqa: BLE001 - one batch size failing is that row's result
-            row = {**row, "error": traceback_tail(exc), "category": "exception"}
-            pool = None  # drop this size's device tensors before release()
-            if not loader.usable(dev):
-                rows.append(row)
-                unfinished = batch_sizes[i + 1:]
-                break
-        rows.append(row)
-        loader.release(dev)
-    if _profiled(dev) and not unfinished:
-        _profile_kernels(model, mod, seed, dev, quick, timed)
-        if snapshot is not None:  # the profiled calls may not tamper either (their kernel list
-            late = capped(snapshot.changed())  # is the side-stream check's evidence)
-            for _, row in timed:
-                row["tampered"] = row["tampered"] or late
-    return {"batch_sizes": batch_sizes, "rows": rows, "unfinished": unfinished}
-
-
-def _profiled(dev: torch.device) -> bool:
-    """Whether bench lists the kernels of each row (the profiler's CUDA activity: a GPU)."""
-    return dev.type == "cuda"
-
-
-def _profile_kernels(model, mod, seed: int, dev: torch.device, quick: bool, timed) -> None:
-    """Each timed row's `kernels` (timing.kernel_times), on a pool drawn again, once every size
-    is timed: a torch.profiler session leaves CUPTI attached to the process (Kineto finalizes
-    it only under TEARDOWN_CUPTI=1), and every launch after it pays for that (pytorch/pytorch
-    issue 144455). The lead it follows (PERF.md; not yet timed again on a GPU): on the H200,
-    the exported solution's cold column was 1.7x KernelBench's own loop at B=128, the first
-    size its worker timed, and 3.4x at 1,024, timed after 128's profile."""
-    for n, row in timed:
-        progress(f"profiling the kernels, batch {row['batch_size']}")
-        try:
-            row.update(kernel_times(model, _pool(mod, seed, n, dev, quick)))
-        except Exception as exc:  # noqa: BLE001 - the timings stand without the kernel list
-            row["kernels_error"] = traceback_tail(exc)
-        loader.release(dev)
-
-
-@implements(specs.bench_reference)
-@torch.no_grad()
-def bench_reference(problem: str, device: str, seed: int, eval_mode: bool,
-                    keys: dict) -> dict:
-    """Worker side: the reference's outputs for the runs the parent judges timed calls on,
-    {batch size: [(run, outputs)]}. A run (pool.py) is replayed: the generators seeded for its
-    first set, then one forward per set key in order, each set drawn as the entry's pool drew
-    it; the last forward's outputs are the run's. Runs that begin another (the judged calls
-    of one loop) are read on the way: a loop is replayed once. An entry of `keys` that is a
-    (run, seed) pair asks for the run's outputs sampled as a judged call past the budget kept
-    its own (pool.sample), given as ((run, seed), sampled outputs)."""
-    dev = torch.device(device)
-    mod = loader.problem_module(problem)
-    model, _ = loader.build_model(mod.Model, loader.init_inputs(mod, seed), seed)
-    model = model.to(dev)
-    if eval_mode:
-        model.eval()
-    out = {}
-    for n, runs in keys.items():
-        progress(f"reference for {len(runs)} timed call(s), batch {n}")
-        out[n], seeds = [], {}  # run: the seeds it is sampled with (None: whole)
-        for r in runs:
-            pair = len(r) == 2 and isinstance(r[0], (tuple, list))
-            seeds.setdefault(tuple(r[0]) if pair else tuple(r), set()).add(
-                r[1] if pair else None)
-        wanted = set(seeds)
-        for run in sorted(wanted, key=len, reverse=True):
-            if run in wanted:  # not yet computed on the way to a longer run
-                sets = {key: loader.to_device(set_inputs(mod, key, n), dev) for key in set(run)}
-                torch.manual_seed(forward_seed(run[0]))  # after the draws: they seed their own
-                for i, key in enumerate(run):
-                    outputs = model(*sets[key])
-                    if run[:i + 1] in wanted:  # a judged call of the same loop on the way
-                        wanted.discard(run[:i + 1])
-                        out[n] += [(run[:i + 1], loader.to_host(outputs, strict=True))
-                                   if seed is None else ((run[:i + 1], seed), loader.to_host(
-                                       sample(outputs, seed), strict=True))
-                                   for seed in seeds[run[:i + 1]]]
-                del sets
-        loader.release(dev)
-    return out
-
-
-def set_inputs(mod, key: int, n: int | None) -> list:
-    """The inputs of the set drawn under `key` at batch size n, on the CPU (the same in every
-    worker): what a row's "input set key K" names, to rerun a failing timed call by hand
-    (`loader.problem_module(problem)` for mod; its forward ran under pool.forward_seed(K)).
-    Seeded as torch.manual_seed seeds, through the generators' own methods (pool.seed_all):
-    torch.manual_seed's Python path costs a CPU-only torch ~0.25 ms per draw, which a
-    candidate could make cheaper in its own worker (traceback.format_stack replaced) and so
-    make room, between its calls, for work it had moved out of the timed window."""
-    return loader.draw_inputs(mod, key, n, seed_with=seed_all)
-
-
-def _first_key(seed: int) -> int:
-    """The key of the seeded forward's set (set 0), the same in every entry: from the bench's
-    seed, unlike the timed calls' sets (pool.secret_key)."""
-    return seed + 1000
-
-
-def _pool(mod, seed: int, n: int | None, dev: torch.device, quick: bool) -> Pool:
-    """The batch size's pool: set 0 from the bench's seed, the others drawn as timed calls
-    need them (pool.py)."""
-    return Pool(lambda key: loader.to_device(set_inputs(mod, key, n), dev), _first_key(seed),
-                quick)
 
 
 def _entry_rows(sizes: list[int] | None, timeout: float, env: dict[str, str] | None,
@@ -256,7 +62,7 @@ def _entry_rows(sizes: list[int] | None, timeout: float, env: dict[str, str] | N
     A candidate's result is checked before any of it is read (_forged): a forged one is a
     TAMPERED row for each size.
     """
-    outcome = run_task(bench_entry, timeout, env=env, confine=confine, batch_sizes=sizes,
+    outcome = run_task(specs.bench_entry, timeout, env=env, confine=confine, batch_sizes=sizes,
                        secret=secrets.token_bytes(32), **task)
     why = _forged(outcome.result, sizes) if outcome.ok and task["kind"] == "candidate" else None
     if why:  # the candidate's worker wrote its own result: nothing of it is read further
@@ -491,7 +297,7 @@ def _references(rows: list[dict], problem: str, device: str, seed: int, o: Bench
             keys.setdefault(r["batch_size"], set()).add(ref_key(c))
     if not keys:
         return {}, ""
-    outcome = run_task(bench_reference, o.timeout, env=env, problem=problem, device=device,
+    outcome = run_task(specs.bench_reference, o.timeout, env=env, problem=problem, device=device,
                        seed=seed, eval_mode=o.eval_mode,
                        keys={n: sorted(k, key=repr) for n, k in keys.items()})
     if not outcome.ok:

@@ -1,7 +1,7 @@
 """A bench row's verdict, in the parent: its outputs and judged timed calls against the
 reference's, the physical floor, the speedups, and the flags and notes its own numbers call for.
 
-The worker (bench.bench_entry) measures; nothing here trusts what it says beyond its numbers:
+The worker (guard/bench_entry.py) measures; nothing here trusts what it says beyond its numbers:
 every rule reads a row's fields as the parent received them (a forged result is refused before,
 bench._forged). The flags (work outside the timed window or stream, a late start, a slow clock)
 make bench exit 1, as a wrong or implausible row does; notes (noisy, a loaded host) do not.
@@ -11,11 +11,11 @@ from __future__ import annotations
 import statistics
 
 from ..compare import compare_outputs
+from ..guard.bench_entry import COMPILED, EAGER
 from ..guard.timing import quantiles
 from ..metrics import KEYS
 from .floor import floors
 
-EAGER, COMPILED = "eager", "torch.compile"
 IMPLAUSIBLE = 100.0   # x eager; faster than this is more likely skipped work than a kernel
 RETIME = 10.0         # x eager; a candidate this fast has eager timed again (_retime_eager)
 METRICS = KEYS  # the row's timed keys (metrics.py)

@@ -34,17 +34,6 @@ def peaks(device_type: str, device_name: str) -> tuple[float, float, str]:
     return (*UNKNOWN_GPU, "unknown GPU: generous bound")
 
 
-def count_flops(model, inputs: list) -> int | None:
-    """FLOPs of one forward, as torch's FlopCounterMode counts them (None if it cannot)."""
-    try:
-        from torch.utils.flop_counter import FlopCounterMode
-        with FlopCounterMode(display=False) as counter:
-            model(*inputs)
-        return int(counter.get_total_flops())
-    except Exception:  # noqa: BLE001 - a forward the counter cannot trace has no floor
-        return None
-
-
 def floors(flops: int | None, io_bytes: int, device_type: str,
            device_name: str) -> dict:
     """{floor_ms (cold), floor_warm_ms (FLOPs only), floor_source}."""

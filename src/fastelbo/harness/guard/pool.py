@@ -20,7 +20,7 @@ The candidate shares its process with the timing loop, so it can read anything t
 A judged call is named by its *run*: the keys of the sets its forward and the forwards before
 it (since the generators were last seeded) ran on. The reference replays a run: it seeds the
 generators with `forward_seed(run[0])` and calls its forward on each set in order, and the last
-call's outputs are the ones judged (bench.bench_reference). A single call's run is one key.
+call's outputs are the ones judged (bench_entry.bench_reference). A single call's run is one key.
 
 The OS's random source is bound here at import, before any candidate: replacing `os.urandom`
 later does not reach it (integrity.py reports such a patch).
@@ -220,7 +220,7 @@ def sample(out, seed: int) -> tuple:
     """A judged call's outputs, each tensor as SAMPLE_ELEMENTS of its elements (flattened, in
     row-major order) at positions drawn from `seed` (sample_positions), as plain device copies;
     anything else as loader.to_host(strict) takes it (a tensor subclass is not touched). The
-    reference's outputs for the same run are sampled alike (bench.bench_reference), so the two
+    reference's outputs for the same run are sampled alike (bench_entry.bench_reference), so the two
     compare element for element."""
     from ..compare import as_tuple
     from .loader import to_host
