@@ -145,6 +145,8 @@ def test_a_row_that_looks_like_work_outside_the_window_runs_again(monkeypatch):
         row = timed[0][1]
         assert row["rerun"] is True
         assert row["checks"] == judged if replaced else row["outside_ms"] == 0.40
+        # cleared by a second eager run slower than the first: a note, not a silent pass
+        assert row.get("outside_unjudged", False) == (eager_again > 0.05), row
         plain = {k: v for k, v in row.items() if k != "checks"}  # no judged calls here
         finished = bench_rows.finish_row({**plain, "outputs": (torch.arange(4.0),),
                                           "device": "cpu"}, _eager(outside_ms=0.05), 1e-4, 1e-4)
@@ -352,7 +354,11 @@ def test_an_output_too_large_to_copy_is_still_read_after_every_call(tmp_path):
                                  out=None)
     by = {Path(r["candidate"]).stem: r for r in rows}
     cheat = by["exploit_lazy_big_output"]
-    assert code == 1 and any("work outside the timed window" in f for f in cheat["flags"]), cheat
+    # flagged; on a loaded host (eager's second run slowed by the load) a note asking for a
+    # rerun instead, never a silent pass (CI, 2026-12-07)
+    flagged = any("work outside the timed window" in f for f in cheat["flags"])
+    noted = any(n.startswith("not judged, the host was loaded") for n in cheat["notes"])
+    assert (flagged and code == 1) or (noted and not flagged), cheat
     assert by["honest_rbf"]["status"] == "ok", by["honest_rbf"]
 
 

@@ -202,6 +202,10 @@ def finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict |
                                 f"{busy:.1f}x): {what}: rerun on a quiet host")
         else:
             row["flags"].append(what)
+    if row.get("outside_unjudged"):
+        row["notes"].append("not judged, the host was loaded: the second run's gaps look like "
+                            "work outside the timed window against eager's faster run, not "
+                            "against the eager run beside it: rerun on a quiet host")
     kernels, window = row.get("kernel_ms"), row.get("events_ms")
     if kernels and window and kernels > ESCAPE_KERNEL_FACTOR * window + ESCAPE_KERNEL_MS:
         row["flags"].append(f"device time outside the timed window: the profiler saw "

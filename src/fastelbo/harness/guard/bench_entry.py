@@ -48,7 +48,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     the sizes not yet run are returned as "unfinished" for the parent to retry elsewhere.
     `secret`, the parent's: every set key and judged-call choice is drawn under it (pool.py).
     """
-    from .integrity import hooks_now
+    from .integrity import Snapshot
     use_secret(secret)  # before the candidate's import: nothing of its can run before it
     dev = torch.device(device)
     mod = loader.problem_module(problem)
@@ -57,11 +57,14 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     if batch_sizes is None:
         batch_sizes = sorted({1, default}) if isinstance(default, int) else [None]
     reference, weights = loader.build_model(mod.Model, init, seed)
-    snapshot = None
-    if kind == "candidate":
-        from .integrity import Snapshot
-        # before the candidate's import: what it may not replace (the problem draws its inputs)
-        snapshot = Snapshot({"problem": mod}, dev)
+    # Before the candidate's import: what it may not replace (the problem draws its inputs).
+    # Every entry has one, and runs its guard after each timed call, so that the time between
+    # calls is the same work for eager as for a candidate (eager once ran a cheaper read, and
+    # an honest copy of the model paid ~0.2-0.3 ms a gap more on a loaded CPU, 2026-12-07);
+    # what it finds changed is reported for candidates only (torch.compile rebinds some).
+    snapshot = Snapshot({"problem": mod}, dev)
+    judged = kind == "candidate"
+    if judged:
         progress("importing the candidate")
         cls = loader.import_candidate(candidate).ModelNew
         model, weights = loader.build_model(cls, init, seed, reference.state_dict())
@@ -90,8 +93,8 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                 row["flops"] = count_flops(model, pool.fresh(0))
                 row["io_bytes"] = loader.nbytes(pool.get(0)) + loader.nbytes(row["outputs"])
             metrics, checks = measure(model, pool, dev, budget, reps,
-                                      observe=snapshot and snapshot.observe_threads,
-                                      guard=snapshot.guard if snapshot else hooks_now,
+                                      observe=snapshot.observe_threads if judged else None,
+                                      guard=snapshot.guard,
                                       label=f"batch {row['batch_size']}")
             check = metrics.pop("graph_check", None)
             row.update(metrics, pool=pool.count, pool_drawn=len(pool.sets),
@@ -99,8 +102,8 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
                        checks=[(c[0], loader.to_host(c[1]), *c[2:]) for c in checks],
                        graph_check=check and [(run, loader.to_host(o)) for run, o in check])
             row["hygiene"] = checks.hygiene()
-            row["tampered"] = capped(snapshot.changed()) if snapshot is not None else []
-            row["threads"] = snapshot.threads_started() if snapshot is not None else []
+            row["tampered"] = capped(snapshot.changed()) if judged else []
+            row["threads"] = snapshot.threads_started() if judged else []
             row["host"] = placement(dev)  # where this worker ran its timing loops
             timed.append((n, row))
         except TaskError as exc:  # a hook left set after a timed call (Snapshot.guard)
@@ -117,7 +120,7 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
         loader.release(dev)
     if _profiled(dev) and not unfinished:
         _profile_kernels(model, mod, seed, dev, quick, timed)
-        if snapshot is not None:  # the profiled calls may not tamper either (their kernel list
+        if judged:  # the profiled calls may not tamper either (their kernel list
             late = capped(snapshot.changed())  # is the side-stream check's evidence)
             for _, row in timed:
                 row["tampered"] = row["tampered"] or late

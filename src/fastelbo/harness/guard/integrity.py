@@ -275,24 +275,6 @@ _TIMERS = {"ITIMER_REAL": signal.ITIMER_REAL, "ITIMER_VIRTUAL": signal.ITIMER_VI
            "ITIMER_PROF": signal.ITIMER_PROF} if hasattr(signal, "setitimer") else {}
 
 
-def hooks_now() -> None:
-    """The guard's reads without a snapshot to compare with: what an entry that is not a
-    candidate (eager, torch.compile) pays after each call, so that the time between calls
-    compares alike."""
-    _hooks()
-    if not _PER_CALL_NOW:  # once per process: the built-ins a snapshot would check per call
-        bound = {(p, n): (o, _raw(o, n)) for p, n in [*_WATCHED, *_PER_CALL]
-                 if (o := _owner(p)) is not None}
-        harness = {name: (mod, dict(vars(mod))) for name in
-                   (f"fastelbo.harness.{m}" for m in _HARNESS) if (mod := sys.modules.get(name))}
-        _PER_CALL_NOW.extend(_c_watch(bound, harness, {})[1])
-    for c in _PER_CALL_NOW:
-        c.rewritten()
-
-
-_PER_CALL_NOW: list = []
-
-
 def _hooks() -> dict:
     """{what: value} of everything that runs Python code the harness does not call."""
     import gc
