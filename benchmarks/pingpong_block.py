@@ -24,6 +24,7 @@ import argparse
 import sys
 
 import torch
+from latent_block import graph_ms
 
 from fastelbo.backends import cuda as backend
 from fastelbo.backends import torch_ref
@@ -46,27 +47,6 @@ def _inputs(batch, seed=0, scale=1.0, binary=False):
 def _close(got, want) -> bool:
     return all(bool(torch.isclose(g, w, atol=1e-4, rtol=1e-4, equal_nan=True).all())
                for g, w in zip(got, want))
-
-
-def graph_ms(call, calls: int = 20, replays: int = 10) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (calls * replays)
 
 
 def kernel_us(call, names) -> tuple[float, list[str]]:
