@@ -40,6 +40,11 @@ CLOCK_FACTOR, CLOCK_SLACK_S = 1.5, 1.0
 # may move the number more than this (a note); eager's max / min block beyond LOADED: the host
 # was loaded while it ran (a note on every row of that size: rerun).
 NOISY, LOADED = 0.10, 2.0
+# bench._rerun_outside: a suspect row cleared against the eager run beside it, but not against
+# eager's faster run (a load only lengthens gaps)
+UNJUDGED = ("not judged, the host was loaded: the second run's gaps look like work outside the "
+            "timed window against eager's faster run, not against the eager run beside it: "
+            "rerun on a quiet host")
 # Work moved out of the timed window (code the harness runs between calls: a hook computing each
 # drawn set before its call, or lazy outputs filled when read): flagged where the candidate's
 # host time per call outside the window (median) exceeds eager's (the same copies, draws and
@@ -191,6 +196,7 @@ def finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict |
     # candidates (CI, 2026-12-07). There the gaps' 10th percentiles are judged (work done
     # between every call still shows), and the medians' finding is a note asking for a rerun.
     busy = loaded(eager) or loaded({"wall_blocks": row.get("eager_beside_blocks")})
+    row["notes"] += [UNJUDGED] if row.get("outside_unjudged") else []
     low = outside(row, eager, low=True)
     for gap, mine, theirs, inside in low or outside(row, eager):
         what = (f"work outside the timed window: {mine * 1e3:.1f} us per call between the "
@@ -202,10 +208,6 @@ def finish_row(row: dict, results: dict, atol: float, rtol: float, keyed: dict |
                                 f"{busy:.1f}x): {what}: rerun on a quiet host")
         else:
             row["flags"].append(what)
-    if row.get("outside_unjudged"):
-        row["notes"].append("not judged, the host was loaded: the second run's gaps look like "
-                            "work outside the timed window against eager's faster run, not "
-                            "against the eager run beside it: rerun on a quiet host")
     kernels, window = row.get("kernel_ms"), row.get("events_ms")
     if kernels and window and kernels > ESCAPE_KERNEL_FACTOR * window + ESCAPE_KERNEL_MS:
         row["flags"].append(f"device time outside the timed window: the profiler saw "

@@ -57,11 +57,8 @@ def bench_entry(problem: str, kind: str, candidate: str | None, device: str,
     if batch_sizes is None:
         batch_sizes = sorted({1, default}) if isinstance(default, int) else [None]
     reference, weights = loader.build_model(mod.Model, init, seed)
-    # Before the candidate's import: what it may not replace (the problem draws its inputs).
-    # Every entry has one, and runs its guard after each timed call, so that the time between
-    # calls is the same work for eager as for a candidate (eager once ran a cheaper read, and
-    # an honest copy of the model paid ~0.2-0.3 ms a gap more on a loaded CPU, 2026-12-07);
-    # what it finds changed is reported for candidates only (torch.compile rebinds some).
+    # Before the candidate's import. Every entry runs its guard after each call, so the time
+    # between calls is the same work for all (_snapshot_note); changes reported for candidates.
     snapshot = Snapshot({"problem": mod}, dev)
     judged = kind == "candidate"
     if judged:
@@ -224,3 +221,8 @@ def count_flops(model, inputs: list) -> int | None:
         return int(counter.get_total_flops())
     except Exception:  # noqa: BLE001 - a forward the counter cannot trace has no floor
         return None
+
+
+# _snapshot_note: eager once ran a cheaper read than a candidate's Snapshot.guard, and an honest
+# copy of the model paid ~0.2-0.3 ms a gap more on a loaded CPU (2026-12-07); torch.compile
+# rebinds some watched names, so what the snapshot finds changed is a candidate's alone.
