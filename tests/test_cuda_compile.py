@@ -25,7 +25,7 @@ import subprocess
 import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 import torch.utils.cpp_extension as cpp_ext
@@ -96,7 +96,8 @@ class Builds:
         workers = int(os.environ.get("MAX_JOBS") or 0) or min(os.cpu_count() or 1, 8)
         self.pool = ThreadPoolExecutor(workers)
         tools = [_run([t, "--version"]) for t in (NVCC, _cxx()) if t]
-        files = sorted([*cuda_backend.HERE.iterdir(), *(BENCH / "experiments").iterdir()])
+        files = sorted([*cuda_backend.HERE.iterdir(), *cuda_backend.KERNEL_DIR.iterdir(),
+                        *cuda_backend.BINDING_DIR.iterdir(), *(BENCH / "experiments").iterdir()])
         salt = repr((tools, [(f.name, f.read_bytes()) for f in files if f.is_file()]))
         self.salt = hashlib.sha256(salt.encode()).hexdigest()
 
@@ -150,11 +151,11 @@ def _host_compile_job(source: str, text: str | None = None) -> tuple[list[str], 
     the backend's CXX_FLAGS) into {dir}/out.o."""
     import torch
 
-    path = str(cuda_backend.HERE / source) if text is None else "{dir}/" + source
+    path = str(cuda_backend.source_path(source)) if text is None else "{dir}/" + source
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     argv = [_cxx(), "-std=c++20", *cuda_backend.CXX_FLAGS, "-c", path, "-o", "{dir}/out.o",
             *TORCH_INCLUDES, f"-I{sysconfig.get_paths()['include']}",
-            f"-I{Path(NVCC).parent.parent / 'include'}", f"-I{cuda_backend.HERE}",
+            f"-I{Path(NVCC).parent.parent / 'include'}",
             "-DTORCH_EXTENSION_NAME=fastelbo_test", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"]
     return argv, ({} if text is None else {source: text})
@@ -162,18 +163,18 @@ def _host_compile_job(source: str, text: str | None = None) -> tuple[list[str], 
 
 def _exe_job(main: str, *flags: str) -> tuple[list[str], dict[str, str]]:
     """A host program `main` (CUDA C++ text) built by nvcc into {dir}/exe."""
-    return [NVCC, "-std=c++17", *flags, f"-I{cuda_backend.HERE}", "-o", "{dir}/exe",
+    return [NVCC, "-std=c++17", *flags, f"-I{cuda_backend.KERNEL_DIR}", "-o", "{dir}/exe",
             "{dir}/main.cu"], {"main.cu": main}
 
 
 def _jobs_of(test: str) -> dict[str, tuple[list[str], dict[str, str]]]:
     """The jobs a test of this file reads (by the test function's name)."""
     kernels = {f"kernel:{s}": ([NVCC, *NVCC_FLAGS, *TORCH_NVCC_DEFINES, "-c",
-                                str(cuda_backend.HERE / s), "-o", "{dir}/k.o"], {})
+                                str(cuda_backend.source_path(s)), "-o", "{dir}/k.o"], {})
                for s in cuda_backend.KERNEL_SOURCES}
     if test == "test_benchmark_tools_build":
         gencode = [f for f in cuda_backend.NVCC_FLAGS if "sm_90a" in f]
-        return {f"tool:{s}": ([NVCC, "-O3", "-std=c++17", *gencode, f"-I{cuda_backend.HERE}",
+        return {f"tool:{s}": ([NVCC, "-O3", "-std=c++17", *gencode, f"-I{cuda_backend.KERNEL_DIR}",
                                "-o", "{dir}/tool", str(BENCH / s)], {}) for s in BENCH_CU}
     if test == "test_kernel_compiles_sm90_without_spills":
         return kernels
@@ -355,7 +356,7 @@ def test_a_missing_nvcc_skips_unless_it_is_required(env, tmp_path):
 
 def test_every_kernel_source_is_listed():
     assert set(EXPECTED_KERNELS) == set(cuda_backend.KERNEL_SOURCES)
-    on_disk = {p.name for p in cuda_backend.HERE.glob("*.cu")}
+    on_disk = {p.name for p in cuda_backend.KERNEL_DIR.glob("*.cu")}
     assert on_disk == set(cuda_backend.KERNEL_SOURCES), on_disk
 
 
@@ -387,24 +388,52 @@ def test_kernel_and_binding_files_define_no_macros():
     them defines a macro (which would reach the files after it there) or a __constant__
     (one 64 KiB bank for the whole unit)."""
     for name in (*cuda_backend.KERNEL_SOURCES, *cuda_backend.BINDING_SOURCES):
-        text = (cuda_backend.HERE / name).read_text()
+        text = cuda_backend.source_path(name).read_text()
         assert not re.search(r"^\s*#\s*(define|undef)\b", text, re.MULTILINE), name
         assert "__constant__" not in text, name
 
 
 def test_kernel_sources_have_no_torch_and_no_fast_math():
     for name in (*cuda_backend.KERNEL_SOURCES, *cuda_backend.HEADERS):
-        text = (cuda_backend.HERE / name).read_text()
+        text = cuda_backend.source_path(name).read_text()
         assert not re.search(r"#\s*include\s*<(torch|ATen|c10)/", text), name
         assert "at::" not in text and "torch::" not in text, name
     flags = " ".join(cuda_backend.NVCC_FLAGS)
     assert "fast_math" not in flags and "fast-math" not in flags and "ftz=true" not in flags
 
 
+def test_the_layers_include_down_only():
+    """kernels/ includes only kernels/ (never a torch header: above), binding/ its own folder
+    and kernels/: every quoted #include resolves from the including file's folder, as nvcc
+    and the host compiler resolve it with no -I of ours."""
+    files = cuda_backend.source_files()
+    for f in files:
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', f.read_text(), re.MULTILINE):
+            target = (f.parent / name).resolve()
+            assert target in files, (f.name, name)
+            allowed = ((cuda_backend.KERNEL_DIR,) if f.parent == cuda_backend.KERNEL_DIR
+                       else (cuda_backend.KERNEL_DIR, cuda_backend.BINDING_DIR))
+            assert target.parent in allowed, (f.name, name)
+
+
 def test_sources_are_package_data():
+    """Every file the build reads is one of pyproject's package-data patterns (so a wheel
+    ships it), and kernels/ and binding/ hold no file the build does not list."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # the dev extra installs tomli where tomllib is missing
+        import tomli as tomllib
+    project = tomllib.loads((HERE.parents[1] / "pyproject.toml").read_text())
+    patterns = project["tool"]["setuptools"]["package-data"]["fastelbo"]
+    package = cuda_backend.HERE.parents[1]  # src/fastelbo
     for f in cuda_backend.source_files():
         assert f.exists(), f
-        assert f.suffix in (".cu", ".cpp", ".h", ".cuh"), f  # pyproject package-data patterns
+        rel = f.relative_to(package).as_posix()
+        assert any(PurePosixPath(rel).match(p) and rel.count("/") == p.count("/")
+                   for p in patterns), rel
+    on_disk = {f for d in (cuda_backend.KERNEL_DIR, cuda_backend.BINDING_DIR)
+               for f in d.iterdir()}
+    assert on_disk == set(cuda_backend.source_files()), on_disk ^ set(cuda_backend.source_files())
 
 
 def _binding_symbols(obj: Path) -> tuple[set[str], set[str]]:
@@ -469,6 +498,7 @@ def test_export_is_self_contained_python(tmp_path):
         assert k == k2 and torch.equal(a, b), k
     for header in (*cuda_backend.HEADERS, *cuda_backend.BINDING_HEADERS):
         assert f'#include "{header}"' not in mod.CUDA_SOURCE + mod.CPP_SOURCE
+    assert '#include "../' not in mod.CUDA_SOURCE + mod.CPP_SOURCE  # binding/'s of kernels/
     # The pybind11 module goes to cpp_sources (the host compiler), the rest to nvcc.
     assert "PYBIND11_MODULE" in mod.CPP_SOURCE and "PYBIND11_MODULE" not in mod.CUDA_SOURCE
     assert "elbo_forward(" in mod.CUDA_SOURCE and "struct ForwardOptions" in mod.CPP_SOURCE
@@ -508,7 +538,7 @@ def test_export_inline_source_compiles(builds, tmp_path):
     mod = _load_solution(export.write_kernelbench(tmp_path / "solution.py"))
     assert (mod.CUDA_SOURCE, mod.CPP_SOURCE) == (export.cuda_source(), export.cpp_source())
     for source in cuda_backend.KERNEL_SOURCES:  # each kernel file whole, as built alone
-        text = export._INCLUDE_HEADER.sub("", (cuda_backend.HERE / source).read_text())
+        text = export._INCLUDE_HEADER.sub("", cuda_backend.source_path(source).read_text())
         assert f"// ---- {source} ----\n{text}" in mod.CUDA_SOURCE, source
     report = {}
     for source in cuda_backend.KERNEL_SOURCES:

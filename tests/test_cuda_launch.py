@@ -16,8 +16,8 @@ import pytest
 from fastelbo.backends.cuda import build, launch, status
 from fastelbo.params import VAEParams
 
-MODULE_CPP = (build.HERE / build.BINDING_MODULE).read_text()
-BINDING_H = (build.HERE / "binding.h").read_text()
+MODULE_CPP = build.source_path(build.BINDING_MODULE).read_text()
+BINDING_H = build.source_path("binding.h").read_text()
 
 
 def _bound_entries() -> dict[str, list[str]]:
@@ -54,7 +54,7 @@ def test_one_signature_takes_the_parameters_as_one_list():
         assert not re.search(rf"const at::Tensor& {field}\b", BINDING_H), field
     # Nor does any helper of the binding files take the biases one by one (VaeTensors instead).
     for name in (*build.BINDING_SOURCES, *build.BINDING_HEADERS):
-        text = (build.HERE / name).read_text()
+        text = build.source_path(name).read_text()
         assert not re.search(r"const at::Tensor& (enc_b|mu_b|lv_b|dec_b1|dec_b2)\b", text), name
     assert BINDING_H.count("const std::vector<at::Tensor>& params") == len(TAKES_PARAMS) + 1
 
@@ -206,7 +206,7 @@ def test_only_launch_calls_the_extension():
 
 def test_status_names_the_checks_codes_and_fields_in_their_order():
     """status.py's CODES and FIELDS are binding_check.h's enums, value for value."""
-    header = (build.HERE / "binding_check.h").read_text()
+    header = build.source_path("binding_check.h").read_text()
 
     def enum(name):
         body = re.search(rf"enum {name} : int64_t \{{(.*?)\}};", header, re.DOTALL).group(1)
@@ -233,7 +233,7 @@ def test_every_entry_taking_the_vaes_tensors_checks_them_with_check_inputs():
     binding file checks a VAE tensor's shape, dtype or device on its own."""
     defined = 0
     for name in build.BINDING_SOURCES:
-        text = (build.HERE / name).read_text()
+        text = build.source_path(name).read_text()
         for m in re.finditer(r"^[\w:<>, ]+ (\w+)\(([^)]*const std::vector<at::Tensor>& params"
                              r"[^)]*)\) \{\n(.*?)^\}", text, re.DOTALL | re.MULTILINE):
             fn, body = m.group(1), m.group(3)

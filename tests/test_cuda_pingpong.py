@@ -66,8 +66,8 @@ def model_outputs(d_pre, params: VAEParams, x, kl, sms=pm.SMS):
 # ---- the CPU half ---------------------------------------------------------------------------
 def test_the_models_constants_are_the_kernels():
     """pingpong_model's tile sizes, ring depth and K bound are pingpong.cu's and elbo.h's."""
-    kernel = (CUDA_DIR / "pingpong.cu").read_text()
-    header = (CUDA_DIR / "elbo.h").read_text()
+    kernel = (CUDA_DIR / "kernels" / "pingpong.cu").read_text()
+    header = (CUDA_DIR / "kernels" / "elbo.h").read_text()
 
     def const(text, name):
         return int(re.search(rf"constexpr int {name} = (\d+);", text).group(1))
@@ -180,7 +180,7 @@ def test_the_model_with_ragged_dims_and_bad_rows():
 def test_the_options_are_checked_before_any_build():
     from fastelbo.backends.cuda import elbo, launch
     assert launch.OUTPUTS == {"auto": 0, "pingpong": 1, "tc": 2}
-    binding = (CUDA_DIR / "binding.h").read_text()
+    binding = (CUDA_DIR / "binding" / "binding.h").read_text()
     assert ("enum Output : int64_t { kOutputAuto = 0, kOutputPingpong = 1, kOutputTc = 2 };"
             in binding)
     with pytest.raises(ValueError, match="output must be one of"):

@@ -80,8 +80,8 @@ def ext(request, tmp_path_factory):
         if os.environ.get("CI", "").lower() not in ("", "0", "false"):
             pytest.fail("no C++ compiler, and CI is set: CI's machine has one", pytrace=False)
         pytest.skip("no C++ compiler (c++ or g++) on PATH")
-    source = (build.HERE / "binding_check.cpp").read_text()
-    header = (build.HERE / "binding_check.h").read_text()
+    source = build.source_path("binding_check.cpp").read_text()
+    header = build.source_path("binding_check.h").read_text()
     key = hashlib.sha256(repr((MODULE, source, header, torch.__version__, cxx,
                                sys.version)).encode()).hexdigest()[:16]
     name = f"fastelbo_check_cpu_{key}"
@@ -95,8 +95,8 @@ def ext(request, tmp_path_factory):
         libdirs = cpp_ext.library_paths()
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
         cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-fvisibility=hidden",
-               str(build.HERE / "binding_check.cpp"), str(work / "module.cpp"),
-               "-o", str(work / lib.name), f"-I{build.HERE}",
+               str(build.source_path("binding_check.cpp")), str(work / "module.cpp"),
+               "-o", str(work / lib.name), f"-I{build.BINDING_DIR}",
                *(f"-I{p}" for p in cpp_ext.include_paths()),
                f"-I{sysconfig.get_paths()['include']}", f"-DTORCH_EXTENSION_NAME={name}",
                f"-D_GLIBCXX_USE_CXX11_ABI={abi}",

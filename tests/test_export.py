@@ -162,7 +162,7 @@ def _python_part(text: str) -> str:
 
 def _binding_args(entry: str) -> list[str]:
     """The argument names binding_module.cpp gives entry point `entry`."""
-    cpp = (build.HERE / build.BINDING_MODULE).read_text()
+    cpp = build.source_path(build.BINDING_MODULE).read_text()
     args = re.search(rf'm\.def\("{entry}",(.*?)\);$', cpp, re.DOTALL | re.MULTILINE).group(1)
     return re.findall(r'py::arg\("(\w+)"\)', args)
 

@@ -6,7 +6,7 @@
 // a CUDA graph of many launches (as `fastelbo bench` times a forward).
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 \
-//        -I src/fastelbo/backends/cuda -o /tmp/cuda_trace benchmarks/experiments/cuda_trace.cu
+//        -I src/fastelbo/backends/cuda/kernels -o /tmp/cuda_trace benchmarks/experiments/cuda_trace.cu
 //   /tmp/cuda_trace fast|cluster [B] [rows] [cluster] [staged]   (0 / -1: the planner's choice)
 #define FASTELBO_TRACE
 #include "elbo.cu"

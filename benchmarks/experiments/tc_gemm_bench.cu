@@ -9,7 +9,7 @@
 // ReLU) and output layer (M x 784 x 256, BCE) at M = 1024 ... 65536.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
-//        -I src/fastelbo/backends/cuda -o /tmp/tc_gemm_bench benchmarks/experiments/tc_gemm_bench.cu
+//        -I src/fastelbo/backends/cuda/kernels -o /tmp/tc_gemm_bench benchmarks/experiments/tc_gemm_bench.cu
 //   /tmp/tc_gemm_bench [quick|profile]   (quick: the small checks only, for compute-sanitizer;
 //                                          profile: one launch of each GEMM at M = 65536)
 #include "elbo.cu"

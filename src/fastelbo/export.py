@@ -35,9 +35,10 @@ from . import params as params_module
 from .backends.cuda import build, launch
 from .problems import vae_elbo
 
-# The package's own headers: inlined once, their #include lines dropped.
+# The package's own headers: inlined once, their #include lines dropped (the binding names
+# kernels/elbo.h by its relative path, ../kernels/elbo.h).
 _INCLUDE_HEADER = re.compile(
-    r'^\s*#\s*include\s+"('
+    r'^\s*#\s*include\s+"(?:\.\./kernels/)?('
     + "|".join(map(re.escape, (*build.HEADERS, *build.BINDING_HEADERS))) + r')"\s*$',
     re.MULTILINE)
 
@@ -161,8 +162,8 @@ def _raw_literal(text: str) -> str:
 
 
 def _inlined(names) -> str:
-    here = build.HERE
-    return "".join(f"\n// ---- {name} ----\n" + _INCLUDE_HEADER.sub("", (here / name).read_text())
+    return "".join(f"\n// ---- {name} ----\n"
+                   + _INCLUDE_HEADER.sub("", build.source_path(name).read_text())
                    for name in names)
 
 

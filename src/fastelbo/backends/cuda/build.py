@@ -18,9 +18,14 @@ from types import ModuleType
 import torch
 
 HERE = Path(__file__).resolve().parent
-# The kernels (no torch types), their headers, and the torch-facing binding: binding.h declares
-# what binding_module.cpp binds, binding_check.h the one input check every entry makes
+# The C++ by layer: kernels/ the kernels and their headers (no torch types: plain params structs
+# in, a cudaError_t out), binding/ the torch-facing binding, the only C++ that sees a tensor
+# (it includes kernels/elbo.h by a relative path; kernels/ never includes binding/). The lists
+# name files as they lie in their folder (source_path says which). binding.h declares what
+# binding_module.cpp binds, binding_check.h the one input check every entry makes
 # (binding_check.cpp), binding_common.h what the other binding files share.
+KERNEL_DIR = HERE / "kernels"
+BINDING_DIR = HERE / "binding"
 KERNEL_SOURCES = ("elbo_fast.cu", "elbo.cu", "rows.cu", "backward.cu", "adam.cu", "iwae.cu",
                   "tc_gemm.cu", "latent.cu", "pingpong.cu")
 # In include order (the exported file inlines them so): each after those it includes.
@@ -45,17 +50,26 @@ NVCC_FLAGS = [
 CXX_FLAGS = ["-O3", "-fvisibility=hidden"]
 
 
+def source_path(name: str) -> Path:
+    """Where the file the lists call `name` lies: kernels/ or binding/."""
+    if name in (*KERNEL_SOURCES, *HEADERS):
+        return KERNEL_DIR / name
+    if name in (*BINDING_SOURCES, BINDING_MODULE, *BINDING_HEADERS):
+        return BINDING_DIR / name
+    raise ValueError(f"{name!r} is no source of the cuda backend's build")
+
+
 def source_files() -> list[Path]:
     """Every file the build reads (the hash covers them all)."""
     names = (*KERNEL_SOURCES, *BINDING_SOURCES, BINDING_MODULE, *HEADERS, *BINDING_HEADERS)
-    return [HERE / n for n in names]
+    return [source_path(n) for n in names]
 
 
 def _source_hash() -> str:
     """Names the build: the sources, the flags and the torch it is built against (an ABI)."""
     h = hashlib.sha256()
     for f in source_files():
-        h.update(f.name.encode())
+        h.update(f.relative_to(HERE).as_posix().encode())
         h.update(f.read_bytes())
     h.update(repr((NVCC_FLAGS, CXX_FLAGS, torch.__version__, torch.version.cuda)).encode())
     return h.hexdigest()[:12]
@@ -134,10 +148,10 @@ def _build() -> tuple[ModuleType | None, str | None]:
 
         mod = load(
             name=name,
-            sources=[str(HERE / n) for n in (*KERNEL_SOURCES, *BINDING_SOURCES, BINDING_MODULE)],
+            sources=[str(source_path(n))
+                     for n in (*KERNEL_SOURCES, *BINDING_SOURCES, BINDING_MODULE)],
             extra_cflags=CXX_FLAGS,
             extra_cuda_cflags=NVCC_FLAGS,
-            extra_include_paths=[str(HERE)],
             verbose=verbose,
         )
     except Exception as exc:  # noqa: BLE001 - any build failure becomes a reason string

@@ -15,7 +15,7 @@
 
 #include "binding.h"
 #include "binding_common.h"
-#include "elbo.h"
+#include "../kernels/elbo.h"
 
 namespace fastelbo::binding {
 namespace {

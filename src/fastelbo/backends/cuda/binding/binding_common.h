@@ -16,7 +16,7 @@
 
 #include "binding.h"
 #include "binding_check.h"
-#include "elbo.h"
+#include "../kernels/elbo.h"
 
 // Check messages are built without iostreams: on the H200 image (torch 2.11, gcc 13.3) an
 // extension exception whose message streamed a number killed the process, while one whose
