@@ -15,10 +15,10 @@ the tuning tools use. The package, in the order a call flows:
 
 and in C++, one folder per layer: kernels/ (*.cu, no torch types; elbo.h their params structs,
 elbo_math.cuh the shared per-element math, deferred.cuh the deferred value check's device side,
-cluster.cuh, philox.cuh, tile_gemm.cuh), and binding/, the only C++ that sees torch: binding.h
-(the torch-facing API: option structs and entry points), binding_check.h/.cpp (the one input
-check every entry makes), binding_forward/backward/iwae/tc.cpp (plans, launches),
-binding_module.cpp (pybind11).
+wgmma.cuh the tensor-core kernels' wgmma, cluster.cuh, philox.cuh, tile_gemm.cuh), and
+binding/, the only C++ that sees torch: binding.h (the torch-facing API: option structs and
+entry points), binding_check.h/.cpp (the one input check every entry makes),
+binding_forward/backward/iwae/tc.cpp (plans, launches), binding_module.cpp (pybind11).
 No submodule imports this file: it only gathers their names.
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ KERNEL_SOURCES = ("elbo_fast.cu", "elbo.cu", "rows.cu", "backward.cu", "adam.cu"
                   "tc_gemm.cu", "latent.cu", "pingpong.cu")
 # In include order (the exported file inlines them so): each after those it includes.
 HEADERS = ("elbo.h", "elbo_math.cuh", "cluster.cuh", "philox.cuh", "deferred.cuh",
-           "tile_gemm.cuh")
+           "tile_gemm.cuh", "wgmma.cuh")
 BINDING_SOURCES = ("binding_check.cpp", "binding_forward.cpp", "binding_backward.cpp",
                    "binding_iwae.cpp", "binding_tc.cpp")
 BINDING_MODULE = "binding_module.cpp"

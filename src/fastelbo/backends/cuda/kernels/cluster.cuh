@@ -51,6 +51,10 @@ __device__ __forceinline__ void mbar_arrive_expect(unsigned long long* bar, unsi
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
                "r"(bytes) : "memory");
 }
+// A plain arrival (no bytes announced): a consumer releasing what it has read.
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
   asm volatile(
       "{\n .reg .pred done;\n"
