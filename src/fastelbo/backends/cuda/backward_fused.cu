@@ -202,7 +202,8 @@ __global__ void __launch_bounds__(kThreads) fused_latent_kernel(const __grid_con
       float gz = 0.0f;
       if (rec) {
         const float* gd = sgd + r * H;
-        for (int j = 0; j < H; ++j) gz = fmaf(gd[j], __ldg(p.wd1 + static_cast<size_t>(j) * L + l), gz);
+        for (int j = 0; j < H; ++j)
+          gz = fmaf(gd[j], __ldg(p.wd1 + static_cast<size_t>(j) * L + l), gz);
       }
       latent_grads(rec, gz, rec ? __ldg(p.eps + e) : 0.0f, kl, kl ? __ldg(p.g_kl + row) : 0.0f,
                    kl ? __ldg(p.mu + e) : 0.0f, __ldg(p.lv + e), &gm, &gl, &ge);
@@ -289,7 +290,8 @@ __global__ void __launch_bounds__(kThreads) fused_wgrad_kernel(const __grid_cons
   while (t + 1 < p.count && b >= p.first_block[t + 1]) ++t;
   const int tb = b - p.first_block[t];
   const int r_begin = y * kWgradRows, r_end = min(p.n, r_begin + kWgradRows);
-  float* out = gridDim.y == 1 ? p.dst[t] : p.ws + static_cast<size_t>(y) * p.ws_cols + p.first_col[t];
+  float* out = gridDim.y == 1 ? p.dst[t]
+                              : p.ws + static_cast<size_t>(y) * p.ws_cols + p.first_col[t];
   if (p.g[t] != nullptr) {  // uniform per block
     wgrad_product(p, t, tb, r_begin, r_end, out);
     return;
