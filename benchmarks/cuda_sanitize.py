@@ -9,7 +9,9 @@
 output layer on pingpong.cu (output="pingpong") and 2 with
 the noise drawn inside the fast kernel (draw=True), the value check on x (two views), the
 backward at two odd sizes (every branch: all outputs used, and kl alone) and, on sm_90, two on
-the tensor-core GEMMs (split K, partial tiles), one Adam step and
+the tensor-core GEMMs (split K, partial tiles) and three on the fused engine (gemm="fused":
+column groups, the weight gradients' row chunks, the latent kernel's 32-row tile), one Adam
+step and
 three IWAE calls (both tiles, 16- and 4-byte staging, injected and Philox noise, a NaN image),
 so racecheck, which is the slowest tool, finishes in a minute or two.
 
@@ -161,7 +163,10 @@ def quick_backward_and_adam() -> int:
              ((781, 250, 31), 5, (False, False, True), "cublas")]
     if torch.cuda.get_device_capability() == (9, 0):  # where tc_applies to these dims
         cases += [((36, 12, 5), 131, (True, True, True), "tc"),  # split K, partial tiles
-                  ((784, 256, 32), 67, (False, True, False), "tc")]
+                  ((784, 256, 32), 67, (False, True, False), "tc"),
+                  ((784, 256, 32), 300, (True, False, False), "fused"),  # 2 row chunks
+                  ((36, 12, 5), 131, (False, False, True), "fused"),  # kl alone
+                  ((36, 12, 5), 2050, (False, True, True), "fused")]  # R = 32, 9 chunks
     for dims, batch, used, gemm in cases:
         torch.manual_seed(1)
         params = VAEParams(*(t.detach().cuda() for t in Model(*dims).state_dict().values()))

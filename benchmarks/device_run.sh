@@ -2,12 +2,12 @@
 # The benchmarks of record and the GPU checks, on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...        (benchmarks/README.md says what each stage runs)
 # Stages: build env tests memcheck racecheck check bench profile train iwae crossover multi jobs
-# harness kbtiming honest deferred latent pingpong.
+# harness kbtiming honest deferred latent pingpong traintc.
 # Each stage's log lands in $LOGS; $OUT gets summary.txt (one line per run: rc and seconds) and
 # results.tgz (every log and .jsonl), refreshed after every run so that a kill loses nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness kbtiming honest deferred latent pingpong "
+STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness kbtiming honest deferred latent pingpong traintc "
 for stage in "$@"; do  # refuse a typo before any stage spends device time
   [[ $STAGES == *" $stage "* ]] || { echo "device_run.sh: unknown stage '$stage' (stages:$STAGES)" >&2; exit 2; }
 done
@@ -126,10 +126,22 @@ for stage in "$@"; do case $stage in
     run check_pingpong_cuda 170 env FASTELBO_PINGPONG=1 $FE check vae_elbo fastelbo:cuda --device cuda --batch-sizes "$CHECK_BATCHES" --trials "$CHECK_TRIALS"
     run memcheck_pingpong "${T_MEMCHECK:-90}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/pingpong_block.py --sanitize
     run pingpong_timing 50 python3 benchmarks/pingpong_block.py --timing --out "$LOGS/pingpong_block.jsonl" ;;
+  traintc)  # issue #56 item 4's acceptance, one call (<= 8 min; the limits sum to 8): the
+    # backward's fused engine (backward_fused.cu, FASTELBO_TC_TRAIN=1): the build, its GPU tests
+    # and the backward's, memcheck of cuda_sanitize.py --quick (its fused cases), then the
+    # training step at B = 128, 1024, 4096 with the flag off and on (the same process each)
+    run traintc_build "${T_BUILD:-120}" python3 -c "from fastelbo.backends.cuda import extension; extension()"
+    run test_cuda_fused_backward "${T_TEST:-120}" python3 -m pytest -q -m "gpu and not multi_gpu" -p no:cacheprovider -rfEs tests/test_cuda_fused_backward.py
+    run test_cuda_backward "${T_TEST:-60}" python3 -m pytest -q -m "gpu and not multi_gpu" -p no:cacheprovider -rfEs tests/test_cuda_backward.py
+    run memcheck_traintc "${T_MEMCHECK:-90}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_sanitize.py --quick
+    for b in 128 1024 4096; do
+      run "traintc_$b" 30 python3 benchmarks/train_bench.py --skip-compile --tc-train --batch "$b" \
+        --steps 100 --out "$LOGS/train.jsonl"
+    done ;;
 esac; done
 # The correctness record: a gpu_tests.jsonl row per test file, sanitizer run and check logged so
 # far (benchmarks/gpu_rows.py), into $LOGS and so into results.tgz.
-if [[ " $* " =~ \ (tests|memcheck|racecheck|check|multi|deferred|latent|pingpong)\  ]]; then
+if [[ " $* " =~ \ (tests|memcheck|racecheck|check|multi|deferred|latent|pingpong|traintc)\  ]]; then
   python3 benchmarks/gpu_rows.py "$LOGS" || echo "gpu_rows.py failed: no gpu_tests.jsonl rows"
   tar -czf "$OUT/results.tgz" -C "$LOGS" .
 fi

@@ -15,6 +15,11 @@ timed over --steps steps between torch.cuda.synchronize calls (median of --trial
 x comes from a pool of 16 prepared batches; eps is drawn each step (inside the reference's
 forward, by torch.randn outside the graph for fastelbo). Speedups are against eager; the target
 is fastelbo-graph >= 10x eager.
+--tc-train adds fastelbo-graph+tctrain: fastelbo-graph with FASTELBO_TC_TRAIN=1 (the backward's
+fused engine, backward_fused.cu; the binding reads the flag per call, so both run in this
+process), and each row says the flag's state; its row also carries grad_err, the largest
+gradient error of one flag-on step against the reference Model's (same x and eps), relative to
+each gradient's largest element.
 
 --epochs N: for each of --seeds seeds, the reference Model trained eagerly (same batches as
 fastelbo train: training/step.py Batches) and ModelNew trained by `fastelbo train`'s own code
@@ -27,6 +32,8 @@ on FAIL). Rows go to --out as JSON lines tagged by fastelbo.harness.results.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import tempfile
 import time
@@ -78,6 +85,40 @@ def adam(params, lr, device):
     return torch.optim.Adam(params, lr=lr, fused=device.type == "cuda" or None)
 
 
+TC_TRAIN = "FASTELBO_TC_TRAIN"
+
+
+@contextlib.contextmanager
+def tc_train(on: bool):
+    """FASTELBO_TC_TRAIN set to 1 (on) or unset inside, restored after."""
+    before = os.environ.pop(TC_TRAIN, None)
+    if on:
+        os.environ[TC_TRAIN] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(TC_TRAIN, None)
+        if before is not None:
+            os.environ[TC_TRAIN] = before
+
+
+def grad_error(dims, dev, x) -> float:
+    """One step's gradients, ModelNew (backend auto, as the step) against the reference Model
+    with the same weights, x and eps: the largest |difference| / max |reference| over the ten
+    parameters."""
+    from unittest import mock
+    torch.manual_seed(0)
+    ref = Model(*dims).to(dev)
+    new = ModelNew(*dims, backend="auto").to(dev)
+    new.load_state_dict(ref.state_dict())
+    eps = torch.randn(x.shape[0], dims[2], device=dev)
+    with mock.patch.object(torch, "randn_like", lambda t: eps):
+        (-ref(x)[0].mean()).backward()
+    (-new(x, eps=eps)[0].mean()).backward()
+    return max(float((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-30))
+               for a, b in zip(new.parameters(), ref.parameters()))
+
+
 def speed(args, dims, dev) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     pool = [torch.bernoulli(torch.rand(args.batch, dims[0], generator=g)).to(dev)
@@ -109,10 +150,14 @@ def speed(args, dims, dev) -> list[dict]:
         measure("fastelbo-eager",
                 lambda i: estep(pool[i % POOL], torch.randn(args.batch, lat, device=dev)))
         if dev.type == "cuda":
-            model, opt = build(dims, "auto", dev, args.lr, 0, capturable=True)
-            gstep = GraphStep(model, opt, pool[0], torch.randn(args.batch, lat, device=dev))
-            measure("fastelbo-graph",
-                    lambda i: gstep(pool[i % POOL], torch.randn(args.batch, lat, device=dev)))
+            for flag in (False, True) if args.tc_train else (False,):
+                with tc_train(flag):  # read when the graph is captured
+                    model, opt = build(dims, "auto", dev, args.lr, 0, capturable=True)
+                    gstep = GraphStep(model, opt, pool[0],
+                                      torch.randn(args.batch, lat, device=dev))
+                measure("fastelbo-graph+tctrain" if flag else "fastelbo-graph",
+                        lambda i, g=gstep: g(pool[i % POOL],
+                                             torch.randn(args.batch, lat, device=dev)))
 
             model, opt = build(dims, "auto", dev, args.lr, 0, capturable=True)
             batches = Batches(torch.cat(pool), args.batch, lat, 0, binarize=False, world=World())
@@ -129,7 +174,16 @@ def speed(args, dims, dev) -> list[dict]:
            "steps": args.steps, "warmup": args.warmup, "trials": args.trials,
            "backend_auto": _auto_backend(dev, args.batch)}
     rows = [{**tag, "impl": k, "steps_per_s": v, "us_per_step": 1e6 / v,
-             "speedup_vs_eager": v / base if base else None} for k, v in out.items()]
+             "speedup_vs_eager": v / base if base else None,
+             "tc_train": k.endswith("+tctrain")} for k, v in out.items()]
+    if args.tc_train and dev.type == "cuda":
+        with validation(False), tc_train(True):
+            err = grad_error(dims, dev, pool[0])
+        for r in rows:
+            if r["tc_train"]:
+                r["grad_err"] = err
+        print(f"flag on: one step's gradients against the reference: {err:.2e} "
+              f"({'ok' if err <= 1e-4 else 'WRONG'}, atol = rtol = 1e-4)")
     print(f"\n{tag['device_name']}, torch {tag['torch']}, {tag['commit']}: B={args.batch}, "
           f"dims {tag['dims']}, ModelNew backend auto -> {tag['backend_auto']}")
     print(f"{'impl':<16} {'steps/s':>10} {'us/step':>10} {'x eager':>8}")
@@ -231,6 +285,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--tc-train", action="store_true",
+                    help="also time the graph step with FASTELBO_TC_TRAIN=1 (the backward's "
+                         "fused engine), same process")
     ap.add_argument("--epochs", type=int, default=None, help="the equivalence mode, N epochs")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run")

@@ -197,6 +197,9 @@ def _jobs_of(test: str) -> dict[str, tuple[list[str], dict[str, str]]]:
                                                    ", ".join(f"{o}ULL" for o in PHILOX_OFFSETS)))}
     if test == "test_philox_known_answers":
         return {"kat": _exe_job(_KAT_MAIN)}
+    if test == "test_fused_backward_plans_are_the_models":
+        return {"plans": _exe_job(_PLANS_MAIN, *(f for f in cuda_backend.NVCC_FLAGS
+                                                  if "sm_90a" in f))}
     if test == "test_deferred_shares_cover_x_once_in_order":
         return {"deferred": _exe_job(_DEFERRED_MAIN, *(f for f in cuda_backend.NVCC_FLAGS
                                                         if "sm_90a" in f))}
@@ -262,8 +265,8 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
 # the optimizer's one, the IWAE kernel's two tiles (iwae_kernel<4> for 128 samples, <2> for 64),
 # the tensor-core GEMM's epilogues (tc_gemm_kernel<kTcStore, 128> with A split for finite W or
 # not, <kTcBce, 112 or 128 columns>)
-# and its three helpers, the fused latent block's one, and the output layer's persistent
-# ping-pong kernel.
+# and its three helpers, the fused latent block's one, the output layer's persistent
+# ping-pong kernel, and the fused backward's five (its latent kernel at R = 8 and 32 rows).
 EXPECTED_KERNELS = {
     "elbo_fast.cu": {"elbo_fast_kernel": 1},
     "elbo.cu": {"elbo_kernel": 2},
@@ -277,6 +280,9 @@ EXPECTED_KERNELS = {
                    "tc_splitk_kernel": 1},
     "latent.cu": {"latent_kernel": 1},
     "pingpong.cu": {"pingpong_kernel": 1},
+    "backward_fused.cu": {"fused_prep_kernel": 1, "fused_bce_grad_kernel": 1,
+                          "fused_latent_kernel": 2, "fused_wgrad_kernel": 1,
+                          "fused_wgrad_finish_kernel": 1},
 }
 # One block per SM by their shared memory: these may use all 255 registers (tc_gemm_kernel's and
 # pingpong_kernel's launch bounds give the count their setmaxnreg split starts from: 168).
@@ -752,3 +758,62 @@ def test_torch_randn_words_follow_curand(builds):
     _curand_include()
     n, bad = map(int, _run([str(builds.out("curand")[1] / "exe")]).split())
     assert n == 4 * 11 * 3 * 13 and bad == 0
+
+
+# The fused backward's host plans, the real functions run on the host: the K split of
+# tc_gemm.cu's kTcStore GEMMs, the row-tile kernels' column groups and the weight gradients'
+# workspace, which tests/fused_backward_model.py computes on its own.
+_PLANS_MAIN = r"""
+#include <cstdio>
+#include "tc_gemm.cu"
+#include "backward_fused.cu"
+namespace fastelbo {  // what the two files link against elsewhere: never called here
+bool encode_tensor_map_2d(CUtensorMap*, const float*, int, int, int, int, int,
+                          CUtensorMapSwizzle, CUtensorMapL2promotion) noexcept { return false; }
+cudaError_t cluster_device(int, ClusterDevice*) noexcept { return cudaErrorNoDevice; }
+}
+int main() {
+  const int ms[] = {1, 7, 128, 129, 784, 1000, 2048, 4096, 65536};
+  const int ks[] = {1, 5, 32, 64, 128, 256, 784, 1000, 4096};
+  const int sms[] = {1, 3, 132};
+  for (int s : sms) for (int m : ms) for (int n : ms) for (int k : ks)
+    std::printf("s %d %d %d %d %d\n", m, n, k, s, fastelbo::tc_gemm_splits(m, n, k, s));
+  for (int s : sms) for (int m : ms) for (int d : ks)
+    std::printf("g %d %d %d %d\n", m, d, s, fastelbo::fused_col_groups(m, d, s));
+  for (int n : ms) {  // the reference dims' eight jobs: three products, five sums
+    fastelbo::FusedWgradParams p{};
+    const int P[] = {32, 32, 256, 1, 1, 1, 1, 1}, Q[] = {256, 256, 32, 256, 32, 32, 256, 784};
+    for (int t = 0; t < 8; ++t) {
+      p.g[t] = t < 3 ? reinterpret_cast<const float*>(16) : nullptr;
+      p.P[t] = P[t];
+      p.Q[t] = Q[t];
+    }
+    p.count = 8;
+    p.n = n;
+    std::printf("w %d %d\n", n, fastelbo::fused_wgrad_workspace(p));
+  }
+}
+"""
+
+
+def test_fused_backward_plans_are_the_models(builds):
+    """tc_gemm_splits, fused_col_groups and fused_wgrad_workspace (the real host functions)
+    give what tests/fused_backward_model.py assumes, over batches, dims and GPU sizes."""
+    import fused_backward_model as fm
+
+    lines = _run([str(builds.out("plans")[1] / "exe")]).split()
+    rows = [lines[i:i + 1 + {"s": 5, "g": 4, "w": 2}[lines[i]]] for i in range(len(lines))
+            if lines[i] in ("s", "g", "w")]
+    seen = {"s": 0, "g": 0, "w": 0}
+    for kind, *v in rows:
+        v = list(map(int, v))
+        seen[kind] += 1
+        if kind == "s":
+            assert fm.tc_splits(*v[:4]) == v[4], v
+        elif kind == "g":
+            assert fm.col_groups(*v[:3]) == v[3], v
+        else:
+            cols = 2 * 32 * 256 + 256 * 32 + 256 + 32 + 32 + 256 + 784
+            assert v[1] == (fm.cdiv(v[0], fm.WGRAD_ROWS) * cols if v[0] > fm.WGRAD_ROWS
+                            else 0), v
+    assert seen == {"s": 3 * 9 * 9 * 9, "g": 3 * 9 * 9, "w": 9}

@@ -27,12 +27,12 @@ HERE = Path(__file__).resolve().parent
 KERNEL_DIR = HERE / "kernels"
 BINDING_DIR = HERE / "binding"
 KERNEL_SOURCES = ("elbo_fast.cu", "elbo.cu", "rows.cu", "backward.cu", "adam.cu", "iwae.cu",
-                  "tc_gemm.cu", "latent.cu", "pingpong.cu")
+                  "tc_gemm.cu", "latent.cu", "pingpong.cu", "backward_fused.cu")
 # In include order (the exported file inlines them so): each after those it includes.
 HEADERS = ("elbo.h", "elbo_math.cuh", "cluster.cuh", "philox.cuh", "deferred.cuh",
-           "tile_gemm.cuh", "wgmma.cuh")
+           "tile_gemm.cuh", "wgmma.cuh", "backward_fused.h")
 BINDING_SOURCES = ("binding_check.cpp", "binding_forward.cpp", "binding_backward.cpp",
-                   "binding_iwae.cpp", "binding_tc.cpp")
+                   "binding_iwae.cpp", "binding_tc.cpp", "binding_backward_fused.cpp")
 BINDING_MODULE = "binding_module.cpp"
 BINDING_HEADERS = ("binding.h", "binding_check.h", "binding_common.h")
 

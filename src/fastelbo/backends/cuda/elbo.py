@@ -9,7 +9,10 @@ multiples of 4, its tensor-core variant "tc" (tc_gemm.cu: the encoder and output
 wgmma in float32-accurate tf32x3, logits never in memory). `backward` (any batch)
 recomputes the activations and runs the gradient's GEMMs around its fused kernels
 (backward.cu); four of its large GEMMs run on the same tensor-core kernel from B=2048 up
-where "tc" applies (`gemm=` forces an engine), the rest with cuBLAS.
+where "tc" applies (`gemm=` forces an engine), the rest with cuBLAS. Its "fused" engine
+(backward_fused.cu; `auto` takes it at every batch where FASTELBO_TC_TRAIN=1 and "tc"
+applies, until a GPU run accepts it) has those GEMMs' operands written split and transposed by
+the kernels that produce them, and the latent side in two launches.
 """
 from __future__ import annotations
 
@@ -199,15 +202,16 @@ def backward(x: torch.Tensor, params: VAEParams, eps: torch.Tensor, grads, *,
 
     grads = (g_elbo, g_recon, g_kl), each (B,) or None where no gradient reaches that output.
     need_x / need_eps False: that gradient is not computed and None comes back in its place.
-    gemm: the large GEMMs' engine: "auto", "cublas" (float32) or "tc" (tensor cores in tf32x3,
-    where tc_applies; else ValueError).
+    gemm: the large GEMMs' engine: "auto", "cublas" (float32), "tc" (tensor cores in tf32x3,
+    where tc_applies; else ValueError) or "fused" (those GEMMs at every batch, their operands
+    written by their producers, the latent side fused; where tc_applies, else ValueError).
     """
     if gemm not in launch.GEMMS:
         raise ValueError(f"gemm must be one of {sorted(launch.GEMMS)}, got {gemm!r}")
     ext = build.extension()
-    if gemm == "tc":  # its test reads the tensors: they must have passed the check first
+    if gemm in ("tc", "fused"):  # its test reads the tensors: they must pass the check first
         params = status.check_call(ext, x, params, eps)
-        check_tc_path(x, params, "gemm='tc'")
+        check_tc_path(x, params, f"gemm={gemm!r}")
     else:  # the backward's own call checks them (the training step's path: one check)
         params = status.tensors_only(x, params, eps)
     if len(grads) != 3:

@@ -70,7 +70,7 @@ def forward_default(ext, *, x, eps, params, draw=False, awaits=False, deferred=F
 
 
 # The backward's engines for its large GEMMs, as binding.h's Gemm enum numbers them.
-GEMMS = {"auto": 0, "cublas": 1, "tc": 2}
+GEMMS = {"auto": 0, "cublas": 1, "tc": 2, "fused": 3}
 
 
 def backward_options(ext, *, use_elbo, use_recon, use_kl, need_x, need_eps, gemm="auto"):

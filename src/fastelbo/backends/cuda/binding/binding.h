@@ -59,8 +59,11 @@ struct VaeTensors {
   const at::Tensor &enc_w, &enc_b, &mu_w, &mu_b, &lv_w, &lv_b, &dec_w1, &dec_b1, &dec_w2, &dec_b2;
 };
 
-// The backward's large GEMMs: cuBLAS in float32, or tensor cores in tf32x3 (tc_gemm.cu).
-enum Gemm : int64_t { kGemmAuto = 0, kGemmCublas = 1, kGemmTc = 2 };
+// The backward's large GEMMs: cuBLAS in float32, or tensor cores in tf32x3 (tc_gemm.cu), their
+// operands split and transposed by a launch of their own (tc) or written so by the kernels that
+// produce them, the latent side fused (fused: binding_backward_fused.cpp; auto takes it where
+// FASTELBO_TC_TRAIN=1, until a GPU run accepts it).
+enum Gemm : int64_t { kGemmAuto = 0, kGemmCublas = 1, kGemmTc = 2, kGemmFused = 3 };
 
 // Which gradients one backward computes, and how.
 struct BackwardOptions {

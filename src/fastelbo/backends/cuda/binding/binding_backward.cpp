@@ -3,6 +3,7 @@
 // GEMMs (the logits recomputed, the decoder's hidden-layer gradient, the two large weight
 // gradients) run on tensor cores in tf32x3 (tc_gemm.cu) where tc_applies and
 // B >= kTcBackwardMinBatch, else on cuBLAS (ATen) in float32, as the small ones always do.
+// gemm="fused" (auto under FASTELBO_TC_TRAIN=1) hands the call to binding_backward_fused.cpp.
 // Launches on PyTorch's current stream only: CUDA-graph capturable.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -10,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <vector>
 
@@ -23,15 +25,27 @@ namespace {
 // From here up auto takes the tensor-core GEMMs (benchmarks/PERF.md: the measured crossover).
 constexpr int64_t kTcBackwardMinBatch = 2048;
 
-bool backward_on_tc(const BackwardOptions& opt, const at::Tensor& x, const at::Tensor& enc_w,
-                    const at::Tensor& dec_w2) {
-  FE_CHECK(opt.gemm >= kGemmAuto && opt.gemm <= kGemmTc, "backward: gemm must be 0 (auto), 1 "
-           "(cuBLAS) or 2 (tensor cores), got ", opt.gemm);
-  if (opt.gemm == kGemmCublas) return false;
+// FASTELBO_TC_TRAIN=1: auto takes the fused engine wherever the tensor-core GEMMs apply. Read per
+// call (a getenv), so that one process can time the step with it off and on
+// (benchmarks/train_bench.py --tc-train).
+bool fused_by_env() {
+  const char* v = std::getenv("FASTELBO_TC_TRAIN");
+  return v != nullptr && v[0] == '1';
+}
+
+enum class Engine { kCublas, kTc, kFused };
+
+Engine backward_engine(const BackwardOptions& opt, const at::Tensor& x, const at::Tensor& enc_w,
+                       const at::Tensor& dec_w2) {
+  FE_CHECK(opt.gemm >= kGemmAuto && opt.gemm <= kGemmFused, "backward: gemm must be 0 (auto), 1 "
+           "(cuBLAS), 2 (tensor cores) or 3 (fused), got ", opt.gemm);
+  if (opt.gemm == kGemmCublas) return Engine::kCublas;
   const bool applies = tc_applies(x, enc_w, dec_w2);
   FE_CHECK(applies || opt.gemm == kGemmAuto, "backward: the tensor-core GEMMs need an sm_90 GPU, "
            "input_dim and hidden_dim multiples of 4 and 16-byte aligned x, enc_w and dec_w2");
-  return applies && (opt.gemm == kGemmTc || x.size(0) >= kTcBackwardMinBatch);
+  if (!applies) return Engine::kCublas;
+  if (opt.gemm == kGemmFused || (opt.gemm == kGemmAuto && fused_by_env())) return Engine::kFused;
+  return opt.gemm == kGemmTc || x.size(0) >= kTcBackwardMinBatch ? Engine::kTc : Engine::kCublas;
 }
 
 // The (M, N) output of a, a row-major (M, K) operand, against w's halves; into `out`.
@@ -97,7 +111,7 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const std::optional<a
   const bool need_x = opt.need_x, need_eps = opt.need_eps;
   const auto dev = x.device();
   const int64_t B = x.size(0), D = x.size(1), L = mu_w.size(0), H = enc_w.size(0);
-  const bool tc = backward_on_tc(opt, x, enc_w, dec_w2);
+  const Engine engine = backward_engine(opt, x, enc_w, dec_w2);
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
   const auto opts = x.options();
@@ -113,6 +127,14 @@ std::vector<at::Tensor> elbo_backward(const at::Tensor& x, const std::optional<a
     out.push_back(grad(*t, rec || kl));
   for (const at::Tensor* t : {&dec_w1, &dec_b1, &dec_w2, &dec_b2}) out.push_back(grad(*t, rec));
   if (!rec && !kl) return out;  // no gradient reaches any output
+  if (engine == Engine::kFused &&
+      fused_backward({&x, &eps, use_elbo ? &g_elbo : nullptr, use_recon ? &g_recon : nullptr,
+                      use_kl ? &g_kl : nullptr, need_x, need_eps}, p, out, stream))
+    return out;
+  // Where the fused engine's latent kernel does not fit: the unfused tc engine if it was asked
+  // for, else auto's own choice.
+  const bool tc = engine == Engine::kTc || (engine == Engine::kFused &&
+                                            (opt.gemm == kGemmFused || B >= kTcBackwardMinBatch));
 
   // Invalid rows (x outside [0, 1] or NaN) are zeroed in x and in both branch gradients.
   at::Tensor xc = at::empty({B, D}, opts), keep = at::empty({B}, opts);

@@ -166,6 +166,21 @@ void tc_rows_forward(const at::Tensor& x, const at::Tensor& eps, const VaeTensor
 // Whether the tc path's output layer may run on pingpong.cu's kernel for these dims.
 bool pingpong_applies(int64_t D, int64_t H);
 
+// The backward on the fused engine (binding_backward_fused.cpp): elbo_backward's gradients into
+// `out` (allocated there: zeroed where a branch leaves them unwritten), given prep's branch
+// rule (rec: a gradient reaches recon or elbo; kl: kl or elbo). False, with nothing launched,
+// where its latent kernel does not fit (the caller runs the tc engine).
+struct FusedCall {
+  const at::Tensor* x;
+  const at::Tensor* eps;
+  const at::Tensor* g_elbo;  // each (B,) or nullptr: no gradient reaches that output
+  const at::Tensor* g_recon;
+  const at::Tensor* g_kl;
+  bool need_x, need_eps;
+};
+bool fused_backward(const FusedCall& c, const VaeTensors& p, std::vector<at::Tensor>& out,
+                    cudaStream_t stream);
+
 // The latent block fused (latent.cu) over the rows of h (2-D, unit column stride): d = the
 // decoder's hidden layer (relu'd where relu) written over h, kl from eps's rows; zero as
 // reparam's. False, with nothing launched, where it does not fit (the caller runs the unfused

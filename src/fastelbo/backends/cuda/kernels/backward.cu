@@ -31,16 +31,8 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(const __grid_constant__ 
   for (int c = lane; c < p.D; c += 32) p.xc[base + c] = bad ? 0.0f : __ldg(p.x + base + c);
   if (lane != 0) return;
   p.keep[row] = bad ? 0.0f : 1.0f;
-  // sum(parts) of torch_ref.backward: 0 + g_part + (-g_elbo), each term only where present.
-  const float ge = p.g_elbo != nullptr ? -__ldg(p.g_elbo + row) : 0.0f;
-  if (p.rec_out != nullptr) {
-    const float g = p.g_recon != nullptr ? __ldg(p.g_recon + row) + ge : ge;
-    p.rec_out[row] = bad ? 0.0f : g;
-  }
-  if (p.kl_out != nullptr) {
-    const float g = p.g_kl != nullptr ? __ldg(p.g_kl + row) + ge : ge;
-    p.kl_out[row] = bad ? 0.0f : g;
-  }
+  if (p.rec_out != nullptr) p.rec_out[row] = branch_grad(p.g_recon, p.g_elbo, row, bad);
+  if (p.kl_out != nullptr) p.kl_out[row] = branch_grad(p.g_kl, p.g_elbo, row, bad);
 }
 
 // One block per row: at training batch sizes (~128 rows) a warp per row would leave most SMs
@@ -54,15 +46,12 @@ __global__ void __launch_bounds__(kThreads) bce_grad_kernel(const __grid_constan
   int nan_here = 0;
   for (int c = tid; c < p.D; c += kThreads) nan_here |= isnan(sigmoid(ga[c])) ? 1 : 0;
   const bool row_nan = __syncthreads_or(nan_here) != 0;
-  const float g = row_nan ? 0.0f : __ldg(p.g_rec + row);
+  const float g = __ldg(p.g_rec + row);
   const bool keep = __ldg(p.keep + row) != 0.0f;
   for (int c = tid; c < p.D; c += kThreads) {
-    const float pr = sigmoid(ga[c]);
-    const float safe = row_nan ? 0.5f : pr;
-    const float gp = bce_backward(g, safe, __ldg(xr + c));
-    // sigmoid_backward(where(nan_rows, 0, g_p), prob): prob itself, NaN included.
-    ga[c] = sigmoid_backward(row_nan ? 0.0f : gp, pr);
-    if (p.gx != nullptr) p.gx[base + c] = keep ? __fmul_rn(-logit(safe), g) : 0.0f;
+    const float a = ga[c];
+    ga[c] = bce_grad_elem(a, __ldg(xr + c), g, row_nan);
+    if (p.gx != nullptr) p.gx[base + c] = bce_grad_x(a, g, row_nan, keep);
   }
 }
 
@@ -114,23 +103,11 @@ __global__ void __launch_bounds__(kThreads) latent_bwd_kernel(const __grid_const
   for (size_t i = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x; i < total;
        i += static_cast<size_t>(gridDim.x) * kThreads) {
     const int row = static_cast<int>(i / p.L);
-    const float lv = __ldg(p.lv + i);
-    const float sd = expf(__fmul_rn(0.5f, lv));
-    float g_mu = 0.0f, g_lv = 0.0f, g_eps = 0.0f;
     const bool rec = p.g_z != nullptr, kl = p.g_kl != nullptr;
-    if (rec) {  // g_mu = g_z; g_lv = 0.5 * (g_z * eps * std); g_eps = g_z * std
-      const float gz = __ldg(p.g_z + i);
-      g_mu = gz;
-      g_lv = __fmul_rn(0.5f, __fmul_rn(__fmul_rn(gz, __ldg(p.eps + i)), sd));
-      g_eps = __fmul_rn(gz, sd);
-    }
-    if (kl) {   // + g_kl * mu, + (-0.5 * g_kl) * (1 - exp(lv))
-      const float gk = __ldg(p.g_kl + row);
-      const float kl_mu = __fmul_rn(gk, __ldg(p.mu + i));
-      const float kl_lv = __fmul_rn(__fmul_rn(-0.5f, gk), __fsub_rn(1.0f, expf(lv)));
-      g_mu = rec ? __fadd_rn(g_mu, kl_mu) : kl_mu;
-      g_lv = rec ? __fadd_rn(g_lv, kl_lv) : kl_lv;
-    }
+    float g_mu, g_lv, g_eps;
+    latent_grads(rec, rec ? __ldg(p.g_z + i) : 0.0f, rec ? __ldg(p.eps + i) : 0.0f, kl,
+                 kl ? __ldg(p.g_kl + row) : 0.0f, kl ? __ldg(p.mu + i) : 0.0f, __ldg(p.lv + i),
+                 &g_mu, &g_lv, &g_eps);
     p.g_mu[i] = g_mu;
     p.g_lv[i] = g_lv;
     if (p.g_eps != nullptr) p.g_eps[i] = g_eps;

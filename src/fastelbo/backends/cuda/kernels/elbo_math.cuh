@@ -140,6 +140,54 @@ __device__ __forceinline__ float sigmoid_backward(float g, float y) {
 // torch.logit(p) without eps: log(p / (1 - p)).
 __device__ __forceinline__ float logit(float p) { return logf(__fdiv_rn(p, __fsub_rn(1.0f, p))); }
 
+// One row's branch gradient (prep_kernel; torch_ref.backward's sum(parts)): 0 + g_part +
+// (-g_elbo), each term only where its pointer is set; 0 on an invalid row.
+__device__ __forceinline__ float branch_grad(const float* g_part, const float* g_elbo, int row,
+                                             bool bad) {
+  const float ge = g_elbo != nullptr ? -__ldg(g_elbo + row) : 0.0f;
+  const float g = g_part != nullptr ? __ldg(g_part + row) + ge : ge;
+  return bad ? 0.0f : g;
+}
+// The gradient at a logit a (bce_grad_kernel's element): p = sigmoid(a); a row holding a NaN p
+// (row_nan) has its BCE gradient zeroed and p -> 0.5 where BCE reads it (torch_ref's nan_rows);
+// sigmoid_backward(bce_backward(g, p, x), p). g_rec: the row's recon-branch gradient.
+__device__ __forceinline__ float bce_grad_elem(float a, float xv, float g_rec, bool row_nan) {
+  const float g = row_nan ? 0.0f : g_rec;
+  const float pr = sigmoid(a);
+  const float gp = bce_backward(g, row_nan ? 0.5f : pr, xv);
+  return sigmoid_backward(row_nan ? 0.0f : gp, pr);
+}
+// BCE's gradient with respect to its target x at the same element: -logit(p) * g, 0 where the
+// row is invalid (keep false).
+__device__ __forceinline__ float bce_grad_x(float a, float g_rec, bool row_nan, bool keep) {
+  const float safe = row_nan ? 0.5f : sigmoid(a);
+  return keep ? __fmul_rn(-logit(safe), row_nan ? 0.0f : g_rec) : 0.0f;
+}
+// The reparameterisation's and KL's backward at one (row, latent) element (latent_bwd_kernel):
+// from g_z (rec: the recon branch reaches z) and the row's g_kl (kl), g_mu, g_lv and g_eps:
+//   g_mu = g_z; g_lv = 0.5 * (g_z * eps * std); g_eps = g_z * std; then + g_kl * mu and
+//   + (-0.5 * g_kl) * (1 - exp(lv)). eps is read only with rec, mu only with kl.
+__device__ __forceinline__ void latent_grads(bool rec, float gz, float ep, bool kl, float gk,
+                                             float mu, float lv, float* g_mu, float* g_lv,
+                                             float* g_eps) {
+  const float sd = expf(__fmul_rn(0.5f, lv));
+  float gm = 0.0f, gl = 0.0f, ge = 0.0f;
+  if (rec) {
+    gm = gz;
+    gl = __fmul_rn(0.5f, __fmul_rn(__fmul_rn(gz, ep), sd));
+    ge = __fmul_rn(gz, sd);
+  }
+  if (kl) {
+    const float kl_mu = __fmul_rn(gk, mu);
+    const float kl_lv = __fmul_rn(__fmul_rn(-0.5f, gk), __fsub_rn(1.0f, expf(lv)));
+    gm = rec ? __fadd_rn(gm, kl_mu) : kl_mu;
+    gl = rec ? __fadd_rn(gl, kl_lv) : kl_lv;
+  }
+  *g_mu = gm;
+  *g_lv = gl;
+  *g_eps = ge;
+}
+
 __host__ __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 }  // namespace fastelbo
