@@ -16,7 +16,6 @@ benchmarks/device_run.sh's `traintc` stage runs it.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -25,10 +24,10 @@ import torch
 
 import fused_backward_model as fm
 from fastelbo.backends import torch_ref
+from fastelbo.backends.cuda.build import source_path
 from fastelbo.params import VAEParams
 from fastelbo.problems.vae_elbo import Model
 
-CUDA_DIR = Path(__file__).resolve().parents[1] / "src/fastelbo/backends/cuda/kernels"
 NAMES = ("g_x", "g_eps", *VAEParams._fields)
 ALL, ELBO, RECON, KL = (True, True, True), (True, False, False), (False, True, False), \
     (False, False, True)
@@ -103,17 +102,17 @@ def _const(text, name):
 
 
 def test_the_models_constants_are_the_kernels():
-    header = (CUDA_DIR / "backward_fused.h").read_text()
-    tc = (CUDA_DIR / "tc_gemm.cu").read_text()
+    header = source_path("backward_fused.h").read_text()
+    tc = source_path("tc_gemm.cu").read_text()
     assert _const(header, "kFusedTile") == fm.T
     assert _const(header, "kFusedWideRows") == fm.WIDE_ROWS
     assert _const(header, "kWgradRows") == fm.WGRAD_ROWS
     assert _const(header, "kWgradMax") == fm.WGRAD_MAX
-    assert _const((CUDA_DIR / "elbo_math.cuh").read_text(), "kThreads") == fm.THREADS
-    assert _const((CUDA_DIR / "elbo.h").read_text(), "kTcTileN") == fm.TC_BN
+    assert _const(source_path("elbo_math.cuh").read_text(), "kThreads") == fm.THREADS
+    assert _const(source_path("elbo.h").read_text(), "kTcTileN") == fm.TC_BN
     assert _const(tc, "kBK") == fm.TC_BK
     assert "static constexpr int kBM = 128;" in tc and fm.TC_BM == 128
-    kernels = (CUDA_DIR / "backward_fused.cu").read_text()
+    kernels = source_path("backward_fused.cu").read_text()
     # The latent kernel's two tiles, and the rows a warp's lanes take in a 32-row tile.
     assert "fused_latent_kernel<32>" in kernels and "fused_latent_kernel<8>" in kernels
     assert "p.n >= kFusedWideRows" in kernels
@@ -245,7 +244,7 @@ def test_the_options_name_the_engine_and_the_flag():
     can time the step both ways), and only `auto` reads it."""
     from fastelbo.backends.cuda import launch
     assert launch.GEMMS["fused"] == 3
-    text = (CUDA_DIR / "binding_backward.cpp").read_text()
+    text = source_path("binding_backward.cpp").read_text()
     body = text[text.index("bool fused_by_env()"):text.index("enum class Engine")]
     assert 'std::getenv("FASTELBO_TC_TRAIN")' in body and "static" not in body
     assert "opt.gemm == kGemmAuto && fused_by_env()" in text
