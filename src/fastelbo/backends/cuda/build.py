@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 # what binding_module.cpp binds, binding_check.h the one input check every entry makes
 # (binding_check.cpp), binding_common.h what the other binding files share.
 KERNEL_SOURCES = ("elbo_fast.cu", "elbo.cu", "rows.cu", "backward.cu", "adam.cu", "iwae.cu",
-                  "tc_gemm.cu", "latent.cu", "pingpong.cu")
+                  "tc_gemm.cu", "latent.cu", "pingpong.cu", "iwae_wgmma.cu")
 # In include order (the exported file inlines them so): each after those it includes.
 HEADERS = ("elbo.h", "elbo_math.cuh", "cluster.cuh", "philox.cuh", "deferred.cuh",
            "tile_gemm.cuh")
