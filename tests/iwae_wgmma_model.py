@@ -160,12 +160,21 @@ def producer(d: Dims, tiles: int, stages: int = STAGES):
                     g += 1
 
 
-def consumer(d: Dims, tiles: int, c: int, trace: list, stages: int = STAGES):
-    """Consumer c's job() per job: (group, stage) issues and waits in program order."""
+def slices_on(hn: int, nk: int) -> range:
+    """Consumer::epi_on: the previous job's n8 blocks run on half hn of a job's 2 nk."""
+    halves = 2 * nk
+    return range((hn * SLICES + halves - 1) // halves, ((hn + 1) * SLICES + halves - 1) // halves)
+
+
+def consumer(d: Dims, tiles: int, c: int, trace: list, stages: int = STAGES, drain=None):
+    """Consumer c's gemm() and job(): (group, stage) issues, waits, the previous job's epilogue
+    slices (from lg) and finish (lg = this job's values), in program order. drain: the slices
+    the last job of a GEMM runs alone (all of them)."""
     g = 0
     for tile in range(tiles):
         for gemm, jobs, nk in ((1, d.jobs_h, d.nk1), (2, d.jobs_d, d.nk2)):
             for n in range(jobs):
+                prev = (tile, gemm, n - 1)
                 yield ("frags", c, 0)
                 for kt in range(nk):
                     gi = g + kt
@@ -178,13 +187,20 @@ def consumer(d: Dims, tiles: int, c: int, trace: list, stages: int = STAGES):
                         yield ("wait_group", c, 1)
                         yield ("release", c, (gi - 1) % stages, gi - 1)
                     yield ("frags", c, 1)
+                    if n > 0:
+                        yield ("epi", c, prev, slices_on(2 * kt, nk))
                     yield ("issue", c, st, stage, 1)
                     if kt + 1 < nk:
                         yield ("wait_group", c, 1)
                         yield ("frags", c, 0)
+                    if n > 0:
+                        yield ("epi", c, prev, slices_on(2 * kt + 1, nk))
                 yield ("wait_group", c, 0)
                 yield ("release", c, (g + nk - 1) % stages, g + nk - 1)
+                yield ("finish", c, (tile, gemm, n))
                 g += nk
+            yield ("epi", c, (tile, gemm, jobs - 1),
+                   range(SLICES) if drain is None else drain(nk))
 
 
 @dataclass
@@ -198,6 +214,7 @@ class Block:
     released: dict = field(default_factory=dict)    # stage index -> consumers that released it
     groups: dict = field(default_factory=dict)      # consumer -> [(stage index, buffer)]
     loaded: dict = field(default_factory=dict)      # (consumer, buffer) -> loaded, unused yet
+    lg: dict = field(default_factory=dict)          # consumer -> [job held, slices run]
 
 
 def _passes(blk: Block, bar, parity: int) -> bool:
@@ -229,6 +246,19 @@ def _step(blk: Block, act) -> None:
         assert all(b != buf for _, b in blk.groups.get(c, [])), \
             ("fragments overwritten under MMAs in flight", act)
         blk.loaded[(c, buf)] = True
+    elif kind == "epi":
+        _, c, job, slices = act
+        held = blk.lg.get(c)
+        assert held is not None and held[0] == job, ("an epilogue of values not held", act)
+        assert all(i not in held[1] for i in slices) and list(slices) == sorted(slices)
+        assert not held[1] or not slices or min(slices) > max(held[1]), "slices out of order"
+        held[1].extend(slices)
+    elif kind == "finish":
+        _, c, job = act
+        held = blk.lg.get(c)
+        assert held is None or held[1] == list(range(SLICES)), \
+            ("values overwritten before their epilogue ran", held, job)
+        blk.lg[c] = [job, []]
     elif kind == "release":
         _, c, st, gi = act
         assert all(s != gi for s, _ in blk.groups.get(c, [])), \
@@ -262,6 +292,7 @@ def run_block(d: Dims, tiles: int, rng: random.Random, stages: int = STAGES,
             _step(blk, act)
         pending[a] = next(agents[a], None)
     assert not any(blk.groups.values()), "MMA groups left in flight"
+    assert all(v[1] == list(range(SLICES)) for v in blk.lg.values()), "an epilogue left undone"
     return traces
 
 

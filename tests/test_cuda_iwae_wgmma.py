@@ -145,10 +145,25 @@ def test_the_schedule_consumes_every_stage_once_without_aliasing(dims, tiles):
         assert (d.jobs_h, d.nk1, d.jobs_d, d.nk2) == (5, 1, 14, 8) and n == 2 * 117
 
 
+@pytest.mark.parametrize("nk", range(1, 9))
+def test_each_n8_block_of_a_job_runs_once_in_order_over_the_next_jobs_halves(nk):
+    """epi_on's spread: slice i on half i 2 nk / 7, every slice once, in order (the model's
+    slices_on is the kernel's expression)."""
+    kernel = (CUDA_DIR / "iwae_wgmma.cu").read_text()
+    assert ("(hn * kSlices + halves - 1) / halves,\n"
+            "                  ((hn + 1) * kSlices + halves - 1) / halves" in kernel)
+    order = [i for hn in range(2 * nk) for i in wm.slices_on(hn, nk)]
+    assert order == list(range(wm.SLICES))
+    if nk == 8:  # GEMM 2 at H = 256: one n8 block on every other half, from the first
+        assert [len(wm.slices_on(hn, nk)) for hn in range(16)] == [1, 0, 1, 0, 1, 0, 1, 0,
+                                                                   0, 1, 0, 1, 0, 1, 0, 0]
+
+
 def test_the_schedule_model_sees_what_breaks_the_kernel():
     """The model is not vacuous: a ring of one stage deadlocks (a consumer releases a stage only
     after it waited for the next); releasing a stage before the wait_group that covers its MMAs,
-    or reloading fragments without it, is caught."""
+    reloading fragments without it, or a drain that leaves n8 blocks of the last job undone (the
+    first version's: it started at the last half's slices), is caught."""
     d = wm.Dims(*MNIST)
     with pytest.raises(AssertionError, match="deadlock"):
         wm.run_block(d, 1, random.Random(0), stages=1)
@@ -165,6 +180,13 @@ def test_the_schedule_model_sees_what_breaks_the_kernel():
         wm.check_schedule(d, 1, consumer_fn=mutate(lambda a: a[2] == 0))
     with pytest.raises(AssertionError, match="fragments overwritten"):
         wm.check_schedule(d, 1, consumer_fn=mutate(lambda a: a[2] == 1))
+
+    def drain_from_the_last_half(dims, tiles, c, trace, stages):  # a drain that skips slices
+        return wm.consumer(dims, tiles, c, trace, stages,
+                           drain=lambda nk: range(2 * nk - 1, wm.SLICES))
+    for dims in (MNIST, (33, 7, 5)):
+        with pytest.raises(AssertionError, match="values overwritten|epilogue left undone"):
+            wm.check_schedule(wm.Dims(*dims), 1, consumer_fn=drain_from_the_last_half)
 
 
 # ---- the CPU half: numerics -----------------------------------------------------------------

@@ -16,10 +16,12 @@
 // A job is an m64n56 tile of either GEMM per consumer, over K in stages of kBK = 32; W's hi and
 // lo halves (pre-split, iwae_wgmma_split_launch) stream through a ring of kStages stages that
 // BOTH consumers read (one W pass per 128 samples: 1.6 MB per tile from L2), in the order the
-// producer issues them: per tile, GEMM 1's jobs x stages, then GEMM 2's. Two accumulator sets
-// per consumer: job j's MMAs are issued (asynchronously) into one while the epilogue of job
-// j - 1 runs from the other, one n8 block (4 elements per thread) per K stage, so the
-// MUFU-bound epilogue overlaps the tensor cores; the last job of each GEMM drains alone.
+// producer issues them: per tile, GEMM 1's jobs x stages, then GEMM 2's. A job's MMAs go out in
+// half stages (one commit group each, at most two in flight: wait_group 1 frees the fragments
+// of the one before, and a stage once its second half is done) into one accumulator set, while
+// the epilogue of job j - 1 runs from its combined values (lg: 28 registers, not a second set):
+// its 7 n8 blocks (4 elements per thread each) spread over the job's half stages, so the
+// MUFU-bound BCE overlaps the tensor cores; the last job of each GEMM drains alone.
 //
 // Numerics (iwae.cu's contract): A (z, d) split in registers by tf32_split, W pre-split the
 // same way; per k8 step lo*hi and hi*lo accumulate into corr, hi*hi into acc, each over all of
@@ -29,12 +31,13 @@
 // joined by the xor-1, xor-2 butterfly; log p(z) - log q(z|x) sums j < 16 and j >= 16 apart;
 // the 128 row lanes merge in row order, as iwae.cu's.
 // Shared memory (one block per SM): d 128 KB and z 16 KB in 128-byte-swizzled boxes of 32
-// floats (row r's 16-byte chunk q at q ^ r % 8: ldmatrix and the epilogue's float2 stores are
-// conflict-free), the W ring (4 x 14 KB), the image's targets and biases. The ragged last
-// tile of a split: rows past it are masked in the logsumexp, and a consumer with none of its
-// rows live skips its MMAs and epilogues (it still waits and releases every stage: the ring's
-// parity stays exact). tests/iwae_wgmma_model.py replays the schedule, the layout and the
-// numerics on the CPU. No torch types; launches return cudaError_t.
+// floats (row r's 16-byte chunk q at q ^ r % 8: ldmatrix and fill_z's stores are conflict-free,
+// the epilogue's float2 stores of d 2-way), the W ring (4 x 14 KB), the image's targets and
+// biases. The ragged last tile of a split: rows past it are zero in z and masked in the
+// logsumexp (their MMAs run: a consumer skipping them would still have to wait for and release
+// every stage). Registers (setmaxnreg 232 for the consumers): the set 56, lg 28, fragments 32.
+// tests/iwae_wgmma_model.py replays the schedule, the layout and the numerics on the CPU. No
+// torch types; launches return cudaError_t.
 #include <cstdint>
 
 #include "cluster.cuh"
@@ -225,14 +228,13 @@ struct Consumer {
     if (kBce) epi_bce<J>(lg, n0, rs);
     else epi_hidden<J>(lg, n0);
   }
-  // The previous job's epilogue slices on half hn of this job's 2 nk: slice i on half i, the
-  // rest on the last half (one copy of each n8 block's code; the switch is warp-uniform).
+  // Epilogue slices (n8 blocks) [first, end) of the job at column n0, in order (one copy of
+  // each block's code; the switch is warp-uniform).
   template <bool kBce>
-  __device__ __forceinline__ void epi_on(const float (&lg)[kAcc], int hn, int nk, int n0,
-                                         float (&rs)[2]) const {
+  __device__ __forceinline__ void epi_run(const float (&lg)[kAcc], int first, int end, int n0,
+                                          float (&rs)[2]) const {
     static_assert(kSlices == 7, "one case per n8 block of a job");
-    const int end = hn + 1 == 2 * nk ? kSlices : hn + 1;
-    for (int i = hn; i < end; ++i) {
+    for (int i = first; i < end; ++i) {
       switch (i) {
         case 0: epi_j<kBce, 0>(lg, n0, rs); break;
         case 1: epi_j<kBce, 1>(lg, n0, rs); break;
@@ -243,6 +245,15 @@ struct Consumer {
         default: epi_j<kBce, 6>(lg, n0, rs); break;
       }
     }
+  }
+  // The previous job's slices on half hn of this job's 2 nk: slice i on half i 2 nk / 7
+  // (spread evenly; every slice once).
+  template <bool kBce>
+  __device__ __forceinline__ void epi_on(const float (&lg)[kAcc], int hn, int nk, int n0,
+                                         float (&rs)[2]) const {
+    const int halves = 2 * nk;
+    epi_run<kBce>(lg, (hn * kSlices + halves - 1) / halves,
+                  ((hn + 1) * kSlices + halves - 1) / halves, n0, rs);
   }
   // Job j of a GEMM (columns n0 = j kBN ...): its MMAs into (acc, corr) over nk stages of the
   // ring from g on, in half stages (one commit group each, at most two in flight), while the
@@ -288,7 +299,7 @@ struct Consumer {
                                        float (&rs)[2]) const {
     float acc[kAcc], corr[kAcc], lg[kAcc];
     for (int j = 0; j < jobs; ++j) job<kBce>(acc, corr, lg, box0, nk, g, j, rs);
-    epi_on<kBce>(lg, 2 * nk - 1, nk, (jobs - 1) * kBN, rs);  // every slice
+    epi_run<kBce>(lg, 0, kSlices, (jobs - 1) * kBN, rs);  // the last job's, alone
   }
 
   // z and log p(z) - log q(z|x) of the warp's 16 rows of the tile at sample k0: lane l takes
