@@ -161,9 +161,11 @@ def producer(d: Dims, tiles: int, stages: int = STAGES):
 
 
 def slices_on(hn: int, nk: int) -> range:
-    """Consumer::epi_on: the previous job's n8 blocks run on half hn of a job's 2 nk."""
-    halves = 2 * nk
-    return range((hn * SLICES + halves - 1) // halves, ((hn + 1) * SLICES + halves - 1) // halves)
+    """Consumer::epi_on: the previous job's n8 blocks that run on half hn of a job's 2 nk (the
+    kernel walks them with a counter: those i with i 2 nk < (hn + 1) 7 not yet run)."""
+    first = next((i for i in range(SLICES) if i * 2 * nk >= hn * SLICES), SLICES)
+    end = next((i for i in range(SLICES) if i * 2 * nk >= (hn + 1) * SLICES), SLICES)
+    return range(first, end)
 
 
 def consumer(d: Dims, tiles: int, c: int, trace: list, stages: int = STAGES, drain=None):

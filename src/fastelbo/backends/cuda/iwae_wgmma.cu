@@ -247,13 +247,14 @@ struct Consumer {
     }
   }
   // The previous job's slices on half hn of this job's 2 nk: slice i on half i 2 nk / 7
-  // (spread evenly; every slice once).
+  // (spread evenly; every slice once, in order), from `next` on, without a division.
   template <bool kBce>
-  __device__ __forceinline__ void epi_on(const float (&lg)[kAcc], int hn, int nk, int n0,
-                                         float (&rs)[2]) const {
-    const int halves = 2 * nk;
-    epi_run<kBce>(lg, (hn * kSlices + halves - 1) / halves,
-                  ((hn + 1) * kSlices + halves - 1) / halves, n0, rs);
+  __device__ __forceinline__ void epi_on(const float (&lg)[kAcc], int hn, int nk, int& next,
+                                         int n0, float (&rs)[2]) const {
+    int end = next;
+    while (end < kSlices && end * 2 * nk < (hn + 1) * kSlices) ++end;
+    epi_run<kBce>(lg, next, end, n0, rs);
+    next = end;
   }
   // Job j of a GEMM (columns n0 = j kBN ...): its MMAs into (acc, corr) over nk stages of the
   // ring from g on, in half stages (one commit group each, at most two in flight), while the
@@ -265,6 +266,7 @@ struct Consumer {
                                       unsigned box0, int nk, int& g, int j, float (&rs)[2]) const {
     const bool prev = j > 0;
     const int n0 = j * kBN;
+    int next = 0;  // the previous job's next epilogue slice
     Frag h0, l0, h1, l1;
     fence_regs(acc);  // the previous job's reads of the sets stay before its MMAs
     fence_regs(corr);
@@ -278,13 +280,13 @@ struct Consumer {
         if (lane == 0) mbar_arrive(&s.empty[(gi - 1) % kStages]);
       }
       load_frags(box0, kt, 1, h1, l1);
-      if (prev) epi_on<kBce>(lg, 2 * kt, nk, n0 - kBN, rs);
+      if (prev) epi_on<kBce>(lg, 2 * kt, nk, next, n0 - kBN, rs);
       issue(acc, corr, h1, l1, st, 1, false);
       if (kt + 1 < nk) {
         wgmma_wait<1>();  // this stage's first half is done
         load_frags(box0, kt + 1, 0, h0, l0);
       }
-      if (prev) epi_on<kBce>(lg, 2 * kt + 1, nk, n0 - kBN, rs);
+      if (prev) epi_on<kBce>(lg, 2 * kt + 1, nk, next, n0 - kBN, rs);
     }
     wgmma_wait<0>();
     fence_regs(acc);
