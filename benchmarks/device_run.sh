@@ -2,12 +2,12 @@
 # The benchmarks of record and the GPU checks, on the device machine (H200), from the repo root:
 #   bash benchmarks/device_run.sh STAGE...        (benchmarks/README.md says what each stage runs)
 # Stages: build env tests memcheck racecheck check bench profile train iwae crossover multi jobs
-# harness kbtiming honest deferred latent pingpong traintc.
+# harness kbtiming honest deferred latent pingpong traintc iwaewgmma.
 # Each stage's log lands in $LOGS; $OUT gets summary.txt (one line per run: rc and seconds) and
 # results.tgz (every log and .jsonl), refreshed after every run so that a kill loses nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness kbtiming honest deferred latent pingpong traintc "
+STAGES=" build env tests memcheck racecheck check bench profile train iwae crossover multi jobs harness kbtiming honest deferred latent pingpong traintc iwaewgmma "
 for stage in "$@"; do  # refuse a typo before any stage spends device time
   [[ $STAGES == *" $stage "* ]] || { echo "device_run.sh: unknown stage '$stage' (stages:$STAGES)" >&2; exit 2; }
 done
@@ -138,10 +138,18 @@ for stage in "$@"; do case $stage in
       run "traintc_$b" 30 python3 benchmarks/train_bench.py --skip-compile --tc-train --batch "$b" \
         --steps 100 --out "$LOGS/train.jsonl"
     done ;;
+  iwaewgmma)  # issue #56 item 5's acceptance, one call (<= 8 min on an H100; the limits sum to 8):
+    # the IWAE kernel on wgmma (iwae_wgmma.cu, FASTELBO_IWAE_WGMMA=1): the build, its GPU tests,
+    # memcheck of small and odd cases, and 10,000 images x K = 5000 on iwae_wgmma.cu and iwae.cu
+    # in the same process (the verdict: wgmma's against 0.25 s)
+    run iwaewgmma_build "${T_BUILD:-120}" python3 -c "from fastelbo.backends.cuda import extension; extension()"
+    run test_cuda_iwae_wgmma "${T_TEST:-150}" python3 -m pytest -q -m "gpu and not multi_gpu" -p no:cacheprovider -rfEs tests/test_cuda_iwae_wgmma.py
+    run memcheck_iwae_wgmma "${T_MEMCHECK:-90}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/iwae_wgmma_check.py
+    run iwae_wgmma_timing "${T_IWAE:-120}" python3 benchmarks/iwae_bench.py --backend cuda:wgmma,cuda:mma --target 0.25 --out "$LOGS/iwae.jsonl" ;;
 esac; done
 # The correctness record: a gpu_tests.jsonl row per test file, sanitizer run and check logged so
 # far (benchmarks/gpu_rows.py), into $LOGS and so into results.tgz.
-if [[ " $* " =~ \ (tests|memcheck|racecheck|check|multi|deferred|latent|pingpong|traintc)\  ]]; then
+if [[ " $* " =~ \ (tests|memcheck|racecheck|check|multi|deferred|latent|pingpong|traintc|iwaewgmma)\  ]]; then
   python3 benchmarks/gpu_rows.py "$LOGS" || echo "gpu_rows.py failed: no gpu_tests.jsonl rows"
   tar -czf "$OUT/results.tgz" -C "$LOGS" .
 fi

@@ -176,8 +176,14 @@ def _jobs_of(test: str) -> dict[str, tuple[list[str], dict[str, str]]]:
         gencode = [f for f in cuda_backend.NVCC_FLAGS if "sm_90a" in f]
         return {f"tool:{s}": ([NVCC, "-O3", "-std=c++17", *gencode, f"-I{cuda_backend.KERNEL_DIR}",
                                "-o", "{dir}/tool", str(BENCH / s)], {}) for s in BENCH_CU}
-    if test == "test_kernel_compiles_sm90_without_spills":
+    if test in ("test_kernel_compiles_sm90_without_spills",
+                "test_wgmma_kernels_keep_their_mma_pipelines"):
         return kernels
+    if test == "test_iwae_wgmma_layout_is_the_models":
+        flags = [f for f in NVCC_FLAGS if f not in ("-Xptxas", "-v")]
+        return {"iwae_wgmma_layout": ([NVCC, *flags, *TORCH_NVCC_DEFINES,
+                                       f"-I{cuda_backend.KERNEL_DIR}", "-c", "{dir}/main.cu", "-o",
+                                       "{dir}/k.o"], {"main.cu": _iwae_wgmma_layout_main()})}
     if test == "test_binding_compiles_with_torch_headers_and_links_up":
         return {f"binding:{n}": _host_compile_job(n)
                 for n in (*cuda_backend.BINDING_SOURCES, cuda_backend.BINDING_MODULE)}
@@ -266,7 +272,8 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
 # the tensor-core GEMM's epilogues (tc_gemm_kernel<kTcStore, 128> with A split for finite W or
 # not, <kTcBce, 112 or 128 columns>)
 # and its three helpers, the fused latent block's one, the output layer's persistent
-# ping-pong kernel, and the fused backward's five (its latent kernel at R = 8 and 32 rows).
+# ping-pong kernel, the fused backward's five (its latent kernel at R = 8 and 32 rows), and the
+# IWAE kernel on wgmma with its weight split.
 EXPECTED_KERNELS = {
     "elbo_fast.cu": {"elbo_fast_kernel": 1},
     "elbo.cu": {"elbo_kernel": 2},
@@ -283,10 +290,12 @@ EXPECTED_KERNELS = {
     "backward_fused.cu": {"fused_prep_kernel": 1, "fused_bce_grad_kernel": 1,
                           "fused_latent_kernel": 2, "fused_wgrad_kernel": 1,
                           "fused_wgrad_finish_kernel": 1},
+    "iwae_wgmma.cu": {"iwae_wgmma_kernel": 1, "iwae_wgmma_split_kernel": 1},
 }
 # One block per SM by their shared memory: these may use all 255 registers (tc_gemm_kernel's and
 # pingpong_kernel's launch bounds give the count their setmaxnreg split starts from: 168).
-ONE_BLOCK_PER_SM = ("elbo_fast_kernel", "iwae_kernel", "tc_gemm_kernel", "pingpong_kernel")
+ONE_BLOCK_PER_SM = ("elbo_fast_kernel", "iwae_kernel", "tc_gemm_kernel", "pingpong_kernel",
+                    "iwae_wgmma_kernel")
 
 
 def _check_kernels(report: dict[str, dict[str, int]], expected: dict[str, int]) -> None:
@@ -386,6 +395,40 @@ def test_kernel_compiles_sm90_without_spills(source, builds):
     """Each kernel file compiled alone, as cpp_extension.load compiles it (torch's nvcc flags
     and the backend's)."""
     _check_kernels(_ptxas_report(builds.out(f"kernel:{source}")[0]), EXPECTED_KERNELS[source])
+
+
+# The kernels that issue wgmma: ptxas keeps their MMA pipelines as written, neither serialising
+# the MMAs (C7510-C7518, "Potential Performance Loss") nor injecting a fence (C7519: a
+# fragment written after the one the kernel issues splits its commit group).
+WGMMA_SOURCES = ("tc_gemm.cu", "pingpong.cu", "iwae_wgmma.cu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", WGMMA_SOURCES)
+def test_wgmma_kernels_keep_their_mma_pipelines(source, builds):
+    log = builds.out(f"kernel:{source}")[0]
+    assert "wgmma" in cuda_backend.source_path(source).read_text()
+    remarks = [line for line in log.splitlines() if re.search(r"\(C75\d\d\)", line)]
+    assert not remarks, "\n".join(remarks)
+
+
+def _iwae_wgmma_layout_main() -> str:
+    """iwae_wgmma.cu itself, then static_asserts that its Smem struct has the offsets and size
+    of tests/iwae_wgmma_model.py's (a wrong model fails the compile, naming the field)."""
+    import iwae_wgmma_model as wm
+    offsets, size = wm.smem_struct()
+    lines = ['#include <cstddef>', '#include "iwae_wgmma.cu"',
+             f"static_assert(sizeof(fastelbo::iw::Smem) == {size}, \"sizeof(Smem)\");"]
+    lines += [f"static_assert(offsetof(fastelbo::iw::Smem, {name}) == {at}, \"{name}\");"
+              for name, at in offsets.items()]
+    lines.append(f"static_assert(fastelbo::iw::kSmemFixed == {size + 1024}, \"kSmemFixed\");")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.slow
+def test_iwae_wgmma_layout_is_the_models(builds):
+    """The compiled Smem of iwae_wgmma.cu has the model's field offsets and size."""
+    builds.out("iwae_wgmma_layout")
 
 
 def test_kernel_and_binding_files_define_no_macros():

@@ -9,7 +9,8 @@ the tuning tools use. The package, in the order a call flows:
     elbo.py      forward (tuning entry), forward_prepared (the ops'), backward, plan
     noise.py     forward_drawing: the forward's torch.randn drawn inside the cluster kernels
     deferred.py  check_errors: what the deferred value check (in the forward's kernels) found
-    iwae_kernel.py  the IWAE kernel (iwae.cu): iwae_log_likelihood, iwae_unavailable_reason
+    iwae_kernel.py  the IWAE kernels (iwae.cu; iwae_wgmma.cu behind FASTELBO_IWAE_WGMMA):
+                 iwae_log_likelihood, iwae_unavailable_reason
     optim.py     adam_step: training's Adam in one launch (adam.cu)
     launch.py    one keyword-only wrapper per binding entry (the only caller of the extension)
 

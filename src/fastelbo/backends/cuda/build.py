@@ -27,7 +27,8 @@ HERE = Path(__file__).resolve().parent
 KERNEL_DIR = HERE / "kernels"
 BINDING_DIR = HERE / "binding"
 KERNEL_SOURCES = ("elbo_fast.cu", "elbo.cu", "rows.cu", "backward.cu", "adam.cu", "iwae.cu",
-                  "tc_gemm.cu", "latent.cu", "pingpong.cu", "backward_fused.cu")
+                  "tc_gemm.cu", "latent.cu", "pingpong.cu", "backward_fused.cu",
+                  "iwae_wgmma.cu")
 # In include order (the exported file inlines them so): each after those it includes.
 HEADERS = ("elbo.h", "elbo_math.cuh", "cluster.cuh", "philox.cuh", "deferred.cuh",
            "tile_gemm.cuh", "wgmma.cuh", "backward_fused.h")

@@ -21,9 +21,16 @@ the device only: an image's estimate is bitwise the same alone or in any batch. 
 
 Applies where shared memory holds d for a 64-sample tile (hidden_dim up to ~600 at latent 32 on
 an H200); `plan` says, and the ops' `auto` falls back to Triton elsewhere.
+
+Two kernels (`kernel`): "mma" (iwae.cu, mma.sync; the default) and "wgmma" (iwae_wgmma.cu,
+issue #56 item 5: Hopper's asynchronous warpgroup MMAs, the BCE epilogue under the tensor
+cores; the same tile, noise, numerics contract and partials; latent_dim <= 32, hidden_dim <= 256).
+The wgmma kernel stays off the default path until a GPU run accepts it: FASTELBO_IWAE_WGMMA=1
+(read per call) makes it the choice where it applies, iwae.cu elsewhere.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -53,6 +60,45 @@ def plan(device: torch.device, dims: tuple[int, int, int]) -> tuple[int, str | N
     return tile, None
 
 
+KERNELS = ("mma", "wgmma")
+WGMMA_FLAG = "FASTELBO_IWAE_WGMMA"
+
+
+def wgmma_plan(device: torch.device, dims: tuple[int, int, int]) -> tuple[int, str | None]:
+    """plan for the wgmma kernel (iwae_wgmma.cu): (128, None) where it applies, else (0, why)."""
+    device = torch.device(device)
+    why = build.unavailable_reason(device)
+    if why is not None:
+        return 0, why
+    d, h, lat = dims
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    tile, _, status = launch.iwae_wgmma_plan(build.extension(), device=index, dims=(d, h, lat))
+    if status:
+        reason = {1: "it takes latent_dim <= 32 and hidden_dim <= 256, and its shared memory "
+                     "must hold the tile", 3: "it needs compute capability 9.0 (sm_90a)"}
+        return 0, (f"the cuda iwae wgmma kernel does not take input_dim={d} hidden_dim={h} "
+                   f"latent_dim={lat}: {reason.get(status, f'status {status}')}")
+    return tile, None
+
+
+def choose_kernel(kernel: str | None, device: torch.device,
+                  dims: tuple[int, int, int]) -> tuple[str, int]:
+    """(kernel, samples per tile) for a call: `kernel` as asked (a ValueError where it does not
+    apply), or None: "wgmma" where FASTELBO_IWAE_WGMMA=1 and it applies, else "mma"."""
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
+    if kernel == "wgmma" or (kernel is None and os.environ.get(WGMMA_FLAG) == "1"):
+        tile, why = wgmma_plan(device, dims)
+        if why is None:
+            return "wgmma", tile
+        if kernel == "wgmma":
+            raise ValueError(f"{why}; use kernel='mma' or None")
+    tile, why = plan(device, dims)
+    if why is not None:
+        raise ValueError(f"{why}; use the triton or torch iwae backend")
+    return "mma", tile
+
+
 def iwae_unavailable_reason(device: torch.device, dims: tuple[int, int, int]) -> str | None:
     """None when the kernel runs on `device` for (input, hidden, latent) dims, else why not."""
     return plan(device, tuple(dims))[1]
@@ -62,7 +108,7 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *,
                         seed: int | None = None, eps: torch.Tensor | None = None,
                         indices: Sequence[int] | torch.Tensor | None = None,
                         generator: torch.Generator | None = None, chunk: int | None = None,
-                        splits: int | None = None) -> torch.Tensor:
+                        splits: int | None = None, kernel: str | None = None) -> torch.Tensor:
     """log p(x) estimate in nats per row of x (B, D) float32 on a CUDA device; (B,) float32.
     The Backend protocol's entry (the package exports it as `iwae` too).
 
@@ -70,7 +116,9 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *,
     then seed is unused; else drawn in the kernel from `seed` and the image `indices`, a seed
     drawn from torch's default CPU generator when none is given (torch.manual_seed keeps runs
     repeatable). generator and chunk are the torch backend's only (noise from a generator,
-    memory by K-chunks): a ValueError here. `splits` forces the number of K-splits (tests)."""
+    memory by K-chunks): a ValueError here. `splits` forces the number of K-splits (tests);
+    `kernel` picks iwae.cu ("mma") or iwae_wgmma.cu ("wgmma"; choose_kernel says how None
+    decides)."""
     for name, v in (("generator", generator), ("chunk", chunk)):
         if v is not None:
             raise ValueError(f"the cuda iwae does not take {name} (it draws its noise in-kernel "
@@ -83,9 +131,7 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *,
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
                                or splits < 1):
         raise ValueError(f"splits must be a positive int or None, got {splits!r}")
-    tile, why = plan(x.device, params.dims)
-    if why is not None:
-        raise ValueError(f"{why}; use the triton or torch iwae backend")
+    which, tile = choose_kernel(kernel, x.device, params.dims)
     k_per, n_splits = fused_splits(samples, tile, splits)
     if x.shape[0] * n_splits > 2**31 - 1:
         raise ValueError(f"{x.shape[0]} images x {n_splits} K-splits exceed one launch's grid; "
@@ -94,9 +140,10 @@ def iwae_log_likelihood(x: torch.Tensor, params: VAEParams, samples: int, *,
     mu, logvar, idx = fused_inputs(x, params, indices)
     eps = None if eps is None else eps.contiguous()
     ext = build.extension()
-    part = launch.iwae_partials(ext, x=x, mu=mu, logvar=logvar, eps=eps, image=idx,
-                                params=params, samples=samples, k_per_split=k_per,
-                                splits=n_splits, seed=0 if seed is None else seed)
+    run = launch.iwae_wgmma_partials if which == "wgmma" else launch.iwae_partials
+    part = run(ext, x=x, mu=mu, logvar=logvar, eps=eps, image=idx, params=params,
+               samples=samples, k_per_split=k_per, splits=n_splits,
+               seed=0 if seed is None else seed)
     if part is None:  # the binding's input check refused the call: nothing was launched
         raise status.error(launch.last_status(ext),
                            {"x": x, "eps": eps, "params": params, "mu": mu, "logvar": logvar,

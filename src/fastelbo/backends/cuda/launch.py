@@ -166,6 +166,19 @@ def iwae_partials(ext, *, x, mu, logvar, eps, image, params, samples, k_per_spli
                              seed)
 
 
+def iwae_wgmma_plan(ext, *, device, dims):
+    """iwae_plan for the wgmma kernel (iwae_wgmma.cu): [128, smem bytes, 0] or [0, 0, status]."""
+    d, h, lat = dims
+    return ext.iwae_wgmma_plan(device, d, h, lat)
+
+
+def iwae_wgmma_partials(ext, *, x, mu, logvar, eps, image, params, samples, k_per_split, splits,
+                        seed):
+    """iwae_partials from the wgmma kernel (iwae_wgmma.cu): the same call and answer."""
+    return ext.iwae_wgmma_partials(x, mu, logvar, eps, image, params, samples, k_per_split,
+                                   splits, seed)
+
+
 def adam_step(ext, *, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps,
               weight_decay):
     """One Adam update of float32 CUDA tensors, in place (lists of equal length)."""

@@ -123,5 +123,13 @@ at::Tensor iwae_partials(const at::Tensor& x, const at::Tensor& mu, const at::Te
                          const std::vector<at::Tensor>& params, int64_t samples,
                          int64_t k_per_split, int64_t splits, int64_t seed);
 std::vector<int64_t> iwae_plan_info(int64_t device, int64_t D, int64_t H, int64_t L);
+// The same from iwae_wgmma.cu (off the default path; its plan: {128, smem bytes, 0} or
+// {0, 0, status}).
+at::Tensor iwae_wgmma_partials(const at::Tensor& x, const at::Tensor& mu, const at::Tensor& lv,
+                               const std::optional<at::Tensor>& eps,
+                               const std::optional<at::Tensor>& image,
+                               const std::vector<at::Tensor>& params, int64_t samples,
+                               int64_t k_per_split, int64_t splits, int64_t seed);
+std::vector<int64_t> iwae_wgmma_plan_info(int64_t device, int64_t D, int64_t H, int64_t L);
 
 }  // namespace fastelbo::binding

@@ -61,6 +61,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("iwae_plan", &fb::iwae_plan_info,
         "IWAE tile {samples per tile, smem_bytes, 0} or {0, 0, status}", py::arg("device"),
         py::arg("D"), py::arg("H"), py::arg("L"));
+  m.def("iwae_wgmma_partials", &fb::iwae_wgmma_partials,
+        "IWAE partial logsumexps (B, splits) from the wgmma kernel, or None", py::arg("x"),
+        py::arg("mu"), py::arg("logvar"), py::arg("eps"), py::arg("image"), py::arg("params"),
+        py::arg("samples"), py::arg("k_per_split"), py::arg("splits"), py::arg("seed"));
+  m.def("iwae_wgmma_plan", &fb::iwae_wgmma_plan_info,
+        "the wgmma IWAE kernel's tile {128, smem_bytes, 0} or {0, 0, status}",
+        py::arg("device"), py::arg("D"), py::arg("H"), py::arg("L"));
   m.def("x_in_unit_range", &fb::x_in_unit_range,
         "whether every element of x lies in [0, 1] (NaN does not); one launch, one wait",
         py::arg("x"));

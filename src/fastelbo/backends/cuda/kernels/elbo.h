@@ -377,6 +377,29 @@ struct IwaeParams {
 // Triton kernel takes any dims). Host-only, no stream work.
 ElboStatus iwae_plan(IwaeParams& p, int device, cudaError_t* cuda_err) noexcept;
 cudaError_t iwae_launch(const IwaeParams& p, cudaStream_t stream) noexcept;
+// The same bound on wgmma (iwae_wgmma.cu, sm_90a; off the default path: FASTELBO_IWAE_WGMMA):
+// the same blocks, tile (128 samples), noise, numerics and partials as iwae.cu; the decoder's
+// weights come split (iwae_wgmma_split_launch: hi, lo = w - hi as iwae.cu's tf32_split) in
+// (rows, ld) buffers, ld % 4 == 0. Applies where L <= kIwaeWgmmaMaxL, H <= kIwaeWgmmaMaxH and
+// the shared memory holds the tile (iwae_wgmma_plan).
+constexpr int kIwaeWgmmaMaxL = 32, kIwaeWgmmaMaxH = 256;
+struct IwaeWgmmaParams {
+  CUtensorMap w1hi_map, w1lo_map, w2hi_map, w2lo_map;  // encoded by iwae_wgmma_launch
+  const float *x, *mu, *lv, *eps;  // as IwaeParams
+  const long long* image;
+  const float *b1, *b2;
+  float* part;             // (B, splits)
+  unsigned long long seed;
+  long long K, k_per_split;
+  int splits, B, D, H, L;
+  int smem_bytes;          // filled by iwae_wgmma_plan()
+};
+ElboStatus iwae_wgmma_plan(IwaeWgmmaParams& p, int device, cudaError_t* cuda_err) noexcept;
+cudaError_t iwae_wgmma_split_launch(const float* w, int rows, int cols, float* hi, float* lo,
+                                    int ld, cudaStream_t stream) noexcept;
+cudaError_t iwae_wgmma_launch(IwaeWgmmaParams& p, const float* w1_hi, const float* w1_lo,
+                              int ldw1, const float* w2_hi, const float* w2_lo, int ldw2,
+                              cudaStream_t stream) noexcept;
 
 // The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda at link time), or nullptr
 // where the driver has none (elbo_fast.cu; tc_gemm.cu uses it too).
