@@ -44,6 +44,23 @@ def _inputs(batch, seed=0, scale=1.0, binary=False):
     return params, torch.bernoulli(x) if binary else x, torch.randn(batch, DIMS[2], device="cuda")
 
 
+def _matches(got, params, x, eps, saturated: bool) -> bool:
+    """The spec within atol = rtol = 1e-4; with saturated weights, within the spec's own spread
+    as `fastelbo check` judges it (tests/test_cuda_pingpong.py spread_runs says why)."""
+    want = torch_ref.forward(x, params, eps)
+    if not saturated:
+        return _close(got, want)
+    from fastelbo.harness.compare import PERTURB_RUNS, assert_outputs_match, perturbed
+    g = torch.Generator().manual_seed(0)
+    runs = [want, *(torch_ref.forward(x, VAEParams(*perturbed(params, g)), eps)
+                    for _ in range(PERTURB_RUNS))]
+    try:
+        assert_outputs_match(got, runs, 1e-4, 1e-4)
+    except AssertionError:
+        return False
+    return True
+
+
 def _close(got, want) -> bool:
     return all(bool(torch.isclose(g, w, atol=1e-4, rtol=1e-4, equal_nan=True).all())
                for g, w in zip(got, want))
@@ -105,7 +122,7 @@ def sanitize() -> int:
             os.environ["FASTELBO_PINGPONG_BLOCKS"] = cap
         got = backend.forward(x, params, eps, path="tc", output="pingpong", _poison=True)
         os.environ.pop("FASTELBO_PINGPONG_BLOCKS", None)
-        ok = _close(got, torch_ref.forward(x, params, eps))
+        ok = _matches(got, params, x, eps, saturated=regime == "saturated")
         print(f"B={batch} {regime} blocks<={cap or 'SMs'}: {'ok' if ok else 'WRONG'}", flush=True)
         failures += not ok
     return 1 if failures else 0
