@@ -12,8 +12,9 @@ import torch
 import worker_tasks
 from fastelbo.cli import main
 from fastelbo.harness.check.check import run_check
-from fastelbo.harness.compare import PERTURB_RUNS, compare_outputs, degenerate, diff_tensors
+from fastelbo.harness.compare import PERTURB_RUNS, compare_outputs
 from fastelbo.harness.report import CheckReport, RegimeReport, TensorDiff, TrialReport
+from fastelbo.harness.tensor_diff import degenerate, diff_tensors
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"

@@ -439,7 +439,6 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS = {
     "fastelbo.harness.guard.bench_entry:bench_entry": 84,  # the worker's entry, each size's loop
     "fastelbo.harness.check.check:_Check._judge": 92,  # every regime's verdict, in order
-    "fastelbo.harness.compare:diff_tensors": 99,  # one pass over a pair, chunked on the device
 }
 
 

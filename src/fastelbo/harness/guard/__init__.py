@@ -14,6 +14,7 @@ guard and the harness's core, never the parent's judging.
     tasks.py      check's and compile's worker tasks (the reference, the candidate, the judging)
     pool.py       bench's timed inputs, and which calls are judged
     timing.py     bench's timing loops
+    gpu_metrics.py  bench's GPU measurements: a CUDA graph's replay, peak memory, kernels
     bench_entry.py  bench's worker tasks: an entry's timed rows, the reference's replays
     watch.py      the loops' own state, watched while the candidate runs
     integrity.py  the tripwires: timers, hooks, modes, the harness's own code
