@@ -7,6 +7,7 @@ guard and the harness's core, never the parent's judging.
     forking.py    forked workers' start
     sandbox.py    Landlock, no capabilities, resource limits, the private directories
     seccomp.py    no process outside the worker's own tree
+    process_tree.py  the worker's process tree, read and ended from the parent (/proc)
     orphans.py    every process a candidate starts dies with its check
     handoff.py    files handed to and read from a worker's directory
     shared.py     CUDA IPC inputs copied into a pool of their own

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from .. import task_specs
 from ..task_specs import Task
-from . import handoff, orphans, sandbox
+from . import handoff, orphans, process_tree, sandbox
 from .forking import fork_worker
 
 TAIL_CHARS = 4000
@@ -302,7 +302,7 @@ class Worker:
             self._kill_orphans()  # before killpg below, which would kill them unnamed
         elif not self._tree_killed:
             self._tree_killed = True  # once: a second pass would find the first's zombies
-            self.killed += sandbox.kill_tree(self.proc.pid)
+            self.killed += process_tree.kill_tree(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
