@@ -13,8 +13,8 @@ import torch
 from fastelbo.cli import main
 from fastelbo.harness.bench import bench, bench_rows
 from fastelbo.harness.guard import bench_entry
+from fastelbo.harness.guard.supervisor import WorkerOutcome
 from fastelbo.harness.guard.timing import quantiles
-from fastelbo.harness.guard.worker import WorkerOutcome
 from fastelbo.harness.results import git_commit
 
 HERE = Path(__file__).parent

@@ -176,18 +176,18 @@ def test_interrupt_kills_the_worker_group(monkeypatch):
     the terminal's SIGINT does not reach), then propagates."""
     import signal
 
-    from fastelbo.harness.guard import worker
+    from fastelbo.harness.guard import supervisor
 
     started = {}
-    real = worker._select
+    real = supervisor._select
 
     def interrupted(fds, wait):
         if "w" in started:
             raise KeyboardInterrupt
         return real(fds, wait)
 
-    monkeypatch.setattr(worker, "_select", interrupted)
-    w = worker.Worker(worker_tasks.ENV)
+    monkeypatch.setattr(supervisor, "_select", interrupted)
+    w = supervisor.Worker(worker_tasks.ENV)
     started["w"] = w
     with pytest.raises(KeyboardInterrupt):
         w.run(worker_tasks.sleep_in_a_child, {"seconds": 30}, timeout=60)
@@ -449,7 +449,7 @@ def test_unsupported_outputs_become_output_type_findings():
 @pytest.mark.parametrize("func, text", [("numpy_result", "could not be read back safely (it "),
                                         ("lambda_result", "could not be saved")])
 def test_worker_results_it_cannot_carry_are_errors_not_crashes(func, text):
-    from fastelbo.harness.guard.worker import run_task
+    from fastelbo.harness.guard.supervisor import run_task
     assert run_task(worker_tasks.fine, 60, env=worker_tasks.ENV).result == {"value": 1}
     outcome = run_task(getattr(worker_tasks, func), 60, env=worker_tasks.ENV)
     assert not outcome.ok and outcome.category == "exception"
@@ -497,7 +497,7 @@ def test_a_result_with_no_room_even_for_its_error_comes_back_over_the_channel():
     """A worker whose result, and then the error saying so, could not be written (its
     directory's file system full; torch.save refused here): the error comes back as a line on
     its channel, not as a crash with an empty log."""
-    from fastelbo.harness.guard.worker import run_task
+    from fastelbo.harness.guard.supervisor import run_task
     outcome = run_task(worker_tasks.no_room_for_a_result, 60, env=worker_tasks.ENV)
     assert not outcome.ok and outcome.category == "exception", outcome
     assert "result could not be saved" in outcome.reason, outcome.reason
@@ -509,13 +509,13 @@ def test_a_task_that_cannot_be_handed_over_is_an_outcome(monkeypatch):
     nothing raises into the caller (a check's thread)."""
     import errno
 
-    from fastelbo.harness.guard import worker
+    from fastelbo.harness.guard import supervisor
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    w = worker.Worker(worker_tasks.ENV)
+    w = supervisor.Worker(worker_tasks.ENV)
     try:
-        monkeypatch.setattr(worker.handoff, "write_new", full)
+        monkeypatch.setattr(supervisor.handoff, "write_new", full)
         outcome = w.run(worker_tasks.fine, {}, timeout=60)
     finally:
         w.close()

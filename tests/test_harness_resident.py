@@ -20,8 +20,8 @@ from fastelbo.harness.check import check
 from fastelbo.harness.check.check import run_check
 from fastelbo.harness.compare import PERTURB_RUNS
 from fastelbo.harness.guard import shared
+from fastelbo.harness.guard.supervisor import WorkerOutcome
 from fastelbo.harness.guard.tasks import RESIDENT_ENV
-from fastelbo.harness.guard.worker import WorkerOutcome
 from fastelbo.harness.task_specs import judge_pass
 
 HERE = Path(__file__).parent

@@ -41,7 +41,7 @@ from .. import refcache
 from ..files import candidate_path, read_source
 from ..guard import handoff, sandbox
 from ..guard.scan import scan_source
-from ..guard.worker import Worker, WorkerPool, fork_enabled, fork_safe
+from ..guard.supervisor import Worker, WorkerPool, fork_enabled, fork_safe
 from ..judge import (
     ENVELOPE_CATEGORIES,
     denial,
@@ -129,7 +129,7 @@ def run_check(problem: str | Path, candidate: str | Path, options: CheckOptions 
 def _prefork() -> bool:
     """In a process that has not imported torch (a new `fastelbo check`), and so has not touched
     CUDA, import it here, once, with the workers' tasks, and fork the workers from this process
-    (worker.fork_safe) instead of having each new interpreter import torch again."""
+    (supervisor.fork_safe) instead of having each new interpreter import torch again."""
     if "torch" in sys.modules or not fork_enabled():
         return False
     import torch  # noqa: F401

@@ -3,7 +3,8 @@
 Imports none of check/, bench/, agents/ or batch/ (tests/test_layout.py): a worker holds the
 guard and the harness's core, never the parent's judging.
 
-    worker.py     a worker process (forked or a new interpreter): tasks sent by spec, outcomes
+    worker.py     a worker process (forked or a new interpreter): runs the tasks sent by spec
+    supervisor.py the parent's side of a worker: start it, send tasks, hold its limits, outcomes
     forking.py    forked workers' start
     sandbox.py    Landlock, no capabilities, resource limits, the private directories
     seccomp.py    no process outside the worker's own tree

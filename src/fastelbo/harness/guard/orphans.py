@@ -12,7 +12,7 @@ never removed, so they run under more filters than this process. Where there is 
 orphans cannot be told from the user's own children: this process then never becomes a
 subreaper, and a dead worker's orphans go to init and outlive its check (README).
 
-worker.Worker calls `birth()` around a worker's start, `reaped(pid)` once it is dead and reaped,
+supervisor.Worker calls `birth()` around a worker's start, `reaped(pid)` once it is dead and reaped,
 and `closed()` when it is closed.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from . import process_tree, seccomp
 _pids: set[int] = set()  # this process's workers not yet reaped: never taken for orphans
 _open = 0                # workers started and not closed: a subreaper while above 0
 _set_by_us = False       # whether _opened made this process a subreaper (else left as found)
-# Over the three, a worker's birth and a sweep. Reentrant: worker.kill_all runs in a signal
+# Over the three, a worker's birth and a sweep. Reentrant: supervisor.kill_all runs in a signal
 # handler, which may interrupt a sweep on the same thread. (A forked worker gets it held; it
 # never starts workers of its own.)
 _lock = threading.RLock()
