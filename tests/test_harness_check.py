@@ -665,7 +665,7 @@ def _doubling(tmp_path: Path) -> Path:
     return cand
 
 
-TORCH_FRAMES = '''  File "{harness}/tasks.py", line 422, in _candidate_trial
+TORCH_FRAMES = '''  File "{harness}/guard/candidate_tasks.py", line 422, in _candidate_trial
     raw = as_tuple(model(*x))
                    ^^^^^^^^^
   File "{torch}/nn/modules/module.py", line 1789, in _call_impl
@@ -703,10 +703,10 @@ def test_an_exception_is_shown_once_with_its_own_frames_and_regime_count():
     assert text.count("RuntimeError: launch failed") == 1, text
     assert "the candidate raised in 5 regime(s) (default, batch=1, batch=7, scale=4, " \
            "variant:binary)" in text, text
-    assert "module.py" not in text and "tasks.py" not in text and "^^^" not in text, text
+    assert "module.py" not in text and "candidate_tasks.py" not in text and "^^^" not in text, text
     assert text.count("raised RuntimeError (below)") == 5
     data = report.to_dict()
-    assert all("module.py" in t["findings"][0]["message"] and "tasks.py" in
+    assert all("module.py" in t["findings"][0]["message"] and "candidate_tasks.py" in
                t["findings"][0]["message"] for r in data["regimes"] for t in r["trials"])
 
 

@@ -24,11 +24,13 @@ class NoWorker:
 
 def test_a_misspelt_argument_raises_in_the_parent_before_any_worker(monkeypatch):
     monkeypatch.setattr(supervisor, "Worker", NoWorker)
-    with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.guard\.tasks\.import_only: "
+    with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.guard\.candidate_tasks\."
+                                        r"import_only: "
                                         r"got an unexpected keyword argument 'candidat' "
                                         r"\(it takes candidate, sha256\)$"):
         supervisor.run_task(task_specs.import_only, 60, candidat="x.py")
-    with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.guard\.tasks\.build_candidate: "
+    with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.guard\.candidate_tasks\."
+                                        r"build_candidate: "
                                         r"missing a required argument: 'seed'$"):
         supervisor.run_task(task_specs.build_candidate, 60, candidate="x.py", problem="p.py",
                         device="cpu")
@@ -37,8 +39,8 @@ def test_a_misspelt_argument_raises_in_the_parent_before_any_worker(monkeypatch)
 def test_a_started_worker_is_sent_nothing_when_the_arguments_do_not_bind():
     w = supervisor.Worker()
     try:
-        with pytest.raises(TypeError, match="task fastelbo.harness.guard.tasks.judge_pass: missing "
-                                            "a required argument: 'rtol'"):
+        with pytest.raises(TypeError, match="task fastelbo.harness.guard.reference_tasks."
+                                            "judge_pass: missing a required argument: 'rtol'"):
             w.run(task_specs.judge_pass, {"name": "default", "trials": [], "envelope": False,
                                           "atol": 1e-4}, timeout=60)
         assert w._tasks == 0 and not list(w.tmp.glob("task*")) and w.proc.poll() is None
@@ -50,7 +52,7 @@ def test_only_a_declared_task_or_its_function_can_be_sent():
     with pytest.raises(TypeError, match="is not a declared task"):
         task_specs.spec_of(os.getcwd)
     with pytest.raises(TypeError, match="is not a declared task"):
-        task_specs.spec_of("fastelbo.harness.guard.tasks:import_only")
+        task_specs.spec_of("fastelbo.harness.guard.candidate_tasks:import_only")
     assert task_specs.spec_of(worker_tasks.fine) is task_specs.REGISTRY[("worker_tasks", "fine")]
 
 

@@ -172,7 +172,8 @@ def test_the_harness_rule_sees_lazy_and_string_imports():
     assert _string_imports("fastelbo.harness.check.check", source) == {"fastelbo.export",
                                                                  "fastelbo.model"}
     # The real strings it must see: the modules of the tasks a worker may run.
-    assert {"fastelbo.harness.guard.tasks", "fastelbo.harness.guard.bench_entry"} <= \
+    assert {"fastelbo.harness.guard.reference_tasks", "fastelbo.harness.guard.candidate_tasks",
+            "fastelbo.harness.guard.bench_entry"} <= \
         _string_imports("fastelbo.harness.task_specs")
 
 

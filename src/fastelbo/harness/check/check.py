@@ -134,7 +134,8 @@ def _prefork() -> bool:
         return False
     import torch  # noqa: F401
 
-    from ..guard import tasks  # noqa: F401  (what the workers run: loaded once, inherited)
+    # what the workers run: loaded once, inherited
+    from ..guard import candidate_tasks, reference_tasks  # noqa: F401
     return fork_safe()
 
 
@@ -166,7 +167,7 @@ class _Check:
         self.ref_w: Worker | None = None  # idle after its pass (device memory released)
         self.pkey = self.meta = None
         self.pairs: dict = {}   # (regime, trial) -> (reference trial, candidate trial, previous)
-        self.resident: dict = {}  # device-resident regime -> {entry, inputs} (tasks.py)
+        self.resident: dict = {}  # device-resident regime -> {entry, inputs} (reference_tasks.py)
 
     def _worker(self, role: str) -> Worker:
         confine = self.confine if role == "candidate" else None
@@ -245,7 +246,8 @@ class _Check:
             timeout=o.timeout)
 
     def _adopt(self, outcome) -> bool:
-        if not outcome.ok:  # starved (tasks._reference_regime says so), or it could not run
+        # starved (reference_tasks._reference_regime says so), or it could not run
+        if not outcome.ok:
             category = "reference_starved" if outcome.category == "reference_starved" \
                 else "reference"
             self.report.error(category, f"the reference could not run: {outcome.reason}",

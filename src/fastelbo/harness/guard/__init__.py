@@ -13,7 +13,9 @@ guard and the harness's core, never the parent's judging.
     handoff.py    files handed to and read from a worker's directory
     shared.py     CUDA IPC inputs copied into a pool of their own
     loader.py     the problem's and the candidate's modules, loaded in the worker
-    tasks.py      check's and compile's worker tasks (the reference, the candidate, the judging)
+    reference_tasks.py  check's reference worker: the reference pass, a resident regime's judging
+    candidate_tasks.py  check's and compile's candidate worker: the build, the check, the import
+    envelopes.py  the perturbed-reference envelope of a trial
     pool.py       bench's timed inputs, and which calls are judged
     timing.py     bench's timing loops
     gpu_metrics.py  bench's GPU measurements: a CUDA graph's replay, peak memory, kernels

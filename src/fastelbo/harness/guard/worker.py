@@ -193,10 +193,11 @@ def main(argv: list[str]) -> int:
     sandbox.enter(json.loads(os.environ.pop(CONFINE_ENV, "null")), _tmp)
     import torch  # the start-up cost a spare worker pays before it is taken
 
-    # The check's tasks, imported before the first one arrives; by their declared module's
-    # name (tasks imports this module's child-side helpers: no import cycle through here).
-    # Then any module of tasks of its own that the parent named (tests), declaring them here.
-    importlib.import_module(task_specs.TASKS)
+    # The check's tasks, imported before the first one arrives; by their declared modules'
+    # names (they import this module's helpers: no import cycle through here). Then any module
+    # of tasks of its own that the parent named (tests), declaring them here.
+    for module in task_specs.CHECK_MODULES:
+        importlib.import_module(module)
     for module in filter(None, os.environ.pop(task_specs.TASK_MODULES_ENV, "").split(",")):
         importlib.import_module(module)
     device = os.environ.get(WARM_DEVICE_ENV)
