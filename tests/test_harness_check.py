@@ -481,10 +481,10 @@ def test_every_corpus_report_is_strict_json_of_the_documented_schema(reports):
     # collects this module's gpu tests where the dev extra is not installed.
     import jsonschema
 
-    from fastelbo.harness.check import check as check_module
+    from fastelbo.harness.check import verdicts
     from fastelbo.harness.compare import PERTURB_RUNS as RUNS
     from fastelbo.harness.schema import CHECK_REPORT
-    assert check_module.PERTURB_RUNS == RUNS  # check.py holds its own copy (no torch import)
+    assert verdicts.PERTURB_RUNS == RUNS  # verdicts.py holds its own copy (no torch import)
     for name, report in reports.items():
         data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
         jsonschema.validate(data, CHECK_REPORT)
@@ -556,14 +556,14 @@ def test_inputs_the_candidates_directory_cannot_take_are_its_failure(monkeypatch
     out of the check, nor the reference's."""
     import errno
 
-    from fastelbo.harness.check import check
-    write_new = check.handoff.write_new
+    from fastelbo.harness.guard import handoff
+    write_new = handoff.write_new
 
     def full(directory, name, data=None, *, source=None):
-        if source is not None:  # the inputs handed to the candidate (_Check._hand)
+        if source is not None:  # the inputs handed to the candidate (verdicts.Verdicts._hand)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write_new(directory, name, data, source=source)
-    monkeypatch.setattr(check.handoff, "write_new", full)
+    monkeypatch.setattr(handoff, "write_new", full)
     report = run_check(TINY, CANDIDATES / "reference_as_candidate.py", trials=1,
                        batch_sizes=[], scales=())
     assert report.exit_code == 2 and report.categories == ["exception"], report.format()
