@@ -161,7 +161,7 @@ def test_a_perturbed_run_that_kills_the_device_says_which(monkeypatch):
     ref = model(*x).detach()  # call 0: the plain run
     with pytest.raises(envelopes.DeviceLost) as lost:
         envelopes.perturbed_envelope(model, x, 7, torch.device("cpu"), 4, "", (ref,),
-                        lost_at={"regime": "scale=16", "trial": 1})
+                                     lost_at={"regime": "scale=16", "trial": 1})
     assert lost.value.args[0] == {"regime": "scale=16", "trial": 1, "run": 1}
     assert model.calls == 3
 

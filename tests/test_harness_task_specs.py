@@ -33,7 +33,7 @@ def test_a_misspelt_argument_raises_in_the_parent_before_any_worker(monkeypatch)
                                         r"build_candidate: "
                                         r"missing a required argument: 'seed'$"):
         supervisor.run_task(task_specs.build_candidate, 60, candidate="x.py", problem="p.py",
-                        device="cpu")
+                            device="cpu")
 
 
 def test_a_started_worker_is_sent_nothing_when_the_arguments_do_not_bind():
