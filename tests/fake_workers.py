@@ -4,7 +4,7 @@ this process (monkeypatch check.Worker) or in a new one (a `python -c` that sets
 import sys
 from typing import ClassVar
 
-from fastelbo.harness.guard.worker import WorkerOutcome
+from fastelbo.harness.guard.supervisor import WorkerOutcome
 from fastelbo.harness.task_specs import spec_of
 
 

@@ -13,8 +13,8 @@ import torch
 from fastelbo.cli import main
 from fastelbo.harness.bench import bench, bench_rows
 from fastelbo.harness.guard import bench_entry
+from fastelbo.harness.guard.supervisor import WorkerOutcome
 from fastelbo.harness.guard.timing import quantiles
-from fastelbo.harness.guard.worker import WorkerOutcome
 from fastelbo.harness.results import git_commit
 
 HERE = Path(__file__).parent
@@ -511,7 +511,7 @@ def test_device_time_counts_each_kernel_once():
 
     from torch.autograd import DeviceType
 
-    from fastelbo.harness.guard.timing import device_totals
+    from fastelbo.harness.guard.gpu_metrics import device_totals
 
     def event(key, device, us, count=1):
         return SimpleNamespace(key=key, device_type=device, self_device_time_total=us,

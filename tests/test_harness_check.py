@@ -12,8 +12,9 @@ import torch
 import worker_tasks
 from fastelbo.cli import main
 from fastelbo.harness.check.check import run_check
-from fastelbo.harness.compare import PERTURB_RUNS, compare_outputs, degenerate, diff_tensors
+from fastelbo.harness.compare import PERTURB_RUNS, compare_outputs
 from fastelbo.harness.report import CheckReport, RegimeReport, TensorDiff, TrialReport
+from fastelbo.harness.tensor_diff import degenerate, diff_tensors
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"
@@ -175,18 +176,18 @@ def test_interrupt_kills_the_worker_group(monkeypatch):
     the terminal's SIGINT does not reach), then propagates."""
     import signal
 
-    from fastelbo.harness.guard import worker
+    from fastelbo.harness.guard import supervisor
 
     started = {}
-    real = worker._select
+    real = supervisor._select
 
     def interrupted(fds, wait):
         if "w" in started:
             raise KeyboardInterrupt
         return real(fds, wait)
 
-    monkeypatch.setattr(worker, "_select", interrupted)
-    w = worker.Worker(worker_tasks.ENV)
+    monkeypatch.setattr(supervisor, "_select", interrupted)
+    w = supervisor.Worker(worker_tasks.ENV)
     started["w"] = w
     with pytest.raises(KeyboardInterrupt):
         w.run(worker_tasks.sleep_in_a_child, {"seconds": 30}, timeout=60)
@@ -448,7 +449,7 @@ def test_unsupported_outputs_become_output_type_findings():
 @pytest.mark.parametrize("func, text", [("numpy_result", "could not be read back safely (it "),
                                         ("lambda_result", "could not be saved")])
 def test_worker_results_it_cannot_carry_are_errors_not_crashes(func, text):
-    from fastelbo.harness.guard.worker import run_task
+    from fastelbo.harness.guard.supervisor import run_task
     assert run_task(worker_tasks.fine, 60, env=worker_tasks.ENV).result == {"value": 1}
     outcome = run_task(getattr(worker_tasks, func), 60, env=worker_tasks.ENV)
     assert not outcome.ok and outcome.category == "exception"
@@ -480,10 +481,10 @@ def test_every_corpus_report_is_strict_json_of_the_documented_schema(reports):
     # collects this module's gpu tests where the dev extra is not installed.
     import jsonschema
 
-    from fastelbo.harness.check import check as check_module
+    from fastelbo.harness.check import verdicts
     from fastelbo.harness.compare import PERTURB_RUNS as RUNS
     from fastelbo.harness.schema import CHECK_REPORT
-    assert check_module.PERTURB_RUNS == RUNS  # check.py holds its own copy (no torch import)
+    assert verdicts.PERTURB_RUNS == RUNS  # verdicts.py holds its own copy (no torch import)
     for name, report in reports.items():
         data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
         jsonschema.validate(data, CHECK_REPORT)
@@ -496,7 +497,7 @@ def test_a_result_with_no_room_even_for_its_error_comes_back_over_the_channel():
     """A worker whose result, and then the error saying so, could not be written (its
     directory's file system full; torch.save refused here): the error comes back as a line on
     its channel, not as a crash with an empty log."""
-    from fastelbo.harness.guard.worker import run_task
+    from fastelbo.harness.guard.supervisor import run_task
     outcome = run_task(worker_tasks.no_room_for_a_result, 60, env=worker_tasks.ENV)
     assert not outcome.ok and outcome.category == "exception", outcome
     assert "result could not be saved" in outcome.reason, outcome.reason
@@ -508,13 +509,13 @@ def test_a_task_that_cannot_be_handed_over_is_an_outcome(monkeypatch):
     nothing raises into the caller (a check's thread)."""
     import errno
 
-    from fastelbo.harness.guard import worker
+    from fastelbo.harness.guard import supervisor
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    w = worker.Worker(worker_tasks.ENV)
+    w = supervisor.Worker(worker_tasks.ENV)
     try:
-        monkeypatch.setattr(worker.handoff, "write_new", full)
+        monkeypatch.setattr(supervisor.handoff, "write_new", full)
         outcome = w.run(worker_tasks.fine, {}, timeout=60)
     finally:
         w.close()
@@ -555,14 +556,14 @@ def test_inputs_the_candidates_directory_cannot_take_are_its_failure(monkeypatch
     out of the check, nor the reference's."""
     import errno
 
-    from fastelbo.harness.check import check
-    write_new = check.handoff.write_new
+    from fastelbo.harness.guard import handoff
+    write_new = handoff.write_new
 
     def full(directory, name, data=None, *, source=None):
-        if source is not None:  # the inputs handed to the candidate (_Check._hand)
+        if source is not None:  # the inputs handed to the candidate (verdicts.Verdicts._hand)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write_new(directory, name, data, source=source)
-    monkeypatch.setattr(check.handoff, "write_new", full)
+    monkeypatch.setattr(handoff, "write_new", full)
     report = run_check(TINY, CANDIDATES / "reference_as_candidate.py", trials=1,
                        batch_sizes=[], scales=())
     assert report.exit_code == 2 and report.categories == ["exception"], report.format()
@@ -664,7 +665,7 @@ def _doubling(tmp_path: Path) -> Path:
     return cand
 
 
-TORCH_FRAMES = '''  File "{harness}/tasks.py", line 422, in _candidate_trial
+TORCH_FRAMES = '''  File "{harness}/guard/candidate_tasks.py", line 422, in _candidate_trial
     raw = as_tuple(model(*x))
                    ^^^^^^^^^
   File "{torch}/nn/modules/module.py", line 1789, in _call_impl
@@ -702,10 +703,10 @@ def test_an_exception_is_shown_once_with_its_own_frames_and_regime_count():
     assert text.count("RuntimeError: launch failed") == 1, text
     assert "the candidate raised in 5 regime(s) (default, batch=1, batch=7, scale=4, " \
            "variant:binary)" in text, text
-    assert "module.py" not in text and "tasks.py" not in text and "^^^" not in text, text
+    assert "module.py" not in text and "candidate_tasks.py" not in text and "^^^" not in text, text
     assert text.count("raised RuntimeError (below)") == 5
     data = report.to_dict()
-    assert all("module.py" in t["findings"][0]["message"] and "tasks.py" in
+    assert all("module.py" in t["findings"][0]["message"] and "candidate_tasks.py" in
                t["findings"][0]["message"] for r in data["regimes"] for t in r["trials"])
 
 

@@ -1,6 +1,6 @@
-"""compare.diff_tensors in chunks: the same TensorDiff and findings as in one piece, and as the
-pre-chunking implementation (`_reference_diff_tensors`, kept here as the spec: verbatim but for
-max_rel's elements, |ref| > atol since issue #37)."""
+"""tensor_diff.diff_tensors in chunks: the same TensorDiff and findings as in one piece, and as
+the pre-chunking implementation (`_reference_diff_tensors`, kept here as the spec: verbatim but
+for max_rel's elements, |ref| > atol since issue #37)."""
 from __future__ import annotations
 
 import math
@@ -8,15 +8,9 @@ import math
 import pytest
 import torch
 
-from fastelbo.harness import compare
-from fastelbo.harness.compare import (
-    Finding,
-    TensorDiff,
-    _fmt_index,
-    degenerate,
-    diff_tensors,
-    envelope_accepts,
-)
+from fastelbo.harness import tensor_diff
+from fastelbo.harness.report import Finding, TensorDiff
+from fastelbo.harness.tensor_diff import _fmt_index, degenerate, diff_tensors, envelope_accepts
 
 INF, NAN = float("inf"), float("nan")
 ATOL, RTOL = 1e-4, 1e-4
@@ -145,7 +139,7 @@ def _key(result):
 
 
 def _both(monkeypatch, chunk, *args, **kwargs):
-    monkeypatch.setattr(compare, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(tensor_diff, "CHUNK_ELEMENTS", chunk)
     return diff_tensors(*args, **kwargs)
 
 
@@ -263,7 +257,7 @@ def test_envelope_accepts_equals_the_stacked_version(seed):
 
 @pytest.mark.parametrize("chunk", [1, 3, 1 << 62])
 def test_degenerate_in_blocks_of_rows(monkeypatch, chunk):
-    monkeypatch.setattr(compare, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(tensor_diff, "CHUNK_ELEMENTS", chunk)
     ref = torch.linspace(-1, 1, 24).reshape(8, 3)
     zeros, rows = torch.zeros(8, 3), ref[:1].expand(8, 3).clone()
     assert [f.category for f in degenerate(ref, zeros, 0)] == ["zero_output"]
@@ -279,9 +273,9 @@ def test_degenerate_in_blocks_of_rows(monkeypatch, chunk):
     other = near.clone()
     other[5, 1] = NAN
     near[5, 1] = NAN
-    assert compare._close(near, other, 0.0, 0.0)
+    assert tensor_diff._close(near, other, 0.0, 0.0)
     other[6, 0] += 1e-3
-    assert not compare._close(near, other, 1e-4, 0.0)
+    assert not tensor_diff._close(near, other, 1e-4, 0.0)
     assert degenerate(torch.tensor(0.5), torch.tensor(0.0), 0) == [
         Finding("zero_output", "output 0 is all zeros; the reference's is not")]
 
@@ -333,7 +327,7 @@ def test_complex_nonfinite_positions_in_either_part(monkeypatch):
                                                                     "output 3: +inf"]
     assert "first [3]: candidate 1+0j, reference 1+nanj" in findings[0].message
     with pytest.raises(TypeError, match="imaginary part"):
-        compare._parts(ref, "cpu", False)
+        tensor_diff._parts(ref, "cpu", False)
 
 
 def test_complex_envelope_and_degenerate():
@@ -375,10 +369,10 @@ def test_integer_outputs_are_compared_exactly(monkeypatch):
 @pytest.mark.parametrize("shape,seed", [((2, 9, 17), 0), ((64,), 1), ((5, 11), 2)])
 def test_on_cuda_equals_the_cpu_spec(monkeypatch, shape, seed):
     """ref and got on the GPU (a device-resident regime's judge), the envelope's runs and the
-    fragile mask on the host (tasks._envelope brings them there): the CPU spec's verdict."""
+    fragile mask on the host (envelopes.envelope brings them there): the CPU spec's verdict."""
     ref, got, runs, fragile = _planted(shape, seed)
     want = _reference_diff_tensors(ref, got, ATOL, RTOL, 3, runs, fragile)
     for chunk in (7, 1 << 62):
-        monkeypatch.setattr(compare, "CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(tensor_diff, "CHUNK_ELEMENTS", chunk)
         result = diff_tensors(ref.cuda(), got.cuda(), ATOL, RTOL, 3, runs, fragile)
         assert _key(result) == _key(want), chunk

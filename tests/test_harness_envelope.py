@@ -11,7 +11,7 @@ import fastelbo
 from fastelbo.backends import torch_ref
 from fastelbo.harness.check.check import run_check
 from fastelbo.harness.compare import PERTURB_RUNS, assert_outputs_match, compare_outputs, perturbed
-from fastelbo.harness.guard import tasks
+from fastelbo.harness.guard import envelopes, loader
 from fastelbo.params import VAEParams
 
 
@@ -99,13 +99,14 @@ def test_reference_envelope_is_deterministic_and_restores_parameters():
     weights = [p.detach().clone() for p in model.parameters()]
     x = [torch.randn(5, 4)]
     ref = model(*x).detach()
-    (lo, hi), fragile = tasks._envelope(model, x, 7, torch.device("cpu"), 4, "", (ref,))
+    (lo, hi), fragile = envelopes.perturbed_envelope(model, x, 7, torch.device("cpu"), 4, "",
+                                                     (ref,))
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     assert not bool(fragile[0].any())  # finite everywhere, in every run
     assert bool((lo[0] <= hi[0]).all() and (lo[0] < hi[0]).any())  # perturbed, ...
     for bound in (lo[0], hi[0]):  # ...by rounding-level amounts only: 2**-18 of |w|*|x|
         torch.testing.assert_close(bound, ref, rtol=0, atol=5e-5)  # summed over 4 terms
-    (lo2, hi2), _ = tasks._envelope(model, x, 7, torch.device("cpu"), 4)
+    (lo2, hi2), _ = envelopes.perturbed_envelope(model, x, 7, torch.device("cpu"), 4)
     assert torch.equal(lo2[0], lo[0]) and torch.equal(hi2[0], hi[0])
 
 
@@ -121,13 +122,14 @@ class _Refuses(torch.nn.Linear):
         self.calls += 1
         if self.calls - 1 in self.refuse:
             if self.kill:
-                tasks.loader.usable = lambda device: False
+                loader.usable = lambda device: False
             raise RuntimeError("all elements of input should be between 0 and 1 (stand-in)")
         return super().forward(x)
 
 
 def _bounds(model, x, ref, **kw):
-    (lo, hi), _ = tasks._envelope(model, x, 7, torch.device("cpu"), 4, "", (ref,), **kw)
+    (lo, hi), _ = envelopes.perturbed_envelope(model, x, 7, torch.device("cpu"), 4, "", (ref,),
+                                               **kw)
     return lo[0], hi[0]
 
 
@@ -135,7 +137,7 @@ def test_a_perturbed_run_that_raises_is_left_out(monkeypatch):
     """The reference refusing its own perturbed forward: that run is left out (the envelope of
     the others, as if it had been skipped), never a wider one; with every run refused, the
     envelope is the plain outputs."""
-    monkeypatch.setattr(tasks.loader, "usable", lambda device: True)
+    monkeypatch.setattr(loader, "usable", lambda device: True)
     torch.manual_seed(0)
     x = [torch.randn(5, 4)]
     model = _Refuses(refuse={1})
@@ -153,13 +155,13 @@ def test_a_perturbed_run_that_kills_the_device_says_which(monkeypatch):
     """A refusal that leaves the device unusable ends the envelope with DeviceLost naming the
     run (the check then reruns the trial in a fresh worker, skipping it), and nothing more is
     asked of the dead device (no parameter restore)."""
-    monkeypatch.setattr(tasks.loader, "usable", lambda device: True)
+    monkeypatch.setattr(loader, "usable", lambda device: True)
     x = [torch.randn(5, 4)]
     model = _Refuses(refuse={2}, kill=True)
     ref = model(*x).detach()  # call 0: the plain run
-    with pytest.raises(tasks.DeviceLost) as lost:
-        tasks._envelope(model, x, 7, torch.device("cpu"), 4, "", (ref,),
-                        lost_at={"regime": "scale=16", "trial": 1})
+    with pytest.raises(envelopes.DeviceLost) as lost:
+        envelopes.perturbed_envelope(model, x, 7, torch.device("cpu"), 4, "", (ref,),
+                                     lost_at={"regime": "scale=16", "trial": 1})
     assert lost.value.args[0] == {"regime": "scale=16", "trial": 1, "run": 1}
     assert model.calls == 3
 
@@ -183,7 +185,7 @@ def test_envelope_marks_elements_whose_finiteness_is_fragile():
     edge = float(torch.log(torch.tensor(torch.finfo(torch.float32).max)))  # ~88.72
     x = [torch.tensor([1.0, edge, 200.0])]
     ref = model(*x)[0].detach()
-    _, fragile = tasks._envelope(model, x, 3, torch.device("cpu"), 16, "", (ref,))
+    _, fragile = envelopes.perturbed_envelope(model, x, 3, torch.device("cpu"), 16, "", (ref,))
     assert fragile[0].tolist() == [False, True, False]  # 200 overflows in every run
 
 
@@ -264,7 +266,7 @@ def test_an_envelopes_forwards_on_a_cpu_run_on_one_thread():
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        tasks._envelope(Counting(), [torch.ones(3)], 7, torch.device("cpu"), 4)
-        assert seen == [tasks.ENVELOPE_THREADS] * 4 and torch.get_num_threads() == 2
+        envelopes.perturbed_envelope(Counting(), [torch.ones(3)], 7, torch.device("cpu"), 4)
+        assert seen == [envelopes.ENVELOPE_THREADS] * 4 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

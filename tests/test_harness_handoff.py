@@ -90,14 +90,14 @@ def test_a_forged_error_result_is_read_as_bounded_text(tmp_path):
     report, the reason in its message)."""
     import torch
 
-    from fastelbo.harness.guard import worker
+    from fastelbo.harness.guard import supervisor
     huge = torch.zeros(1, dtype=torch.int64).expand(10 ** 12)
     for error, category, want in ((huge, ["x"] * 10, ("exception", "a malformed error")),
                                   ("e" * 10 ** 6, "c" * 10 ** 4, ("c" * 40, "e" * 16000))):
         path = tmp_path / "result.pt"
         torch.save({"worker_error": error, "category": category}, path)
-        outcome = worker.WorkerOutcome(result=None)
-        worker._read_result(outcome, path, tmp_path)
+        outcome = supervisor.WorkerOutcome(result=None)
+        supervisor._read_result(outcome, path, tmp_path)
         assert (outcome.category, outcome.reason) == want
 
 
@@ -121,7 +121,7 @@ def test_a_result_is_read_once_and_only_as_stored(tmp_path):
     by 1 GiB from 256 KB)."""
     import zipfile
 
-    from fastelbo.harness.guard.worker import _load
+    from fastelbo.harness.guard.supervisor import _load
     plain, bomb, text = tmp_path / "partial1.pt", tmp_path / "bomb.pt", tmp_path / "text.pt"
     _archive(plain, zipfile.ZIP_STORED)
     _archive(bomb, zipfile.ZIP_DEFLATED)

@@ -1,5 +1,6 @@
 """judge.record_problem: a record the candidate's worker hands over is checked against what
-tasks.check_candidate writes, by types and sizes only, before the check's process reads it."""
+candidate_tasks.check_candidate writes, by types and sizes only, before the check's process
+reads it."""
 from __future__ import annotations
 
 import time

@@ -12,7 +12,7 @@ import pytest
 import worker_tasks
 from fastelbo.harness.check import check
 from fastelbo.harness.check.check import run_check
-from fastelbo.harness.guard import worker
+from fastelbo.harness.guard import supervisor, worker
 
 HERE = Path(__file__).parent
 TINY = HERE / "problems" / "tiny_vae.py"
@@ -140,7 +140,7 @@ def test_a_crash_after_a_wrong_regime_keeps_exit_1(reports):
 
 
 def test_pool_hands_out_started_workers_and_starts_their_replacements():
-    pool = worker.WorkerPool(spares=1)
+    pool = supervisor.WorkerPool(spares=1)
     try:
         spare = pool._idle[0]
         good = run_check(TINY, CANDIDATES / "reference_as_candidate.py", trials=1,
@@ -166,7 +166,7 @@ def test_build_machinery_is_recognised_from_the_stack():
 
 
 def test_a_worker_that_dies_mid_task_is_a_crash_with_its_step():
-    w = worker.Worker(worker_tasks.ENV)
+    w = supervisor.Worker(worker_tasks.ENV)
     try:
         out = w.run(worker_tasks.exit_now, {"status": 3}, timeout=120)
     finally:

@@ -1,10 +1,11 @@
 """Device-resident regimes: the reference's worker keeps the trial tensors and judges there.
 
-On the GPU a regime goes resident when its trial tensors are large (tasks.RESIDENT_BYTES); here
-FASTELBO_RESIDENT_BYTES=0 makes every regime resident on the CPU (the tensors then travel as
-memory-mapped files instead of CUDA IPC handles), so the whole protocol runs in CI: inputs shared
-with the candidate, outputs shared back, judged by the reference's worker while the candidate
-runs on, envelopes computed there. Its verdicts must be the ones of the ordinary path.
+On the GPU a regime goes resident when its trial tensors are large
+(reference_tasks.RESIDENT_BYTES); here FASTELBO_RESIDENT_BYTES=0 makes every regime resident on
+the CPU (the tensors then travel as memory-mapped files instead of CUDA IPC handles), so the
+whole protocol runs in CI: inputs shared with the candidate, outputs shared back, judged by the
+reference's worker while the candidate runs on, envelopes computed there. Its verdicts must be
+the ones of the ordinary path.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from fastelbo.harness.check import check
 from fastelbo.harness.check.check import run_check
 from fastelbo.harness.compare import PERTURB_RUNS
 from fastelbo.harness.guard import shared
-from fastelbo.harness.guard.tasks import RESIDENT_ENV
-from fastelbo.harness.guard.worker import WorkerOutcome
+from fastelbo.harness.guard.reference_tasks import RESIDENT_ENV
+from fastelbo.harness.guard.supervisor import WorkerOutcome
 from fastelbo.harness.task_specs import judge_pass
 
 HERE = Path(__file__).parent

@@ -6,7 +6,8 @@ from fastelbo.harness.agents import summary
 
 CAND = "/s/ab12/candidate.py"
 TRACEBACK = (f"the candidate raised in regime default, trial 0:\n"
-             f'  File "/src/fastelbo/harness/guard/tasks.py", line 377, in _candidate_trial\n'
+             f'  File "/src/fastelbo/harness/guard/candidate_tasks.py", line 377, '
+             f'in _candidate_trial\n'
              f"    raw = as_tuple(model(*x))\n"
              f'  File "{CAND}", line 9, in forward\n'
              f"    raise RuntimeError(\"bad launch\")\nRuntimeError: bad launch")

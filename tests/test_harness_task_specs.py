@@ -13,7 +13,7 @@ import pytest
 
 import worker_tasks
 from fastelbo.harness import task_specs
-from fastelbo.harness.guard import worker
+from fastelbo.harness.guard import supervisor
 from fastelbo.harness.task_specs import Task, implements
 
 
@@ -23,22 +23,24 @@ class NoWorker:
 
 
 def test_a_misspelt_argument_raises_in_the_parent_before_any_worker(monkeypatch):
-    monkeypatch.setattr(worker, "Worker", NoWorker)
-    with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.guard\.tasks\.import_only: "
+    monkeypatch.setattr(supervisor, "Worker", NoWorker)
+    with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.guard\.candidate_tasks\."
+                                        r"import_only: "
                                         r"got an unexpected keyword argument 'candidat' "
                                         r"\(it takes candidate, sha256\)$"):
-        worker.run_task(task_specs.import_only, 60, candidat="x.py")
-    with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.guard\.tasks\.build_candidate: "
+        supervisor.run_task(task_specs.import_only, 60, candidat="x.py")
+    with pytest.raises(TypeError, match=r"^task fastelbo\.harness\.guard\.candidate_tasks\."
+                                        r"build_candidate: "
                                         r"missing a required argument: 'seed'$"):
-        worker.run_task(task_specs.build_candidate, 60, candidate="x.py", problem="p.py",
-                        device="cpu")
+        supervisor.run_task(task_specs.build_candidate, 60, candidate="x.py", problem="p.py",
+                            device="cpu")
 
 
 def test_a_started_worker_is_sent_nothing_when_the_arguments_do_not_bind():
-    w = worker.Worker()
+    w = supervisor.Worker()
     try:
-        with pytest.raises(TypeError, match="task fastelbo.harness.guard.tasks.judge_pass: missing "
-                                            "a required argument: 'rtol'"):
+        with pytest.raises(TypeError, match="task fastelbo.harness.guard.reference_tasks."
+                                            "judge_pass: missing a required argument: 'rtol'"):
             w.run(task_specs.judge_pass, {"name": "default", "trials": [], "envelope": False,
                                           "atol": 1e-4}, timeout=60)
         assert w._tasks == 0 and not list(w.tmp.glob("task*")) and w.proc.poll() is None
@@ -50,7 +52,7 @@ def test_only_a_declared_task_or_its_function_can_be_sent():
     with pytest.raises(TypeError, match="is not a declared task"):
         task_specs.spec_of(os.getcwd)
     with pytest.raises(TypeError, match="is not a declared task"):
-        task_specs.spec_of("fastelbo.harness.guard.tasks:import_only")
+        task_specs.spec_of("fastelbo.harness.guard.candidate_tasks:import_only")
     assert task_specs.spec_of(worker_tasks.fine) is task_specs.REGISTRY[("worker_tasks", "fine")]
 
 
@@ -63,7 +65,7 @@ def test_the_worker_refuses_an_undeclared_task_and_imports_nothing_it_names(tmp_
         f"open({str(marker)!r}, 'w').close()\n\ndef run():\n    return {{}}\n")
     env = {**worker_tasks.ENV,
            "PYTHONPATH": os.pathsep.join([str(tmp_path), worker_tasks.ENV["PYTHONPATH"]])}
-    w = worker.Worker(env)
+    w = supervisor.Worker(env)
     try:
         planted = w.run(Task("planted", "run", inspect.Signature()), {}, timeout=120)
         exits = w.run(Task("os", "_exit", inspect.signature(os._exit)), {"status": 3},

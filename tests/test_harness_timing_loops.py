@@ -1,6 +1,7 @@
-"""bench's GPU timing loops (harness/guard/timing.py) run on the CPU with CUDA's timers, streams and
-graphs stood in for, so that what they keep for judging is checked where no GPU is: every kept
-call is replayed exactly by the reference (bench_reference), with its run's length."""
+"""bench's GPU timing loops (harness/guard/timing.py, gpu_metrics.py) run on the CPU with CUDA's
+timers, streams and graphs stood in for, so that what they keep for judging is checked where no
+GPU is: every kept call is replayed exactly by the reference (bench_reference), with its run's
+length."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastelbo.harness.guard import bench_entry, loader, timing
+from fastelbo.harness.guard import bench_entry, gpu_metrics, loader, timing
 from fastelbo.harness.guard import pool as pool_module
 
 TINY = str(Path(__file__).parent / "problems" / "tiny_vae.py")
@@ -77,10 +78,11 @@ class _Stream:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    monkeypatch.setattr(timing, "_Event", _Event)
-    monkeypatch.setattr(timing, "_record", _Event.record)
-    monkeypatch.setattr(timing, "_elapsed", _Event.elapsed_time)
-    monkeypatch.setattr(timing, "_sync_all", lambda *a: None)
+    for module in (timing, gpu_metrics):  # each binds the timers at import
+        monkeypatch.setattr(module, "_Event", _Event)
+        monkeypatch.setattr(module, "_record", _Event.record)
+        monkeypatch.setattr(module, "_elapsed", _Event.elapsed_time)
+        monkeypatch.setattr(module, "_sync_all", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
@@ -173,7 +175,7 @@ def test_the_wall_loop_judges_no_call_whose_outputs_a_later_one_overwrote(fake_c
 @torch.no_grad()
 def test_the_graph_keeps_runs_of_its_captured_forwards(fake_cuda):
     pool, model = _setup()
-    got = timing.graph_time(_Captured(model), pool, 5)
+    got = gpu_metrics.graph_time(_Captured(model), pool, 5)
     assert got["graph_error"] == "" and got["graph_forwards"] == 5 and got["graph_ms"] > 0
     runs = [run for run, _ in got["graph_check"]]
     assert [len(r) for r in runs] == [1, 2, 3, 4, 5] and len({*runs[-1]}) == 1
@@ -183,7 +185,7 @@ def test_the_graph_keeps_runs_of_its_captured_forwards(fake_cuda):
 @torch.no_grad()
 def test_escape_check_runs(fake_cuda):
     pool, model = _setup()
-    event, wall, _ = timing.escape_check(model, pool, 4)
+    event, wall, _ = gpu_metrics.escape_check(model, pool, 4)
     assert 0 < event <= wall  # the events' window lies inside the synchronised one
 
 

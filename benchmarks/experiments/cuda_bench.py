@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import fastelbo
 from fastelbo.backends import cuda as backend
-from fastelbo.harness.guard.timing import graph_time
+from fastelbo.harness.guard.gpu_metrics import graph_time
 from fastelbo.harness.results import git_commit
 from fastelbo.problems.vae_elbo import Model
 

@@ -1,7 +1,8 @@
 """A problem whose reference is refused memory at 16x parameters, as a GPU's caching allocator
 refuses an allocation (torch.OutOfMemoryError): on a CPU, a stand-in. What the device held
-outside the reference's worker is the harness's to measure (tasks._held_elsewhere: unknown on
-a CPU); problems/starved_reference.py stands in for a device whose memory others held."""
+outside the reference's worker is the harness's to measure (reference_tasks._held_elsewhere:
+unknown on a CPU); problems/starved_reference.py stands in for a device whose memory others
+held."""
 import torch
 from torch import nn
 

@@ -6,7 +6,7 @@ the reference's worker and answers the harness's reads of the device there."""
 import torch
 from torch import nn
 
-from fastelbo.harness.guard import tasks
+from fastelbo.harness.guard import reference_tasks
 
 _MiB, _GiB = 1 << 20, 1 << 30
 FREE = int(238.56 * _MiB)
@@ -15,8 +15,8 @@ HELD = int(79.18 * _GiB) - FREE - 2 * _MiB  # all but the free and the reference
 
 class Model(nn.Module):
     def forward(self, x):
-        tasks._free = lambda device: FREE
-        tasks._held_elsewhere = lambda device: HELD
+        reference_tasks._free = lambda device: FREE
+        reference_tasks._held_elsewhere = lambda device: HELD
         raise torch.OutOfMemoryError(
             "CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total capacity of "
             "79.18 GiB of which 238.56 MiB is free. (stand-in)")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fastelbo.harness.guard import tasks
+from fastelbo.harness.guard import reference_tasks
 
 _GiB = 1 << 30
 
@@ -18,8 +18,8 @@ class Model(nn.Module):
         mark = os.environ.get("FASTELBO_TEST_WAITED")
         if x.shape[0] >= 5 and mark and not Path(mark).exists():
             Path(mark).touch()
-            tasks._free = lambda device: _GiB // 2
-            tasks._held_elsewhere = lambda device: 139 * _GiB
+            reference_tasks._free = lambda device: _GiB // 2
+            reference_tasks._held_elsewhere = lambda device: 139 * _GiB
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.25 GiB. "
                                          "(stand-in)")
         return x * 2

@@ -1,13 +1,15 @@
 """One trial's verdict from the reference's and the candidate's outputs, wherever both are.
 
 For small problems the check's own process judges, on the CPU, what the workers sent back. For
-a large one (device-resident regimes, see tasks.py) the reference's worker judges on the device,
+a large one (device-resident regimes, see reference_tasks.py) the reference's worker judges on
+the device,
 with the candidate's outputs opened by reference (shared.py), and sends back only the verdicts:
 `trial_to_dict` / `trial_from_dict` carry a TrialReport across as plain data.
 
 What the candidate's worker hands over is the candidate's to forge (its own process), so
-`record_problem` checks each regime's record against what tasks.check_candidate writes before
-anything here iterates or formats it: a record of any other shape is wrong ("malformed").
+`record_problem` checks each regime's record against what candidate_tasks.check_candidate
+writes before anything here iterates or formats it: a record of any other shape is wrong
+("malformed").
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from .report import Finding, TensorDiff, TrialReport
 
 ENVELOPE_CATEGORIES = ("mismatch", "nonfinite")  # what the perturbed-reference envelope can excuse
 
-# Bounds on a candidate worker's record (tasks.check_candidate keeps within them): each string
-# is formatted into a finding or the report, each list item makes a finding.
+# Bounds on a candidate worker's record (candidate_tasks.check_candidate keeps within them):
+# each string is formatted into a finding or the report, each list item makes a finding.
 MAX_TAMPERED, TEXT_CHARS, ERROR_CHARS = 32, 500, 4000
 MAX_OUTPUTS = 4096     # outputs per trial, unless the reference's own are more
 RNG_BYTES = 1 << 16    # a generator's state: 5,056 bytes for the CPU's, 16 for a GPU's
@@ -79,7 +81,7 @@ def regime_of(record) -> str | None:
 
 
 def record_problem(record, ref_trials: list[dict], resident: bool) -> str | None:
-    """Why a regime's record from the candidate's worker is not one tasks.check_candidate
+    """Why a regime's record from the candidate's worker is not one candidate_tasks.check_candidate
     writes, or None. Its trials are checked against the reference's (`ref_trials`, each with
     the count of its inputs); `resident`: outputs are descriptions of shared tensors (opened by
     the reference's worker). Checks types and sizes only, touching no element: a list whose

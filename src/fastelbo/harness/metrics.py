@@ -12,7 +12,7 @@ class Metric(NamedTuple):
     key: str      # the row's key: ms per call
     column: str   # the table's header
     on: str       # where it is timed: "GPU" or "all"
-    loop: str     # guard/timing.py's function behind it
+    loop: str     # guard/timing.py's (or gpu_metrics.py's) function behind it
     answers: str
 
 

@@ -7,7 +7,7 @@ verdict" from a worker. The pipe carries the task's (module, name); the worker r
 `resolve` finds in REGISTRY, importing no module but a declared task's own: a message naming
 anything else is refused (candidates are adversarial; a message must not import what it likes).
 
-Specs, not the functions: naming a task must not import torch (tasks.py and bench.py do), and a
+Specs, not the functions: naming a task must not import torch (the tasks' modules do), and a
 new `fastelbo check` or `compile` names its tasks before it imports torch, if ever. Each
 implementation is marked `@implements(spec)`, which fails at its definition when its signature
 is not the spec's, so the two cannot drift apart. `task` declares a function as its own spec,
@@ -119,44 +119,46 @@ def resolve(module: str, name: str) -> Callable:
 
 # ---- The harness's tasks. Each docstring says what it is for; the implementation, the rest. ----
 
-TASKS = "fastelbo.harness.guard.tasks"
+REFERENCE = "fastelbo.harness.guard.reference_tasks"
+CANDIDATE = "fastelbo.harness.guard.candidate_tasks"
 BENCH = "fastelbo.harness.guard.bench_entry"
+CHECK_MODULES = (REFERENCE, CANDIDATE)  # a worker imports them at its start (worker.main)
 
 
-@declare(TASKS)
+@declare(REFERENCE)
 def reference_pass(problem: str, device: str, seed: int, eval_mode: bool, atol: float,
                    rtol: float, trials: int, root: str, batch_sizes: tuple[int, ...] | None,
                    scales: tuple[float, ...] | None, only: list[str] | None = None) -> dict:
     """The reference's outputs of every planned regime (or those in `only`), into `root`."""
 
 
-@declare(TASKS)
+@declare(CANDIDATE)
 def build_candidate(candidate: str, problem: str, device: str, seed: int,
                     sha256: str | None = None) -> dict:
     """Import the candidate (its bytes must hash to `sha256`, the ones the check read) and
     construct ModelNew once: the build phase of a check."""
 
 
-@declare(TASKS)
+@declare(CANDIDATE)
 def check_candidate(candidate: str, device: str, seed: int, eval_mode: bool, init_file: str,
                     regimes: list[dict], sha256: str | None = None) -> dict:
     """Replay each regime's inputs and seeds on ModelNew, each regime's result as it ends."""
 
 
-@declare(TASKS)
+@declare(REFERENCE)
 def judge_pass(name: str, trials: list[dict], envelope: bool, atol: float,
                rtol: float, outputs_dir: str) -> dict:
     """Judge a device-resident regime's trials where the reference's outputs are (outputs
     shared through files only from the candidate worker's directory `outputs_dir`)."""
 
 
-@declare(TASKS)
+@declare(REFERENCE)
 def envelope_pass(problem: str, device: str, seed: int, eval_mode: bool, init_file: str,
                   requests: list[dict], skip: dict[str, list[int]] | None = None) -> dict:
     """Write the perturbed-reference envelope of each requested trial."""
 
 
-@declare(TASKS)
+@declare(CANDIDATE)
 def import_only(candidate: str, sha256: str | None = None) -> dict:
     """Import the candidate (`fastelbo compile`; its bytes must hash to `sha256`) and list the
     extensions it loaded."""

@@ -49,7 +49,7 @@ except ModuleNotFoundError:  # mcp 1.x: its text is the structure's JSON
     CallToolResult = TextContent = None
 
 from ...problems import problem_path
-from ..guard import worker
+from ..guard import supervisor
 from ..options import BenchOptions, CheckOptions, OptionError
 from . import summary  # neither imports torch
 from .tool_results import BenchResult, CheckResult, CompileResult, SubmitResult
@@ -263,7 +263,7 @@ def build_server(lazy: LazySession) -> MCPServer:
 def _stop_workers_on_exit(lazy: LazySession) -> None:
     """Kill in-flight workers (and remove the session's files) however the server ends."""
     def cleanup() -> None:
-        worker.kill_all()
+        supervisor.kill_all()
         lazy.close()
 
     def on_signal(signum, frame) -> None:

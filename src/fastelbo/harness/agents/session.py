@@ -51,7 +51,7 @@ from ..check.compile import CompileReport, run_compile
 from ..files import BUILTIN_PREFIX, MAX_SOURCE_BYTES, too_large
 from ..guard import sandbox
 from ..guard.scan import python_text
-from ..guard.worker import STARTUP_TIMEOUT, WorkerPool
+from ..guard.supervisor import STARTUP_TIMEOUT, WorkerPool
 from ..options import BenchOptions, CheckOptions, unwritable_dir
 
 # A Python-level failure (SyntaxError, an import that raises) is reported by the loader as

@@ -27,9 +27,9 @@ BASELINES = ("eager", "torch.compile")
 BENCH_STATUS = {0: "ok", 1: "flagged", 2: "error"}
 METRICS = NAMES  # metrics.py's, the row's keys without "_ms"
 
-# compare.diff_tensors: "output I: N/M element(s) outside ...; first [..]: candidate G, reference
-# E; worst |diff| D at [..]"; a NaN/inf mismatch: "output I: NaN positions differ at N
-# element(s), first [..]: candidate G, reference E"
+# tensor_diff.diff_tensors: "output I: N/M element(s) outside ...; first [..]: candidate G,
+# reference E; worst |diff| D at [..]"; a NaN/inf mismatch: "output I: NaN positions differ at
+# N element(s), first [..]: candidate G, reference E"
 _MISMATCH = re.compile(r"output (?P<output>\d+): (?P<n_bad>\d+)/(?P<numel>\d+) element\(s\) "
                        r"outside [^;]*; first (?P<index>\[[^\]]*\]): candidate (?P<got>\S+), "
                        r"reference (?P<expected>\S+); worst \|diff\| \S+ at "

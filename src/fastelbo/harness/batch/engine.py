@@ -74,7 +74,7 @@ class LocalEngine:
     def abort(self) -> None:
         """Drop the queued jobs and kill the workers in flight (their jobs end as crashes,
         which the caller does not keep)."""
-        from ..guard.worker import kill_all
+        from ..guard.supervisor import kill_all
         self._aborted = True
         while True:
             try:
@@ -150,7 +150,7 @@ class DaskEngine:
         return [f"dask {addr}: {len(keys)} job(s)" for addr, keys in sorted(running.items())]
 
     def abort(self) -> None:
-        from ..guard.worker import kill_all
+        from ..guard.supervisor import kill_all
         self.client.cancel(list(self._futures))
         self._futures.clear()
         self.client.run(kill_all)

@@ -32,8 +32,8 @@ from ... import plugin
 from .. import task_specs as specs
 from ..guard import loader, sandbox
 from ..guard.scan import scan_rows
+from ..guard.supervisor import run_task
 from ..guard.timing import loop_marks
-from ..guard.worker import run_task
 from ..judge import MAX_TAMPERED, texts
 from ..options import BenchOptions
 from ..results import append_jsonl, environment, utc_now
@@ -325,7 +325,7 @@ def _references(rows: list[dict], problem: str, device: str, seed: int, o: Bench
 def _parent_clock(rows: list[dict], steps: list) -> None:
     """Each timed row's `clock_parent_s`: this process's clock from the first line its worker
     sent as the row's timed loops began to the last it sent as they ended (timing.loop_marks;
-    worker.WorkerOutcome.steps): a line the candidate forged can only lengthen it. None where
+    supervisor.WorkerOutcome.steps): a line the candidate forged can only lengthen it. None where
     either line never came."""
     for r in rows:
         if type(r) is not dict or "clock_s" not in r:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..files import candidate_path, read_source
 from ..guard import sandbox
-from ..guard.worker import Worker, WorkerPool
+from ..guard.supervisor import Worker, WorkerPool
 from ..task_specs import import_only
 
 # nvcc: "/x/cuda.cu(12): error: ..."; gcc/clang: "/x/main.cpp:12:5: error: ..."

@@ -15,8 +15,9 @@ from ..judge import capped
 from ..placement import placement
 from ..task_specs import implements
 from . import loader
+from .gpu_metrics import kernel_times
 from .pool import Pool, forward_seed, sample, seed_all, use_secret
-from .timing import Budget, kernel_times, measure
+from .timing import Budget, measure
 from .worker import TaskError, progress, traceback_tail
 
 EAGER, COMPILED = "eager", "torch.compile"  # the baselines' entry kinds (and row labels)
@@ -130,7 +131,7 @@ def _profiled(dev: torch.device) -> bool:
 
 
 def _profile_kernels(model, mod, seed: int, dev: torch.device, quick: bool, timed) -> None:
-    """Each timed row's `kernels` (timing.kernel_times), on a pool drawn again, once every size
+    """Each timed row's `kernels` (gpu_metrics.kernel_times), on a pool drawn again, once every size
     is timed: a torch.profiler session leaves CUPTI attached to the process (Kineto finalizes
     it only under TEARDOWN_CUPTI=1), and every launch after it pays for that (pytorch/pytorch
     issue 144455). The lead it follows (PERF.md; not yet timed again on a GPU): on the H200,

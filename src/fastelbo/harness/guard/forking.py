@@ -1,4 +1,4 @@
-"""A worker forked from the caller (worker.Worker's `fork`): the child never comes back.
+"""A worker forked from the caller (supervisor.Worker's `fork`): the child never comes back.
 
 A fork copies the caller's whole stack into the child. Whatever raises in the child must end
 there: until 2026-12-07 an error print into the worker's log (on a disk a candidate had filled)

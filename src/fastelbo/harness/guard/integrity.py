@@ -93,9 +93,11 @@ _READ_BY_THE_GUARD = {("threading", "_profile_hook"), ("threading", "_trace_hook
 # Each Python function among them, and each method of their own classes, keeps its code,
 # defaults and closure (a function's __code__ swapped keeps its identity). Not the names their
 # own code rebinds (`global`; tests/test_harness_integrity.py holds this list to the source).
-_HARNESS = ("guard.loader", "compare", "guard.worker", "guard.timing", "guard.pool",
-            "guard.integrity", "guard.tasks", "guard.handoff", "guard.orphans", "guard.shared",
-            "guard.watch", "guard.bench_entry")  # under fastelbo.harness
+_HARNESS = ("guard.loader", "compare", "tensor_diff", "guard.worker", "guard.supervisor",
+            "guard.timing", "guard.gpu_metrics", "guard.pool", "guard.integrity",
+            "guard.reference_tasks", "guard.candidate_tasks", "guard.envelopes", "guard.handoff",
+            "guard.orphans", "guard.shared", "guard.watch",
+            "guard.bench_entry")  # under fastelbo.harness
 _OWN_STATE = {"fastelbo.harness.guard.worker": {"_emitted", "_channel", "_tmp"},
               "fastelbo.harness.guard.orphans": {"_adopts", "_open", "_set_by_us"},
               "problem": {"batch_size"}}  # loader.batch_size_set sets and restores it

@@ -1,4 +1,5 @@
-"""Find and import problems and candidates, build models with identical weights, draw inputs.
+"""Find and import problems and candidates, build models with identical weights, draw inputs,
+and move a module, its state and its inputs between a regime's forwards.
 
 These helpers run inside workers: they execute problem and candidate code.
 """
@@ -124,6 +125,25 @@ def scale_parameters(model: torch.nn.Module, factor: float) -> None:
                 p.mul_(factor)
 
 
+def prepare(model: torch.nn.Module, scale: float, dev: torch.device, eval_mode: bool):
+    """`model` scaled by `scale` (scale_parameters), moved to `dev`, in eval mode where
+    `eval_mode` asks."""
+    scale_parameters(model, scale)
+    model = model.to(dev)
+    return model.eval() if eval_mode else model  # else as constructed: KernelBench's mode
+
+
+def buffers(model: torch.nn.Module) -> dict:
+    """Copies of the module's buffers (restore_buffers puts them back)."""
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def restore_buffers(model: torch.nn.Module, state: dict) -> None:
+    for n, b in model.named_buffers():
+        if n in state:
+            b.copy_(state[n])
+
+
 @contextlib.contextmanager
 def batch_size_set(mod: ModuleType, n: int | None):
     """KernelBench problems read a module-level `batch_size` in get_inputs(); override it."""
@@ -151,6 +171,12 @@ def draw_inputs(mod: ModuleType, seed: int, batch_size: int | None = None,
 
 def to_device(values: list, device: torch.device) -> list:
     return [t.to(device) if isinstance(t, torch.Tensor) else t for t in values]
+
+
+def copies(values: list) -> list:
+    """Fresh copies of the inputs: on the CPU `.to(device)` returns the very tensor, and a
+    forward that writes into its inputs must not change what the next forward sees."""
+    return [t.clone() if isinstance(t, torch.Tensor) else t for t in values]
 
 
 def to_host(out, *, keep_device: bool = False, strict: bool = False) -> tuple:
@@ -185,6 +211,14 @@ def nbytes(values) -> int:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def device_name(dev: torch.device) -> str:
+    """The device's name: the GPU's model, or the CPU's (the reference cache keys on it)."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    from ..results import cpu_name
+    return cpu_name()
 
 
 def usable(dev: torch.device) -> bool:

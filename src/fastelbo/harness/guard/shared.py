@@ -1,8 +1,8 @@
 """Hand a tensor to another worker by reference, not through the check's own process.
 
-A large problem's trial tensors (GBs each: KernelBench's level1/19_ReLU has a 6.4 GB input)
-cost seconds per copy through files and the host (a pageable device-to-host copy of 6.4 GB
-took 4.1 s on the H200's host, torch.save 5.8 s). So in a device-resident regime (tasks.py) they
+A large problem's trial tensors (GBs each: KernelBench's level1/19_ReLU has a 6.4 GB input) cost
+seconds per copy through files and the host (a pageable device-to-host copy of 6.4 GB took 4.1 s
+on the H200's host, torch.save 5.8 s). So in a device-resident regime (reference_tasks.py) they
 stay on the device: a worker `share`s a tensor as a plain description, and the other opens it
 with `open_copy`, which returns its own copy. On CUDA the description is the storage's IPC
 handle (torch's UntypedStorage._share_cuda_, as torch.multiprocessing uses it), and the copy
