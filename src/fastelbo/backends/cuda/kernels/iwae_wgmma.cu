@@ -44,6 +44,7 @@
 #include "elbo.h"
 #include "elbo_math.cuh"
 #include "philox.cuh"
+#include "wgmma.cuh"
 
 namespace fastelbo {
 namespace {
@@ -78,27 +79,10 @@ struct Smem {  // every box a multiple of 1024 bytes (8-row swizzle atoms), 1024
 constexpr int kSmemFixed = sizeof(Smem) + 1024;  // + alignment slack
 extern __shared__ __align__(16) float iw_smem[];
 
-__device__ __forceinline__ uint64_t desc_sw128(const float* p) {
-  const uint64_t addr = smem_addr(p);
-  return ((addr & 0x3FFFFull) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
+// desc_sw128, wgmma_fence / commit and fence_regs: wgmma.cuh; mbar_arrive: cluster.cuh.
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-template <int R>
-__device__ __forceinline__ void fence_regs(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 // The consumers' own barrier (the producer warpgroup has left): named barrier 1, 256 threads.
 __device__ __forceinline__ void consumers_sync() {
