@@ -39,13 +39,16 @@ from ...params import VAEParams
 from ..fused_iwae import check_fused_call, fused_finish, fused_inputs, fused_splits
 from . import build, launch, status
 
-# Why the kernel cannot take some dims (elbo.h ElboStatus, as iwae_plan returns it).
+# Why a kernel cannot take some dims (elbo.h ElboStatus, as its plan entry returns it).
 _STATUS = {1: "its shared memory cannot hold the hidden layer of a 64-sample tile",
            3: "it needs compute capability 9.0+"}
+_WGMMA_STATUS = {1: "it takes latent_dim <= 32 and hidden_dim <= 256, and its shared memory "
+                    "must hold the tile", 3: "it needs compute capability 9.0 (sm_90a)"}
 
 
-def plan(device: torch.device, dims: tuple[int, int, int]) -> tuple[int, str | None]:
-    """(samples per tile, None) where the kernel applies to these dims on `device`,
+def _plan(entry, what: str, reasons: dict, device: torch.device,
+          dims: tuple[int, int, int]) -> tuple[int, str | None]:
+    """(samples per tile, None) where `entry` (a launch.*_plan) takes these dims on `device`,
     else (0, why)."""
     device = torch.device(device)
     why = build.unavailable_reason(device)
@@ -53,11 +56,16 @@ def plan(device: torch.device, dims: tuple[int, int, int]) -> tuple[int, str | N
         return 0, why
     d, h, lat = dims
     index = device.index if device.index is not None else torch.cuda.current_device()
-    tile, _, status = launch.iwae_plan(build.extension(), device=index, dims=(d, h, lat))
+    tile, _, status = entry(build.extension(), device=index, dims=(d, h, lat))
     if status:
-        return 0, (f"the cuda iwae kernel does not take input_dim={d} hidden_dim={h} "
-                   f"latent_dim={lat}: {_STATUS.get(status, f'status {status}')}")
+        return 0, (f"the cuda {what} does not take input_dim={d} hidden_dim={h} "
+                   f"latent_dim={lat}: {reasons.get(status, f'status {status}')}")
     return tile, None
+
+
+def plan(device: torch.device, dims: tuple[int, int, int]) -> tuple[int, str | None]:
+    """The mma kernel's plan (iwae.cu): (samples per tile, None) where it applies, else (0, why)."""
+    return _plan(launch.iwae_plan, "iwae kernel", _STATUS, device, dims)
 
 
 KERNELS = ("mma", "wgmma")
@@ -66,19 +74,7 @@ WGMMA_FLAG = "FASTELBO_IWAE_WGMMA"
 
 def wgmma_plan(device: torch.device, dims: tuple[int, int, int]) -> tuple[int, str | None]:
     """plan for the wgmma kernel (iwae_wgmma.cu): (128, None) where it applies, else (0, why)."""
-    device = torch.device(device)
-    why = build.unavailable_reason(device)
-    if why is not None:
-        return 0, why
-    d, h, lat = dims
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    tile, _, status = launch.iwae_wgmma_plan(build.extension(), device=index, dims=(d, h, lat))
-    if status:
-        reason = {1: "it takes latent_dim <= 32 and hidden_dim <= 256, and its shared memory "
-                     "must hold the tile", 3: "it needs compute capability 9.0 (sm_90a)"}
-        return 0, (f"the cuda iwae wgmma kernel does not take input_dim={d} hidden_dim={h} "
-                   f"latent_dim={lat}: {reason.get(status, f'status {status}')}")
-    return tile, None
+    return _plan(launch.iwae_wgmma_plan, "iwae wgmma kernel", _WGMMA_STATUS, device, dims)
 
 
 def choose_kernel(kernel: str | None, device: torch.device,
